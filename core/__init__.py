@@ -1,0 +1,1 @@
+"""Torch-free logic shared by the leader and the fellows."""

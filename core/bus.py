@@ -1,0 +1,75 @@
+"""NATS connection, JetStream streams, and the publish helpers every side uses."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+import nats
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import PubAck, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError
+
+from events.base import Event, encode
+from events.subjects import STREAMS, StreamSpec, event
+
+log = logging.getLogger(__name__)
+
+
+class BusUnavailable(RuntimeError):
+    """NATS could not be reached; the message names the URL."""
+
+
+async def connect(url: str, name: str, timeout: float = 5.0, **options) -> Client:
+    """Connect to one or more comma-separated NATS URLs, failing fast with a clear error."""
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    errors: list[str] = []
+
+    async def _err(e: Exception) -> None:
+        errors.append(str(e) or type(e).__name__)
+
+    opts = dict(
+        name=name, connect_timeout=min(timeout, 2.0), allow_reconnect=True,
+        max_reconnect_attempts=-1, reconnect_time_wait=0.5, error_cb=_err,
+    )
+    opts.update(options)
+    try:
+        return await asyncio.wait_for(nats.connect(servers, **opts), timeout)
+    except (asyncio.TimeoutError, OSError, nats.errors.NoServersError) as exc:
+        raise BusUnavailable(f"cannot reach NATS at {url}: {errors[-1] if errors else exc or type(exc).__name__}") from None
+
+
+def stream_config(spec: StreamSpec) -> StreamConfig:
+    return StreamConfig(
+        name=spec.name,
+        subjects=list(spec.subjects),
+        retention=RetentionPolicy.WORK_QUEUE if spec.retention == "workqueue" else RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_age=spec.max_age_s or None,
+        max_msgs_per_subject=spec.max_msgs_per_subject,
+        duplicate_window=spec.duplicate_window_s,
+    )
+
+
+async def ensure_streams(js: JetStreamContext) -> None:
+    """Create every stream, or bring an existing one to the declared configuration."""
+    for spec in STREAMS:
+        cfg = stream_config(spec)
+        try:
+            await js.add_stream(cfg)
+        except BadRequestError:
+            await js.update_stream(cfg)
+
+
+async def publish_event(js: JetStreamContext, evt: Event, timeout: float = 5.0) -> PubAck:
+    """Publish an event on ``swarm.evt.<type>`` with its id as Nats-Msg-Id (retries dedupe)."""
+    return await js.publish(
+        event(evt.type), encode(evt), timeout=timeout, headers={"Nats-Msg-Id": evt.id},
+    )
+
+
+async def publish_struct(js: JetStreamContext, subject: str, msg: msgspec.Struct, msg_id: str,
+                         timeout: float = 5.0) -> PubAck:
+    return await js.publish(subject, encode(msg), timeout=timeout, headers={"Nats-Msg-Id": msg_id})

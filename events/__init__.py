@@ -1,0 +1,1 @@
+"""Contracts between leader and fellows: every message, subject and stream, declared once."""

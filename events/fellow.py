@@ -1,0 +1,69 @@
+"""Fellow presence: heartbeats (SWARM_HEARTBEATS) and the joined/lost events the leader derives."""
+
+from __future__ import annotations
+
+import msgspec
+
+from events.base import Event, now
+
+
+class Gpu(msgspec.Struct, frozen=True, kw_only=True):
+    index: int
+    name: str
+    total_bytes: int
+    free_bytes: int
+    compute_capability: str = ""
+
+
+class LoadedModel(msgspec.Struct, frozen=True, kw_only=True):
+    """One stage a fellow serves, with the spec's per-model metrics."""
+
+    load_id: str
+    model_id: str
+    stage: int = 0
+    pid: int = 0
+    state: str = "loading"  # loading | ready | failed
+    tokens_per_s: float = 0.0
+    last_ttft_s: float | None = None
+    requests: int = 0
+    idle_s: float = 0.0
+    vram_bytes: int = 0
+    in_flight: int = 0
+    kv_tokens: int = 0
+    kv_tokens_planned: int = 0
+
+
+class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
+    """What a fellow publishes every `interval_s` on ``swarm.hb.<fellow>``.
+
+    A CPU-only fellow reports no GPUs and its free system memory in `memory_*`.
+    """
+
+    fellow_id: str
+    hostname: str
+    seq: int
+    interval_s: float
+    at: float = msgspec.field(default_factory=now)
+    version: str = ""
+    gpus: list[Gpu] = []
+    memory_total_bytes: int = 0
+    memory_free_bytes: int = 0
+    capabilities: list[str] = []
+    loaded_models: list[LoadedModel] = []
+    started_at: float = 0.0
+
+
+class FellowJoined(Event, frozen=True, tag="fellow.joined"):
+    fellow_id: str
+    hostname: str = ""
+    version: str = ""
+    gpus: list[Gpu] = []
+    memory_total_bytes: int = 0
+    capabilities: list[str] = []
+    started_at: float = 0.0
+
+
+class FellowLost(Event, frozen=True, tag="fellow.lost"):
+    fellow_id: str
+    last_seen: float
+    reason: str = "missed heartbeats"

@@ -1,0 +1,38 @@
+"""Token frames on ``swarm.tok.<request>``: batches of tokens, then one done or error frame."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Frame(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", array_like=False):
+    request_id: str
+    seq: int  # 0, 1, 2 ... per request, so a gap is visible and filled from the stream
+
+
+class TokenFrame(Frame, frozen=True, tag="tokens"):
+    texts: list[str]
+    text: str = ""  # the texts joined, for readers that want one string
+    token_ids: list[int] = []
+
+
+class DoneFrame(Frame, frozen=True, tag="done"):
+    completion_tokens: int
+    prompt_tokens: int
+    finish_reason: str = "stop"  # stop | length | cancelled
+    timing: dict = {}
+
+
+class ErrorFrame(Frame, frozen=True, tag="error"):
+    message: str
+    code: str = "internal_error"
+    data: dict = {}
+
+
+AnyFrame = TokenFrame | DoneFrame | ErrorFrame
+frame_decoder = msgspec.json.Decoder(AnyFrame)
+
+
+def frame_msg_id(request_id: str, seq: int) -> str:
+    """The Nats-Msg-Id of a frame: a retried publish of the same frame is dropped by JetStream."""
+    return f"{request_id}:{seq}"

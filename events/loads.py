@@ -1,0 +1,77 @@
+"""The life of a load: requested, placed, each stage ready, loaded, failed, unloaded."""
+
+from __future__ import annotations
+
+import msgspec
+
+from events.base import Event
+
+
+class StageAssignment(msgspec.Struct, frozen=True, kw_only=True):
+    stage: int
+    fellow_id: str
+    layers: tuple[int, int] = (0, 0)  # [first, last) decoder layers
+    shards: list[int] = []  # trained shard indices this stage reads
+
+
+class TransportPlan(msgspec.Struct, frozen=True, kw_only=True):
+    max_in_flight: int = 1
+    kv_tokens: int = 0
+    max_batch: int = 0
+    speculative: int = 0
+    prefill_chunk: int = 256
+
+
+class LoadRequested(Event, frozen=True, tag="load.requested"):
+    load_id: str
+    model_id: str
+    num_stages: int | None = None
+    fellow_ids: list[str] = []
+    quantization: dict | None = None
+    requested_by: str = ""
+
+
+class LoadPlaced(Event, frozen=True, tag="load.placed"):
+    load_id: str
+    model_id: str
+    stages: list[StageAssignment]
+    transport: TransportPlan = TransportPlan()
+    quantization: dict | None = None
+
+
+class StageReady(Event, frozen=True, tag="load.stage_ready"):
+    load_id: str
+    stage: int
+    fellow_id: str
+    pid: int = 0
+    kv_tokens: int = 0
+    kv_tokens_planned: int = 0
+    max_in_flight: int = 1
+    vram_bytes: int = 0
+    load_s: float = 0.0
+
+
+class ModelLoaded(Event, frozen=True, tag="load.loaded"):
+    load_id: str
+    model_id: str
+
+
+class LoadFailed(Event, frozen=True, tag="load.failed"):
+    load_id: str
+    model_id: str
+    reason: str
+    code: str = "load_failed"
+    fellow_id: str = ""
+
+
+class UnloadRequested(Event, frozen=True, tag="load.unload_requested"):
+    load_id: str
+    model_id: str
+    requested_by: str = ""
+
+
+class ModelUnloaded(Event, frozen=True, tag="load.unloaded"):
+    load_id: str
+    model_id: str
+    reason: str = "requested"  # requested | idle | evicted | stopped | fellow_lost
+    fellow_id: str = ""

@@ -1,0 +1,68 @@
+"""Chat requests (SWARM_REQUESTS) and their audit events (accepted / finished / failed)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from events.base import Event
+
+
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    role: str
+    content: str = ""
+
+
+class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Filled in by the leader from the model's generation config; temperature 0 is greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+
+
+class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """What the gateway publishes on ``swarm.req.<load>``; stage 0 pulls it when it has room."""
+
+    request_id: str
+    load_id: str
+    model_id: str
+    messages: list[ChatMessage]
+    max_tokens: int
+    sampling: Sampling = Sampling()
+    stop: list[str] = []
+    enable_thinking: bool | None = None
+    created: float = 0.0
+
+
+class RequestAccepted(Event, frozen=True, tag="request.accepted"):
+    request_id: str
+    model_id: str
+    load_id: str
+    stream: bool = False
+    max_tokens: int = 0
+    token_id: str = ""  # the API token's id (never its secret)
+
+
+class RequestFinished(Event, frozen=True, tag="request.finished"):
+    request_id: str
+    model_id: str
+    load_id: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str = "stop"
+    ttft_s: float | None = None
+    duration_s: float = 0.0
+    tokens_per_s: float = 0.0
+    timing: dict = {}
+
+
+class RequestFailed(Event, frozen=True, tag="request.failed"):
+    request_id: str
+    model_id: str
+    load_id: str = ""
+    code: str = "internal_error"
+    message: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0

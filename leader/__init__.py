@@ -1,0 +1,1 @@
+"""The torch-free leader: gateway, projectors, placement."""

@@ -1,0 +1,1 @@
+"""HTTP handlers of the leader, grouped by resource."""

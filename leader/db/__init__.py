@@ -1,0 +1,1 @@
+"""SQL projections: tables, engine, migrations."""

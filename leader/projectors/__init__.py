@@ -1,0 +1,1 @@
+"""Projectors: each folds SWARM_EVENTS into the SQL tables it owns."""

@@ -1,0 +1,32 @@
+"""API tokens projection: hashes, prefixes, scopes and expiry; never a secret."""
+
+from __future__ import annotations
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from events.api_tokens import ApiTokenMinted, ApiTokenPruned, ApiTokenRevoked
+from events.base import Event
+from leader.db.tables import ApiToken
+from leader.projectors.projector import Projector
+
+
+class ApiTokensProjector(Projector):
+    name = "api_tokens"
+    tables = (ApiToken,)
+
+    async def apply(self, session: AsyncSession, evt: Event, seq: int) -> None:
+        match evt:
+            case ApiTokenMinted():
+                if await session.get(ApiToken, evt.token_id) is None:
+                    session.add(ApiToken(token_id=evt.token_id, label=evt.label,
+                                         scopes=list(evt.scopes), token_hash=evt.token_hash,
+                                         prefix=evt.prefix, created_at=evt.at,
+                                         expires_at=evt.expires_at, revoked_at=None))
+            case ApiTokenRevoked():
+                row = await session.get(ApiToken, evt.token_id)
+                if row is not None and row.revoked_at is None:
+                    row.revoked_at = evt.at
+            case ApiTokenPruned():
+                row = await session.get(ApiToken, evt.token_id)
+                if row is not None:
+                    await session.delete(row)

@@ -1,0 +1,28 @@
+"""The projector contract: apply one event to owned tables inside the caller's transaction."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from sqlalchemy import delete
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from events.base import Event
+
+
+class Projector:
+    """Subclasses name themselves, list the tables they own, and implement `apply`.
+
+    `apply` must derive every value from the event (its `at`, never the wall clock), so a
+    replay from sequence 1 rebuilds identical rows.
+    """
+
+    name: ClassVar[str]
+    tables: ClassVar[tuple[type, ...]]
+
+    async def apply(self, session: AsyncSession, evt: Event, seq: int) -> None:
+        raise NotImplementedError
+
+    async def clear(self, session: AsyncSession) -> None:
+        for table in self.tables:
+            await session.execute(delete(table))

@@ -1,0 +1,56 @@
+"""Requests projection: the audit trail of every chat request and how it ended."""
+
+from __future__ import annotations
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from events.base import Event
+from events.requests import RequestAccepted, RequestFailed, RequestFinished
+from leader.db.tables import Request
+from leader.projectors.projector import Projector
+
+
+class RequestsProjector(Projector):
+    name = "requests"
+    tables = (Request,)
+
+    async def apply(self, session: AsyncSession, evt: Event, seq: int) -> None:
+        match evt:
+            case RequestAccepted():
+                if await session.get(Request, evt.request_id) is None:
+                    session.add(Request(
+                        request_id=evt.request_id, model_id=evt.model_id, load_id=evt.load_id,
+                        status="accepted", stream=evt.stream, max_tokens=evt.max_tokens,
+                        token_id=evt.token_id, accepted_at=evt.at, prompt_tokens=0,
+                        completion_tokens=0, finish_reason="", duration_s=0.0, tokens_per_s=0.0,
+                        error_code="", error_message=""))
+            case RequestFinished():
+                row = await self._row(session, evt.request_id, evt.model_id, evt.load_id, evt.at)
+                row.status = "finished"
+                row.ended_at = evt.at
+                row.prompt_tokens = evt.prompt_tokens
+                row.completion_tokens = evt.completion_tokens
+                row.finish_reason = evt.finish_reason
+                row.ttft_s = evt.ttft_s
+                row.duration_s = evt.duration_s
+                row.tokens_per_s = evt.tokens_per_s
+                row.timing = dict(evt.timing)
+            case RequestFailed():
+                row = await self._row(session, evt.request_id, evt.model_id, evt.load_id, evt.at)
+                row.status = "too_long" if evt.code == "context_too_long" else "failed"
+                row.ended_at = evt.at
+                row.error_code = evt.code
+                row.error_message = evt.message
+                row.prompt_tokens = evt.prompt_tokens
+                row.completion_tokens = evt.completion_tokens
+
+    async def _row(self, session: AsyncSession, request_id: str, model_id: str, load_id: str,
+                   at: float) -> Request:
+        row = await session.get(Request, request_id)
+        if row is None:  # the accepted event was trimmed or lost: keep what we know
+            row = Request(request_id=request_id, model_id=model_id, load_id=load_id, accepted_at=at,
+                          stream=False, max_tokens=0, token_id="", prompt_tokens=0,
+                          completion_tokens=0, finish_reason="", duration_s=0.0,
+                          tokens_per_s=0.0, error_code="", error_message="")
+            session.add(row)
+        return row

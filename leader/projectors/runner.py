@@ -1,0 +1,136 @@
+"""Runs projectors on durable pull consumers: apply + checkpoint in one transaction, then ack."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from events.base import decode_event
+from events.subjects import EVENTS_ALL, EVENTS_STREAM
+from leader.db.tables import ProjectorCheckpoint
+from leader.projectors.projector import Projector
+
+log = logging.getLogger(__name__)
+
+FETCH_BATCH = 256
+
+
+class ProjectionLagging(TimeoutError):
+    """A projection did not reach a sequence within the bounded wait."""
+
+
+async def read_checkpoint(session: AsyncSession, name: str) -> int:
+    row = await session.get(ProjectorCheckpoint, name)
+    return row.seq if row else 0
+
+
+async def apply_batch(session: AsyncSession, projector: Projector, msgs: list) -> int:
+    """Apply every message above the checkpoint and advance it; returns the new checkpoint."""
+    row = await session.get(ProjectorCheckpoint, projector.name)
+    if row is None:
+        row = ProjectorCheckpoint(name=projector.name, seq=0)
+        session.add(row)
+    checkpoint = row.seq
+    for msg in msgs:
+        seq = msg.metadata.sequence.stream
+        if seq <= checkpoint:
+            continue  # a redelivery or an overlap with a replay: already applied
+        evt = decode_event(msg.data)
+        if evt is not None:
+            await projector.apply(session, evt, seq)
+        checkpoint = seq
+    row.seq = checkpoint
+    return checkpoint
+
+
+class ProjectionRunner:
+    """One task per projector; `wait_for` lets an endpoint read its own writes."""
+
+    def __init__(self, js: JetStreamContext, sessions: async_sessionmaker, projectors: list[Projector]):
+        self.js = js
+        self.sessions = sessions
+        self.projectors = {p.name: p for p in projectors}
+        self.positions: dict[str, int] = {}
+        self._changed = asyncio.Condition()
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+
+    async def start(self) -> None:
+        async with self.sessions() as session:
+            for name in self.projectors:
+                self.positions[name] = await read_checkpoint(session, name)
+        for p in self.projectors.values():
+            self._tasks.append(asyncio.create_task(self._run(p), name=f"projector-{p.name}"))
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    async def _subscribe(self, p: Projector):
+        cfg = ConsumerConfig(
+            durable_name=f"proj-{p.name}", deliver_policy=DeliverPolicy.ALL,
+            ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_ack_pending=FETCH_BATCH * 4,
+        )
+        return await self.js.pull_subscribe(EVENTS_ALL, durable=f"proj-{p.name}",
+                                            stream=EVENTS_STREAM, config=cfg)
+
+    async def _run(self, p: Projector) -> None:
+        sub = None
+        while not self._stopping:
+            try:
+                if sub is None:
+                    sub = await self._subscribe(p)
+                try:
+                    msgs = await sub.fetch(FETCH_BATCH, timeout=5)
+                except (NatsTimeout, asyncio.TimeoutError):
+                    continue
+                async with self.sessions() as session, session.begin():
+                    seq = await apply_batch(session, p, msgs)
+                for msg in msgs:
+                    await msg.ack()
+                await self._advance(p.name, seq)
+            except asyncio.CancelledError:
+                raise
+            except OperationalError as exc:  # e.g. SQLite busy: not acked, so redelivered
+                log.warning("projector %s: database busy, retrying: %s", p.name, exc)
+                await asyncio.sleep(0.2)
+            except Exception:
+                log.exception("projector %s failed a batch; retrying", p.name)
+                sub = None
+                await asyncio.sleep(1.0)
+
+    async def _advance(self, name: str, seq: int) -> None:
+        async with self._changed:
+            if seq > self.positions.get(name, 0):
+                self.positions[name] = seq
+            self._changed.notify_all()
+
+    async def wait_for(self, seq: int, names: list[str] | None = None, timeout: float = 5.0) -> None:
+        """Wait until every named projection (all by default) has applied stream sequence `seq`."""
+        names = names or list(self.projectors)
+        deadline = time.monotonic() + timeout
+
+        def caught_up() -> bool:
+            return all(self.positions.get(n, 0) >= seq for n in names)
+
+        async with self._changed:
+            while not caught_up():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    lag = {n: self.positions.get(n, 0) for n in names if self.positions.get(n, 0) < seq}
+                    raise ProjectionLagging(f"projections {lag} have not reached sequence {seq}")
+                try:
+                    await asyncio.wait_for(self._changed.wait(), left)
+                except asyncio.TimeoutError:
+                    pass

@@ -1,0 +1,1 @@
+"""Alembic environment and versions for the leader's SQL projections."""

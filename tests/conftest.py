@@ -1,0 +1,78 @@
+"""Fixtures: real nats-server on port 0 with a temp store → client → JetStream; SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from core.bus import connect, ensure_streams
+from core.nats_server import EmbeddedNats
+from core.settings import Settings
+from tests.services import Postgres, postgres_bin
+
+
+@pytest.fixture
+def store_dir(tmp_path):
+    d = tmp_path / "jetstream"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture
+def nats_server(store_dir):
+    srv = EmbeddedNats(store_dir).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+async def nc(nats_server):
+    client = await connect(nats_server.url, name="test")
+    yield client
+    if not client.is_closed:
+        await client.close()
+
+
+@pytest.fixture
+async def js(nc):
+    ctx = nc.jetstream()
+    await ensure_streams(ctx)
+    return ctx
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    if postgres_bin() is None:
+        if os.environ.get("CI"):
+            pytest.fail("PostgreSQL binaries missing in CI (.ci/run installs them)")
+        pytest.skip("PostgreSQL server binaries not installed")
+    pg = Postgres().start()
+    yield pg
+    pg.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database_url(request, tmp_path):
+    if request.param == "sqlite":
+        return f"sqlite+aiosqlite:///{tmp_path / 'swarm.db'}"
+    pg = request.getfixturevalue("postgres")
+    return pg.create_db("t" + uuid.uuid4().hex[:12])
+
+
+@pytest.fixture
+def sqlite_url(tmp_path):
+    return f"sqlite+aiosqlite:///{tmp_path / 'swarm.db'}"
+
+
+def make_settings(tmp_path, nats_url: str, database_url: str | None = None, **env) -> Settings:
+    base = {
+        "SWARM_DATA_DIR": str(tmp_path / "data"),
+        "SWARM_NATS_URL": nats_url,
+        "SWARM_HEARTBEAT_S": "0.2",
+    }
+    if database_url:
+        base["SWARM_DATABASE_URL"] = database_url
+    base.update({k: str(v) for k, v in env.items()})
+    return Settings.from_env(base)
