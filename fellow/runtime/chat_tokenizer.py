@@ -1,0 +1,63 @@
+"""A byte-level BPE tokenizer trained on given text, with Qwen3's ChatML template and `<think>` turns."""
+
+from __future__ import annotations
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+# Qwen3's convention without tools: an earlier assistant turn loses its reasoning, and
+# enable_thinking=false pre-fills an empty think block so the model answers directly.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}"
+    "{%- set content = message.content %}"
+    "{%- if '</think>' in content and not loop.last %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def chat_turn(question: str, answer: str, thinking: str = "") -> str:
+    """One user/assistant exchange as the template renders it (training text for the demo model)."""
+    return (f"<|im_start|>user\n{question}<|im_end|>\n"
+            f"<|im_start|>assistant\n<think>\n{thinking}\n</think>\n\n{answer}<|im_end|>\n")
+
+
+def train_chat_tokenizer(texts, vocab_size: int):
+    """A transformers fast tokenizer: byte-level BPE over ``texts`` plus the ChatML specials.
+
+    Deterministic for the same texts and size, so a seeded demo model is reproducible.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(texts, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:2] + SPECIAL_TOKENS[3:])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def generation_config_values(tokenizer) -> dict:
+    """Qwen3's non-thinking sampling defaults and both end ids, for generation_config.json."""
+    vocab = tokenizer.get_vocab()
+    return {"eos_token_id": [vocab["<|im_end|>"], vocab["<|endoftext|>"]], "pad_token_id": vocab["<|endoftext|>"],
+            "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0,
+            "max_new_tokens": 256}

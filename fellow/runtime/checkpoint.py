@@ -1,0 +1,94 @@
+"""Read a local HF causal-LM checkpoint tensor by tensor, and name each tensor's piece of the model."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from core.servable import ServableError
+
+# Qwen2/Qwen3/Llama/Mistral all lay their weights out this way.
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_PIECES = {"model.embed_tokens.": "embed_tokens", "model.norm.": "norm", "lm_head.": "lm_head"}
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.")  # recomputed from the config, never trained
+
+
+def classify(key: str) -> tuple[str, int | None, str] | None:
+    """(piece, layer index or None, name inside the piece) for a checkpoint key; None to skip.
+
+    ``model.layers.3.mlp.up_proj.weight`` -> ("layers", 3, "mlp.up_proj.weight");
+    ``lm_head.weight`` -> ("lm_head", None, "weight").
+    """
+    if _IGNORED.search(key):
+        return None
+    if match := _LAYER.match(key):
+        return "layers", int(match.group(1)), match.group(2)
+    for prefix, piece in _PIECES.items():
+        if key.startswith(prefix):
+            return piece, None, key[len(prefix):]
+    raise ServableError(f"checkpoint tensor {key!r} is not part of a Qwen/Llama/Mistral causal LM")
+
+
+class Checkpoint:
+    """The tensors of a checkpoint folder (one safetensors file, an index of several, or .bin)."""
+
+    def __init__(self, folder: str | Path, prefix: str = ""):
+        self.folder = Path(folder)
+        self.prefix = prefix  # stripped from every key (PEFT writes "base_model.model.")
+        self._bin: dict[Path, dict[str, torch.Tensor]] = {}  # .bin files load whole, so keep them
+        self._where = self._locate()
+
+    def _locate(self) -> dict[str, Path]:
+        index = next(iter(sorted(self.folder.glob("*.safetensors.index.json"))), None)
+        if index is not None:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {k: self.folder / f for k, f in weight_map.items()}
+        files = sorted(self.folder.glob("*.safetensors")) or sorted(self.folder.glob("*.bin"))
+        if not files:
+            raise ServableError(f"{self.folder}: no safetensors or .bin weights")
+        where: dict[str, Path] = {}
+        for f in files:
+            if f.suffix == ".safetensors":
+                with safe_open(str(f), framework="pt") as fh:
+                    where.update({k: f for k in fh.keys()})
+            else:
+                where.update({k: f for k in self._load_bin(f)})
+        return where
+
+    def _load_bin(self, path: Path) -> dict[str, torch.Tensor]:
+        if path not in self._bin:
+            self._bin[path] = torch.load(path, map_location="cpu", weights_only=True)
+        return self._bin[path]
+
+    def keys(self) -> list[str]:
+        """Keys with ``prefix`` stripped."""
+        return [k[len(self.prefix):] if k.startswith(self.prefix) else k for k in self._where]
+
+    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """Load just these tensors, opening each file once."""
+        by_file: dict[Path, list[str]] = {}
+        for key in keys:
+            full = key if key in self._where else self.prefix + key
+            if full not in self._where:
+                raise ServableError(f"{self.folder}: no tensor {key!r}")
+            by_file.setdefault(self._where[full], []).append(full)
+        out: dict[str, torch.Tensor] = {}
+        for path, fulls in by_file.items():
+            if path.suffix == ".safetensors":
+                with safe_open(str(path), framework="pt") as fh:
+                    loaded = {k: fh.get_tensor(k) for k in fulls}
+            else:
+                loaded = {k: self._load_bin(path)[k] for k in fulls}
+            out.update({(k[len(self.prefix):] if k.startswith(self.prefix) else k): t for k, t in loaded.items()})
+        return out
+
+
+def read_config(folder: str | Path) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ServableError(f"{folder}: no config.json (not a Hugging Face checkpoint)")
+    return json.loads(path.read_text())

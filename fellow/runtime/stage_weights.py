@@ -1,0 +1,180 @@
+"""Load one serving stage's weights from a servable and rebuild only that stage's HF modules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from core.servable import BottleneckCompressor, LEGACY_SHARD_FILE, Manifest, ServableError, load_manifest, resolve_base
+from core.servable_plan import StagePlan, plan_stage
+from fellow.runtime.bottleneck import RECV, SEND, BottleneckDecoder, BottleneckEncoder
+from fellow.runtime.checkpoint import Checkpoint, classify
+from fellow.runtime.lora_merge import merge_lora
+
+
+def _read_shard(path: Path) -> dict[str, torch.Tensor]:
+    if path.name == LEGACY_SHARD_FILE:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    return load_file(str(path))
+
+
+def _absolute(key: str, shard_range: tuple[int, int], plan: StagePlan) -> str | None:
+    """The key under absolute layer numbering if this serving stage needs it, else None."""
+    head, _, rest = key.partition(".")
+    if head == "layers":
+        rel, _, name = rest.partition(".")
+        layer = shard_range[0] + int(rel)
+        return f"layers.{layer}.{name}" if plan.layers[0] <= layer < plan.layers[1] else None
+    if head == "embed_tokens":
+        return key if plan.is_first else None
+    if head in ("norm", "lm_head"):
+        return key if plan.is_last else None
+    if key.startswith(SEND):
+        return key if shard_range[1] == plan.layers[1] and isinstance(plan.send, BottleneckCompressor) else None
+    if key.startswith(RECV):
+        return key if shard_range[0] == plan.layers[0] and isinstance(plan.recv, BottleneckCompressor) else None
+    raise ServableError(f"shard tensor {key!r} is not part of the servable format")
+
+
+def _stage_state(m: Manifest, servable_dir: Path, plan: StagePlan) -> dict[str, torch.Tensor]:
+    exported = m.stage_ranges()
+    state: dict[str, torch.Tensor] = {}
+    for shard in plan.shards:
+        for f in m.shards[shard].files:
+            for key, tensor in _read_shard(servable_dir / f.path).items():
+                if (name := _absolute(key, exported[shard], plan)) is not None:
+                    state[name] = tensor
+    return state
+
+
+def load_stage_state(servable_dir: str | Path, stage: int, num_stages: int | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor serving stage ``stage`` of ``num_stages`` reads from the shards, by absolute name.
+
+    Layers are ``layers.<absolute index>.<name>``; the pieces are ``embed_tokens.weight``,
+    ``norm.weight``, ``lm_head.weight``; codec halves ``bottleneck.send.*`` / ``bottleneck.recv.*``
+    only where this stage's cut is a trained one. For export "adapters" these are the LoRA tensors.
+    """
+    m = load_manifest(servable_dir)
+    return _stage_state(m, Path(servable_dir), plan_stage(m, stage, num_stages))
+
+
+def _base_state(m: Manifest, plan: StagePlan, model_cache) -> dict[str, torch.Tensor]:
+    """The base checkpoint's tensors for this stage, read file by file (adapters-only exports)."""
+    base_dir = resolve_base(m.base, model_cache)
+    if base_dir is None:
+        raise ServableError(f"{m.model_id}: base checkpoint {m.base!r} is not on this machine")
+    checkpoint = Checkpoint(base_dir)
+    wanted: dict[str, str] = {}
+    for key in checkpoint.keys():
+        kind = classify(key)
+        if kind is None:
+            continue
+        piece, layer, name = kind
+        if piece == "layers" and plan.layers[0] <= layer < plan.layers[1]:
+            wanted[key] = f"layers.{layer}.{name}"
+        elif (piece == "embed_tokens" and plan.is_first) or (piece in ("norm", "lm_head") and plan.is_last):
+            wanted[key] = f"{piece}.{name}"
+    state = {wanted[k]: t for k, t in checkpoint.read(list(wanted)).items()}
+    if plan.is_last and "lm_head.weight" not in state:
+        # Tied head: the stage keeps its own copy rather than sharing stage 0's embedding.
+        state["lm_head.weight"] = checkpoint.read(["model.embed_tokens.weight"])["model.embed_tokens.weight"].clone()
+    return state
+
+
+def hf_config(manifest: Manifest):
+    from transformers import AutoConfig
+
+    values = dict(manifest.config)
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+@dataclass
+class StageModules:
+    """One serving stage's modules; a layer's ``self_attn.layer_idx`` is its absolute index."""
+
+    plan: StagePlan
+    config: object  # the HF PretrainedConfig of the whole model
+    embed: nn.Module | None
+    layers: list[nn.Module]
+    layer_indices: list[int]
+    norm: nn.Module | None
+    lm_head: nn.Module | None
+    rotary_emb: nn.Module
+    encoder: BottleneckEncoder | None  # sender half of the boundary after this stage
+    decoder: BottleneckDecoder | None  # receiver half of the boundary before this stage
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """A whole-sequence pass without a KV cache: the reference the serving loop must match.
+
+        Stage 0 takes ids [B, S]; a later stage what the previous one sent ([B, S, hidden] or
+        [B, S, dim]). The last stage returns logits, another stage what it sends on.
+        """
+        h = self.embed(x) if self.embed is not None else self.decoder(x) if self.decoder is not None else x
+        if position_ids is None:
+            position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        position_embeddings = self.rotary_emb(h, position_ids)
+        masks = _causal_masks(self.config, h, position_ids)
+        for index, layer in zip(self.layer_indices, self.layers):
+            h = layer(h, attention_mask=masks[index], position_ids=position_ids,
+                      position_embeddings=position_embeddings)
+        if self.lm_head is not None:
+            return self.lm_head(self.norm(h))
+        return self.encoder(h) if self.encoder is not None else h
+
+
+def _causal_masks(config, h: torch.Tensor, position_ids: torch.Tensor) -> dict[int, object]:
+    """Each layer's mask for a cache-free causal pass, chosen as the HF model chooses it."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    args = dict(config=config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=position_ids)
+    full = create_causal_mask(**args)
+    sliding = create_sliding_window_causal_mask(**args) if getattr(config, "sliding_window", None) else full
+    kinds = getattr(config, "layer_types", None)
+    if kinds is None:  # Mistral: one window for every layer when it has one
+        return {i: sliding for i in range(config.num_hidden_layers)}
+    return {i: sliding if kind == "sliding_attention" else full for i, kind in enumerate(kinds)}
+
+
+def _materialize(module: nn.Module, state: dict[str, torch.Tensor], prefix: str, dtype, device) -> nn.Module:
+    sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    missing = set(module.state_dict()) - set(sub)
+    if missing:
+        raise ServableError(f"shards lack {prefix}{sorted(missing)[0]} (and {len(missing) - 1} more)")
+    module.load_state_dict(sub, strict=True, assign=True)
+    return module.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def build_stage_modules(manifest: Manifest, stage_index: int, servable_dir: str | Path, *,
+                        num_stages: int | None = None, dtype: torch.dtype | None = None,
+                        device: str | torch.device = "cpu", model_cache=None) -> StageModules:
+    """Build the model skeleton on the meta device and materialize only this stage's pieces."""
+    from transformers import AutoModelForCausalLM
+
+    plan = plan_stage(manifest, stage_index, num_stages)
+    state = _stage_state(manifest, Path(servable_dir), plan)
+    if manifest.export == "adapters":
+        state = merge_lora(_base_state(manifest, plan, model_cache), state, manifest.adapter_config or {})
+    config = hf_config(manifest)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    inner = skeleton.model
+    indices = list(range(*plan.layers))
+    layers = [_materialize(inner.layers[i], state, f"layers.{i}.", dtype, device) for i in indices]
+    rotary = type(inner.rotary_emb)(config=config).to(device)
+    codec = {p: {k[len(p):]: v for k, v in state.items() if k.startswith(p)} for p in (SEND, RECV)}
+    cast = (lambda t: t.to(device=device, dtype=dtype or t.dtype))
+    return StageModules(
+        plan=plan, config=config,
+        embed=_materialize(inner.embed_tokens, state, "embed_tokens.", dtype, device) if plan.is_first else None,
+        layers=layers, layer_indices=indices,
+        norm=_materialize(inner.norm, state, "norm.", dtype, device) if plan.is_last else None,
+        lm_head=_materialize(skeleton.lm_head, state, "lm_head.", dtype, device) if plan.is_last else None,
+        rotary_emb=rotary,
+        encoder=BottleneckEncoder(cast(codec[SEND]["weight"]), cast(codec[SEND]["mean"])) if codec[SEND] else None,
+        decoder=BottleneckDecoder(cast(codec[RECV]["weight"]), cast(codec[RECV]["mean"])) if codec[RECV] else None,
+    )
