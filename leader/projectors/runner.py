@@ -7,9 +7,9 @@ import logging
 import time
 
 from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import NotFoundError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -78,12 +78,24 @@ class ProjectionRunner:
         self._tasks.clear()
 
     async def _subscribe(self, p: Projector):
+        """A durable consumer positioned at the SQL checkpoint + 1.
+
+        The checkpoint in SQL is the truth. A consumer left from before a crash would redeliver its
+        unacked messages only after ack_wait, behind newer ones, and skipping "at or below the
+        checkpoint" would then lose them; so it is recreated from the checkpoint on every (re)start.
+        """
+        durable = f"proj-{p.name}"
+        async with self.sessions() as session:
+            start = await read_checkpoint(session, p.name) + 1
+        try:
+            await self.js.delete_consumer(EVENTS_STREAM, durable)
+        except NotFoundError:
+            pass
         cfg = ConsumerConfig(
-            durable_name=f"proj-{p.name}", deliver_policy=DeliverPolicy.ALL,
-            ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_ack_pending=FETCH_BATCH * 4,
+            durable_name=durable, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start,
+            ack_policy=AckPolicy.EXPLICIT, ack_wait=60, max_ack_pending=FETCH_BATCH * 4,
         )
-        return await self.js.pull_subscribe(EVENTS_ALL, durable=f"proj-{p.name}",
-                                            stream=EVENTS_STREAM, config=cfg)
+        return await self.js.pull_subscribe(EVENTS_ALL, durable=durable, stream=EVENTS_STREAM, config=cfg)
 
     async def _run(self, p: Projector) -> None:
         sub = None
@@ -102,13 +114,20 @@ class ProjectionRunner:
                 await self._advance(p.name, seq)
             except asyncio.CancelledError:
                 raise
-            except OperationalError as exc:  # e.g. SQLite busy: not acked, so redelivered
-                log.warning("projector %s: database busy, retrying: %s", p.name, exc)
+            except Exception as exc:  # not applied, not acked: resume from the checkpoint
+                level = logging.WARNING if isinstance(exc, OperationalError) else logging.ERROR
+                log.log(level, "projector %s: batch not applied (%s); resuming from checkpoint",
+                        p.name, exc, exc_info=level == logging.ERROR)
+                sub = await self._drop(sub)
                 await asyncio.sleep(0.2)
+
+    async def _drop(self, sub) -> None:
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
             except Exception:
-                log.exception("projector %s failed a batch; retrying", p.name)
-                sub = None
-                await asyncio.sleep(1.0)
+                pass
+        return None
 
     async def _advance(self, name: str, seq: int) -> None:
         async with self._changed:

@@ -1,0 +1,60 @@
+"""Settings are validated once, and a bad value fails fast with one line naming the cause."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from core.settings import Settings, SettingsError
+from tests.processes import free_port, swarm_env
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"SWARM_DATABASE_URL": "mysql://u@h/db"}, "SWARM_DATABASE_URL scheme 'mysql'"),
+    ({"SWARM_MAX_LOADED_MODELS": "two"}, "SWARM_MAX_LOADED_MODELS='two' is not a whole number"),
+    ({"SWARM_MODEL_IDLE_UNLOAD_S": "soon"}, "SWARM_MODEL_IDLE_UNLOAD_S='soon' is not a number"),
+    ({"SWARM_LEADER_PORT": "99999"}, "SWARM_LEADER_PORT=99999"),
+    ({"SWARM_REQUIRE_API_TOKEN": "maybe"}, "SWARM_REQUIRE_API_TOKEN='maybe' is not a boolean"),
+    ({"SWARM_SERVE_SPECULATIVE": "9"}, "SWARM_SERVE_SPECULATIVE=9 must be at most 8"),
+    ({"SWARM_NATS_URL": "http://x:4222"}, "SWARM_NATS_URL entry 'http://x:4222'"),
+    ({"SWARM_SERVE_LORA": "fast"}, "SWARM_SERVE_LORA='fast' must be one of"),
+])
+def test_bad_values_name_the_variable(env, needle):
+    with pytest.raises(SettingsError, match=needle.replace("(", r"\(").replace("?", r"\?")):
+        Settings.from_env(env)
+
+
+def test_defaults_follow_the_spec():
+    s = Settings.from_env({"SWARM_DATA_DIR": "/srv/x"})
+    assert s.database_url == "sqlite+aiosqlite:////srv/x/swarm.db"
+    assert (s.max_loaded_models, s.model_idle_unload_s, s.serve_prefill_chunk) == (1, 900.0, 256)
+    assert (s.serve_typical_tokens, s.serve_context_tokens, s.serve_max_in_flight) == (1024, 4096, 8)
+    assert str(s.servable_models_root) == "/srv/x/servable_models"
+
+
+def run_cli(args, env, timeout=30):
+    return subprocess.run([sys.executable, "-m", "core.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ({"SWARM_DATABASE_URL": "oracle://x"}, "SWARM_DATABASE_URL scheme 'oracle' is not supported"),
+    ({"SWARM_HEARTBEAT_S": "fast"}, "SWARM_HEARTBEAT_S='fast' is not a number"),
+])
+@pytest.mark.parametrize("command", ["leader", "fellow"])
+def test_cli_fails_fast_with_one_line(tmp_path, command, extra, needle):
+    out = run_cli([command], swarm_env(tmp_path, "nats://127.0.0.1:1", **extra))
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [f"swarm: error: {out.stderr.strip()[len('swarm: error: '):]}"]
+    assert needle in out.stderr
+
+
+@pytest.mark.parametrize("command", ["leader", "fellow", "replay"])
+def test_unreachable_nats_is_one_clear_line(tmp_path, command):
+    port = free_port()
+    out = run_cli([command], swarm_env(tmp_path, f"nats://127.0.0.1:{port}"))
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"swarm: error: cannot reach NATS at nats://127.0.0.1:{port}"), lines
