@@ -1,0 +1,59 @@
+"""Admission by tokens: a session reserves its prompt plus max_new_tokens of the stage's KV budget until it ends."""
+
+from __future__ import annotations
+
+
+class ContextTooLong(ValueError):
+    """A request needs more tokens than the whole budget holds, so it can never be admitted."""
+
+    code = "context_too_long"
+
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, kv_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.max_new_tokens = max_new_tokens
+        self.needed = prompt_tokens + max_new_tokens
+        self.kv_tokens = kv_tokens
+        super().__init__(
+            f"this conversation needs {self.needed:,} tokens ({prompt_tokens:,} in the prompt + "
+            f"{max_new_tokens:,} max_tokens); the pool serving this model holds {kv_tokens:,}"
+        )
+
+    @property
+    def data(self) -> dict:
+        """The numbers, for an error frame's data."""
+        return {"needed": self.needed, "prompt_tokens": self.prompt_tokens,
+                "max_new_tokens": self.max_new_tokens, "kv_tokens": self.kv_tokens}
+
+
+class TokenBudget:
+    """The KV tokens a stage holds, and how many of them admitted sessions have reserved."""
+
+    def __init__(self, kv_tokens: int) -> None:
+        if kv_tokens < 1:
+            raise ValueError(f"kv_tokens={kv_tokens} must be at least 1")
+        self.kv_tokens = kv_tokens
+        self.reserved = 0
+
+    @property
+    def free(self) -> int:
+        return self.kv_tokens - self.reserved
+
+    def check(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """The tokens a request would reserve; ContextTooLong when even an empty pool could not hold them."""
+        needed = prompt_tokens + max_new_tokens
+        if needed > self.kv_tokens:
+            raise ContextTooLong(prompt_tokens, max_new_tokens, self.kv_tokens)
+        return needed
+
+    def fits(self, tokens: int) -> bool:
+        return tokens <= self.free
+
+    def reserve(self, tokens: int) -> None:
+        if not self.fits(tokens):
+            raise RuntimeError(f"reserving {tokens} tokens with {self.free} free of {self.kv_tokens}")
+        self.reserved += tokens
+
+    def release(self, tokens: int) -> None:
+        if tokens > self.reserved:
+            raise RuntimeError(f"releasing {tokens} tokens with only {self.reserved} reserved")
+        self.reserved -= tokens

@@ -1,0 +1,66 @@
+"""What KV token budget a loaded stage can really hold, measured on its own devices after loading."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+import torch
+
+from fellow.runtime.stage import StageModel
+
+MIB = 1 << 20
+CUDA_USABLE = 0.85  # of what is free: the allocator fragments, and other buffers come and go
+CUDA_KEEP_BYTES = 300 * MIB  # passing buffers of a forward besides the cache
+CPU_USABLE = 0.25  # a CPU stage shares its host with everything else on it
+CPU_CAP_TOKENS = 131_072  # past this a CPU stage is far too slow for the context to matter
+SCORE_BYTES = 4  # attention scores go through softmax in float32
+
+
+def bytes_per_token(stage: StageModel, prefill_chunk: int) -> dict[torch.device, int]:
+    """Per device: what one more token of context costs there.
+
+    That is the keys and values of the layers on it, plus one prompt piece's attention scores
+    against that token (one layer's at a time, every query head, every position of the piece).
+    """
+    element = torch.tensor([], dtype=stage.dtype).element_size()
+    kv = defaultdict(int)
+    for device in stage.layer_devices:
+        kv[device] += 2 * stage.num_kv_heads * stage.head_dim * element
+    piece = prefill_chunk if prefill_chunk > 0 else stage.config.max_position_embeddings
+    scores = stage.config.num_attention_heads * piece * SCORE_BYTES
+    return {device: layer_bytes + scores for device, layer_bytes in kv.items()}
+
+
+def kv_tokens_for(free_bytes: int, token_bytes: int, *, usable: float, keep_bytes: int) -> int:
+    return max(0, int((usable * free_bytes - keep_bytes) // token_bytes))
+
+
+def cuda_free_bytes(device: torch.device) -> int:
+    """The driver's free memory plus what torch's allocator holds cached but unused."""
+    free, _total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def cpu_free_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def measured_kv_tokens(stage: StageModel, prefill_chunk: int = 256) -> int:
+    """The stage's KV budget in tokens: the device that holds the fewest sets it."""
+    budgets = []
+    for device, token_bytes in bytes_per_token(stage, prefill_chunk).items():
+        if device.type == "cuda":
+            budgets.append(kv_tokens_for(cuda_free_bytes(device), token_bytes,
+                                         usable=CUDA_USABLE, keep_bytes=CUDA_KEEP_BYTES))
+        else:
+            tokens = kv_tokens_for(cpu_free_bytes(), token_bytes, usable=CPU_USABLE, keep_bytes=0)
+            budgets.append(min(tokens, CPU_CAP_TOKENS))
+    return min(budgets)

@@ -1,0 +1,156 @@
+"""A session's keys and values per layer, in buffers grown in place, and the views layers write through."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+GROW_CHUNK = 64  # positions a buffer grows by: a copy of the past every 64 tokens, not every token
+
+
+class KVCache:
+    """One session's keys and values for a contiguous range of layers, each [1, H_kv, capacity, D].
+
+    Layers write a forward's new positions at ``length`` and the stage calls ``advance`` once every
+    layer has; ``crop_to`` rolls back. Buffers are allocated on first use and grown in chunks.
+    """
+
+    def __init__(
+        self,
+        first_layer: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        devices: Sequence[torch.device | str],
+    ) -> None:
+        if len(devices) != num_layers:
+            raise ValueError(f"{len(devices)} devices for {num_layers} layers")
+        self.first_layer = first_layer
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.devices = [torch.device(d) for d in devices]
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.length = 0
+        self.capacity = 0
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def bytes(self) -> int:
+        """What the buffers hold now (capacity, not length: that is what the allocator gave)."""
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.capacity * self.head_dim * element
+
+    def reserve(self, positions: int) -> None:
+        """Make room for ``positions`` more positions after ``length``, growing every layer's buffers at once."""
+        needed = self.length + positions
+        if needed <= self.capacity:
+            return
+        capacity = -(-needed // GROW_CHUNK) * GROW_CHUNK
+        for slot in range(self.num_layers):
+            self.keys[slot] = self._grown(self.keys[slot], capacity, self.devices[slot])
+            self.values[slot] = self._grown(self.values[slot], capacity, self.devices[slot])
+        self.capacity = capacity
+
+    def _grown(self, old: torch.Tensor | None, capacity: int, device: torch.device) -> torch.Tensor:
+        new = torch.empty(1, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype, device=device)
+        if old is not None and self.length:
+            new[:, :, : self.length].copy_(old[:, :, : self.length])
+        return new
+
+    def write(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store [1, H_kv, q, D] new positions at ``length``; return the layer's keys and values through them."""
+        slot = layer_idx - self.first_layer
+        end = self.length + keys.shape[2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache holds {self.capacity} positions, a write needs {end}: reserve first")
+        key_buffer, value_buffer = self.keys[slot], self.values[slot]
+        key_buffer[:, :, self.length : end].copy_(keys)
+        value_buffer[:, :, self.length : end].copy_(values)
+        return key_buffer[:, :, :end], value_buffer[:, :, :end]
+
+    def layer(self, slot: int, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length if end is None else end
+        return self.keys[slot][:, :, :end], self.values[slot][:, :, :end]
+
+    def advance(self, positions: int) -> None:
+        self.length += positions
+
+    def crop_to(self, length: int) -> None:
+        """Forget every position from ``length`` on; the buffers keep their capacity."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
+        self.length = length
+
+    def release(self) -> None:
+        """Drop the buffers now rather than whenever the session object goes."""
+        self.keys = [None] * self.num_layers
+        self.values = [None] * self.num_layers
+        self.length = self.capacity = 0
+
+
+class SessionView:
+    """What an HF attention layer sees as its cache for one session's forward (a prompt piece or one position)."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return self.cache.write(layer_idx, key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.cache.length
+
+
+class BatchedView:
+    """One decode position for several sessions in one forward.
+
+    Each attention layer gets the sessions' keys and values left-padded to the longest (padding
+    zeroed, and masked by the caller's additive mask), with every row's new position last. The
+    new position also goes into each session's own cache, so sessions join and leave batches freely.
+    The padded buffers are shared by all layers of one forward: a layer's attention is done before
+    the next layer writes.
+    """
+
+    def __init__(self, caches: Sequence[KVCache]) -> None:
+        self.caches = list(caches)
+        self.lengths = [cache.length for cache in self.caches]
+        self.width = max(self.lengths) + 1  # the longest past plus the new position
+        self._padded: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _buffers(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        buffers = self._padded.get(like.device)
+        if buffers is None:
+            shape = (len(self.caches), like.shape[1], self.width, like.shape[3])
+            buffers = (torch.zeros(shape, dtype=like.dtype, device=like.device),
+                       torch.zeros(shape, dtype=like.dtype, device=like.device))
+            self._padded[like.device] = buffers
+        return buffers
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys, values = self._buffers(key_states)  # [B, H_kv, width, D]
+        keys[:, :, -1:].copy_(key_states)
+        values[:, :, -1:].copy_(value_states)
+        for row, (cache, length) in enumerate(zip(self.caches, self.lengths)):
+            past_keys, past_values = cache.write(layer_idx, key_states[row : row + 1], value_states[row : row + 1])
+            start = self.width - 1 - length
+            keys[row, :, start:-1].copy_(past_keys[0, :, :length])
+            values[row, :, start:-1].copy_(past_values[0, :, :length])
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.width - 1
+
+    def attention_mask(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The additive mask [B, 1, 1, width] that hides each row's left padding."""
+        columns = torch.arange(self.width, device=device)
+        starts = torch.tensor([self.width - 1 - n for n in self.lengths], device=device)
+        hidden = columns[None, :] < starts[:, None]
+        mask = torch.zeros(len(self.caches), 1, 1, self.width, dtype=dtype, device=device)
+        return mask.masked_fill_(hidden[:, None, None, :], torch.finfo(dtype).min)

@@ -1,0 +1,90 @@
+"""One request's life inside a stage: its prompt, cache, sampling, output so far and timing."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from fellow.runtime.kv_cache import KVCache
+from fellow.runtime.sampling import SamplingParams
+
+
+@dataclass(eq=False)
+class Session:
+    """What the serving loop hands the engine; the engine fills in the rest as the session runs.
+
+    ``stop_ids`` are the end-of-turn ids (tokenizer and generation config). A stop id ends the
+    session with finish_reason "stop" and is not part of ``output_ids``; stop strings are the
+    caller's to spot, and it ends the session with ``Engine.cancel(session_id, "stop")``.
+    """
+
+    session_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_ids: frozenset[int] = frozenset()
+
+    output_ids: list[int] = field(default_factory=list, init=False)
+    finish_reason: str | None = field(default=None, init=False)
+    cache: KVCache | None = field(default=None, init=False, repr=False)
+    generator: torch.Generator | None = field(default=None, init=False, repr=False)
+    prefilled: int = field(default=0, init=False)
+    next_input: int | None = field(default=None, init=False)  # the token the next decode position feeds
+    added_at: float = field(default=0.0, init=False)
+    prefill_started_at: float | None = field(default=None, init=False)
+    first_token_at: float | None = field(default=None, init=False)
+    decode_s: float = field(default=0.0, init=False)  # wall time of the decode steps it took part in
+    decode_steps: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = _ids(self.prompt_ids)
+        if not self.prompt_ids:
+            raise ValueError("a session needs at least one prompt token")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
+        self.stop_ids = frozenset(self.stop_ids)
+        self.sampling = SamplingParams.of(self.sampling)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """The most its cache grows to, reserved from admission to its end."""
+        return len(self.prompt_ids) + self.max_new_tokens
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.prompt_ids)
+
+    def accept(self, token: int, now: float) -> bool:
+        """Take one sampled token; True when it ends the session (a stop id, or max_new_tokens reached)."""
+        if self.first_token_at is None:
+            self.first_token_at = now
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+            return True
+        self.output_ids.append(token)
+        self.next_input = token
+        if len(self.output_ids) >= self.max_new_tokens:
+            self.finish_reason = "length"
+            return True
+        return False
+
+    def timing(self, now: float | None = None) -> dict:
+        """The numbers a done frame carries: the whole prompt's wall time, time to first token, decode pace."""
+        now = time.perf_counter() if now is None else now
+        timing: dict = {"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.output_ids)}
+        if self.first_token_at is not None and self.prefill_started_at is not None:
+            timing["prefill_ms"] = round((self.first_token_at - self.prefill_started_at) * 1e3, 3)
+            timing["ttft_ms"] = round((self.first_token_at - self.added_at) * 1e3, 3)
+            elapsed = now - self.first_token_at
+            if len(self.output_ids) > 1 and elapsed > 0:
+                timing["tokens_per_s"] = round((len(self.output_ids) - 1) / elapsed, 3)
+        if self.decode_steps:
+            timing["decode_ms"] = round(self.decode_s * 1e3 / self.decode_steps, 3)
+        return timing
+
+
+def _ids(ids: Iterable[int] | torch.Tensor) -> list[int]:
+    return ids.tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]

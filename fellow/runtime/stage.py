@@ -1,0 +1,185 @@
+"""A serving stage: a contiguous range of HF decoder layers, with the embeddings on stage 0 and the head on the last."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from fellow.runtime.kv_cache import BatchedView, KVCache, SessionView
+
+BATCHABLE_ATTENTION = ("sdpa", "eager")  # implementations that take an explicit additive 4D mask
+
+
+def _cache_keyword(layer: nn.Module) -> str:
+    """The name a decoder layer's forward takes its cache by (transformers renamed it in 5.x)."""
+    names = inspect.signature(layer.forward).parameters
+    for name in ("cache", "past_key_values", "past_key_value"):
+        if name in names:
+            return name
+    raise TypeError(f"{type(layer).__name__}.forward takes no cache argument")
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+class StageModel:
+    """Runs one session's prompt pieces and batched decode positions through its layers.
+
+    A stage is a ring of one when it holds the embeddings, every layer, the final norm and the head.
+    Stage 0 takes token ids; later stages take hidden states. The last stage returns logits of the
+    last position only; the others return hidden states of every position they ran.
+    """
+
+    def __init__(
+        self,
+        config,
+        layers: Sequence[nn.Module],
+        first_layer: int,
+        rotary_emb: nn.Module,
+        embed: nn.Module | None = None,
+        norm: nn.Module | None = None,
+        head: nn.Module | None = None,
+    ) -> None:
+        if (norm is None) != (head is None):
+            raise ValueError("the final norm and the head come together, on the last stage")
+        attention = getattr(config, "_attn_implementation", None) or "eager"
+        if attention not in BATCHABLE_ATTENTION:
+            raise ValueError(f"attention {attention!r} cannot take a padded batch; load with one of {BATCHABLE_ATTENTION}")
+        layer_types = getattr(config, "layer_types", None) or []
+        if any(kind != "full_attention" for kind in layer_types[first_layer : first_layer + len(layers)]):
+            raise ValueError("only full-attention layers are served (no sliding-window or linear attention)")
+        if not layers:
+            raise ValueError("a stage needs at least one decoder layer")
+        self.config = config
+        self.layers = list(layers)
+        self.first_layer = first_layer
+        self.rotary_emb = rotary_emb
+        self.embed, self.norm, self.head = embed, norm, head
+        self.attention = attention
+        self.layer_devices = [_module_device(layer) for layer in self.layers]
+        self.dtype = next(self.layers[0].parameters()).dtype
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self._cache_keyword = _cache_keyword(self.layers[0])
+        self._input_device = _module_device(embed) if embed is not None else self.layer_devices[0]
+        self._head_device = _module_device(head) if head is not None else None
+
+    @classmethod
+    def from_causal_lm(cls, model: nn.Module, start: int = 0, end: int | None = None) -> "StageModel":
+        """Layers [start, end) of an HF causal LM, with embeddings when start is 0 and the head when end is the last."""
+        decoder = model.model
+        end = len(decoder.layers) if end is None else end
+        return cls(
+            config=model.config,
+            layers=decoder.layers[start:end],
+            first_layer=start,
+            rotary_emb=decoder.rotary_emb,
+            embed=decoder.embed_tokens if start == 0 else None,
+            norm=decoder.norm if end == len(decoder.layers) else None,
+            head=model.lm_head if end == len(decoder.layers) else None,
+        )
+
+    @property
+    def is_first(self) -> bool:
+        return self.embed is not None
+
+    @property
+    def is_last(self) -> bool:
+        return self.head is not None
+
+    @property
+    def input_device(self) -> torch.device:
+        return self._input_device
+
+    @property
+    def output_device(self) -> torch.device | None:
+        """Where the logits come out (and sampling generators live); None before the last stage."""
+        return self._head_device
+
+    def kv_bytes_per_token(self) -> int:
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * len(self.layers) * self.num_kv_heads * self.head_dim * element
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.first_layer, len(self.layers), self.num_kv_heads, self.head_dim,
+                       self.dtype, self.layer_devices)
+
+    @torch.inference_mode()
+    def prefill(self, cache: KVCache, inputs: torch.Tensor, prefill_chunk: int = 0) -> torch.Tensor:
+        """A whole prompt (or a stage's share of it) in pieces of ``prefill_chunk`` positions (0: at once).
+
+        Returns what the last piece returns: the last position's logits [V], or hidden states [1, q, H].
+        """
+        total = inputs.shape[0] if self.is_first else inputs.shape[1]
+        chunk = prefill_chunk if prefill_chunk > 0 else total
+        out = None
+        for start in range(0, total, chunk):
+            piece = inputs[start : start + chunk] if self.is_first else inputs[:, start : start + chunk]
+            out = self.forward_piece(cache, piece)
+        return out
+
+    @torch.inference_mode()
+    def forward_piece(self, cache: KVCache, inputs: torch.Tensor) -> torch.Tensor:
+        """One session's next positions: ids [q] on stage 0, hidden [1, q, H] after it."""
+        hidden = self._embed(inputs.view(1, -1)) if self.is_first else inputs
+        positions = hidden.shape[1]
+        cache.reserve(positions)
+        position_ids = torch.arange(cache.length, cache.length + positions, device=hidden.device)[None, :]
+        mask = self._piece_mask(cache.length, positions, hidden)
+        hidden = self._layers(hidden, position_ids, mask, SessionView(cache))
+        cache.advance(positions)
+        return self._head(hidden)[0] if self.is_last else hidden
+
+    @torch.inference_mode()
+    def decode(self, caches: Sequence[KVCache], inputs: torch.Tensor) -> torch.Tensor:
+        """One new position for each session: ids [B] on stage 0, hidden [B, 1, H] after it.
+
+        Returns logits [B, V] on the last stage, hidden [B, 1, H] before it.
+        """
+        hidden = self._embed(inputs.view(-1, 1)) if self.is_first else inputs
+        for cache in caches:
+            cache.reserve(1)
+        if len(caches) == 1:  # alone: attend straight to the cache, nothing to pad or mask
+            view, mask = SessionView(caches[0]), None
+        else:
+            view = BatchedView(caches)
+            mask = view.attention_mask(hidden.dtype, hidden.device)
+        position_ids = torch.tensor([[cache.length] for cache in caches], device=hidden.device)
+        hidden = self._layers(hidden, position_ids, mask, view)
+        for cache in caches:
+            cache.advance(1)
+        return self._head(hidden) if self.is_last else hidden
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids.to(self.input_device))
+
+    def _piece_mask(self, past: int, positions: int, hidden: torch.Tensor) -> torch.Tensor | None:
+        if positions == 1 or (past == 0 and self.attention == "sdpa"):
+            return None  # one query sees everything; an empty past is plain causal, which sdpa does itself
+        rows = torch.arange(past, past + positions, device=hidden.device)[:, None]
+        columns = torch.arange(past + positions, device=hidden.device)[None, :]
+        mask = torch.zeros(1, 1, positions, past + positions, dtype=hidden.dtype, device=hidden.device)
+        return mask.masked_fill_((columns > rows)[None, None], torch.finfo(hidden.dtype).min)
+
+    def _layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, view) -> torch.Tensor:
+        device = hidden.device
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        for layer, layer_device in zip(self.layers, self.layer_devices):
+            if layer_device != device:  # layers spread over several cards
+                device = layer_device
+                hidden = hidden.to(device)
+                position_ids = position_ids.to(device)
+                mask = None if mask is None else mask.to(device)
+                position_embeddings = tuple(t.to(device) for t in position_embeddings)
+            out = layer(hidden, attention_mask=mask, position_ids=position_ids,
+                        position_embeddings=position_embeddings, **{self._cache_keyword: view})
+            hidden = out[0] if isinstance(out, tuple) else out  # transformers 4.x returns a tuple
+        return hidden
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        last = hidden[:, -1, :].to(self._head_device)  # the head reads only the last position
+        return self.head(self.norm(last))

@@ -1,0 +1,136 @@
+"""The one-stage engine: batched sessions get what they would alone, cancel frees, admission waits by tokens."""
+
+import pytest
+import torch
+import transformers
+
+from fellow.runtime.admission import ContextTooLong
+from fellow.runtime.engine import Engine
+from fellow.runtime.sampling import SamplingParams
+from fellow.runtime.session import Session
+from fellow.runtime.stage import StageModel
+
+VOCAB = 512
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def stage() -> StageModel:
+    config = transformers.Qwen3Config(num_hidden_layers=3, hidden_size=64, intermediate_size=128,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB)
+    torch.manual_seed(0)
+    return StageModel.from_causal_lm(transformers.AutoModelForCausalLM.from_config(config).eval())
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def drain(engine: Engine, outputs: dict, finished: dict, joins: dict | None = None, batch_sizes=None) -> None:
+    """Step until idle, adding the sessions in ``joins`` (step number -> sessions) as their step comes."""
+    joins = dict(joins or {})
+    step = 0
+    while engine.busy or joins:
+        for session in joins.pop(step, []):
+            engine.add(session)
+        result = engine.step()
+        for session_id, tokens in result.tokens.items():
+            outputs.setdefault(session_id, []).extend(tokens)
+        finished.update({s.session_id: s.finish_reason for s in result.finished})
+        if batch_sizes is not None:
+            batch_sizes.extend(engine.last_batches)
+        step += 1
+
+
+def alone(stage: StageModel, session: Session) -> list[int]:
+    outputs, finished = {}, {}
+    engine = Engine(stage, kv_tokens=4096)
+    engine.add(Session(session.session_id, session.prompt_ids, session.max_new_tokens, session.sampling))
+    drain(engine, outputs, finished)
+    assert finished == {session.session_id: "length"}
+    return outputs[session.session_id]
+
+
+def four_sessions(sampled: bool) -> list[Session]:
+    lengths, news = (5, 31, 12, 47), (30, 22, 35, 26)
+    return [Session(f"s{i}", prompt(n, seed=i), new,
+                    SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=100 + i) if sampled else GREEDY)
+            for i, (n, new) in enumerate(zip(lengths, news))]
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("max_batch", [0, 2])
+def test_batched_sessions_get_what_they_get_alone(stage, sampled, max_batch):
+    sessions = four_sessions(sampled)
+    expected = {s.session_id: alone(stage, s) for s in sessions}
+    engine = Engine(stage, kv_tokens=4096, max_batch=max_batch, prefill_chunk=16)
+    outputs, finished, batch_sizes = {}, {}, []
+    drain(engine, outputs, finished, joins={0: sessions[:1], 3: sessions[1:3], 9: sessions[3:]},
+          batch_sizes=batch_sizes)
+    assert outputs == expected
+    assert finished == {s.session_id: "length" for s in sessions}
+    assert max(batch_sizes) == (max_batch or 4)
+    assert engine.stats()["reserved_tokens"] == 0 and engine.stats()["in_flight"] == 0
+
+
+def test_stop_id_ends_the_session_without_showing_it(stage):
+    ids = prompt(9, seed=7)
+    free_run = alone(stage, Session("s", ids, 12, GREEDY))
+    stop = free_run[5]
+    engine = Engine(stage, kv_tokens=4096)
+    engine.add(Session("s", ids, 12, GREEDY, stop_ids={stop}))
+    outputs, finished = {}, {}
+    drain(engine, outputs, finished)
+    assert finished == {"s": "stop"}
+    assert outputs["s"] == free_run[: free_run.index(stop)]
+
+
+def test_cancel_frees_the_cache_and_the_reservation(stage):
+    engine = Engine(stage, kv_tokens=4096)
+    keep, drop = Session("keep", prompt(10, 1), 20, GREEDY), Session("drop", prompt(30, 2), 40, GREEDY)
+    engine.add(keep)
+    engine.add(drop)
+    outputs = {}
+    for _ in range(3):
+        for session_id, tokens in engine.step().tokens.items():
+            outputs.setdefault(session_id, []).extend(tokens)
+    assert engine.stats()["reserved_tokens"] == 30 + 70
+    cache = drop.cache
+    assert cache.length > 30 and cache.bytes > 0
+    engine.cancel("drop")
+    result = engine.step()
+    assert [(s.session_id, s.finish_reason) for s in result.finished] == [("drop", "cancelled")]
+    assert drop.cache is None and cache.bytes == 0 and cache.keys == [None] * cache.num_layers
+    assert engine.stats()["reserved_tokens"] == 30 and engine.stats()["in_flight"] == 1
+    finished = {}
+    outputs["keep"] += result.tokens.get("keep", [])
+    drain(engine, outputs, finished)
+    assert outputs["keep"] == alone(stage, keep)
+
+
+def test_admission_waits_for_tokens_and_refuses_what_never_fits(stage):
+    engine = Engine(stage, kv_tokens=100, prefill_chunk=8)
+    first, second = Session("a", prompt(20, 3), 40, GREEDY), Session("b", prompt(25, 4), 35, GREEDY)
+    assert engine.can_admit(60)
+    engine.add(first)
+    engine.add(second)
+    assert not engine.can_admit(1)  # both wait in line: 120 tokens asked of 100
+    engine.step()
+    assert engine.stats()["in_flight"] == 1 and engine.stats()["waiting"] == 1
+    assert not engine.can_admit(60)  # 100 - 60 reserved by a, and b is ahead in line
+    admitted_b_at = None
+    steps = 0
+    while engine.busy:
+        result = engine.step()
+        steps += 1
+        if any(s.session_id == "a" for s in result.finished):
+            assert engine.can_admit(40)  # b's 60 wait their turn; a's 60 came back
+        if admitted_b_at is None and "b" in engine.sessions:
+            admitted_b_at = steps
+            assert first.finish_reason == "length"
+    assert engine.can_admit(100) and not engine.can_admit(101)
+    with pytest.raises(ContextTooLong) as refused:
+        engine.add(Session("big", prompt(61, 5), 40, GREEDY))
+    assert refused.value.needed == 101 and refused.value.kv_tokens == 100
+    assert "needs 101 tokens" in str(refused.value) and "holds 100" in str(refused.value)
+    assert refused.value.code == "context_too_long"
