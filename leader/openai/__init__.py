@@ -1,0 +1,1 @@
+"""OpenAI's chat completions wire format: request schema and validation, replies, SSE chunks."""

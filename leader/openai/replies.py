@@ -1,0 +1,86 @@
+"""OpenAI replies: one ``chat.completion``, or SSE ``chat.completion.chunk`` bytes built once per frame.
+
+A streamed chunk differs from the last only in its text, so each request encodes the shared
+head once and a frame costs one msgspec encode of its text.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from events.frames import DoneFrame, ErrorFrame
+from leader.errors import ApiError, error_body
+
+_enc = msgspec.json.Encoder()
+DONE = b"data: [DONE]\n\n"
+
+# An ErrorFrame's code as the HTTP status and OpenAI code the client sees.
+_FRAME_ERRORS = {
+    "context_too_long": (413, "context_length_exceeded", "messages"),
+    "invalid_request": (400, "invalid_request", None),
+    "load_failed": (503, "load_failed", None),
+    "fellow_lost": (503, "load_failed", None),
+    "model_unloaded": (503, "model_not_loaded", None),
+    "timeout": (504, "timeout", None),
+    "frames_lost": (502, "frames_lost", None),
+}
+
+
+def frame_error(frame: ErrorFrame) -> ApiError:
+    status, code, param = _FRAME_ERRORS.get(frame.code, (500, frame.code or "internal_error", None))
+    return ApiError(status, frame.message or "the model failed to answer", code=code, param=param)
+
+
+def usage(done: DoneFrame) -> dict:
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens}
+
+
+def completion(completion_id: str, created: int, model: str, text: str, done: DoneFrame) -> bytes:
+    reply = {
+        "id": completion_id, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                     "logprobs": None, "finish_reason": done.finish_reason}],
+        "usage": usage(done), "system_fingerprint": None,
+    }
+    if done.timing:
+        reply["swarm"] = {"timing": done.timing}
+    return _enc.encode(reply)
+
+
+class ChunkEncoder:
+    """SSE events of one streamed completion, as bytes ready to send."""
+
+    def __init__(self, completion_id: str, created: int, model: str, include_usage: bool):
+        self._head = (b'data: {"id":' + _enc.encode(completion_id) + b',"object":"chat.completion.chunk",'
+                      b'"created":' + _enc.encode(created) + b',"model":' + _enc.encode(model)
+                      + b',"system_fingerprint":null,"choices":')
+        self._no_usage = b',"usage":null' if include_usage else b""
+        self.include_usage = include_usage
+
+    def _choice(self, delta: bytes, finish_reason: bytes = b"null") -> bytes:
+        return b'[{"index":0,"delta":' + delta + b',"logprobs":null,"finish_reason":' + finish_reason + b"}]"
+
+    def role(self) -> bytes:
+        """OpenAI's first chunk: the assistant's role with empty content."""
+        return self._head + self._choice(b'{"role":"assistant","content":""}') + self._no_usage + b"}\n\n"
+
+    def text(self, text: str) -> bytes:
+        return self._head + self._choice(b'{"content":' + _enc.encode(text) + b"}") + self._no_usage + b"}\n\n"
+
+    def finish(self, done: DoneFrame) -> bytes:
+        """The chunk with finish_reason, then (with include_usage) one with usage and no choices.
+
+        swarm.timing rides on whichever is last, as the spec asks of the reply's last chunk.
+        """
+        swarm = b',"swarm":' + _enc.encode({"timing": done.timing}) if done.timing else b""
+        reason = _enc.encode(done.finish_reason)
+        if not self.include_usage:
+            return self._head + self._choice(b"{}", reason) + swarm + b"}\n\n"
+        return (self._head + self._choice(b"{}", reason) + self._no_usage + b"}\n\n"
+                + self._head + b'[],"usage":' + _enc.encode(usage(done)) + swarm + b"}\n\n")
+
+
+def error_event(exc: ApiError) -> bytes:
+    """A failure after the stream began: OpenAI's error object as one event, then [DONE]."""
+    return b"data: " + _enc.encode(error_body(exc.detail, exc.type_, exc.code, exc.param)) + b"\n\n" + DONE

@@ -1,0 +1,202 @@
+"""One request's token frames, in order: live from core NATS, gaps filled from SWARM_TOKENS.
+
+The gateway subscribes to ``swarm.tok.<rid>`` before it publishes the request, so normally
+every frame arrives live and in order. A frame the subscription missed (slow consumer,
+reconnect) shows as a gap in ``seq``, or, when it was the last frame, as silence; either way
+the missing frames are read back from the stream with a short-lived consumer. One shared
+subscription on ``load.failed`` ends every request of a load whose fellow was lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+from nats.aio.client import Client
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from events import subjects
+from events.base import decode_event, new_id
+from events.frames import AnyFrame, ErrorFrame, TokenFrame, frame_decoder
+from events.loads import LoadFailed
+
+log = logging.getLogger(__name__)
+
+PROBE_S = 2.0  # silence this long makes the receiver look in the stream (a lost last frame)
+GAP_WAIT_S = 0.05  # a gap this old is filled from the stream rather than awaited live
+
+
+class FrameTimeout(Exception):
+    """No frame for longer than the caller's bound."""
+
+
+class TokenStream:
+    """The frames of one request; `next()` returns them by seq, ending with a done or error frame."""
+
+    def __init__(self, hub: "TokenStreams", request_id: str, load_id: str):
+        self.hub = hub
+        self.request_id = request_id
+        self.load_id = load_id
+        self.subject = subjects.tokens(request_id)
+        self.next_seq = 0
+        self.ended = False
+        self._held: dict[int, AnyFrame] = {}
+        self._queue: asyncio.Queue[AnyFrame | None] = asyncio.Queue()
+        self._failure: ErrorFrame | None = None
+        self._sub = None
+        self._start_seq = 1  # stream sequence the next fill starts at
+
+    async def open(self) -> "TokenStream":
+        self._sub = await self.hub.nc.subscribe(self.subject, cb=self._on_msg)
+        self.hub.watch(self)
+        return self
+
+    async def _on_msg(self, msg) -> None:
+        try:
+            self._queue.put_nowait(frame_decoder.decode(msg.data))
+        except msgspec.DecodeError:
+            log.warning("undecodable frame on %s dropped", self.subject)
+
+    def fail(self, frame: ErrorFrame) -> None:
+        """End the request from outside (its load failed); the reader sees `frame` next."""
+        self._failure = frame
+        self._queue.put_nowait(None)
+
+    def _hold(self, frame: AnyFrame | None) -> None:
+        if frame is not None and frame.seq >= self.next_seq:
+            self._held.setdefault(frame.seq, frame)
+
+    async def next(self, timeout: float) -> AnyFrame:
+        """The next frame in seq order; FrameTimeout after `timeout` seconds without one."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        gap_wait = self.hub.gap_wait_s
+        while True:
+            frame = self._held.pop(self.next_seq, None)
+            if frame is not None:
+                self.next_seq += 1
+                self.ended = not isinstance(frame, TokenFrame)
+                return frame
+            if self._failure is not None:
+                self.ended = True
+                return self._failure
+            try:
+                self._hold(self._queue.get_nowait())
+                continue
+            except asyncio.QueueEmpty:
+                pass
+            left = deadline - loop.time()
+            if left <= 0:
+                raise FrameTimeout(f"no frame for {timeout:g}s")
+            wait = min(left, gap_wait if self._held else self.hub.probe_s)
+            try:
+                async with asyncio.timeout(wait):
+                    self._hold(await self._queue.get())
+            except TimeoutError:
+                await self._fill()
+                if self._held:
+                    gap_wait = min(gap_wait * 2, self.hub.probe_s)
+
+    async def _fill(self) -> None:
+        """Read this request's frames from SWARM_TOKENS, from where the last fill stopped."""
+        js = self.hub.js
+        cfg = ConsumerConfig(
+            name="fill-" + new_id(), filter_subject=self.subject,
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self._start_seq,
+            ack_policy=AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True, num_replicas=1)
+        try:
+            info = await js.add_consumer(subjects.TOKENS_STREAM, cfg)
+            try:
+                if info.num_pending:
+                    psub = await js.pull_subscribe_bind(stream=subjects.TOKENS_STREAM, consumer=info.name)
+                    try:
+                        msgs = await psub.fetch(info.num_pending, timeout=2.0)
+                    finally:
+                        await psub.unsubscribe()
+                    for msg in msgs:
+                        self._start_seq = max(self._start_seq, msg.metadata.sequence.stream + 1)
+                        self._hold(frame_decoder.decode(msg.data))
+            finally:
+                await js.delete_consumer(subjects.TOKENS_STREAM, info.name)
+        except (NatsError, asyncio.TimeoutError, msgspec.DecodeError) as exc:
+            log.warning("reading %s back from the stream failed: %s", self.subject, exc)
+
+    def close(self, cancel: bool) -> None:
+        """Stop receiving; with `cancel` (client gone before the end) tell the serving stage to stop.
+
+        Runs in a task of its own: the caller may be a cancelled task, where an await would
+        be cancelled again before the cancel reaches NATS.
+        """
+        self.hub.unwatch(self)
+        self.hub.spawn(self._close(cancel and not self.ended))
+
+    async def _close(self, cancel: bool) -> None:
+        if cancel:
+            await self.hub.nc.publish(subjects.cancel(self.request_id), b"")
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+
+
+class TokenStreams:
+    """The gateway's receivers: opens one per request and watches their loads for failure."""
+
+    def __init__(self, nc: Client, js: JetStreamContext, probe_s: float = PROBE_S, gap_wait_s: float = GAP_WAIT_S):
+        self.nc = nc
+        self.js = js
+        self.probe_s = probe_s
+        self.gap_wait_s = gap_wait_s
+        self._by_load: dict[str, set[TokenStream]] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._sub = None
+        self._started: asyncio.Task | None = None
+
+    async def start(self) -> "TokenStreams":
+        """Subscribe to load failures once, however many requests ask at the same moment."""
+        if self._started is None:
+            self._started = asyncio.get_running_loop().create_task(self._subscribe())
+        await asyncio.shield(self._started)
+        return self
+
+    async def _subscribe(self) -> None:
+        self._sub = await self.nc.subscribe(subjects.event("load.failed"), cb=self._on_load_failed)
+
+    async def stop(self) -> None:
+        if self._sub is not None and not self.nc.is_closed:
+            await self._sub.unsubscribe()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def open(self, request_id: str, load_id: str) -> TokenStream:
+        return await TokenStream(self, request_id, load_id).open()
+
+    def watch(self, stream: TokenStream) -> None:
+        self._by_load.setdefault(stream.load_id, set()).add(stream)
+
+    def unwatch(self, stream: TokenStream) -> None:
+        waiting = self._by_load.get(stream.load_id)
+        if waiting is not None:
+            waiting.discard(stream)
+            if not waiting:
+                del self._by_load[stream.load_id]
+
+    async def _on_load_failed(self, msg) -> None:
+        evt = decode_event(msg.data)
+        if not isinstance(evt, LoadFailed):
+            return
+        for stream in list(self._by_load.get(evt.load_id, ())):
+            stream.fail(ErrorFrame(request_id=stream.request_id, seq=-1, code="load_failed",
+                                   message=f"the model '{evt.model_id}' stopped serving: {evt.reason}",
+                                   data={"load_code": evt.code, "fellow_id": evt.fellow_id}))
+
+    def spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("closing a token stream failed: %s", task.exception())
