@@ -20,6 +20,8 @@ class LoadStage(Command, frozen=True, tag="load"):
     stage_fellows: list[str] = []
     transport: TransportPlan = TransportPlan()
     quantization: dict | None = None
+    model_path: str = ""  # where the leader has it; a fellow without it fetches the archive
+    manifest_sha256: str = ""
 
 
 class UnloadStage(Command, frozen=True, tag="unload"):

@@ -29,6 +29,7 @@ class LoadedModel(msgspec.Struct, frozen=True, kw_only=True):
     idle_s: float = 0.0
     vram_bytes: int = 0
     in_flight: int = 0
+    waiting: int = 0
     kv_tokens: int = 0
     kv_tokens_planned: int = 0
 

@@ -3,20 +3,30 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import signal
 
 from core.settings import Settings
 from fellow.agent import FellowAgent
+from fellow.manager import ModelManager
 
 
 def capabilities() -> list[str]:
-    """What this fellow can do; features add theirs as they land."""
-    return []
+    """What this fellow can do: serving needs the torch side installed."""
+    if importlib.util.find_spec("torch") is None:
+        return []
+    return ["serve-one-stage", "serve-concurrent", "serve-kv-budget"]
 
 
 async def run_fellow(settings: Settings, fellow_id: str | None = None) -> None:
     agent = FellowAgent(settings, fellow_id=fellow_id, capabilities=capabilities())
+    manager = ModelManager(agent)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, agent.stopped.set)
-    await agent.run_until_stopped()
+    await agent.start()
+    manager.start()
+    try:
+        await agent.stopped.wait()
+    finally:
+        await agent.stop()

@@ -8,12 +8,16 @@ from litestar import Litestar
 from litestar.openapi import OpenAPIConfig
 
 from core.settings import Settings
+from leader.api.chat import chat_completions
 from leader.api.fellows import list_fellows
 from leader.api.health import healthz
+from leader.api.models import ROUTES as MODEL_ROUTES
+from leader.auth.guard import require_scope
+from leader.auth.routes import TOKEN_ROUTES
 from leader.context import Leader
 from leader.errors import exception_handlers
 
-ROUTES = [healthz, list_fellows]
+ROUTES = [healthz, list_fellows, *MODEL_ROUTES, *TOKEN_ROUTES, chat_completions]
 
 
 def create_app(settings: Settings | None = None, leader: Leader | None = None) -> Litestar:
@@ -32,6 +36,7 @@ def create_app(settings: Settings | None = None, leader: Leader | None = None) -
         route_handlers=list(ROUTES),
         lifespan=[lifespan],
         exception_handlers=exception_handlers,
+        guards=[require_scope],
         openapi_config=OpenAPIConfig(title="Swarm", version="0.1.0", path="/schema"),
         debug=False,
     )

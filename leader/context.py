@@ -16,6 +16,7 @@ from leader.db.engine import make_engine, session_factory, upgrade
 from leader.fellow_monitor import FellowMonitor
 from leader.projectors.all import all_projectors
 from leader.projectors.runner import ProjectionRunner
+from leader.serving import Serving
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ class Leader:
         self.sessions: async_sessionmaker | None = None
         self.projections: ProjectionRunner | None = None
         self.fellows: FellowMonitor | None = None
+        self.serving: Serving | None = None
         self.on_stop: list = []  # async callables run first at stop (services added by features)
 
     async def start(self) -> None:
@@ -45,6 +47,8 @@ class Leader:
         await self.projections.start()
         self.fellows = FellowMonitor(self.js, self.sessions)
         await self.fellows.start()
+        self.serving = Serving(self)
+        await self.serving.start()
         log.info("leader started (database %s)", s.database_url.split("://", 1)[0])
 
     async def stop(self) -> None:

@@ -32,8 +32,12 @@ async def read_checkpoint(session: AsyncSession, name: str) -> int:
     return row.seq if row else 0
 
 
-async def apply_batch(session: AsyncSession, projector: Projector, msgs: list) -> int:
-    """Apply every message above the checkpoint and advance it; returns the new checkpoint."""
+async def apply_batch(session: AsyncSession, projector: Projector, msgs: list,
+                      applied: list | None = None) -> int:
+    """Apply every message above the checkpoint and advance it; returns the new checkpoint.
+
+    Events applied are appended to `applied` when given (for reactions after the commit).
+    """
     row = await session.get(ProjectorCheckpoint, projector.name)
     if row is None:
         row = ProjectorCheckpoint(name=projector.name, seq=0)
@@ -46,6 +50,8 @@ async def apply_batch(session: AsyncSession, projector: Projector, msgs: list) -
         evt = decode_event(msg.data)
         if evt is not None:
             await projector.apply(session, evt, seq)
+            if applied is not None:
+                applied.append(evt)
         checkpoint = seq
     row.seq = checkpoint
     return checkpoint
@@ -62,6 +68,9 @@ class ProjectionRunner:
         self._changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
+        # name -> async callables(events) run after a batch is committed: reactions that publish
+        # further events (ids derived from the cause, so a repeat after a crash is deduplicated)
+        self.listeners: dict[str, list] = {}
 
     async def start(self) -> None:
         async with self.sessions() as session:
@@ -107,11 +116,13 @@ class ProjectionRunner:
                     msgs = await sub.fetch(FETCH_BATCH, timeout=5)
                 except (NatsTimeout, asyncio.TimeoutError):
                     continue
+                applied: list = []
                 async with self.sessions() as session, session.begin():
-                    seq = await apply_batch(session, p, msgs)
+                    seq = await apply_batch(session, p, msgs, applied)
                 for msg in msgs:
                     await msg.ack()
                 await self._advance(p.name, seq)
+                await self._tell(p.name, applied)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # not applied, not acked: resume from the checkpoint
@@ -128,6 +139,13 @@ class ProjectionRunner:
             except Exception:
                 pass
         return None
+
+    async def _tell(self, name: str, applied: list) -> None:
+        for listener in self.listeners.get(name, ()):
+            try:
+                await listener(applied)
+            except Exception:
+                log.exception("listener on projection %s failed", name)
 
     async def _advance(self, name: str, seq: int) -> None:
         async with self._changed:

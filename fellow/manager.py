@@ -1,0 +1,147 @@
+"""The fellow's model manager: load and unload stage processes, eviction, the idle reaper, stop paths."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from core.bus import publish_event
+from core.servable import MANIFEST_NAME
+from events.commands import LoadStage, StopFellow, UnloadStage, UpdateFellow
+from events.fellow import LoadedModel
+from events.loads import LoadFailed, ModelUnloaded, StageReady
+from fellow.stage_process import StageProcess
+
+log = logging.getLogger(__name__)
+
+
+class ModelManager:
+    """Owns every serving subprocess of this fellow; no path that ends the fellow leaves one behind."""
+
+    def __init__(self, agent):
+        self.agent = agent
+        self.settings = agent.settings
+        self.procs: dict[str, StageProcess] = {}  # load_id -> process, oldest first
+        self._reaper: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
+        agent.handlers.update({LoadStage: self.on_load, UnloadStage: self.on_unload,
+                               StopFellow: self.on_stop, UpdateFellow: self.on_update})
+        agent.loaded_models = self.loaded_models
+        agent.on_stop.append(self.stop_all)
+
+    def start(self) -> None:
+        self._reaper = asyncio.create_task(self._reap_idle(), name="idle-reaper")
+
+    def loaded_models(self) -> list[LoadedModel]:
+        out = []
+        for p in self.procs.values():
+            m = p.metrics
+            out.append(LoadedModel(
+                load_id=p.load_id, model_id=p.model_id, stage=p.stage, pid=p.pid, state=p.state,
+                tokens_per_s=m.get("tokens_per_s", 0.0), last_ttft_s=m.get("last_ttft_s"),
+                requests=m.get("requests", 0), idle_s=m.get("idle_s", 0.0),
+                vram_bytes=m.get("vram_bytes", p.ready_info.get("vram_bytes", 0)),
+                in_flight=m.get("in_flight", 0), waiting=m.get("waiting", 0),
+                kv_tokens=p.ready_info.get("kv_tokens", 0), kv_tokens_planned=p.ready_info.get("kv_tokens_planned", 0)))
+        return out
+
+    async def on_load(self, cmd: LoadStage) -> None:
+        async with self._lock:
+            if cmd.load_id in self.procs:
+                return
+            model_dir = Path(cmd.model_path)
+            if not (model_dir / MANIFEST_NAME).is_file():
+                await self._fail(cmd.load_id, cmd.model_id, f"servable not found at {cmd.model_path} on this fellow")
+                return
+            while len(self.procs) >= self.settings.max_loaded_models:
+                oldest = next(iter(self.procs.values()))
+                log.info("evicting %s (%s) to load %s", oldest.model_id, oldest.load_id, cmd.model_id)
+                await self._stop(oldest, "evicted")
+            cfg = {"load_id": cmd.load_id, "model_id": cmd.model_id, "model_dir": str(model_dir),
+                   "stage": cmd.assignment.stage, "num_stages": cmd.num_stages,
+                   "nats_url": self.settings.nats_url or "nats://127.0.0.1:4222",
+                   "transport": {"max_in_flight": cmd.transport.max_in_flight, "kv_tokens": cmd.transport.kv_tokens,
+                                 "max_batch": cmd.transport.max_batch, "prefill_chunk": cmd.transport.prefill_chunk},
+                   "report_s": min(1.0, self.settings.heartbeat_s)}
+            if self.settings.serve_max_batch is not None and not cmd.transport.max_batch:
+                cfg["transport"]["max_batch"] = self.settings.serve_max_batch
+            logs = self.settings.data_dir / "logs"
+            logs.mkdir(parents=True, exist_ok=True)
+            proc = StageProcess(cmd.load_id, cmd.model_id, cmd.assignment.stage, cfg, self._on_report,
+                                log_path=logs / f"{cmd.load_id}-stage{cmd.assignment.stage}.log")
+            self.procs[cmd.load_id] = proc
+            await proc.start()
+            log.info("loading %s as %s (pid %d)", cmd.model_id, cmd.load_id, proc.pid)
+
+    async def _on_report(self, proc: StageProcess, msg: dict) -> None:
+        kind = msg.get("event")
+        if kind == "ready":
+            await publish_event(self.agent.js, StageReady(
+                id=f"ready-{proc.load_id}-{proc.stage}", load_id=proc.load_id, stage=proc.stage,
+                fellow_id=self.agent.fellow_id, pid=proc.pid, kv_tokens=msg.get("kv_tokens", 0),
+                kv_tokens_planned=msg.get("kv_tokens_planned", 0), max_in_flight=msg.get("max_in_flight", 1),
+                vram_bytes=msg.get("vram_bytes", 0), load_s=msg.get("load_s", 0.0)))
+            await self.agent.beat()
+        elif kind == "failed":
+            proc.stop_reason = "failed"
+            await self._fail(proc.load_id, proc.model_id, msg.get("reason", "the stage failed to load"))
+        elif kind == "exited":
+            self.procs.pop(proc.load_id, None)
+            if proc.stop_reason in (None,):
+                await self._fail(proc.load_id, proc.model_id,
+                                 f"the stage process exited unexpectedly (code {msg.get('code')})")
+            elif proc.stop_reason != "failed":
+                await publish_event(self.agent.js, ModelUnloaded(
+                    id=f"unloaded-{proc.load_id}-{proc.stage}", load_id=proc.load_id, model_id=proc.model_id,
+                    reason=proc.stop_reason, fellow_id=self.agent.fellow_id))
+            try:
+                await self.agent.beat()
+            except Exception:
+                pass
+
+    async def _fail(self, load_id: str, model_id: str, reason: str) -> None:
+        log.error("load %s failed: %s", load_id, reason)
+        await publish_event(self.agent.js, LoadFailed(id=f"failed-{load_id}", load_id=load_id, model_id=model_id,
+                                                      reason=reason, fellow_id=self.agent.fellow_id))
+
+    async def _stop(self, proc: StageProcess, reason: str) -> None:
+        await proc.stop(reason)
+        self.procs.pop(proc.load_id, None)
+
+    async def on_unload(self, cmd: UnloadStage) -> None:
+        proc = self.procs.get(cmd.load_id)
+        if proc is not None:
+            await self._stop(proc, cmd.reason or "requested")
+
+    async def stop_all(self, reason: str = "stopped") -> None:
+        await asyncio.gather(*(self._stop(p, reason) for p in list(self.procs.values())))
+        if self._reaper:
+            self._reaper.cancel()
+
+    async def on_stop(self, cmd: StopFellow) -> None:
+        await self.stop_all("stopped")
+        if cmd.purge:
+            shutil.rmtree(self.settings.fellow_model_cache, ignore_errors=True)
+        self.agent.stopped.set()
+
+    async def on_update(self, cmd: UpdateFellow) -> None:
+        """Stop every subprocess first, then re-exec this agent in place."""
+        await self.stop_all("stopped")
+        await self.agent.stop()
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+
+    async def _reap_idle(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.settings.heartbeat_s))
+            ttl = self.settings.model_idle_unload_s
+            if ttl <= 0:
+                continue
+            for proc in list(self.procs.values()):
+                m = proc.metrics
+                if proc.state == "ready" and m and m.get("in_flight", 1) == 0 and m.get("idle_s", 0) >= ttl:
+                    log.info("unloading %s: idle for %.0fs", proc.model_id, m["idle_s"])
+                    await self._stop(proc, "idle")

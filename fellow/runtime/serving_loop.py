@@ -1,0 +1,181 @@
+"""The thread that drives the engine: takes jobs, steps, detokenizes, spots stop strings, reports out."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from fellow.runtime.admission import ContextTooLong
+from fellow.runtime.detokenizer import Detokenizer
+from fellow.runtime.engine import Engine
+from fellow.runtime.sampling import SamplingParams
+from fellow.runtime.session import Session
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Output:
+    """What one step produced for one request: text pieces, ids, and the end if it ended."""
+
+    request_id: str
+    texts: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    timing: dict = field(default_factory=dict)
+    error: Exception | None = None
+
+
+class _Reply:
+    """Per request: the detokenizer and the text held back while it may be the start of a stop string."""
+
+    def __init__(self, job: Job, tokenizer):
+        self.job = job
+        self.detok = Detokenizer(tokenizer, job.prompt_ids)
+        self.pending = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was hit)."""
+        self.pending += text
+        stops = self.job.stop
+        if not stops:
+            out, self.pending = self.pending, ""
+            return out, False
+        hits = [i for i in (self.pending.find(s) for s in stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[:min(hits)], ""
+            return out, True
+        keep = max((k for s in stops for k in range(min(len(s) - 1, len(self.pending)), 0, -1)
+                    if self.pending.endswith(s[:k])), default=0)
+        out = self.pending[:len(self.pending) - keep]
+        self.pending = self.pending[len(self.pending) - keep:]
+        return out, False
+
+
+class ServingLoop:
+    """Owns the engine on one thread; `submit` and `cancel` are safe from any thread.
+
+    `deliver(outputs)` is called on this thread after every step with at least one output; the
+    caller hands them to its event loop.
+    """
+
+    def __init__(self, engine: Engine, tokenizer, stop_ids: frozenset[int], deliver: Callable[[list[Output]], None]):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.stop_ids = stop_ids
+        self.deliver = deliver
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.replies: dict[str, _Reply] = {}
+        self.running = True
+        self.last_active = time.monotonic()
+        self.thread = threading.Thread(target=self._run, name="serving-loop", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        self.inbox.put(("add", job))
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        self.inbox.put(("cancel", (request_id, reason)))
+
+    def stop(self) -> None:
+        self.running = False
+        self.inbox.put(("wake", None))
+
+    def _drain(self, block: bool) -> list[Output]:
+        refused: list[Output] = []
+        try:
+            item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return refused
+        while True:
+            kind, arg = item
+            if kind == "add":
+                try:
+                    self.engine.add(Session(arg.request_id, arg.prompt_ids, arg.max_new_tokens,
+                                            sampling=arg.sampling, stop_ids=self.stop_ids))
+                    self.replies[arg.request_id] = _Reply(arg, self.tokenizer)
+                except (ContextTooLong, ValueError) as exc:
+                    refused.append(Output(arg.request_id, prompt_tokens=len(arg.prompt_ids), error=exc))
+            elif kind == "cancel":
+                if arg[0] in self.replies:
+                    self.engine.cancel(*arg)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return refused
+
+    def _run(self) -> None:
+        while self.running:
+            outputs = self._drain(block=not self.engine.busy)
+            if self.engine.busy:
+                self.last_active = time.monotonic()
+                try:
+                    outputs += self._step()
+                except Exception as exc:  # a failed step fails its sessions, not the process
+                    log.exception("engine step failed")
+                    outputs += self._fail_all(exc)
+            if outputs:
+                self.deliver(outputs)
+
+    def _step(self) -> list[Output]:
+        result = self.engine.step()
+        outputs: dict[str, Output] = {}
+        for sid, tokens in result.tokens.items():
+            reply = self.replies.get(sid)
+            if reply is None or reply.stopped:
+                continue
+            out = outputs.setdefault(sid, Output(sid))
+            for token in tokens:
+                text, hit = reply.feed(reply.detok.add(token))
+                out.ids.append(token)
+                if text:
+                    out.texts.append(text)
+                if hit:
+                    reply.stopped = True
+                    self.engine.cancel(sid, "stop")
+                    break
+        for session in result.finished:
+            reply = self.replies.pop(session.session_id, None)
+            if reply is None:
+                continue
+            out = outputs.setdefault(session.session_id, Output(session.session_id))
+            if not reply.stopped:
+                tail, _ = reply.feed(reply.detok.flush())
+                tail += reply.pending
+                if tail:
+                    out.texts.append(tail)
+            out.finish_reason = session.finish_reason or "stop"
+            out.completion_tokens = len(session.output_ids)
+            out.prompt_tokens = len(session.prompt_ids)
+            out.timing = session.timing()
+        return list(outputs.values())
+
+    def _fail_all(self, exc: Exception) -> list[Output]:
+        outs = []
+        for sid, reply in list(self.replies.items()):
+            self.engine.cancel(sid, "error")
+            outs.append(Output(sid, prompt_tokens=len(reply.job.prompt_ids), error=exc))
+        self.replies.clear()
+        try:
+            self.engine.step()  # applies the cancels: caches and reservations are given back
+        except Exception:
+            log.exception("engine could not release failed sessions")
+        return outs

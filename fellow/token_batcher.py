@@ -1,0 +1,78 @@
+"""Batches a request's tokens into frames: whatever arrived while the previous frame was in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from nats.js import JetStreamContext
+
+from core.bus import publish_struct
+from events import subjects
+from events.frames import DoneFrame, ErrorFrame, Frame, TokenFrame, frame_msg_id
+
+log = logging.getLogger(__name__)
+
+
+class TokenBatcher:
+    """One per request. The first token goes out at once; later ones ride together while a publish
+    is awaiting its ack, so a busy stage sends fewer, fuller frames and an idle one adds no delay.
+
+    The done or error frame always follows every token frame (one ordered sender per request).
+    """
+
+    def __init__(self, js: JetStreamContext, request_id: str):
+        self.js = js
+        self.request_id = request_id
+        self.subject = subjects.tokens(request_id)
+        self.seq = 0
+        self.sent_tokens = 0
+        self._texts: list[str] = []
+        self._ids: list[int] = []
+        self._final: Frame | None = None
+        self._sender: asyncio.Task | None = None
+        self.closed = asyncio.Event()
+
+    def add(self, texts: list[str], ids: list[int]) -> None:
+        if self._final is not None:
+            return
+        self._texts.extend(texts)
+        self._ids.extend(ids)
+        self._kick()
+
+    def done(self, completion_tokens: int, prompt_tokens: int, finish_reason: str, timing: dict) -> None:
+        self._close(lambda seq: DoneFrame(request_id=self.request_id, seq=seq, completion_tokens=completion_tokens,
+                                          prompt_tokens=prompt_tokens, finish_reason=finish_reason, timing=timing))
+
+    def error(self, message: str, code: str = "internal_error", data: dict | None = None) -> None:
+        self._close(lambda seq: ErrorFrame(request_id=self.request_id, seq=seq, message=message, code=code,
+                                           data=data or {}))
+
+    def _close(self, make) -> None:
+        if self._final is not None:
+            return
+        self._final = make  # built when it is sent, after the token frames, with the next seq
+        self._kick()
+
+    def _kick(self) -> None:
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.create_task(self._send())
+
+    async def _send(self) -> None:
+        try:
+            while self._texts or (self._final is not None and not self.closed.is_set()):
+                if self._texts:
+                    texts, ids = self._texts, self._ids
+                    self._texts, self._ids = [], []
+                    frame = TokenFrame(request_id=self.request_id, seq=self.seq, texts=texts, text="".join(texts),
+                                       token_ids=ids)
+                    self.sent_tokens += len(texts)
+                else:
+                    frame = self._final(self.seq)
+                await publish_struct(self.js, self.subject, frame, frame_msg_id(self.request_id, self.seq))
+                self.seq += 1
+                if not isinstance(frame, TokenFrame):
+                    self.closed.set()
+        except Exception:
+            log.exception("frames of %s not published", self.request_id)
+            self.closed.set()

@@ -1,0 +1,141 @@
+"""Models: the catalog (`/api/v1/models`, OpenAI's `/v1/models`), load, unload and status."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+from litestar import Request, get, post
+from litestar.status_codes import HTTP_200_OK
+
+from leader.db.tables import Load, Model
+from leader.errors import ApiError
+from leader.serving import model_not_found
+
+
+class LoadBody(msgspec.Struct, forbid_unknown_fields=True):
+    num_stages: int | None = None
+    fellow_id: str | None = None
+    quantization: dict | None = None
+    wait: bool = False
+    timeout_s: float = 600.0
+
+
+def model_view(m: Model, load: Load | None) -> dict:
+    return {
+        "id": m.model_id, "object": "model", "available": m.available, "reason": m.reason or None,
+        "architecture": m.architecture, "num_stages": m.num_stages, "boundaries": m.boundaries,
+        "num_layers": m.num_layers, "hidden_size": m.hidden_size, "parameters": m.parameters,
+        "size_bytes": m.size_bytes, "quantization": m.quantization, "export": m.export,
+        "load_state": load.state if load else "unloaded", "load_id": load.load_id if load else None,
+    }
+
+
+def load_view(load: Load, stages, latest: dict) -> dict:
+    view = {"load_id": load.load_id, "model_id": load.model_id, "state": load.state, "reason": load.reason or None,
+            "num_stages": load.num_stages, "requested_at": load.requested_at, "ready_at": load.ready_at,
+            "ended_at": load.ended_at, "transport": load.transport, "stages": []}
+    metrics = {}
+    for s in stages:
+        stage = {"stage": s.stage, "fellow_id": s.fellow_id, "layers": [s.layer_first, s.layer_last],
+                 "state": s.state, "pid": s.pid, "kv_tokens": s.kv_tokens, "kv_tokens_planned": s.kv_tokens_planned,
+                 "max_in_flight": s.max_in_flight, "vram_bytes": s.vram_bytes}
+        hb = latest.get(s.fellow_id)
+        for lm in (hb.loaded_models if hb else []):
+            if lm.load_id == load.load_id and lm.stage == s.stage:
+                live = msgspec.to_builtins(lm)
+                stage["metrics"] = {k: live[k] for k in ("tokens_per_s", "last_ttft_s", "requests", "idle_s",
+                                                         "vram_bytes", "in_flight", "waiting")
+                                    if k in live}
+                if s.stage == 0:
+                    metrics = stage["metrics"]
+        view["stages"].append(stage)
+    view["metrics"] = metrics
+    return view
+
+
+@get("/api/v1/models", opt={"scope": "read"}, tags=["models"], summary="Servable models and their load state")
+async def list_models(request: Request) -> dict:
+    serving = request.app.state.leader.serving
+    models = await serving.registry.all()
+    loads = {m.model_id: await serving.active_load(m.model_id) for m in models}
+    return {"object": "list", "data": [model_view(m, loads[m.model_id]) for m in models]}
+
+
+@get("/v1/models", opt={"scope": "read"}, tags=["openai"], summary="OpenAI: the models available to chat")
+async def list_models_openai(request: Request) -> dict:
+    models = await request.app.state.leader.serving.registry.all()
+    return {"object": "list", "data": [{"id": m.model_id, "object": "model", "created": int(m.cataloged_at),
+                                        "owned_by": "swarm"} for m in models if m.available]}
+
+
+async def _model(request: Request, model_id: str) -> Model:
+    model = await request.app.state.leader.serving.registry.get(model_id)
+    if model is None:
+        raise model_not_found(model_id)
+    return model
+
+
+@get("/v1/models/{model_id:str}", opt={"scope": "read"}, tags=["openai"], summary="OpenAI: one model")
+async def get_model_openai(request: Request, model_id: str) -> dict:
+    m = await _model(request, model_id)
+    return {"id": m.model_id, "object": "model", "created": int(m.cataloged_at), "owned_by": "swarm"}
+
+
+@get("/api/v1/models/{model_id:str}", opt={"scope": "read"}, tags=["models"], summary="One model")
+async def get_model(request: Request, model_id: str) -> dict:
+    m = await _model(request, model_id)
+    return model_view(m, await request.app.state.leader.serving.active_load(model_id))
+
+
+@get("/api/v1/models/{model_id:str}/status", opt={"scope": "read"}, tags=["models"],
+     summary="Load state, stages and serving metrics (tokens_per_s, last_ttft_s, requests, idle_s, vram_bytes)")
+async def model_status(request: Request, model_id: str) -> dict:
+    leader = request.app.state.leader
+    m = await _model(request, model_id)
+    load = await leader.serving.active_load(model_id)
+    view = model_view(m, load)
+    view["load"] = load_view(load, await leader.serving.stages(load.load_id), leader.fellows.latest) if load else None
+    view["checked_at"] = time.time()
+    return view
+
+
+def _body(raw: bytes, cls):
+    if not raw.strip():
+        return cls()
+    try:
+        return msgspec.json.decode(raw, type=cls)
+    except msgspec.ValidationError as exc:
+        raise ApiError(400, f"Invalid request body: {exc}", code="invalid_request") from None
+    except msgspec.DecodeError:
+        raise ApiError(400, "The request body is not valid JSON", code="invalid_json") from None
+
+
+@post("/api/v1/models/{model_id:str}/load", opt={"scope": "operate"}, tags=["models"], status_code=HTTP_200_OK,
+      summary="Load a model (one stage); with wait, answer once it is ready or failed")
+async def load_model(request: Request, model_id: str) -> dict:
+    leader = request.app.state.leader
+    body = _body(await request.body(), LoadBody)
+    if body.num_stages is not None and body.num_stages < 1:
+        raise ApiError(400, "num_stages must be at least 1", code="invalid_value", param="num_stages")
+    load = await leader.serving.load(model_id, body.num_stages, body.fellow_id, body.quantization,
+                                     requested_by=request.scope.get("swarm_token_id", ""))
+    if body.wait:
+        try:
+            load = await leader.serving.wait_settled(load.load_id, body.timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(504, f"'{model_id}' is still loading after {body.timeout_s:.0f}s",
+                           code="load_timeout") from None
+    return load_view(load, await leader.serving.stages(load.load_id), leader.fellows.latest)
+
+
+@post("/api/v1/models/{model_id:str}/unload", opt={"scope": "operate"}, tags=["models"], status_code=HTTP_200_OK,
+      summary="Unload a model: its stage processes stop and give their memory back")
+async def unload_model(request: Request, model_id: str) -> dict:
+    leader = request.app.state.leader
+    load = await leader.serving.unload(model_id, requested_by=request.scope.get("swarm_token_id", ""))
+    return load_view(load, await leader.serving.stages(load.load_id), leader.fellows.latest)
+
+
+ROUTES = [list_models, list_models_openai, get_model_openai, get_model, model_status, load_model, unload_model]

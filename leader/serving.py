@@ -1,0 +1,218 @@
+"""Loads on the leader: request, place, command, react to stages ready and fellows lost; resolve chat models."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import msgspec
+from sqlalchemy import select
+
+from core.bus import publish_struct
+from core.servable import ServableError, load_manifest
+from events import subjects
+from events.commands import LoadStage, UnloadStage
+from events.fellow import FellowLost
+from events.loads import (LoadFailed, LoadPlaced, LoadRequested, ModelLoaded, ModelUnloaded,
+                          StageReady, TransportPlan, UnloadRequested)
+from leader.db.tables import Load, LoadStage as LoadStageRow, Model
+from leader.errors import ApiError
+from leader.placement import PlacementError, place_one_stage
+from leader.registry import Registry
+
+log = logging.getLogger(__name__)
+
+ACTIVE = ("requested", "loading", "ready")
+AUTOLOAD_WAIT_S = 600.0
+
+
+class ReadyLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """What the gateway needs to send a chat request to a loaded model."""
+
+    load_id: str
+    model_id: str
+    generation: dict
+    context_tokens: int
+    kv_tokens: int = 0
+
+
+def model_not_found(model_id: str) -> ApiError:
+    return ApiError(404, f"The model '{model_id}' does not exist", code="model_not_found", param="model")
+
+
+class Serving:
+    def __init__(self, leader):
+        self.leader = leader
+        self.registry = Registry(leader)
+        self.ready: dict[str, ReadyLoad] = {}  # model_id -> its ready load (the hot path's view)
+        self._changed = asyncio.Condition()
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.leader.projections.listeners.setdefault("loads", []).append(self._on_loads)
+        self.leader.fellows.listeners.append(self._on_fellow)
+        await self._sweep()
+
+    async def _sweep(self) -> None:
+        """After a restart: finish what a crash interrupted, and rebuild the ready view."""
+        async with self.leader.sessions() as session:
+            loads = list(await session.scalars(select(Load).where(Load.state.in_(ACTIVE))))
+        for load in loads:
+            await self._check_loaded(load.load_id)
+        await self._refresh_ready()
+
+    async def _on_loads(self, events: list) -> None:
+        for evt in events:
+            if isinstance(evt, StageReady):
+                await self._check_loaded(evt.load_id)
+        if any(isinstance(e, (ModelLoaded, LoadFailed, ModelUnloaded)) for e in events):
+            await self._refresh_ready()
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _on_fellow(self, evt) -> None:
+        if not isinstance(evt, FellowLost):
+            return
+        async with self.leader.sessions() as session:
+            rows = await session.execute(
+                select(Load.load_id, Load.model_id).join(LoadStageRow, LoadStageRow.load_id == Load.load_id)
+                .where(LoadStageRow.fellow_id == evt.fellow_id, Load.state.in_(ACTIVE)))
+            hit = sorted(set(rows.all()))
+        for load_id, model_id in hit:
+            await self.leader.publish(LoadFailed(
+                id=f"failed-{load_id}", load_id=load_id, model_id=model_id, code="fellow_lost",
+                fellow_id=evt.fellow_id, reason=f"fellow {evt.fellow_id} was lost ({evt.reason})"))
+
+    async def _check_loaded(self, load_id: str) -> None:
+        async with self.leader.sessions() as session:
+            load = await session.get(Load, load_id)
+            stages = list(await session.scalars(select(LoadStageRow).where(LoadStageRow.load_id == load_id)))
+        if load is None or load.state != "loading" or not stages:
+            return
+        if all(s.state == "ready" for s in stages) and len(stages) == load.num_stages:
+            await self.leader.publish(ModelLoaded(id=f"loaded-{load_id}", load_id=load_id,
+                                                  model_id=load.model_id))
+
+    async def _refresh_ready(self) -> None:
+        async with self.leader.sessions() as session:
+            rows = await session.execute(select(Load, Model).join(Model, Model.model_id == Load.model_id)
+                                         .where(Load.state == "ready"))
+            pairs = rows.all()
+            stages = {s.load_id: s for s in await session.scalars(
+                select(LoadStageRow).where(LoadStageRow.load_id.in_([l.load_id for l, _ in pairs])))}
+        ready = {}
+        for load, model in sorted(pairs, key=lambda p: p[0].ready_at or 0):
+            try:
+                gen = load_manifest(model.path).generation
+            except (ServableError, OSError):
+                continue
+            kv = stages[load.load_id].kv_tokens if load.load_id in stages else 0
+            ready[model.model_id] = ReadyLoad(
+                load_id=load.load_id, model_id=model.model_id, generation=msgspec.to_builtins(gen),
+                context_tokens=kv or self.leader.settings.serve_context_tokens, kv_tokens=kv)
+        self.ready = ready
+
+    # --- API ---------------------------------------------------------------------------------
+
+    async def active_load(self, model_id: str) -> Load | None:
+        async with self.leader.sessions() as session:
+            return (await session.scalars(select(Load).where(Load.model_id == model_id, Load.state.in_(ACTIVE))
+                                          .order_by(Load.requested_at.desc()))).first()
+
+    async def load(self, model_id: str, num_stages: int | None = None, fellow_id: str | None = None,
+                   quantization: dict | None = None, requested_by: str = "") -> Load:
+        """Request a load (or return the model's active one) and place it; returns the load's row."""
+        model = await self.registry.get(model_id)
+        if model is None:
+            raise model_not_found(model_id)
+        if not model.available:
+            raise ApiError(409, f"The model '{model_id}' is not servable: {model.reason}", code="model_unavailable")
+        existing = await self.active_load(model_id)
+        if existing is not None:
+            return existing
+        if num_stages not in (None, 1):
+            raise ApiError(400, f"num_stages={num_stages}: this leader serves models on one stage so far",
+                           code="unsupported_num_stages", param="num_stages")
+        load_id = "ld-" + uuid.uuid4().hex[:16]
+        await self.leader.publish(LoadRequested(load_id=load_id, model_id=model_id, num_stages=1,
+                                                fellow_ids=[fellow_id] if fellow_id else [],
+                                                quantization=quantization, requested_by=requested_by))
+        monitor = self.leader.fellows
+        try:
+            assignment = place_one_stage(model.parameters, model.num_layers, monitor.latest,
+                                         set(monitor.online), fellow_id, quantization)
+        except PlacementError as exc:
+            await self.leader.publish(LoadFailed(id=f"failed-{load_id}", load_id=load_id, model_id=model_id,
+                                                 reason=str(exc), code="placement_failed"), wait=["loads"])
+            raise ApiError(409, f"Cannot load '{model_id}': {exc}", code="placement_failed") from None
+        s = self.leader.settings
+        transport = TransportPlan(max_in_flight=s.serve_max_in_flight, kv_tokens=0,
+                                  max_batch=s.serve_max_batch or 0, speculative=s.serve_speculative,
+                                  prefill_chunk=s.serve_prefill_chunk)
+        await self.leader.publish(LoadPlaced(load_id=load_id, model_id=model_id, stages=[assignment],
+                                             transport=transport, quantization=quantization), wait=["loads"])
+        cmd = LoadStage(load_id=load_id, model_id=model_id, assignment=assignment, num_stages=1,
+                        stage_fellows=[assignment.fellow_id], transport=transport, quantization=quantization,
+                        model_path=model.path, manifest_sha256=model.manifest_sha256)
+        await publish_struct(self.leader.js, subjects.command(assignment.fellow_id, "load"), cmd,
+                             msg_id=f"{load_id}-0-load")
+        return await self.get_load(load_id)
+
+    async def get_load(self, load_id: str) -> Load | None:
+        async with self.leader.sessions() as session:
+            return await session.get(Load, load_id)
+
+    async def stages(self, load_id: str) -> list[LoadStageRow]:
+        async with self.leader.sessions() as session:
+            return list(await session.scalars(select(LoadStageRow).where(LoadStageRow.load_id == load_id)
+                                              .order_by(LoadStageRow.stage)))
+
+    async def wait_settled(self, load_id: str, timeout: float) -> Load:
+        """Wait until the load is ready or ended; returns its row (TimeoutError past `timeout`)."""
+        async def settled() -> Load:
+            async with self._changed:
+                while True:
+                    load = await self.get_load(load_id)
+                    if load is not None and load.state not in ("requested", "loading"):
+                        return load
+                    await self._changed.wait()
+
+        return await asyncio.wait_for(settled(), timeout)
+
+    async def unload(self, model_id: str, requested_by: str = "") -> Load:
+        load = await self.active_load(model_id)
+        if load is None:
+            if await self.registry.get(model_id) is None:
+                raise model_not_found(model_id)
+            raise ApiError(409, f"The model '{model_id}' is not loaded", code="model_not_loaded")
+        await self.leader.publish(UnloadRequested(load_id=load.load_id, model_id=model_id,
+                                                  requested_by=requested_by), wait=["loads"])
+        for stage in await self.stages(load.load_id):
+            await publish_struct(self.leader.js, subjects.command(stage.fellow_id, "unload"),
+                                 UnloadStage(load_id=load.load_id), msg_id=f"{load.load_id}-{stage.stage}-unload")
+        return await self.get_load(load.load_id)
+
+    async def ready_load(self, model_id: str, autoload: bool | None = None) -> ReadyLoad:
+        """The model's ready load for a chat request; 404 unknown, 409 not loaded (unless autoload)."""
+        ready = self.ready.get(model_id)
+        if ready is not None:
+            return ready
+        model = await self.registry.get(model_id)
+        if model is None:
+            raise model_not_found(model_id)
+        autoload = self.leader.settings.autoload if autoload is None else autoload
+        if not autoload:
+            raise ApiError(409, f"The model '{model_id}' is not loaded. Load it with `swarm model-load {model_id} "
+                                f"--wait` or POST /api/v1/models/{model_id}/load", code="model_not_loaded")
+        load = await self.load(model_id, requested_by="autoload")
+        try:
+            load = await self.wait_settled(load.load_id, AUTOLOAD_WAIT_S)
+        except asyncio.TimeoutError:
+            raise ApiError(503, f"The model '{model_id}' did not finish loading in {AUTOLOAD_WAIT_S:.0f}s",
+                           code="model_loading") from None
+        if load.state != "ready" or model_id not in self.ready:
+            raise ApiError(503, f"The model '{model_id}' failed to load: {load.reason or load.state}",
+                           code="load_failed")
+        return self.ready[model_id]

@@ -1,0 +1,103 @@
+"""A real serving stack for tests: tiny servables, nats-server, leader and fellow processes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import msgspec
+
+from events.frames import DoneFrame, ErrorFrame, TokenFrame, frame_decoder
+from events.requests import ChatMessage, ChatRequest, Sampling
+from tests.processes import SwarmProcess, swarm_env, wait_until
+
+
+def make_servable(root: Path, model_id: str = "tiny", family: str = "qwen3", layers: int = 4, hidden: int = 64,
+                  stages: int = 2, seed: int = 0) -> tuple[Path, Path]:
+    """(hf checkpoint dir, servable dir) of a random tiny model with a chat tokenizer."""
+    from fellow.runtime.export import export
+    from fellow.runtime.tiny import make_tiny_checkpoint
+
+    hf = make_tiny_checkpoint(root / f"hf-{model_id}", family=family, layers=layers, hidden=hidden, seed=seed)
+    out = root / "servables" / model_id
+    export(hf, out, stages=stages, model_id=model_id)
+    return hf, out
+
+
+class Stack:
+    """nats-server (from the fixture) + one leader + fellows, as real processes."""
+
+    def __init__(self, tmp_path: Path, nats_url: str, servables: Path, fellows: int = 1, **env):
+        self.tmp = tmp_path
+        self.env = swarm_env(tmp_path, nats_url, f"sqlite+aiosqlite:///{tmp_path / 'swarm.db'}",
+                             SWARM_SERVABLE_MODELS_ROOT=str(servables), **env)
+        self.leader = SwarmProcess(["leader"], self.env, tmp_path / "leader.log")
+        self.fellows = [SwarmProcess(["fellow", "--id", f"f{i}"], self.env, tmp_path / f"fellow{i}.log")
+                        for i in range(fellows)]
+
+    def start(self) -> "Stack":
+        self.leader.start()
+        for f in self.fellows:
+            f.start()
+        self.leader.wait_healthy()
+        wait_until(lambda: sum(f["status"] == "online" for f in self.get("/api/v1/fellows").json()["data"])
+                   == len(self.fellows), 60, "fellows online")
+        return self
+
+    @property
+    def url(self) -> str:
+        return self.leader.base_url
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=10)
+
+    def post(self, path: str, body: dict | None = None, timeout: float = 120) -> httpx.Response:
+        return httpx.post(self.url + path, json=body or {}, timeout=timeout)
+
+    def load(self, model_id: str, **body) -> dict:
+        r = self.post(f"/api/v1/models/{model_id}/load", {"wait": True, **body})
+        assert r.status_code == 200, r.text
+        assert r.json()["state"] == "ready", (r.json(), self.logs())
+        return r.json()
+
+    def logs(self) -> str:
+        out = [f"--- leader\n{self.leader.tail()}"]
+        out += [f"--- {f.args}\n{f.tail()}" for f in self.fellows]
+        for p in sorted((self.tmp / "data" / "logs").glob("*.log")) if (self.tmp / "data" / "logs").exists() else []:
+            out.append(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}")
+        return "\n".join(out)
+
+    def stop(self) -> None:
+        for f in self.fellows:
+            f.stop()
+        self.leader.stop()
+
+
+async def chat_over_bus(nc, js, load_id: str, model_id: str, content: str, max_tokens: int = 20,
+                        temperature: float = 0.0, seed: int | None = None, stop: list[str] | None = None,
+                        request_id: str | None = None, timeout: float = 120):
+    """Publish a ChatRequest on the bus and collect its frames (what the gateway does)."""
+    rid = request_id or "rq-" + uuid.uuid4().hex[:12]
+    frames: list = []
+    finished = asyncio.Event()
+
+    async def on_frame(msg):
+        frame = frame_decoder.decode(msg.data)
+        frames.append(frame)
+        if isinstance(frame, (DoneFrame, ErrorFrame)):
+            finished.set()
+
+    sub = await nc.subscribe(f"swarm.tok.{rid}", cb=on_frame)
+    req = ChatRequest(request_id=rid, load_id=load_id, model_id=model_id,
+                      messages=[ChatMessage(role="user", content=content)], max_tokens=max_tokens,
+                      sampling=Sampling(temperature=temperature, seed=seed), stop=stop or [], created=time.time())
+    await js.publish(f"swarm.req.{load_id}", msgspec.json.encode(req), headers={"Nats-Msg-Id": rid})
+    await asyncio.wait_for(finished.wait(), timeout)
+    await sub.unsubscribe()
+    frames.sort(key=lambda f: f.seq)
+    tokens = [t for f in frames if isinstance(f, TokenFrame) for t in f.token_ids]
+    text = "".join(f.text for f in frames if isinstance(f, TokenFrame))
+    return rid, frames, tokens, text

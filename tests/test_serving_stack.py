@@ -1,0 +1,77 @@
+"""Serving end to end over the real bus: leader + fellow processes, a tiny servable, HF as the reference."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+import torch
+
+from events.frames import DoneFrame, ErrorFrame
+from tests.processes import pid_alive, wait_until
+from tests.serving_fixtures import Stack, chat_over_bus, make_servable
+
+
+@pytest.fixture(scope="module")
+def servable(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    hf, out = make_servable(root, "tiny", layers=4, hidden=64)
+    return hf, out
+
+
+def hf_greedy(hf_dir, content: str, max_new_tokens: int) -> list[int]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    ids = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=model.generation_config.eos_token_id, pad_token_id=tok.pad_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+async def test_load_chat_over_bus_equals_hf_and_unload(tmp_path, nats_server, nc, js, servable):
+    hf, out = servable
+    stack = await asyncio.to_thread(lambda: Stack(tmp_path, nats_server.url, out.parent).start())
+    try:
+        load = await asyncio.to_thread(stack.load, "tiny")
+        assert load["stages"][0]["kv_tokens"] > 0 and load["stages"][0]["fellow_id"] == "f0"
+        prompt = "What is a list comprehension?"
+        rid, frames, tokens, text = await chat_over_bus(nc, js, load["load_id"], "tiny", prompt, max_tokens=24)
+        done = frames[-1]
+        assert isinstance(done, DoneFrame), frames[-1]
+        expected = hf_greedy(hf, prompt, 24)
+        eos = set(expected[-1:]) if len(expected) < 24 else set()
+        assert tokens == [t for t in expected if t not in eos]
+        assert done.completion_tokens == len(tokens)
+        assert done.finish_reason == ("length" if len(tokens) == 24 else "stop")
+        assert "prefill_ms" in done.timing and done.timing["route"] == "local"
+        status = stack.get("/api/v1/models/tiny/status").json()
+        pid = status["load"]["stages"][0]["pid"]
+        assert pid_alive(pid)
+        wait_until(lambda: stack.get("/api/v1/models/tiny/status").json()["load"]["metrics"].get("requests") == 1,
+                   30, "metrics in the heartbeat")
+        r = stack.post("/api/v1/models/tiny/unload")
+        assert r.status_code == 200, r.text
+        wait_until(lambda: not pid_alive(pid), 30, "stage process gone")
+        wait_until(lambda: stack.get("/api/v1/models/tiny").json()["load_state"] == "unloaded", 30, "unloaded")
+    finally:
+        stack.stop()
+
+
+async def test_fellow_sigkill_leaves_no_stage_process_and_fails_the_load(tmp_path, nats_server, nc, js, servable):
+    _, out = servable
+    stack = await asyncio.to_thread(lambda: Stack(tmp_path, nats_server.url, out.parent).start())
+    try:
+        load = await asyncio.to_thread(stack.load, "tiny")
+        pid = load["stages"][0]["pid"]
+        assert pid_alive(pid)
+        stack.fellows[0].kill(signal.SIGKILL)
+        await asyncio.to_thread(wait_until, lambda: not pid_alive(pid), 30, "stage process died with its agent")
+        await asyncio.to_thread(
+            wait_until, lambda: stack.get("/api/v1/models/tiny").json()["load_state"] == "unloaded"
+            and stack.get(f"/api/v1/models/tiny/status").json()["load"] is None, 30, "load failed")
+    finally:
+        stack.stop()
