@@ -5,3 +5,6 @@ from __future__ import annotations
 
 def add_commands(sub) -> None:
     """Registered by later features: models, model-load, infer, model-unload, tokens, export."""
+    from core import cli_tokens
+
+    cli_tokens.add_commands(sub)

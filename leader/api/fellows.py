@@ -26,7 +26,8 @@ def fellow_view(row: Fellow, hb, now: float) -> dict:
     return view
 
 
-@get("/api/v1/fellows", tags=["fellows"], summary="Fellows with hardware, capabilities and last heartbeat")
+@get("/api/v1/fellows", tags=["fellows"], opt={"scope": "read"},
+     summary="Fellows with hardware, capabilities and last heartbeat")
 async def list_fellows(request: Request) -> dict:
     leader = request.app.state.leader
     async with leader.sessions() as session:

@@ -1,0 +1,90 @@
+"""`swarm tokens create|list|revoke`: API tokens through the leader's /api/v1/api-tokens."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from core.cli import CliError
+from core.settings import Settings
+
+TIMEOUT_S = 30.0
+
+
+def call_leader(settings: Settings, method: str, path: str, body: dict | None = None) -> dict:
+    """One request to SWARM_LEADER_URL with SWARM_API_TOKEN as bearer; any failure is a CliError."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
+    url = settings.leader_url + path
+    try:
+        resp = httpx.request(method, url, json=body, headers=headers, timeout=TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        raise CliError(f"cannot reach the leader at {settings.leader_url}: {exc or type(exc).__name__}") from None
+    try:
+        data = resp.json()
+    except ValueError:
+        data = None
+    if resp.status_code >= 400:
+        err = data.get("error") if isinstance(data, dict) else None
+        message = err.get("message") if isinstance(err, dict) else resp.text.strip()[:200]
+        raise CliError(f"leader answered {resp.status_code}: {message or resp.reason_phrase}")
+    if not isinstance(data, dict):
+        raise CliError(f"leader answered {resp.status_code} without a JSON object")
+    return data
+
+
+def _when(ts: float | None) -> str:
+    return "-" if ts is None else time.strftime("%Y-%m-%d %H:%M", time.localtime(ts))
+
+
+def _state(token: dict, now: float) -> str:
+    if token.get("revoked_at") is not None:
+        return "revoked"
+    if token.get("expires_at") is not None and now >= token["expires_at"]:
+        return "expired"
+    return "active"
+
+
+def cmd_create(args) -> int:
+    body = {"label": args.label, "scopes": args.scope}
+    if args.expires_in is not None:
+        body["expires_in"] = args.expires_in
+    token = call_leader(Settings.from_env(), "POST", "/api/v1/api-tokens", body)
+    print(token["token"], flush=True)  # the only time the secret is shown; alone on stdout for scripts
+    print(f"token {token['id']} ({token['label']}; scopes {', '.join(token['scopes'])}; "
+          f"expires {_when(token.get('expires_at'))}): store it now, it is not shown again",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_list(args) -> int:
+    tokens = call_leader(Settings.from_env(), "GET", "/api/v1/api-tokens")["data"]
+    now = time.time()
+    rows = [("ID", "LABEL", "SCOPES", "PREFIX", "CREATED", "EXPIRES", "STATE")]
+    rows += [(t["id"], t["label"], ",".join(t["scopes"]), t["prefix"], _when(t["created_at"]),
+              _when(t.get("expires_at")), _state(t, now)) for t in tokens]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    return 0
+
+
+def cmd_revoke(args) -> int:
+    token = call_leader(Settings.from_env(), "DELETE", f"/api/v1/api-tokens/{args.token_id}")
+    print(f"revoked {token['id']} ({token['label']}, {token['prefix']}...)")
+    return 0
+
+
+def add_commands(sub) -> None:
+    tokens = sub.add_parser("tokens", help="mint, list and revoke API tokens")
+    verbs = tokens.add_subparsers(dest="tokens_command", required=True)
+    create = verbs.add_parser("create", help="mint a token and print its secret once")
+    create.add_argument("--label", required=True)
+    create.add_argument("--scope", action="append", required=True, help="read, operate or admin (repeatable)")
+    create.add_argument("--expires-in", type=float, default=None, metavar="SECONDS")
+    create.set_defaults(func=cmd_create)
+    verbs.add_parser("list", help="list tokens (never their secrets)").set_defaults(func=cmd_list)
+    revoke = verbs.add_parser("revoke", help="revoke a token by id")
+    revoke.add_argument("token_id", metavar="ID")
+    revoke.set_defaults(func=cmd_revoke)

@@ -1,0 +1,74 @@
+"""POST/GET/DELETE /api/v1/api-tokens: mint (secret shown once), list, revoke; admin scope."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+from litestar import Request, delete, get, post
+from litestar.params import FromPath
+
+from leader.auth.guard import auth_service, token_of
+from leader.auth.scopes import SCOPES, canonical
+from leader.errors import ApiError
+
+MAX_LABEL_CHARS = 255
+MAX_EXPIRES_IN_S = 100 * 365 * 24 * 3600.0
+ADMIN = {"scope": "admin"}
+
+
+def _bad(message: str, param: str | None) -> ApiError:
+    return ApiError(400, message, code="invalid_request", param=param)
+
+
+def parse_mint(body: bytes) -> tuple[str, list[str], float | None]:
+    """(label, scopes, expires_in) from a POST body, or a 400 naming the offending parameter."""
+    try:
+        data = msgspec.json.decode(body) if body.strip() else None
+    except msgspec.DecodeError:
+        raise _bad("The request body is not valid JSON.", None) from None
+    if not isinstance(data, dict):
+        raise _bad('The request body must be a JSON object: {"label", "scopes", "expires_in"?}.', None)
+    label = data.get("label")
+    if not isinstance(label, str) or not label.strip():
+        raise _bad("'label' is required: a non-empty string naming the token.", "label")
+    if len(label) > MAX_LABEL_CHARS:
+        raise _bad(f"'label' is longer than {MAX_LABEL_CHARS} characters.", "label")
+    scopes = data.get("scopes")
+    if not isinstance(scopes, list) or not scopes or not all(isinstance(s, str) for s in scopes):
+        raise _bad(f"'scopes' is required: a non-empty list drawn from {', '.join(SCOPES)}.", "scopes")
+    unknown = sorted(set(scopes) - set(SCOPES))
+    if unknown:
+        raise _bad(f"'scopes' holds unknown scope(s) {', '.join(unknown)}; known: {', '.join(SCOPES)}.", "scopes")
+    expires_in = data.get("expires_in")
+    if expires_in is not None:
+        if (isinstance(expires_in, bool) or not isinstance(expires_in, (int, float))
+                or not math.isfinite(expires_in) or not 0 < expires_in <= MAX_EXPIRES_IN_S):
+            raise _bad(f"'expires_in' must be a number of seconds above 0 and at most {MAX_EXPIRES_IN_S:.0f}.",
+                       "expires_in")
+        expires_in = float(expires_in)
+    return label.strip(), canonical(scopes), expires_in
+
+
+@post("/api/v1/api-tokens", tags=["api-tokens"], status_code=201, opt={**ADMIN, "first_run_open": True},
+      summary="Mint an API token; the secret is in this response only")
+async def create_api_token(request: Request) -> dict:
+    label, scopes, expires_in = parse_mint(await request.body())
+    record, secret = await auth_service(request.app).mint(label, scopes, expires_in, token_of(request))
+    return {**record.view(), "token": secret}
+
+
+@get("/api/v1/api-tokens", tags=["api-tokens"], opt=ADMIN, summary="API tokens (never their secrets)")
+async def list_api_tokens(request: Request) -> dict:
+    table = await auth_service(request.app).table()
+    return {"object": "list", "data": [r.view() for r in table.records]}
+
+
+@delete("/api/v1/api-tokens/{token_id:str}", tags=["api-tokens"], status_code=200, opt=ADMIN,
+        summary="Revoke an API token")
+async def revoke_api_token(request: Request, token_id: FromPath[str]) -> dict:
+    record = await auth_service(request.app).revoke(token_id)
+    return record.view()
+
+
+TOKEN_ROUTES = [create_api_token, list_api_tokens, revoke_api_token]
