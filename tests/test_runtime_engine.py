@@ -12,14 +12,17 @@ from fellow.runtime.stage import StageModel
 
 VOCAB = 512
 GREEDY = SamplingParams(temperature=0.0)
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu,
+                                   pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")])
 
 
-@pytest.fixture(scope="module")
-def stage() -> StageModel:
+@pytest.fixture(scope="module", params=["cpu", CUDA])
+def stage(request) -> StageModel:
     config = transformers.Qwen3Config(num_hidden_layers=3, hidden_size=64, intermediate_size=128,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB)
     torch.manual_seed(0)
-    return StageModel.from_causal_lm(transformers.AutoModelForCausalLM.from_config(config).eval())
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().to(request.param)
+    return StageModel.from_causal_lm(model)
 
 
 def prompt(length: int, seed: int) -> list[int]:

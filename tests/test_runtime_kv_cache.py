@@ -1,5 +1,6 @@
 """The KV cache grows in place by chunks and crops; the batched view pads, masks and appends per session."""
 
+import pytest
 import torch
 import transformers
 
@@ -15,7 +16,7 @@ def cache(layers: int = 2, first: int = 5) -> KVCache:
 
 
 def positions(n: int, start: float = 0.0) -> torch.Tensor:
-    return torch.arange(start, start + n).repeat_interleave(HEADS * DIM).view(n, HEADS, DIM).permute(1, 0, 2)[None]
+    return torch.arange(float(start), float(start) + n).repeat_interleave(HEADS * DIM).view(n, HEADS, DIM).permute(1, 0, 2)[None]
 
 
 def append(kv: KVCache, n: int, start: float) -> None:
@@ -57,6 +58,7 @@ def test_batched_view_pads_left_masks_and_appends_to_each_session():
     assert torch.equal(keys[1:2], torch.cat([positions(5, 10), positions(1, 60)], dim=2))
     mask = view.attention_mask(torch.float32, torch.device("cpu"))
     assert (mask[:, 0, 0] < 0).tolist() == [[True] * 3 + [False] * 3, [False] * 6]
+    assert BatchedView([long, long]).attention_mask(torch.float32, torch.device("cpu")) is None
     for kv in (short, long):
         kv.advance(1)
     assert torch.equal(short.layer(0)[0], torch.cat([positions(2), positions(1, 50)], dim=2))
@@ -73,3 +75,17 @@ def test_budget_arithmetic_and_cpu_measure():
     assert kv_tokens_for(10_000, 100, usable=0.85, keep_bytes=500) == 80
     assert kv_tokens_for(100, 100, usable=0.85, keep_bytes=500) == 0
     assert 0 < measured_kv_tokens(stage, 256) <= CPU_CAP_TOKENS
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_measure_leaves_room():
+    config = transformers.Qwen3Config(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().to("cuda")
+    stage = StageModel.from_causal_lm(model)
+    tokens = measured_kv_tokens(stage, 256)
+    (device, token_bytes), = bytes_per_token(stage, 256).items()
+    _free, total = torch.cuda.mem_get_info(device)
+    assert device.type == "cuda" and tokens > 0
+    assert tokens * token_bytes <= 0.85 * total

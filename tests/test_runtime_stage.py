@@ -12,13 +12,14 @@ from fellow.runtime.stage import StageModel
 SHAPE = dict(num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, vocab_size=512)
 GREEDY = SamplingParams(temperature=0.0)
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
 
-def tiny_model(kind: str, attention: str = "sdpa", seed: int = 0):
+def tiny_model(kind: str, attention: str = "sdpa", seed: int = 0, device: str = "cpu"):
     config = (transformers.Qwen3Config if kind == "qwen3" else transformers.LlamaConfig)(**SHAPE)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention,
-                                                          dtype=torch.float32).eval()
+                                                          dtype=torch.float32).eval().to(device)
     model.generation_config.eos_token_id = None  # random weights: generate the full length
     model.generation_config.pad_token_id = 0
     return model
@@ -37,12 +38,14 @@ def run_alone(model, ids: list[int], new_tokens: int, prefill_chunk: int = 0) ->
     return tokens
 
 
-@pytest.mark.parametrize("kind,attention", [("qwen3", "sdpa"), ("llama", "sdpa"), ("qwen3", "eager")])
-def test_greedy_equals_generate(kind, attention):
-    model = tiny_model(kind, attention)
+@pytest.mark.parametrize("kind,attention,device", [("qwen3", "sdpa", "cpu"), ("llama", "sdpa", "cpu"),
+                                                   ("qwen3", "eager", "cpu"),
+                                                   pytest.param("qwen3", "sdpa", "cuda", marks=ON_GPU)])
+def test_greedy_equals_generate(kind, attention, device):
+    model = tiny_model(kind, attention, device=device)
     ids = prompt(23, seed=1)
     with torch.inference_mode():
-        inputs = torch.tensor([ids])
+        inputs = torch.tensor([ids], device=device)
         reference = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=36,
                                    do_sample=False)[0, len(ids):].tolist()
     assert len(reference) == 36

@@ -122,7 +122,18 @@ class BatchedView:
         self.caches = list(caches)
         self.lengths = [cache.length for cache in self.caches]
         self.width = max(self.lengths) + 1  # the longest past plus the new position
+        self.runs = self._runs(self.lengths)
         self._padded: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @staticmethod
+    def _runs(lengths: list[int]) -> list[tuple[int, int, int]]:
+        """Rows [lo, hi) of one length: each run is copied with one cat per layer, not one copy per row."""
+        runs, lo = [], 0
+        for row in range(1, len(lengths) + 1):
+            if row == len(lengths) or lengths[row] != lengths[lo]:
+                runs.append((lo, row, lengths[lo]))
+                lo = row
+        return runs
 
     def _buffers(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         buffers = self._padded.get(like.device)
@@ -135,20 +146,21 @@ class BatchedView:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         keys, values = self._buffers(key_states)  # [B, H_kv, width, D]
-        keys[:, :, -1:].copy_(key_states)
-        values[:, :, -1:].copy_(value_states)
-        for row, (cache, length) in enumerate(zip(self.caches, self.lengths)):
-            past_keys, past_values = cache.write(layer_idx, key_states[row : row + 1], value_states[row : row + 1])
+        written = [cache.write(layer_idx, key_states[row : row + 1], value_states[row : row + 1])
+                   for row, cache in enumerate(self.caches)]  # each session's past and its new position
+        for lo, hi, length in self.runs:
             start = self.width - 1 - length
-            keys[row, :, start:-1].copy_(past_keys[0, :, :length])
-            values[row, :, start:-1].copy_(past_values[0, :, :length])
+            torch.cat([k for k, _ in written[lo:hi]], dim=0, out=keys[lo:hi, :, start:])
+            torch.cat([v for _, v in written[lo:hi]], dim=0, out=values[lo:hi, :, start:])
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.width - 1
 
-    def attention_mask(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The additive mask [B, 1, 1, width] that hides each row's left padding."""
+    def attention_mask(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """The additive mask [B, 1, 1, width] that hides each row's left padding; None when no row has any."""
+        if len(self.runs) == 1:
+            return None
         columns = torch.arange(self.width, device=device)
         starts = torch.tensor([self.width - 1 - n for n in self.lengths], device=device)
         hidden = columns[None, :] < starts[:, None]
