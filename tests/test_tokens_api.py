@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
-from litestar import get
+import asyncio
 
-from leader.auth.guard import undeclared_handlers
+import pytest
+from litestar import Request, get
+
+from leader.auth.guard import token_of, undeclared_handlers
 from leader.auth.token_format import new_secret
 from leader.db.tables import ApiToken
 from leader.projectors.api_tokens import ApiTokensProjector
@@ -142,7 +144,7 @@ async def test_malformed_authorization_headers_are_clean_401s(tmp_path, nats_ser
         assert stranger[:13] in err["message"]  # the display prefix, and no more of it
 
 
-async def test_every_route_declares_a_scope_and_undeclared_ones_are_refused(tmp_path, nats_server, sqlite_url):
+async def test_every_route_declares_a_scope_and_handlers_see_the_token(tmp_path, nats_server, sqlite_url):
     async with leader_client(tmp_path, nats_server.url, sqlite_url) as (app, c):
         missing = undeclared_handlers(app)
         assert missing == [], "route handlers without opt={'scope': ...}:\n" + "\n".join(missing)
@@ -155,10 +157,24 @@ async def test_every_route_declares_a_scope_and_undeclared_ones_are_refused(tmp_
         def misspelled() -> dict:
             return {"leaked": True}
 
+        @get("/api/v1/whoami", opt={"scope": "read"}, sync_to_thread=False)
+        def whoami(request: Request) -> dict:
+            identity = token_of(request)
+            return {"token_id": identity.token_id if identity else None}
+
         app.register(forgotten)
         app.register(misspelled)
+        app.register(whoami)
         listed = undeclared_handlers(app)
         assert len(listed) == 2 and any("/api/v1/forgotten" in h and "forgotten" in h for h in listed)
+        assert (await c.get("/api/v1/whoami")).json() == {"token_id": None}  # open mode: anonymous
+        # Two anonymous first mints at once: one wins (and is admin), the other is told to authenticate.
+        racers = await asyncio.gather(*(c.post(TOKENS, json={"label": f"r{i}", "scopes": ["read"]})
+                                        for i in range(2)))
+        assert sorted(r.status_code for r in racers) == [201, 401], [r.text for r in racers]
+        winner = next(r.json() for r in racers if r.status_code == 201)
+        me = await c.get("/api/v1/whoami", headers=bearer(winner["token"]))
+        assert me.json() == {"token_id": winner["id"]}
         for path in ("/api/v1/forgotten", "/api/v1/misspelled"):
             resp = await c.get(path)
             error_of(resp, 500, "route_scope_undeclared")

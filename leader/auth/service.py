@@ -65,10 +65,17 @@ class AuthService:
         self.leader = leader
         self.settings = settings
         self.clock = clock
-        self.registry = TokenRegistry(leader.sessions, leader.projections)
+        self._registry: TokenRegistry | None = None
         self.pruner = TokenPruner(self, prune_interval_s)
         self._mint_lock = asyncio.Lock()
         self._started = False
+
+    @property
+    def registry(self) -> TokenRegistry:
+        """Made on first use: the leader's projections exist only once its lifespan has started."""
+        if self._registry is None:
+            self._registry = TokenRegistry(self.leader.sessions, self.leader.projections)
+        return self._registry
 
     def start(self) -> None:
         """Start the prune sweep once; the registry loads itself on first use."""
