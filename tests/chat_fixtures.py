@@ -88,14 +88,14 @@ class ServingPeer:
         await self.publish(ErrorFrame(request_id=rid, seq=seq, message=message, code=code))
 
 
-async def wait_cancel(nc, rid: str) -> asyncio.Future:
-    """A future that resolves when ``swarm.cancel.<rid>`` is published (subscribed before return)."""
+async def wait_cancel(nc, rid: str = "*") -> asyncio.Future:
+    """The subject of the first ``swarm.cancel.<rid>`` published (`*`: any request) after this returns."""
     fut = asyncio.get_running_loop().create_future()
 
     async def _cb(msg):
         if not fut.done():
             fut.set_result(msg.subject)
 
-    sub = await nc.subscribe(subjects.cancel(rid), cb=_cb)
+    sub = await nc.subscribe("swarm.cancel." + rid, cb=_cb)
     fut.add_done_callback(lambda _: asyncio.ensure_future(sub.unsubscribe()))
     return fut

@@ -1,0 +1,170 @@
+"""POST /v1/chat/completions (and /api/v1/…): validate, hand the request to its load, relay the frames.
+
+Per request the gateway makes two JetStream publishes (the accepted event and the request);
+per token it only decodes a frame and writes its chunk: no SQL and no JetStream round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from litestar import Request, Response, post
+from litestar.response import Stream
+from nats.errors import Error as NatsError
+
+from core.bus import publish_struct
+from events import subjects
+from events.base import new_id
+from events.frames import DoneFrame, ErrorFrame, TokenFrame
+from events.requests import ChatRequest, RequestAccepted, RequestFailed
+from leader.errors import ApiError
+from leader.openai.replies import DONE, ChunkEncoder, completion, error_event, frame_error
+from leader.openai.schema import decode_body
+from leader.openai.validate import chat_request, check_body
+from leader.token_stream import FrameTimeout, TokenStream, TokenStreams
+
+log = logging.getLogger(__name__)
+
+FRAME_TIMEOUT_S = 600.0  # app.state.chat_timeout_s overrides: the wait for a first (or next) frame
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def token_streams(app) -> TokenStreams:
+    """The app's one receiver hub, made on first use and stopped with the leader."""
+    hub = getattr(app.state, "token_streams", None)
+    if hub is None:
+        leader = app.state.leader
+        hub = app.state.token_streams = TokenStreams(leader.nc, leader.js)
+        leader.on_stop.append(hub.stop)
+    return await hub.start()
+
+
+class Relay:
+    """One accepted request: its frames become a chat.completion or a stream of chunks."""
+
+    def __init__(self, leader, stream: TokenStream, chat: ChatRequest, timeout: float):
+        self.leader = leader
+        self.stream = stream
+        self.chat = chat
+        self.timeout = timeout
+        self.completion_id = "chatcmpl-" + chat.request_id
+        self.created = int(chat.created)
+
+    async def next_frame(self):
+        try:
+            frame = await self.stream.next(self.timeout)
+        except FrameTimeout:
+            await self.failed("timeout", f"the model '{self.chat.model_id}' sent nothing for {self.timeout:g}s")
+            raise ApiError(504, f"The model '{self.chat.model_id}' did not answer within {self.timeout:g}s",
+                           code="timeout") from None
+        if isinstance(frame, ErrorFrame) and frame.seq < 0:  # the gateway's own verdict: its load failed
+            await self.failed(frame.code, frame.message)
+        return frame
+
+    async def failed(self, code: str, message: str) -> None:
+        """Record a failure only the gateway saw; the id matches the serving stage's, so one wins."""
+        rid = self.chat.request_id
+        try:
+            await self.leader.publish(RequestFailed(id=f"fail-{rid}", request_id=rid, model_id=self.chat.model_id,
+                                                    load_id=self.chat.load_id, code=code, message=message))
+        except (NatsError, asyncio.TimeoutError) as exc:
+            log.warning("recording request %s as failed did not reach the bus: %s", rid, exc)
+
+    async def events(self, enc: ChunkEncoder):
+        """SSE bytes: the role chunk at once, a chunk per frame, the finish, then [DONE]."""
+        try:
+            yield enc.role()
+            while True:
+                frame = await self.next_frame()
+                if isinstance(frame, TokenFrame):
+                    text = frame.text or "".join(frame.texts)
+                    if text:
+                        yield enc.text(text)
+                elif isinstance(frame, DoneFrame):
+                    yield enc.finish(frame) + DONE
+                    return
+                else:
+                    yield error_event(frame_error(frame))
+                    return
+        except ApiError as exc:
+            yield error_event(exc)
+        finally:
+            self.stream.close(cancel=True)  # a no-op cancel once the last frame came
+
+    async def collect(self) -> Response:
+        texts: list[str] = []
+        while True:
+            frame = await self.next_frame()
+            if isinstance(frame, TokenFrame):
+                texts.append(frame.text or "".join(frame.texts))
+            elif isinstance(frame, DoneFrame):
+                body = completion(self.completion_id, self.created, self.chat.model_id, "".join(texts), frame)
+                return Response(body, media_type="application/json")
+            else:
+                raise frame_error(frame)
+
+    async def complete(self, request: Request) -> Response:
+        """The whole reply at once; a client that hangs up first cancels the generation."""
+        collect = asyncio.ensure_future(self.collect())
+        gone = asyncio.ensure_future(disconnected(request))
+        try:
+            await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():
+                collect.cancel()
+            self.stream.close(cancel=True)
+        if collect.done() and not collect.cancelled():
+            return collect.result()
+        return Response(b"", status_code=499)  # nobody is listening any more
+
+
+async def disconnected(request: Request) -> None:
+    """Return once the client hangs up (the body is already read, so receive() waits for that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def token_id(request: Request) -> str:
+    """The authenticated API token's id (leader.auth.guard leaves its Identity in the scope)."""
+    identity = request.scope.get("swarm_token")
+    return getattr(identity, "token_id", "") or request.scope.get("swarm_token_id", "")
+
+
+async def submit(leader, chat: ChatRequest, stream: bool, token_id: str) -> None:
+    accepted = RequestAccepted(id=f"acc-{chat.request_id}", request_id=chat.request_id, model_id=chat.model_id,
+                               load_id=chat.load_id, stream=stream, max_tokens=chat.max_tokens,
+                               token_id=token_id)
+    try:
+        await asyncio.gather(leader.publish(accepted),
+                             publish_struct(leader.js, subjects.request(chat.load_id), chat, msg_id=chat.request_id))
+    except (NatsError, asyncio.TimeoutError) as exc:
+        raise ApiError(503, f"The message bus did not take the request: {exc or type(exc).__name__}",
+                       code="bus_unavailable") from None
+
+
+@post(["/v1/chat/completions", "/api/v1/chat/completions"], opt={"scope": "operate"}, status_code=200,
+      tags=["chat"], summary="OpenAI chat completions, streamed as SSE chunks or in one reply")
+async def chat_completions(request: Request) -> Response:
+    body = decode_body(await request.body())
+    messages = check_body(body)
+    leader = request.app.state.leader
+    if getattr(leader, "serving", None) is None:
+        raise ApiError(503, "The leader is still starting", code="unavailable")
+    ready = await leader.serving.ready_load(body.model, leader.settings.autoload)
+    chat = chat_request(body, messages, new_id(), ready.load_id, ready.generation, ready.context_tokens)
+    hub = await token_streams(request.app)
+    stream = await hub.open(chat.request_id, chat.load_id)  # before the request exists: no frame is missed
+    try:
+        await submit(leader, chat, bool(body.stream), token_id(request))
+    except BaseException:
+        stream.close(cancel=True)
+        raise
+    relay = Relay(leader, stream, chat, float(getattr(request.app.state, "chat_timeout_s", FRAME_TIMEOUT_S)))
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        enc = ChunkEncoder(relay.completion_id, relay.created, chat.model_id, include_usage)
+        return Stream(relay.events(enc), media_type="text/event-stream", headers=SSE_HEADERS)
+    return await relay.complete(request)
