@@ -81,9 +81,9 @@ async def require_scope(connection: ASGIConnection, handler: BaseRouteHandler) -
         log.error("route %s has no declared scope (opt={'scope': ...}); refusing it", connection.url.path)
         raise ApiError(500, "This route declares no access scope and is refused.", code="route_scope_undeclared")
     connection.scope[SCOPE_KEY] = None  # type: ignore[literal-required]
+    service = auth_service(connection.app)  # also starts the prune sweep, on the first health probe
     if needed == PUBLIC:
         return
-    service = auth_service(connection.app)
     identity = await service.check(connection.headers.get("authorization"), needed,
                                    first_run_open=bool(handler.opt.get("first_run_open")))
     connection.scope[SCOPE_KEY] = identity  # type: ignore[literal-required]
