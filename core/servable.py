@@ -192,7 +192,8 @@ def _validate(m: Manifest, model_dir: Path) -> None:
         contiguous = all(len(r) == 2 and r[0] < r[1] for r in m.boundaries) and all(
             m.boundaries[i][1] == m.boundaries[i + 1][0] for i in range(len(m.boundaries) - 1))
         if len(m.boundaries) != m.num_stages or not contiguous or flat[0] != 0 or flat[-1] != m.num_layers:
-            raise ServableError(f"{where}: boundaries {m.boundaries} do not split {m.num_layers} layers into {m.num_stages} stages")
+            raise ServableError(
+                f"{where}: boundaries {m.boundaries} do not split {m.num_layers} layers into {m.num_stages} stages")
     if m.compressors and len(m.compressors) != m.num_stages - 1:
         raise ServableError(f"{where}: {len(m.compressors)} compressors for {m.num_stages - 1} internal boundaries")
     if m.export == "adapters" and not m.base:

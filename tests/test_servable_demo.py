@@ -25,8 +25,8 @@ def shard_bytes(servable):
 
 def test_same_seed_same_model_and_it_learns(tmp_path):
     losses = []
-    first = make_demo_model(tmp_path / "a", seed=3, steps=12, progress=lambda s, n, loss: losses.append((s, n, loss)),
-                            **SMALL)
+    first = make_demo_model(tmp_path / "a", seed=3, steps=12,
+                            progress=lambda s, n, loss: losses.append((s, n, loss)), **SMALL)
     # The second run is another process: hash seeds and thread pools start afresh there.
     code = (f"from fellow.runtime.demo_model import make_demo_model; "
             f"make_demo_model({str(tmp_path / 'b')!r}, seed=3, steps=12, **{SMALL!r})")
@@ -38,7 +38,8 @@ def test_same_seed_same_model_and_it_learns(tmp_path):
     assert all(math.isfinite(loss) for _, _, loss in losses)
     assert sum(x for *_, x in losses[-3:]) < sum(x for *_, x in losses[:3])
     assert shard_bytes(tmp_path / "a") == shard_bytes(tmp_path / "b")
-    assert (tmp_path / "a/tokenizer/tokenizer.json").read_bytes() == (tmp_path / "b/tokenizer/tokenizer.json").read_bytes()
+    tokenizers = [(tmp_path / run / "tokenizer" / "tokenizer.json").read_bytes() for run in "ab"]
+    assert tokenizers[0] == tokenizers[1]
     assert shard_bytes(tmp_path / "a") != shard_bytes(tmp_path / "c")
 
 

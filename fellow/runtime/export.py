@@ -48,7 +48,8 @@ def export(hf_dir: str | Path, out_dir: str | Path, stages: int = 1, boundaries:
         rel = f"shards/stage-{stage}/{SHARD_FILE}"
         (staging / rel).parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(staging / rel), metadata={"format": "pt"})
-        shards.append(Shard(stage=stage, files=[ShardFile(rel, sha256_file(staging / rel), (staging / rel).stat().st_size)]))
+        size = (staging / rel).stat().st_size
+        shards.append(Shard(stage=stage, files=[ShardFile(rel, sha256_file(staging / rel), size)]))
         if stage < len(ranges) - 1:
             compressors.append(BottleneckCompressor(dim=bottleneck, file=rel, error=codecs[stage][2])
                                if codecs else NoCompressor())
@@ -129,19 +130,21 @@ def _fit_codecs(hf_dir: Path, adapters, ranges, dim: int | None, texts, seq_len:
     cuts = [last for _, last in ranges[:-1]]
     fit_acts = boundary_activations(model, seqs[:-held], cuts)
     held_acts = boundary_activations(model, seqs[-held:], cuts)
-    dtype = model.get_input_embeddings().weight.dtype
+    dtype = _stored_dtype(hf_dir)
     out = []
     for cut in cuts:
         weight, mean = fit_pca(fit_acts[cut], dim)
-        send, recv = codec_tensors(weight, mean, _stored_dtype(hf_dir, dtype))
-        out.append((send, recv, codec_error(weight, mean, held_acts[cut], _stored_dtype(hf_dir, dtype))))
+        send, recv = codec_tensors(weight, mean, dtype)
+        out.append((send, recv, codec_error(weight, mean, held_acts[cut], dtype)))
     return out
 
 
-def _stored_dtype(hf_dir: Path, fallback: torch.dtype) -> torch.dtype:
+def _stored_dtype(hf_dir: Path) -> torch.dtype:
+    """The codec is stored in the checkpoint's dtype, and its error measured after that rounding."""
     config = read_config(hf_dir)
     name = config.get("dtype") or config.get("torch_dtype")
-    return getattr(torch, name) if isinstance(name, str) and hasattr(torch, name) else fallback
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
 def _calibration_model(hf_dir: Path, adapters):
