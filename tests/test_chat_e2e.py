@@ -1,0 +1,106 @@
+"""The openai client against `swarm leader` and `swarm fellow` processes serving a tiny real model."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import msgspec
+import openai
+import pytest
+
+from core.bus import connect
+from core.nats_server import EmbeddedNats
+from events.requests import RequestFinished
+from tests.processes import wait_until
+from tests.serving_fixtures import Stack, make_servable
+
+PROMPT = [{"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat-e2e")
+    _, servable = make_servable(root / "models", "tiny", layers=4, hidden=64)
+    nats = EmbeddedNats(root / "jetstream").start()
+    stack = Stack(root, nats.url, servable.parent)
+    try:
+        stack.start()
+        stack.load("tiny")
+        yield stack, nats.url
+    finally:
+        stack.stop()
+        nats.stop()
+
+
+@pytest.fixture
+async def client(stack):
+    async with openai.AsyncOpenAI(base_url=stack[0].url + "/v1", api_key="unused", max_retries=0,
+                                  timeout=60) as c:
+        yield c
+
+
+async def test_streamed_and_whole_replies_agree_and_carry_usage_and_timing(client):
+    whole = await client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=16, temperature=0)
+    stream = await client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=16, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content and text
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == whole.usage.completion_tokens and usage.prompt_tokens == whole.usage.prompt_tokens
+    reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    assert reason == whole.choices[0].finish_reason == ("length" if usage.completion_tokens == 16 else "stop")
+    for timing in (whole.model_extra["swarm"]["timing"], chunks[-1].model_extra["swarm"]["timing"]):
+        assert timing["route"] == "local" and "prefill_ms" in timing
+
+
+async def test_a_stop_string_ends_the_reply_before_it(client):
+    full = (await client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=24,
+                                                 temperature=0)).choices[0].message.content
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert len(stop) == 3, full
+    reply = await client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=24, temperature=0,
+                                                 stop=[stop])
+    assert reply.choices[0].message.content == full[:full.index(stop)]
+    assert reply.choices[0].finish_reason == "stop"
+
+
+async def test_hanging_up_cancels_the_generation(stack, client):
+    nc = await connect(stack[1], name="chat-e2e")
+    finished = asyncio.get_running_loop().create_future()
+
+    async def on_finished(msg):
+        evt = msgspec.json.decode(msg.data, type=RequestFinished)
+        if not finished.done() and evt.request_id == rid:
+            finished.set_result(evt)
+
+    sub = await nc.subscribe("swarm.evt.request.finished", cb=on_finished)
+    try:
+        stream = await client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=3000,
+                                                      temperature=0, stream=True)
+        first = await stream.__anext__()
+        rid = first.id.removeprefix("chatcmpl-")
+        await stream.close()
+        evt = await asyncio.wait_for(finished, 30)
+        assert evt.finish_reason == "cancelled" and evt.completion_tokens < 3000
+    finally:
+        await sub.unsubscribe()
+        await nc.close()
+
+
+async def test_a_fellow_lost_mid_stream_ends_the_reply_with_an_error(stack, client):
+    s = stack[0]
+    pid = s.get("/api/v1/models/tiny/status").json()["load"]["stages"][0]["pid"]
+    stream = await client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=3000,
+                                                  temperature=0, stream=True)
+    await stream.__anext__()
+    os.kill(pid, signal.SIGSTOP)  # freeze the generation, then lose its fellow
+    await asyncio.to_thread(s.fellows[0].kill, signal.SIGKILL)
+    with pytest.raises(openai.APIError) as exc:
+        async for _ in stream:
+            pass
+    assert exc.value.code == "load_failed" and "f0" in exc.value.message
+    await asyncio.to_thread(wait_until, lambda: s.get("/api/v1/models/tiny").json()["load_state"] != "ready",
+                            30, "the load ended")
