@@ -155,8 +155,12 @@ async def chat_completions(request: Request) -> Response:
         raise ApiError(503, "The leader is still starting", code="unavailable")
     ready = await leader.serving.ready_load(body.model, leader.settings.autoload)
     chat = chat_request(body, messages, new_id(), ready.load_id, ready.generation, ready.context_tokens)
-    hub = await token_streams(request.app)
-    stream = await hub.open(chat.request_id, chat.load_id)  # before the request exists: no frame is missed
+    try:
+        hub = await token_streams(request.app)
+        stream = await hub.open(chat.request_id, chat.load_id)  # before the request exists: no frame is missed
+    except NatsError as exc:
+        raise ApiError(503, f"The message bus is unavailable: {exc or type(exc).__name__}",
+                       code="bus_unavailable") from None
     try:
         await submit(leader, chat, bool(body.stream), token_id(request))
     except BaseException:
