@@ -14,6 +14,7 @@ from fellow.runtime.session import Session
 from fellow.runtime.stage import StageModel
 
 GREEDY = SamplingParams(temperature=0.0)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=0)
 
 
 def build_model(layers: int, hidden: int, vocab: int, device: str = "cpu", dtype: torch.dtype = torch.float32):
@@ -27,20 +28,21 @@ def build_model(layers: int, hidden: int, vocab: int, device: str = "cpu", dtype
     return model
 
 
-def run_generate(model, prompts: torch.Tensor, new_tokens: int) -> float:
+def run_generate(model, prompts: torch.Tensor, new_tokens: int, sampled: bool = False) -> float:
+    knobs = dict(do_sample=True, temperature=0.8, top_p=0.9, top_k=50) if sampled else dict(do_sample=False)
     with torch.inference_mode():
         started = time.perf_counter()
         out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False)
+                             min_new_tokens=new_tokens, **knobs)
         out.tolist()  # waits for the device
         return time.perf_counter() - started
 
 
-def run_engine(stage: StageModel, prompts: torch.Tensor, new_tokens: int) -> float:
+def run_engine(stage: StageModel, prompts: torch.Tensor, new_tokens: int, sampled: bool = False) -> float:
     engine = Engine(stage, kv_tokens=1 << 20, prefill_chunk=256)
     started = time.perf_counter()
     for row, ids in enumerate(prompts.tolist()):
-        engine.add(Session(f"s{row}", ids, new_tokens, GREEDY))
+        engine.add(Session(f"s{row}", ids, new_tokens, SAMPLED if sampled else GREEDY))
     produced = 0
     while engine.busy:
         produced += sum(len(tokens) for tokens in engine.step().tokens.values())
@@ -68,6 +70,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--sampled", action="store_true", help="temperature 0.8, top-p 0.9, top-k 50 instead of greedy")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -75,14 +78,16 @@ def main() -> None:
     stage = StageModel.from_causal_lm(model)
     params = sum(p.numel() for p in model.parameters())
     print(f"Qwen3 {params / 1e6:.1f}M params, {args.dtype} on {args.device}, {args.threads} threads, prompt {args.prompt}, "
-          f"{args.new_tokens} new tokens")
+          f"{args.new_tokens} new tokens, {'sampled' if args.sampled else 'greedy'}")
     for batch in args.batches:
         prompts = torch.randint(1, args.vocab, (batch, args.prompt),
                                 generator=torch.Generator().manual_seed(batch)).to(args.device)
         run_engine(stage, prompts, 4)  # warm up both paths
         run_generate(model, prompts, 4)
-        hf = decode_tokens_per_s(lambda n: run_generate(model, prompts, n), batch, args.new_tokens, args.repeats)
-        ours = decode_tokens_per_s(lambda n: run_engine(stage, prompts, n), batch, args.new_tokens, args.repeats)
+        hf = decode_tokens_per_s(lambda n: run_generate(model, prompts, n, args.sampled), batch,
+                                 args.new_tokens, args.repeats)
+        ours = decode_tokens_per_s(lambda n: run_engine(stage, prompts, n, args.sampled), batch,
+                                   args.new_tokens, args.repeats)
         print(f"batch {batch}: generate {hf:7.1f} tok/s   engine {ours:7.1f} tok/s   ({ours / hf:.2f}x)")
 
 

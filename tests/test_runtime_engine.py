@@ -103,7 +103,7 @@ def test_cancel_frees_the_cache_and_the_reservation(stage):
     engine.cancel("drop")
     result = engine.step()
     assert [(s.session_id, s.finish_reason) for s in result.finished] == [("drop", "cancelled")]
-    assert drop.cache is None and cache.bytes == 0 and cache.keys == [None] * cache.num_layers
+    assert drop.cache is None and cache.bytes == 0 and cache.keys == [None] * len(cache.groups)
     assert engine.stats()["reserved_tokens"] == 30 and engine.stats()["in_flight"] == 1
     finished = {}
     outputs["keep"] += result.tokens.get("keep", [])

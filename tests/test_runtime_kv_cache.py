@@ -59,6 +59,8 @@ def test_batched_view_pads_left_masks_and_appends_to_each_session():
     mask = view.attention_mask(torch.float32, torch.device("cpu"))
     assert (mask[:, 0, 0] < 0).tolist() == [[True] * 3 + [False] * 3, [False] * 6]
     assert BatchedView([long, long]).attention_mask(torch.float32, torch.device("cpu")) is None
+    assert short.length == 2 and short.layer(0, 3)[0].shape == (1, HEADS, 3, DIM)
+    view.commit()
     for kv in (short, long):
         kv.advance(1)
     assert torch.equal(short.layer(0)[0], torch.cat([positions(2), positions(1, 50)], dim=2))

@@ -10,10 +10,12 @@ GROW_CHUNK = 64  # positions a buffer grows by: a copy of the past every 64 toke
 
 
 class KVCache:
-    """One session's keys and values for a contiguous range of layers, each [1, H_kv, capacity, D].
+    """One session's keys and values for a contiguous range of layers.
 
-    Layers write a forward's new positions at ``length`` and the stage calls ``advance`` once every
-    layer has; ``crop_to`` rolls back. Buffers are allocated on first use and grown in chunks.
+    The layers on one device share one buffer pair [n_layers, H_kv, capacity, D], so a batched
+    step stores its new position for all of them in one copy per session. Layers write a forward's
+    new positions at ``length`` and the stage calls ``advance`` once every layer has; ``crop_to``
+    rolls back. Buffers are allocated on first use and grown in chunks of GROW_CHUNK positions.
     """
 
     def __init__(
@@ -28,18 +30,21 @@ class KVCache:
         if len(devices) != num_layers:
             raise ValueError(f"{len(devices)} devices for {num_layers} layers")
         self.first_layer = first_layer
+        self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        self.devices = [torch.device(d) for d in devices]
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.groups: list[tuple[int, int, torch.device]] = []  # local layer slots [lo, hi) on one device
+        for slot, device in enumerate(torch.device(d) for d in devices):
+            if self.groups and self.groups[-1][2] == device:
+                self.groups[-1] = (self.groups[-1][0], slot + 1, device)
+            else:
+                self.groups.append((slot, slot + 1, device))
+        self.where = [(g, slot - lo) for g, (lo, hi, _) in enumerate(self.groups) for slot in range(lo, hi)]
+        self.keys: list[torch.Tensor | None] = [None] * len(self.groups)
+        self.values: list[torch.Tensor | None] = [None] * len(self.groups)
         self.length = 0
         self.capacity = 0
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.keys)
 
     @property
     def bytes(self) -> int:
@@ -48,36 +53,46 @@ class KVCache:
         return 2 * self.num_layers * self.num_kv_heads * self.capacity * self.head_dim * element
 
     def reserve(self, positions: int) -> None:
-        """Make room for ``positions`` more positions after ``length``, growing every layer's buffers at once."""
+        """Make room for ``positions`` more positions after ``length``, growing every buffer at once."""
         needed = self.length + positions
         if needed <= self.capacity:
             return
         capacity = -(-needed // GROW_CHUNK) * GROW_CHUNK
-        for slot in range(self.num_layers):
-            self.keys[slot] = self._grown(self.keys[slot], capacity, self.devices[slot])
-            self.values[slot] = self._grown(self.values[slot], capacity, self.devices[slot])
+        for g, (lo, hi, device) in enumerate(self.groups):
+            self.keys[g] = self._grown(self.keys[g], hi - lo, capacity, device)
+            self.values[g] = self._grown(self.values[g], hi - lo, capacity, device)
         self.capacity = capacity
 
-    def _grown(self, old: torch.Tensor | None, capacity: int, device: torch.device) -> torch.Tensor:
-        new = torch.empty(1, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype, device=device)
+    def _grown(self, old: torch.Tensor | None, layers: int, capacity: int, device: torch.device) -> torch.Tensor:
+        new = torch.empty(layers, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype, device=device)
         if old is not None and self.length:
             new[:, :, : self.length].copy_(old[:, :, : self.length])
         return new
 
     def write(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store [1, H_kv, q, D] new positions at ``length``; return the layer's keys and values through them."""
-        slot = layer_idx - self.first_layer
+        g, index = self.where[layer_idx - self.first_layer]
         end = self.length + keys.shape[2]
         if end > self.capacity:
             raise RuntimeError(f"KV cache holds {self.capacity} positions, a write needs {end}: reserve first")
-        key_buffer, value_buffer = self.keys[slot], self.values[slot]
+        key_buffer, value_buffer = self.keys[g][index : index + 1], self.values[g][index : index + 1]
         key_buffer[:, :, self.length : end].copy_(keys)
         value_buffer[:, :, self.length : end].copy_(values)
         return key_buffer[:, :, :end], value_buffer[:, :, :end]
 
+    def write_group(self, group: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store new positions [n_layers, H_kv, q, D] of every layer in one device group at ``length``."""
+        end = self.length + keys.shape[2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache holds {self.capacity} positions, a write needs {end}: reserve first")
+        self.keys[group][:, :, self.length : end].copy_(keys)
+        self.values[group][:, :, self.length : end].copy_(values)
+
     def layer(self, slot: int, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's keys and values [1, H_kv, end, D] (by local slot; ``end`` defaults to ``length``)."""
         end = self.length if end is None else end
-        return self.keys[slot][:, :, :end], self.values[slot][:, :, :end]
+        g, index = self.where[slot]
+        return self.keys[g][index : index + 1, :, :end], self.values[g][index : index + 1, :, :end]
 
     def advance(self, positions: int) -> None:
         self.length += positions
@@ -90,8 +105,8 @@ class KVCache:
 
     def release(self) -> None:
         """Drop the buffers now rather than whenever the session object goes."""
-        self.keys = [None] * self.num_layers
-        self.values = [None] * self.num_layers
+        self.keys = [None] * len(self.groups)
+        self.values = [None] * len(self.groups)
         self.length = self.capacity = 0
 
 
@@ -112,18 +127,31 @@ class BatchedView:
     """One decode position for several sessions in one forward.
 
     Each attention layer gets the sessions' keys and values left-padded to the longest (padding
-    zeroed, and masked by the caller's additive mask), with every row's new position last. The
-    new position also goes into each session's own cache, so sessions join and leave batches freely.
-    The padded buffers are shared by all layers of one forward: a layer's attention is done before
-    the next layer writes.
+    zeroed, and masked by ``attention_mask``), with every row's new position last. The padded
+    buffers are shared by all layers of one forward: a layer's attention is done before the next
+    layer fills them. ``commit`` then stores each session's new position in its own cache, once
+    per device group rather than once per layer, so sessions join and leave batches freely.
     """
 
     def __init__(self, caches: Sequence[KVCache]) -> None:
         self.caches = list(caches)
+        self.first_layer = self.caches[0].first_layer
         self.lengths = [cache.length for cache in self.caches]
         self.width = max(self.lengths) + 1  # the longest past plus the new position
         self.runs = self._runs(self.lengths)
         self._padded: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._new: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.caches[0].num_layers
+        # every row's past per layer, cut once per step: [slot][row] -> [H_kv, length, D]
+        self._past_keys, self._past_values = self._pasts("keys"), self._pasts("values")
+
+    def _pasts(self, kind: str) -> list[list[torch.Tensor]]:
+        per_row = []
+        for cache, length in zip(self.caches, self.lengths):
+            layers: list[torch.Tensor] = []
+            for buffer in getattr(cache, kind):
+                layers.extend(buffer[:, :, :length].unbind(0))
+            per_row.append(layers)
+        return [list(layer) for layer in zip(*per_row)]
 
     @staticmethod
     def _runs(lengths: list[int]) -> list[tuple[int, int, int]]:
@@ -145,14 +173,26 @@ class BatchedView:
         return buffers
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        slot = layer_idx - self.first_layer
         keys, values = self._buffers(key_states)  # [B, H_kv, width, D]
-        written = [cache.write(layer_idx, key_states[row : row + 1], value_states[row : row + 1])
-                   for row, cache in enumerate(self.caches)]  # each session's past and its new position
+        past_keys, past_values = self._past_keys[slot], self._past_values[slot]
         for lo, hi, length in self.runs:
-            start = self.width - 1 - length
-            torch.cat([k for k, _ in written[lo:hi]], dim=0, out=keys[lo:hi, :, start:])
-            torch.cat([v for _, v in written[lo:hi]], dim=0, out=values[lo:hi, :, start:])
+            if length:
+                start = self.width - 1 - length
+                torch.stack(past_keys[lo:hi], out=keys[lo:hi, :, start:-1])
+                torch.stack(past_values[lo:hi], out=values[lo:hi, :, start:-1])
+        keys[:, :, -1:].copy_(key_states)
+        values[:, :, -1:].copy_(value_states)
+        self._new[slot] = (key_states, value_states)
         return keys, values
+
+    def commit(self) -> None:
+        """Store every row's new position in its session's cache; the stage then advances each by one."""
+        for g, (lo, hi, _) in enumerate(self.caches[0].groups):
+            new_keys = torch.stack([self._new[slot][0] for slot in range(lo, hi)])  # [n, B, H_kv, 1, D]
+            new_values = torch.stack([self._new[slot][1] for slot in range(lo, hi)])
+            for row, cache in enumerate(self.caches):
+                cache.write_group(g, new_keys[:, row], new_values[:, row])
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.width - 1

@@ -150,6 +150,8 @@ class StageModel:
             mask = view.attention_mask(hidden.dtype, hidden.device)
         position_ids = torch.tensor([[cache.length] for cache in caches], device=hidden.device)
         hidden = self._layers(hidden, position_ids, mask, view)
+        if isinstance(view, BatchedView):
+            view.commit()
         for cache in caches:
             cache.advance(1)
         return self._head(hidden) if self.is_last else hidden
