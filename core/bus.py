@@ -41,6 +41,19 @@ async def connect(url: str, name: str, timeout: float = 5.0, **options) -> Clien
         raise BusUnavailable(f"cannot reach NATS at {url}: {errors[-1] if errors else exc or type(exc).__name__}") from None
 
 
+async def close_quietly(nc: Client, timeout: float = 2.0) -> None:
+    """Flush what was published, then close. (drain() can wait out its whole timeout on a pull
+    subscription with a fetch in flight; what we publish is acked already, so close is enough.)"""
+    try:
+        await nc.flush(timeout=timeout)
+    except Exception:
+        pass
+    try:
+        await nc.close()
+    except Exception:
+        pass
+
+
 def stream_config(spec: StreamSpec) -> StreamConfig:
     return StreamConfig(
         name=spec.name,

@@ -160,4 +160,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Under `python -m`, this file runs as __main__; take main from the module the other parts
+    # import, so their CliError is the one caught.
+    from core.cli import main as _main
+
+    sys.exit(_main())

@@ -11,14 +11,15 @@ from core.settings import Settings
 TIMEOUT_S = 30.0
 
 
-def call_leader(settings: Settings, method: str, path: str, body: dict | None = None) -> dict:
+def call_leader(settings: Settings, method: str, path: str, body: dict | None = None,
+                timeout: float = TIMEOUT_S) -> dict:
     """One request to SWARM_LEADER_URL with SWARM_API_TOKEN as bearer; any failure is a CliError."""
     import httpx
 
     headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
     url = settings.leader_url + path
     try:
-        resp = httpx.request(method, url, json=body, headers=headers, timeout=TIMEOUT_S)
+        resp = httpx.request(method, url, json=body, headers=headers, timeout=timeout)
     except httpx.HTTPError as exc:
         raise CliError(f"cannot reach the leader at {settings.leader_url}: {exc or type(exc).__name__}") from None
     try:

@@ -92,6 +92,7 @@ class Settings:
     autoload: bool
     servable_models_root: Path
     fellow_model_cache: Path
+    fellow_fetch: str
     max_loaded_models: int
     model_idle_unload_s: float
     heartbeat_s: float
@@ -149,6 +150,7 @@ class Settings:
                 env.get("SWARM_SERVABLE_MODELS_ROOT") or data_dir / "servable_models"
             ).expanduser(),
             fellow_model_cache=Path(env.get("SWARM_FELLOW_MODEL_CACHE") or data_dir / "models").expanduser(),
+            fellow_fetch=_choice(env, "SWARM_FELLOW_FETCH", "auto", ("auto", "always")),
             max_loaded_models=_int(env, "SWARM_MAX_LOADED_MODELS", 1, minimum=1),
             model_idle_unload_s=_float(env, "SWARM_MODEL_IDLE_UNLOAD_S", 900.0),
             heartbeat_s=_float(env, "SWARM_HEARTBEAT_S", 2.0, minimum=0.05),

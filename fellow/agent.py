@@ -13,7 +13,7 @@ import msgspec
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from core.bus import connect, ensure_streams, publish_struct
+from core.bus import close_quietly, connect, ensure_streams, publish_struct
 from core.settings import Settings
 from events import subjects
 from events.commands import Command, StopFellow, command_decoder
@@ -130,7 +130,7 @@ class FellowAgent:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.nc is not None and not self.nc.is_closed:
-            await self.nc.drain()
+            await close_quietly(self.nc)
 
     async def run_until_stopped(self) -> None:
         await self.start()

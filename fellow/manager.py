@@ -7,13 +7,13 @@ import logging
 import os
 import shutil
 import sys
-from pathlib import Path
+import tarfile
 
 from core.bus import publish_event
-from core.servable import MANIFEST_NAME
 from events.commands import LoadStage, StopFellow, UnloadStage, UpdateFellow
 from events.fellow import LoadedModel
 from events.loads import LoadFailed, ModelUnloaded, StageReady
+from fellow.fetch import FetchError, fetch_model, local_model_dir
 from fellow.stage_process import StageProcess
 
 log = logging.getLogger(__name__)
@@ -53,10 +53,13 @@ class ModelManager:
         async with self._lock:
             if cmd.load_id in self.procs:
                 return
-            model_dir = Path(cmd.model_path)
-            if not (model_dir / MANIFEST_NAME).is_file():
-                await self._fail(cmd.load_id, cmd.model_id, f"servable not found at {cmd.model_path} on this fellow")
-                return
+            model_dir = local_model_dir(self.settings, cmd.model_id, cmd.model_path, cmd.manifest_sha256)
+            if model_dir is None:
+                try:
+                    model_dir = await asyncio.to_thread(fetch_model, self.settings, cmd.model_id, cmd.manifest_sha256)
+                except (FetchError, OSError, tarfile.TarError) as exc:
+                    await self._fail(cmd.load_id, cmd.model_id, f"servable not on this fellow and not fetched: {exc}")
+                    return
             while len(self.procs) >= self.settings.max_loaded_models:
                 oldest = next(iter(self.procs.values()))
                 log.info("evicting %s (%s) to load %s", oldest.model_id, oldest.load_id, cmd.model_id)

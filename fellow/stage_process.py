@@ -70,8 +70,12 @@ class StageProcess:
             await self.on_report(self, msg)
         code = await self.proc.wait()
         self.state = "ended"
-        self.exited.set()
-        await self.on_report(self, {"event": "exited", "code": code})
+        try:  # the report (an event on the bus) goes out before anyone waiting on the exit goes on
+            await self.on_report(self, {"event": "exited", "code": code})
+        except Exception:
+            log.exception("the exit of stage %s of %s was not reported", self.stage, self.load_id)
+        finally:
+            self.exited.set()
 
     async def stop(self, reason: str, timeout: float = 10.0) -> None:
         """Ask it to exit (SIGTERM), then kill it after `timeout` seconds."""

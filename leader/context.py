@@ -9,7 +9,7 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
-from core.bus import connect, ensure_streams, publish_event
+from core.bus import close_quietly, connect, ensure_streams, publish_event
 from core.settings import Settings
 from events.base import Event
 from leader.db.engine import make_engine, session_factory, upgrade
@@ -62,7 +62,7 @@ class Leader:
         if self.projections:
             await self.projections.stop()
         if self.nc is not None and not self.nc.is_closed:
-            await self.nc.drain()
+            await close_quietly(self.nc)
         if self.engine is not None:
             await self.engine.dispose()
 

@@ -22,7 +22,7 @@ def free_port() -> int:
 def swarm_env(tmp_path: Path, nats_url: str | None, database_url: str | None = None, port: int | None = None,
               **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
-    env.update(SWARM_DATA_DIR=str(tmp_path / "data"), SWARM_HEARTBEAT_S="0.2",
+    env.update(SWARM_DATA_DIR=str(tmp_path / "data"), SWARM_HEARTBEAT_S="0.5",
                SWARM_LEADER_PORT=str(port or free_port()))
     if nats_url:
         env["SWARM_NATS_URL"] = nats_url

@@ -16,7 +16,7 @@ import torch
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from core.bus import connect, publish_event
+from core.bus import close_quietly, connect, publish_event
 from events import subjects
 from events.requests import ChatRequest, RequestFailed, RequestFinished
 from events.subjects import REQUESTS_STREAM
@@ -271,10 +271,7 @@ class StageServer:
             except asyncio.TimeoutError:
                 pass
         self.serving.stop()
-        try:
-            await self.nc.drain()
-        except Exception:
-            pass
+        await close_quietly(self.nc)
 
 
 def main() -> int:

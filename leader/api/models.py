@@ -6,7 +6,8 @@ import asyncio
 import time
 
 import msgspec
-from litestar import Request, get, post
+from litestar import Request, Response, get, post
+from litestar.response import Stream
 from litestar.status_codes import HTTP_200_OK
 
 from leader.db.tables import Load, Model
@@ -139,3 +140,34 @@ async def unload_model(request: Request, model_id: str) -> dict:
 
 
 ROUTES = [list_models, list_models_openai, get_model_openai, get_model, model_status, load_model, unload_model]
+
+
+@get("/api/v1/models/{model_id:str}/archive", opt={"scope": "read"}, tags=["models"],
+     summary="The servable as a tar: sha256 in X-Swarm-Sha256, resumable with Range")
+async def model_archive(request: Request, model_id: str) -> Response:
+    from pathlib import Path
+
+    from leader.archive import archive_for, parse_range, read_range
+
+    m = await _model(request, model_id)
+    if not m.available:
+        raise ApiError(409, f"The model '{model_id}' is not servable: {m.reason}", code="model_unavailable")
+    settings = request.app.state.leader.settings
+    path, digest = await archive_for(Path(m.path), settings.data_dir / "archives", m.manifest_sha256)
+    size = path.stat().st_size
+    headers = {"Accept-Ranges": "bytes", "X-Swarm-Sha256": digest, "ETag": f'"{digest}"',
+               "Content-Disposition": f'attachment; filename="{model_id}.tar"'}
+    try:
+        span = parse_range(request.headers.get("range"), size)
+    except ValueError:
+        raise ApiError(416, f"Range not satisfiable for {size} bytes", code="range_not_satisfiable",
+                       headers={"Content-Range": f"bytes */{size}"}) from None
+    start, end = span or (0, size - 1)
+    headers["Content-Length"] = str(end - start + 1)
+    if span:
+        headers["Content-Range"] = f"bytes {start}-{end}/{size}"
+    return Stream(read_range(path, start, end), status_code=206 if span else 200, headers=headers,
+                  media_type="application/x-tar")
+
+
+ROUTES.append(model_archive)

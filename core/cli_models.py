@@ -1,0 +1,178 @@
+"""`swarm models | model-load | infer | model-unload | export | demo-model`."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+from core.cli import CliError
+from core.cli_tokens import call_leader
+from core.settings import Settings
+
+
+def _size(n: int) -> str:
+    for unit in ("", "K", "M", "G", "T"):
+        if n < 1000:
+            return f"{n:.0f}{unit}"
+        n /= 1000
+    return f"{n:.0f}P"
+
+
+def cmd_models(args) -> int:
+    models = call_leader(Settings.from_env(), "GET", "/api/v1/models")["data"]
+    rows = [("ID", "STATE", "PARAMS", "STAGES", "NOTE")]
+    for m in models:
+        note = m.get("reason") or "" if not m["available"] else (m.get("quantization") or {}).get("method", "")
+        rows.append((m["id"], m["load_state"] if m["available"] else "unavailable",
+                     _size(m["parameters"]) if m["available"] else "-", str(m["num_stages"]), note))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return 0
+
+
+def _spinner(stop: threading.Event, label: str) -> None:
+    frames, i, started = "|/-\\", 0, time.monotonic()
+    tty = sys.stderr.isatty()
+    while not stop.wait(0.2):
+        if tty:
+            sys.stderr.write(f"\r{frames[i % 4]} {label} {time.monotonic() - started:5.1f}s")
+            sys.stderr.flush()
+            i += 1
+    if tty:
+        sys.stderr.write("\r" + " " * (len(label) + 12) + "\r")
+
+
+def cmd_model_load(args) -> int:
+    body: dict = {"wait": args.wait}
+    if args.num_stages is not None:
+        body["num_stages"] = args.num_stages
+    if args.fellow_id:
+        body["fellow_id"] = args.fellow_id
+    if args.quantization:
+        q = args.quantization
+        body["quantization"] = {"bits": int(q)} if q.isdigit() else {"method": q}
+    stop = threading.Event()
+    spin = threading.Thread(target=_spinner, args=(stop, f"loading {args.model_id}"), daemon=True)
+    if args.wait:
+        spin.start()
+    try:
+        load = call_leader(Settings.from_env(), "POST", f"/api/v1/models/{args.model_id}/load", body,
+                           timeout=args.timeout + 30)
+    finally:
+        stop.set()
+    if load["state"] == "failed":
+        raise CliError(f"loading {args.model_id} failed: {load.get('reason')}")
+    stages = ", ".join(f"stage {s['stage']} on {s['fellow_id']} (kv {s['kv_tokens']} tokens)" for s in load["stages"])
+    print(f"{args.model_id}: {load['state']} as {load['load_id']}" + (f" — {stages}" if stages else ""))
+    return 0
+
+
+def cmd_model_unload(args) -> int:
+    load = call_leader(Settings.from_env(), "POST", f"/api/v1/models/{args.model_id}/unload")
+    print(f"{args.model_id}: unloading {load['load_id']}")
+    return 0
+
+
+def cmd_infer(args) -> int:
+    import httpx
+
+    s = Settings.from_env()
+    body = {"model": args.model_id, "messages": [{"role": "user", "content": args.prompt}], "stream": True,
+            "stream_options": {"include_usage": True}}
+    if args.max_tokens is not None:
+        body["max_tokens"] = args.max_tokens
+    if args.temperature is not None:
+        body["temperature"] = args.temperature
+    if args.no_think:
+        body["chat_template_kwargs"] = {"enable_thinking": False}
+    headers = {"Authorization": f"Bearer {s.api_token}"} if s.api_token else {}
+    usage = None
+    try:
+        with httpx.stream("POST", s.leader_url + "/v1/chat/completions", json=body, headers=headers,
+                          timeout=httpx.Timeout(30.0, read=900.0)) as resp:
+            if resp.status_code >= 400:
+                resp.read()
+                try:
+                    message = resp.json()["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    message = resp.text[:200]
+                raise CliError(f"leader answered {resp.status_code}: {message}")
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise CliError(f"the reply failed: {chunk['error'].get('message')}")
+                for choice in chunk.get("choices", []):
+                    sys.stdout.write(choice.get("delta", {}).get("content") or "")
+                    sys.stdout.flush()
+                usage = chunk.get("usage") or usage
+    except httpx.HTTPError as exc:
+        raise CliError(f"cannot reach the leader at {s.leader_url}: {exc or type(exc).__name__}") from None
+    sys.stdout.write("\n")
+    if usage and args.verbose_usage:
+        print(f"[{usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion tokens]", file=sys.stderr)
+    return 0
+
+
+def cmd_export(args) -> int:
+    from fellow.runtime.export import export
+
+    boundaries = json.loads(args.boundaries) if args.boundaries else None
+    m = export(args.hf_dir, args.out, stages=args.stages, boundaries=boundaries, bottleneck=args.bottleneck,
+               adapters=args.adapters, model_id=args.model_id)
+    print(f"exported {m.model_id} to {args.out}: {m.num_stages} stage(s), boundaries {m.boundaries}")
+    return 0
+
+
+def cmd_demo_model(args) -> int:
+    from fellow.runtime.demo_model import make_demo_model
+
+    m = make_demo_model(args.out, seed=args.seed, **({"steps": args.steps} if args.steps else {}))
+    print(f"demo model {m.model_id} written to {args.out}")
+    return 0
+
+
+def add_commands(sub) -> None:
+    sub.add_parser("models", help="list servable models").set_defaults(func=cmd_models)
+
+    load = sub.add_parser("model-load", help="load a model onto fellows")
+    load.add_argument("model_id")
+    load.add_argument("--wait", action="store_true", help="wait until it is ready")
+    load.add_argument("--num-stages", type=int, default=None)
+    load.add_argument("--fellow-id", default=None)
+    load.add_argument("--quantization", default=None, help="nf4, int4-fast, 8, none")
+    load.add_argument("--timeout", type=float, default=600.0)
+    load.set_defaults(func=cmd_model_load)
+
+    unload = sub.add_parser("model-unload", help="unload a model and free its memory")
+    unload.add_argument("model_id")
+    unload.set_defaults(func=cmd_model_unload)
+
+    infer = sub.add_parser("infer", help="one-shot chat completion, streamed to the terminal")
+    infer.add_argument("model_id")
+    infer.add_argument("prompt")
+    infer.add_argument("--max-tokens", type=int, default=None)
+    infer.add_argument("--temperature", type=float, default=None)
+    infer.add_argument("--no-think", action="store_true", help="turn a Qwen3 model's reasoning off")
+    infer.add_argument("--usage", dest="verbose_usage", action="store_true", help="print token counts")
+    infer.set_defaults(func=cmd_infer)
+
+    ex = sub.add_parser("export", help="turn a local Hugging Face checkpoint into a servable")
+    ex.add_argument("hf_dir")
+    ex.add_argument("out")
+    ex.add_argument("--stages", type=int, default=1)
+    ex.add_argument("--boundaries", default=None, help='JSON, e.g. "[[0,2],[2,4]]"')
+    ex.add_argument("--bottleneck", type=int, default=None, help="fit a linear bottleneck of this width")
+    ex.add_argument("--adapters", default=None, help="a PEFT adapter folder (export adapters only)")
+    ex.add_argument("--model-id", default=None)
+    ex.set_defaults(func=cmd_export)
+
+    demo = sub.add_parser("demo-model", help="train and export the small demo model")
+    demo.add_argument("out")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--steps", type=int, default=None)
+    demo.set_defaults(func=cmd_demo_model)

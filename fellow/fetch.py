@@ -1,0 +1,78 @@
+"""Fetch a servable the fellow lacks from the leader's archive into SWARM_FELLOW_MODEL_CACHE."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import tarfile
+from pathlib import Path
+
+import httpx
+
+from core.servable import MANIFEST_NAME
+from core.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class FetchError(RuntimeError):
+    pass
+
+
+def cached_dir(settings: Settings, model_id: str, manifest_sha256: str) -> Path:
+    return settings.fellow_model_cache / f"{model_id}-{manifest_sha256[:16]}"
+
+
+def local_model_dir(settings: Settings, model_id: str, model_path: str, manifest_sha256: str) -> Path | None:
+    """The servable's folder if this fellow has it already (the leader's path, or the cache)."""
+    if settings.fellow_fetch != "always" and model_path and (Path(model_path) / MANIFEST_NAME).is_file():
+        return Path(model_path)
+    cached = cached_dir(settings, model_id, manifest_sha256)
+    return cached if (cached / MANIFEST_NAME).is_file() else None
+
+
+def fetch_model(settings: Settings, model_id: str, manifest_sha256: str, attempts: int = 3) -> Path:
+    """Download (resuming a partial file with Range), check the sha256, unpack; returns the folder."""
+    target = cached_dir(settings, model_id, manifest_sha256)
+    settings.fellow_model_cache.mkdir(parents=True, exist_ok=True)
+    part = target.with_suffix(".tar.part")
+    url = f"{settings.leader_url}/api/v1/models/{model_id}/archive"
+    headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
+    expected = None
+    for attempt in range(1, attempts + 1):
+        have = part.stat().st_size if part.exists() else 0
+        try:
+            with httpx.stream("GET", url, headers={**headers, **({"Range": f"bytes={have}-"} if have else {})},
+                              timeout=httpx.Timeout(30.0, read=300.0)) as resp:
+                if resp.status_code == 416:  # the partial file is complete (or stale): start over
+                    part.unlink(missing_ok=True)
+                    continue
+                if resp.status_code not in (200, 206):
+                    resp.read()
+                    raise FetchError(f"the leader answered {resp.status_code} for {url}: {resp.text[:200]}")
+                expected = resp.headers.get("x-swarm-sha256")
+                mode = "ab" if resp.status_code == 206 else "wb"
+                with open(part, mode) as f:
+                    for block in resp.iter_bytes(1 << 20):
+                        f.write(block)
+            break
+        except httpx.HTTPError as exc:
+            log.warning("fetching %s (attempt %d): %s", model_id, attempt, exc)
+            if attempt == attempts:
+                raise FetchError(f"cannot fetch {model_id} from {settings.leader_url}: {exc}") from None
+    digest = hashlib.sha256()
+    with open(part, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    if not expected or digest.hexdigest() != expected:
+        part.unlink(missing_ok=True)
+        raise FetchError(f"the archive of {model_id} does not match its checksum")
+    tmp = target.with_suffix(".unpack")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with tarfile.open(part) as tar:
+        tar.extractall(tmp, filter="data")
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    part.unlink(missing_ok=True)
+    return target

@@ -1,0 +1,80 @@
+"""Servable archives: a deterministic tar of a model folder, built once, served with Range and a checksum."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import tarfile
+from pathlib import Path
+
+CHUNK = 1 << 20
+
+
+def _reset(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    """Same bytes for the same files: no owners, no times."""
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    info.mtime = 0
+    return info
+
+
+def build_archive(model_dir: Path, cache_dir: Path, manifest_sha256: str) -> tuple[Path, str]:
+    """(tar path, its sha256); cached per manifest, so a changed model gets a new archive."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    target = cache_dir / f"{model_dir.name}-{manifest_sha256[:16]}.tar"
+    digest_file = target.with_suffix(".sha256")
+    if target.is_file() and digest_file.is_file():
+        return target, digest_file.read_text().strip()
+    tmp = target.with_suffix(f".tmp{os.getpid()}")
+    with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+        for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
+            tar.add(path, arcname=str(path.relative_to(model_dir)), recursive=False, filter=_reset)
+    digest = hashlib.sha256()
+    with open(tmp, "rb") as f:
+        for block in iter(lambda: f.read(CHUNK), b""):
+            digest.update(block)
+    tmp.replace(target)
+    digest_file.write_text(digest.hexdigest() + "\n")
+    return target, digest.hexdigest()
+
+
+async def archive_for(model_dir: Path, cache_dir: Path, manifest_sha256: str) -> tuple[Path, str]:
+    return await asyncio.to_thread(build_archive, model_dir, cache_dir, manifest_sha256)
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """`bytes=a-b` / `bytes=a-` / `bytes=-n` → inclusive (start, end); None for the whole file.
+
+    Raises ValueError for a range that cannot be satisfied (answered with 416).
+    """
+    if not header:
+        return None
+    unit, _, spec = header.partition("=")
+    if unit.strip() != "bytes" or "," in spec:
+        raise ValueError(header)
+    first, _, last = spec.strip().partition("-")
+    if first == "":
+        n = int(last)
+        if n <= 0:
+            raise ValueError(header)
+        start, end = max(0, size - n), size - 1
+    else:
+        start = int(first)
+        end = int(last) if last else size - 1
+    end = min(end, size - 1)
+    if start > end or start >= size:
+        raise ValueError(header)
+    return start, end
+
+
+async def read_range(path: Path, start: int, end: int):
+    with open(path, "rb") as f:
+        f.seek(start)
+        left = end - start + 1
+        while left > 0:
+            block = await asyncio.to_thread(f.read, min(CHUNK, left))
+            if not block:
+                return
+            left -= len(block)
+            yield block
