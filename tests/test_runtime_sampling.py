@@ -88,3 +88,9 @@ def test_params_come_from_the_request_and_are_checked():
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError):
         SamplingParams(temperature=-1.0)
+
+
+def test_draws_follow_the_distribution():
+    draws = _draws(SamplingParams(seed=21), _logits(), 4000)
+    shares = [draws.count(token) / len(draws) for token in range(len(PROBS))]
+    assert all(abs(share - p) < 0.03 for share, p in zip(shares, PROBS)), shares

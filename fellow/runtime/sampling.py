@@ -58,9 +58,10 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One row's candidate probabilities ([K], unnormalised) and their token ids ([K]; None means all ids).
+    """Candidate probabilities ([..., K], unnormalised) and their token ids ([..., K]; None means all ids).
 
-    The filters run in the order transformers applies them: temperature, top-k, top-p, min-p.
+    Rows (the leading dimensions) are filtered independently, all with the same ``params``, in the
+    order transformers applies them: temperature, top-k, top-p, min-p.
     """
     scores = logits.float() / params.temperature
     ids = None
@@ -73,17 +74,19 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.
         before = torch.cumsum(probs, dim=-1) - probs
         probs = probs.masked_fill(before >= params.top_p, 0.0)
     if params.min_p > 0.0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
     return probs, ids
 
 
-def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """One token id (a 0-d tensor) from one row of logits [V]."""
-    if params.greedy:
-        return torch.argmax(logits, dim=-1)
-    probs, ids = filtered_probs(logits, params)
-    pick = torch.multinomial(probs, 1, generator=generator)[0]
-    return pick if ids is None else ids[pick]
+def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One candidate index per row [R], each row drawn with its own generator.
+
+    argmax(p / E) with E ~ Exp(1) draws from p (the exponential race); only the noise is per row,
+    so a row's draw does not depend on the rows beside it.
+    """
+    noise = torch.stack([torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=g)
+                         for g in generators])
+    return torch.argmax(probs / noise, dim=-1)
 
 
 def sample(
@@ -93,13 +96,29 @@ def sample(
 ) -> torch.Tensor:
     """Token ids [B] from logits [B, V], each row with its own params and generator.
 
-    Sampled rows are drawn one at a time on their own slice, so a row's token does not depend on
-    which other rows share the batch; greedy rows take one argmax together.
+    Greedy rows take one argmax together; sampled rows are filtered together where their params
+    match, and each draws from its own generator.
     """
     if len(params) != logits.shape[0] or len(generators) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows of logits for {len(params)} params, {len(generators)} generators")
     tokens = torch.argmax(logits, dim=-1)  # [B]
-    for row, (row_params, generator) in enumerate(zip(params, generators)):
+    alike: dict[tuple, list[int]] = {}
+    for row, row_params in enumerate(params):
         if not row_params.greedy:
-            tokens[row] = sample_row(logits[row], row_params, generator)
+            key = (row_params.temperature, row_params.top_p, row_params.top_k, row_params.min_p)
+            alike.setdefault(key, []).append(row)
+    for rows in alike.values():
+        selected = logits if len(rows) == logits.shape[0] else logits[rows]
+        probs, ids = filtered_probs(selected, params[rows[0]])
+        picks = _draw(probs, [generators[row] for row in rows])
+        chosen = picks if ids is None else ids.gather(-1, picks[:, None])[:, 0]
+        if len(rows) == logits.shape[0]:
+            tokens = chosen
+        else:
+            tokens[rows] = chosen
     return tokens
+
+
+def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """One token id (a 0-d tensor) from one row of logits [V]."""
+    return sample(logits[None], [params], [generator])[0]
