@@ -137,3 +137,14 @@ def test_admission_waits_for_tokens_and_refuses_what_never_fits(stage):
     assert refused.value.needed == 101 and refused.value.kv_tokens == 100
     assert "needs 101 tokens" in str(refused.value) and "holds 100" in str(refused.value)
     assert refused.value.code == "context_too_long"
+
+
+def test_a_batch_stops_growing_where_its_padded_copy_would_pass_the_budget(stage):
+    sessions = [Session(f"s{i}", prompt(100, seed=20 + i), 20, GREEDY) for i in range(2)]
+    expected = {s.session_id: alone(stage, s) for s in sessions}
+    for kv_tokens, widest in ((4096, 2), (250, 1)):  # 250: 240 reserved, too little room to pad two rows
+        engine = Engine(stage, kv_tokens=kv_tokens, prefill_chunk=8)
+        outputs, finished, batch_sizes = {}, {}, []
+        drain(engine, outputs, finished, joins={0: [Session(s.session_id, s.prompt_ids, 20, GREEDY)
+                                                    for s in sessions]}, batch_sizes=batch_sizes)
+        assert outputs == expected and max(batch_sizes) == widest

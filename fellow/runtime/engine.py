@@ -76,7 +76,8 @@ class Engine:
         caches = [s.cache for s in self.sessions.values() if s.cache is not None]
         return {"kv_tokens": self.kv_tokens, "reserved_tokens": self.budget.reserved,
                 "cached_tokens": sum(c.length for c in caches), "kv_bytes": sum(c.bytes for c in caches),
-                "in_flight": len(self.sessions), "waiting": len(self.waiting)}
+                "in_flight": len(self.sessions), "waiting": len(self.waiting),
+                "decode_batches": list(self.last_batches)}
 
     def step(self) -> StepResult:
         result = StepResult()
