@@ -128,10 +128,27 @@ def cmd_export(args) -> int:
     return 0
 
 
+class ProgressBar:
+    """A one-line bar on stderr: `[#####.....] 130/260 loss 3.21 ~60s left`."""
+
+    def __init__(self, label: str, width: int = 30):
+        self.label, self.width, self.started = label, width, time.monotonic()
+
+    def __call__(self, step: int, steps: int, loss: float) -> None:
+        done = step / max(steps, 1)
+        elapsed = time.monotonic() - self.started
+        left = elapsed / done - elapsed if done > 0 else 0
+        bar = "#" * int(done * self.width)
+        end = "\n" if step >= steps else ""
+        sys.stderr.write(f"\r{self.label} [{bar:<{self.width}}] {step}/{steps} loss {loss:.2f} ~{left:.0f}s left{end}")
+        sys.stderr.flush()
+
+
 def cmd_demo_model(args) -> int:
     from fellow.runtime.demo_model import make_demo_model
 
-    m = make_demo_model(args.out, seed=args.seed, **({"steps": args.steps} if args.steps else {}))
+    m = make_demo_model(args.out, seed=args.seed, progress=ProgressBar("training the demo model"),
+                        **({"steps": args.steps} if args.steps else {}))
     print(f"demo model {m.model_id} written to {args.out}")
     return 0
 
