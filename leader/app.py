@@ -16,8 +16,9 @@ from leader.auth.guard import require_scope
 from leader.auth.routes import TOKEN_ROUTES
 from leader.context import Leader
 from leader.errors import exception_handlers
+from leader.web import ROUTES as WEB_ROUTES
 
-ROUTES = [healthz, list_fellows, *MODEL_ROUTES, *TOKEN_ROUTES, chat_completions]
+ROUTES = [healthz, list_fellows, *MODEL_ROUTES, *TOKEN_ROUTES, chat_completions, *WEB_ROUTES]
 
 
 def create_app(settings: Settings | None = None, leader: Leader | None = None) -> Litestar:

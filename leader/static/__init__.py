@@ -1,0 +1,1 @@
+"""CSS and JavaScript the web pages load from the leader itself (no CDN)."""

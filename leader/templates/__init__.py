@@ -1,0 +1,1 @@
+"""Jinja templates of the web pages (shipped as package data)."""

@@ -1,0 +1,120 @@
+"""The dashboard's JSON (performance, requests, loads) and the pages' routes, through the real app and bus."""
+
+from __future__ import annotations
+
+import time
+
+from events.requests import RequestAccepted, RequestFailed, RequestFinished
+from tests.tokens_app import bearer, leader_client, mint, on_app
+
+PERF = "/api/v1/models/m1/performance"
+
+
+def request_events(now: float) -> list:
+    """Requests of model m1 spread over the window (and one before it), plus one of another model."""
+    evts = []
+
+    def finished(rid, model, at, took, prompt, completion, reason="stop", timing=None):
+        evts.append(RequestAccepted(request_id=rid, model_id=model, load_id="ld-1", at=at - took))
+        evts.append(RequestFinished(request_id=rid, model_id=model, load_id="ld-1", at=at, prompt_tokens=prompt,
+                                    completion_tokens=completion, finish_reason=reason, ttft_s=took / 10,
+                                    duration_s=took, tokens_per_s=completion / took, timing=timing or {}))
+
+    finished("r-old", "m1", now - 1500, 2.0, 7, 70)
+    finished("r-a", "m1", now - 190, 1.0, 5, 10,
+             timing={"stage0_ms": 10.0, "link_ms": 4.0, "stage1_ms": 20.0, "prefill_ms": 40.0, "route": "relay"})
+    finished("r-b", "m1", now - 70, 3.0, 6, 30,
+             timing={"stage0_ms": 20.0, "link_ms": 2.0, "stage1_ms": 30.0, "prefill_ms": 60.0, "route": "relay"})
+    finished("r-c", "m1", now - 5, 0.5, 4, 3, reason="cancelled", timing={"stage0_ms": 5.0, "route": "local"})
+    finished("r-other", "m2", now - 5, 1.0, 9, 90)
+    evts.append(RequestAccepted(request_id="r-long", model_id="m1", load_id="ld-1", at=now - 20))
+    evts.append(RequestFailed(request_id="r-long", model_id="m1", load_id="ld-1", at=now - 19,
+                              code="context_too_long", message="needs 9000 tokens", prompt_tokens=9000))
+    evts.append(RequestAccepted(request_id="r-live", model_id="m1", load_id="ld-1", at=now - 1))
+    return evts
+
+
+async def test_performance_buckets_and_totals_match_the_requests_made(tmp_path, nats_server, sqlite_url):
+    for model in ("m1", "m2"):  # a folder without a manifest: cataloged, unavailable, still a model
+        (tmp_path / "servables" / model).mkdir(parents=True)
+    async with leader_client(tmp_path, nats_server.url, sqlite_url,
+                             SWARM_SERVABLE_MODELS_ROOT=tmp_path / "servables") as (app, c):
+        leader = app.state.leader
+        evts = request_events(time.time())
+        for evt in evts:
+            await on_app(c, leader.publish, evt, ["requests"])
+        perf = (await c.get(PERF)).json()
+
+    since, bucket_s = perf["since"], perf["bucket_s"]
+    assert perf["window_s"] == 900 and bucket_s == 60 and len(perf["buckets"]) == 15
+    assert [b["t"] for b in perf["buckets"]] == [since + i * 60 for i in range(15)]
+    ended = {e.request_id: e for e in evts if isinstance(e, (RequestFinished, RequestFailed))}
+    inside = {rid: e for rid, e in ended.items() if e.model_id == "m1" and e.at >= since}
+    assert set(inside) == {"r-a", "r-b", "r-c", "r-long"}
+    t = perf["totals"]
+    assert t["requests"] == len(inside) + 1  # + r-live, still in flight
+    assert (t["finished"], t["cancelled"], t["too_long"], t["failed"], t["in_flight"]) == (2, 1, 1, 0, 1)
+    assert t["completion_tokens"] == sum(e.completion_tokens for e in inside.values())
+    assert t["prompt_tokens"] == sum(e.prompt_tokens for e in inside.values())
+    assert t["routes"] == {"relay": 2, "local": 1} and t["error_codes"] == {"context_too_long": 1}
+
+    # Each request sits in the minute it ended; the buckets add up to the totals.
+    for rid, e in inside.items():
+        bucket = perf["buckets"][int((e.at - since) // bucket_s)]
+        assert bucket["requests"] >= 1 and bucket["completion_tokens"] >= e.completion_tokens, (rid, bucket)
+    for key in ("requests", "finished", "cancelled", "too_long", "completion_tokens", "prompt_tokens"):
+        assert sum(b[key] for b in perf["buckets"]) == t[key], key
+
+    # The split per token is weighted by each request's tokens: a long reply counts for more.
+    timed = [e for e in inside.values() if isinstance(e, RequestFinished) and e.timing]
+    for part in ("stage0_ms", "link_ms", "stage1_ms"):
+        having = [e for e in timed if part in e.timing]
+        want = sum(e.timing[part] * e.completion_tokens for e in having) / sum(e.completion_tokens for e in timed)
+        assert abs(t["split_ms"][part] - want) < 1e-3, part
+    assert list(t["split_ms"]) == ["stage0_ms", "link_ms", "stage1_ms"]  # ring order
+    ttfts = [e.ttft_s * 1e3 for e in inside.values() if isinstance(e, RequestFinished)]
+    assert abs(t["ttft_ms"] - sum(ttfts) / len(ttfts)) < 1e-3
+    assert perf["load"] is None  # nothing loaded
+
+
+async def test_requests_and_loads_lists(tmp_path, nats_server, sqlite_url):
+    (tmp_path / "servables" / "m1").mkdir(parents=True)
+    async with leader_client(tmp_path, nats_server.url, sqlite_url,
+                             SWARM_SERVABLE_MODELS_ROOT=tmp_path / "servables") as (app, c):
+        evts = request_events(time.time())
+        for evt in evts:
+            await on_app(c, app.state.leader.publish, evt, ["requests"])
+        every = (await c.get("/api/v1/requests", params={"limit": 100})).json()["data"]
+        newest = (await c.get("/api/v1/requests", params={"limit": 3, "model": "m1"})).json()["data"]
+        assert (await c.get("/api/v1/requests", params={"limit": 0})).status_code == 400
+        assert (await c.get(PERF, params={"window_s": 5})).status_code == 400
+        assert (await c.get("/api/v1/models/nope/performance")).json()["error"]["code"] == "model_not_found"
+        loads = (await c.get("/api/v1/loads")).json()
+
+    accepted = sorted((e for e in evts if isinstance(e, RequestAccepted)), key=lambda e: -e.at)
+    assert [r["id"] for r in every] == [e.request_id for e in accepted]
+    assert [r["id"] for r in newest] == [e.request_id for e in accepted if e.model_id == "m1"][:3]
+    by_id = {r["id"]: r for r in every}
+    assert by_id["r-long"]["status"] == "too_long" and by_id["r-long"]["error_code"] == "context_too_long"
+    assert by_id["r-c"]["finish_reason"] == "cancelled" and by_id["r-live"]["status"] == "accepted"
+    assert by_id["r-a"]["timing"]["link_ms"] == 4.0
+    assert loads == {"object": "list", "data": []}
+
+
+async def test_pages_are_public_and_the_data_is_not(tmp_path, nats_server, sqlite_url):
+    async with leader_client(tmp_path, nats_server.url, sqlite_url) as (app, c):
+        root = await c.get("/", follow_redirects=False)
+        assert root.status_code in (301, 302, 303, 307) and root.headers["location"] == "/pools/local/default/inference"
+        admin = (await mint(c, "ops", ["read"]))["token"]  # enforcement is on from here
+        for page in ("inference", "dashboard"):
+            html = (await c.get(f"/pools/local/default/{page}")).text
+            for asset in ("swarm.js", "swarm.css", f"{page}.js"):
+                assert f"/static/{asset}?v=" in html, (page, asset)
+            assert 'id="token-input"' in html and "://" not in html  # nothing from elsewhere: works offline
+        for asset in ("swarm.js", "inference.js", "dashboard.js", "charts.js", "swarm.css"):
+            got = await c.get(f"/static/{asset}")
+            assert got.status_code == 200 and len(got.content) > 500, asset
+        assert (await c.get("/pools/someone/else/inference")).status_code == 404
+        assert (await c.get("/api/v1/requests")).status_code == 401
+        assert (await c.get("/api/v1/loads", headers=bearer(admin))).status_code == 200
+        assert (await c.get("/api/v1/requests", headers=bearer(admin))).status_code == 200
