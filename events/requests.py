@@ -30,6 +30,7 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
     model_id: str
     messages: list[ChatMessage]
     max_tokens: int
+    max_tokens_fit: bool = False  # a default, not the client's: shorten it to what fits beside the prompt
     sampling: Sampling = Sampling()
     stop: list[str] = []
     enable_thinking: bool | None = None

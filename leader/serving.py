@@ -37,6 +37,17 @@ class ReadyLoad(msgspec.Struct, frozen=True, kw_only=True):
     kv_tokens: int = 0
 
 
+def one_stage_plan(s) -> TransportPlan:
+    """In flight: SWARM_SERVE_IN_FLIGHT, else what a fellow holds. KV tokens: a typical chat per
+    request in flight, never below one whole SWARM_SERVE_CONTEXT_TOKENS conversation; the stage
+    lowers it to what it measures it can hold."""
+    in_flight = s.serve_in_flight or s.serve_max_in_flight
+    return TransportPlan(max_in_flight=in_flight,
+                         kv_tokens=max(s.serve_context_tokens, in_flight * s.serve_typical_tokens),
+                         max_batch=s.serve_max_batch or 0, speculative=s.serve_speculative,
+                         prefill_chunk=s.serve_prefill_chunk)
+
+
 def model_not_found(model_id: str) -> ApiError:
     return ApiError(404, f"The model '{model_id}' does not exist", code="model_not_found", param="model")
 
@@ -147,10 +158,7 @@ class Serving:
             await self.leader.publish(LoadFailed(id=f"failed-{load_id}", load_id=load_id, model_id=model_id,
                                                  reason=str(exc), code="placement_failed"), wait=["loads"])
             raise ApiError(409, f"Cannot load '{model_id}': {exc}", code="placement_failed") from None
-        s = self.leader.settings
-        transport = TransportPlan(max_in_flight=s.serve_max_in_flight, kv_tokens=0,
-                                  max_batch=s.serve_max_batch or 0, speculative=s.serve_speculative,
-                                  prefill_chunk=s.serve_prefill_chunk)
+        transport = one_stage_plan(self.leader.settings)
         await self.leader.publish(LoadPlaced(load_id=load_id, model_id=model_id, stages=[assignment],
                                              transport=transport, quantization=quantization), wait=["loads"])
         cmd = LoadStage(load_id=load_id, model_id=model_id, assignment=assignment, num_stages=1,

@@ -162,12 +162,15 @@ class StageServer:
             await msg.ack()
             await self._refuse(req, 0, f"the prompt could not be tokenized: {exc}", "invalid_prompt")
             return
-        needed = len(prompt_ids) + req.max_tokens
+        max_tokens = req.max_tokens
+        if req.max_tokens_fit and len(prompt_ids) < self.kv_tokens:
+            max_tokens = min(max_tokens, self.kv_tokens - len(prompt_ids))
+        needed = len(prompt_ids) + max_tokens
         if needed > self.kv_tokens:
             await msg.ack()
             from fellow.runtime.admission import ContextTooLong
 
-            err = ContextTooLong(len(prompt_ids), req.max_tokens, self.kv_tokens)
+            err = ContextTooLong(len(prompt_ids), max_tokens, self.kv_tokens)
             await self._refuse(req, len(prompt_ids), str(err), err.code, err.data)
             return
         if needed > self.kv_tokens - self.reserved and self.active:
@@ -181,7 +184,7 @@ class StageServer:
         self.reserved += needed
         self.metrics.requests += 1
         s = req.sampling
-        self.serving.submit(Job(req.request_id, prompt_ids, req.max_tokens,
+        self.serving.submit(Job(req.request_id, prompt_ids, max_tokens,
                                 SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                                min_p=s.min_p, seed=s.seed), list(req.stop)))
         await msg.ack()

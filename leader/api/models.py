@@ -33,6 +33,19 @@ def model_view(m: Model, load: Load | None) -> dict:
     }
 
 
+async def queued_requests(js, load_id: str) -> int:
+    """Requests on the bus that no stage has taken yet (pending in the load's request consumer)."""
+    from nats.js.errors import NotFoundError
+
+    from events.subjects import REQUESTS_STREAM
+
+    try:
+        info = await js.consumer_info(REQUESTS_STREAM, f"load-{load_id}")
+    except NotFoundError:
+        return 0
+    return int(info.num_pending or 0)
+
+
 def load_view(load: Load, stages, latest: dict) -> dict:
     view = {"load_id": load.load_id, "model_id": load.model_id, "state": load.state, "reason": load.reason or None,
             "num_stages": load.num_stages, "requested_at": load.requested_at, "ready_at": load.ready_at,
@@ -98,6 +111,8 @@ async def model_status(request: Request, model_id: str) -> dict:
     load = await leader.serving.active_load(model_id)
     view = model_view(m, load)
     view["load"] = load_view(load, await leader.serving.stages(load.load_id), leader.fellows.latest) if load else None
+    if load is not None:
+        view["load"]["queued"] = await queued_requests(leader.js, load.load_id)
     view["checked_at"] = time.time()
     return view
 

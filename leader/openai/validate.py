@@ -107,6 +107,10 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
+def max_tokens_given(body: ChatBody) -> bool:
+    return body.max_completion_tokens is not None or body.max_tokens is not None
+
+
 def max_tokens(body: ChatBody, generation: dict, context_tokens: int) -> int:
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     value = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -167,6 +171,7 @@ def chat_request(body: ChatBody, messages: list[ChatMessage], request_id: str, l
                  generation: dict, context_tokens: int) -> ChatRequest:
     return ChatRequest(
         request_id=request_id, load_id=load_id, model_id=body.model, messages=messages,
-        max_tokens=max_tokens(body, generation, context_tokens), sampling=sampling(body, generation),
+        max_tokens=max_tokens(body, generation, context_tokens), max_tokens_fit=not max_tokens_given(body),
+        sampling=sampling(body, generation),
         stop=stop_strings(body.stop), enable_thinking=enable_thinking(body.chat_template_kwargs),
         created=time.time())

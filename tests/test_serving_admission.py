@@ -1,0 +1,95 @@
+"""Admission by KV tokens through the real stack: waiting for room, and 413 for what can never fit."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+
+import openai
+import pytest
+
+from core.nats_server import EmbeddedNats
+from tests.processes import wait_until
+from tests.serving_fixtures import Stack, make_servable
+
+BUDGET = 160  # SWARM_SERVE_CONTEXT_TOKENS: the stage's whole KV budget in these tests
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("admission")
+    make_servable(root, "tiny", layers=2, hidden=64, stages=1, seed=5)
+    nats = EmbeddedNats(root / "js").start()
+    stack = Stack(root, nats.url, root / "servables", SWARM_SERVE_CONTEXT_TOKENS=BUDGET,
+                  SWARM_SERVE_TYPICAL_TOKENS=10, SWARM_SERVE_IN_FLIGHT=2).start()
+    stack.load("tiny")
+    yield stack
+    stack.stop()
+    nats.stop()
+
+
+@pytest.fixture
+async def client(stack):
+    async with openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def requests_rows(stack: Stack) -> dict[str, tuple]:
+    db = sqlite3.connect(stack.tmp / "swarm.db")
+    try:
+        return {r[0]: r[1:] for r in db.execute("select request_id, status, error_code from requests")}
+    finally:
+        db.close()
+
+
+async def test_status_reports_the_budget(stack):
+    load = stack.get("/api/v1/models/tiny/status").json()["load"]
+    assert load["stages"][0]["kv_tokens"] == BUDGET == load["stages"][0]["kv_tokens_planned"]
+    assert load["queued"] == 0 and load["transport"]["max_in_flight"] == 2
+
+
+async def test_what_can_never_fit_is_413_and_counted_too_long(stack, client):
+    long_prompt = [{"role": "user", "content": "spam " * 120}]
+    with pytest.raises(openai.APIStatusError) as err:
+        await client.chat.completions.create(model="tiny", messages=long_prompt, max_tokens=100)
+    assert err.value.status_code == 413
+    body = err.value.body
+    assert body["code"] == "context_length_exceeded" and f"holds {BUDGET}" in body["message"], body
+    stream = await client.chat.completions.create(model="tiny", messages=long_prompt, max_tokens=100, stream=True)
+    with pytest.raises(openai.APIError) as err:
+        async for _ in stream:
+            pass
+    assert "holds 160" in str(err.value)
+    await asyncio.to_thread(wait_until, lambda: sum(s == "too_long" for s, _ in requests_rows(stack).values()) == 2,
+                            30, "two requests projected as too_long")
+    assert all(code == "context_too_long" for s, code in requests_rows(stack).values() if s == "too_long")
+
+
+async def test_a_request_waits_for_room_then_is_served(stack, client):
+    async def one(i: int):
+        stream = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": f"story {i}"}], max_tokens=120, temperature=0,
+            stream=True)
+        chunks = [c async for c in stream]
+        return chunks[0].id.removeprefix("chatcmpl-"), chunks
+
+    # Each reserves prompt + 120 tokens of the 160: the second must wait until the first ends.
+    (r1, c1), (r2, c2) = await asyncio.gather(one(1), one(2))
+    assert c1[-1].choices[0].finish_reason and c2[-1].choices[0].finish_reason
+
+    def spans():
+        db = sqlite3.connect(stack.tmp / "swarm.db")
+        try:
+            rows = dict((r[0], (r[1] - r[2], r[1])) for r in db.execute(
+                "select request_id, ended_at, duration_s from requests where status = 'finished' "
+                "and request_id in (?, ?)", (r1, r2)))
+        finally:
+            db.close()
+        return rows if len(rows) == 2 else None
+
+    # The stage's own record: from taking a request to its end. The two spans must not overlap.
+    first, second = sorted((await asyncio.to_thread(wait_until, spans, 30, "both requests recorded")).values())
+    assert second[0] >= first[1] - 0.05, (first, second)  # slack: events are stamped when published
+    stats = stack.get("/api/v1/models/tiny/status").json()["load"]["stages"][0]["metrics"]
+    assert stats["in_flight"] == 0
