@@ -3,7 +3,7 @@
 
 const Charts = (() => {
   const { el, fmt } = Swarm;
-  const W = 480, H = 190, M = { l: 46, r: 10, t: 12, b: 24 };
+  const W = 480, H = 200, M = { l: 46, r: 10, t: 24, b: 24 };
 
   // 0.8 -> 1, 13 -> 20, 240 -> 250: a round top for the axis.
   function niceMax(v) {
@@ -19,9 +19,9 @@ const Charts = (() => {
     for (let i = 0; i <= 4; i++) {
       const y = M.t + ih - (ih * i) / 4;
       svg.append(el("svg:line", { x1: M.l, x2: W - M.r, y1: y, y2: y, class: i ? "grid" : "axis" }));
-      svg.append(el("svg:text", { x: M.l - 6, y: y + 4, class: "tick", "text-anchor": "end" }, fmt.num((top * i) / 4, top < 4 ? 2 : 0)));
+      svg.append(el("svg:text", { x: M.l - 6, y: y + 4, class: "tick", "text-anchor": "end" }, fmt.num((top * i) / 4, 2)));
     }
-    if (unit) svg.append(el("svg:text", { x: 4, y: M.t + 2, class: "unit" }, unit));
+    if (unit) svg.append(el("svg:text", { x: M.l - 6, y: 11, class: "unit", "text-anchor": "end" }, unit));
     const bw = iw / Math.max(1, points.length);
     points.forEach((p, i) => {
       if (i % 5 === 0 || i === points.length - 1) {
@@ -90,7 +90,7 @@ const Charts = (() => {
     if (!load) { container.replaceChildren(el("p", { class: "muted" }, "Not loaded: no stages to show.")); return; }
     const n = load.stages.length, bw = 200, gap = 70, bh = 128, top = 14;
     const width = Math.max(W, n * bw + (n - 1) * gap + 40), height = bh + top + 56;
-    const svg = el("svg:svg", { viewBox: `0 0 ${width} ${height}`, role: "img", class: "ring",
+    const svg = el("svg:svg", { viewBox: `0 0 ${width} ${height}`, width, height, role: "img", class: "ring",
       "aria-label": `Load ${load.load_id}: ${n} stage${n === 1 ? "" : "s"} — ` + load.stages.map((s) => `stage ${s.stage} on ${s.fellow_id}`).join(", ") });
     svg.append(el("svg:defs", {}, el("svg:marker", { id: "arrow", viewBox: "0 0 10 10", refX: 9, refY: 5, markerWidth: 7, markerHeight: 7, orient: "auto-start-reverse" },
       el("svg:path", { d: "M0,0 L10,5 L0,10 z", class: "arrowhead" }))));

@@ -66,7 +66,7 @@
       card("decode", "Decode speed", t.decode_tokens_per_s === null ? "—" : fmt.num(t.decode_tokens_per_s) + " tok/s", "per request, token-weighted"),
       card("ttft", "Time to first token", fmt.ms(t.ttft_ms), `p50 ${fmt.ms(t.ttft_ms_p50)} · p95 ${fmt.ms(t.ttft_ms_p95)}`),
       card("per-token", "Time per token", fmt.ms(t.per_token_ms),
-        Object.entries(t.split_ms).map(([k, v]) => `${SPLIT_NAMES[k] || k.replace("_ms", "")} ${fmt.num(v, 2)}`).join(" · ") || "no timing yet"),
+        Object.entries(t.split_ms).map(([k, v]) => `${SPLIT_NAMES[k] || k.replace("_ms", "")} ${fmt.ms(v)}`).join(" · ") || "no timing yet"),
     );
     const b = p.buckets;
     Charts.bars($("chart-throughput"), b.map((x) => ({ t: x.t, value: x.tokens_per_s })), { label: "Tokens per second", unit: "tok/s" });
@@ -112,7 +112,13 @@
     document.body.dataset.refreshed = String(Date.now());
   }
 
-  const now = Swarm.every(3000, refresh);
+  const now = Swarm.every(3000, async () => {
+    try {
+      await refresh();
+    } catch (e) {
+      $("refreshed").textContent = "could not refresh: " + e.message;
+    }
+  });
   perfSelect.addEventListener("change", () => { localStorage.setItem(MODEL_KEY, perfSelect.value); now(); });
   document.addEventListener("swarm:token", now);
 })();

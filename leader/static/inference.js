@@ -254,6 +254,7 @@
       }
     } finally {
       li.classList.remove("streaming");
+      li.scrollIntoView({ block: "end" });
       if (reply) history.push({ role: "assistant", content: reply });
       controller = null;
       setBusy(false);
@@ -285,22 +286,23 @@
   function renderSnippets() {
     const model = (current() && current().id) || "MODEL_ID";
     const think = thinking.checked;
-    const body = JSON.stringify({
-      model, messages: [{ role: "user", content: "Hello!" }], stream: true,
-      chat_template_kwargs: { enable_thinking: think },
-    }, null, 2).replace(/'/g, "'\\''");
+    const quoted = JSON.stringify(model).replace(/'/g, "'\\''");  // inside the shell's single quotes
     $("snippet-curl").textContent = [
       `curl -N ${location.origin}/v1/chat/completions \\`,
       `  -H "Authorization: Bearer $SWARM_API_TOKEN" \\`,
       `  -H "Content-Type: application/json" \\`,
-      `  -d '${body}'`,
+      `  -d '{"model": ${quoted}, "stream": true,`,
+      `       "messages": [{"role": "user", "content": "Hello!"}],`,
+      `       "chat_template_kwargs": {"enable_thinking": ${think}}}'`,
     ].join("\n");
     $("snippet-python").textContent = [
       "import os",
       "from openai import OpenAI",
       "",
-      `client = OpenAI(base_url="${location.origin}/v1",`,
-      `                api_key=os.environ.get("SWARM_API_TOKEN", "none"))  # sk-swarm-…`,
+      "client = OpenAI(",
+      `    base_url="${location.origin}/v1",`,
+      `    api_key=os.environ.get("SWARM_API_TOKEN", "none"),`,
+      ")",
       "stream = client.chat.completions.create(",
       `    model=${JSON.stringify(model)},`,
       `    messages=[{"role": "user", "content": "Hello!"}],`,

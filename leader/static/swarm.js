@@ -95,7 +95,10 @@ const Swarm = (() => {
       if (v === null || v === undefined || Number.isNaN(v)) return "—";
       return Number(v).toLocaleString("en-US", { maximumFractionDigits: digits === undefined ? 1 : digits });
     },
-    ms(v) { return v === null || v === undefined ? "—" : (v >= 1000 ? fmt.num(v / 1000, 2) + " s" : fmt.num(v, 1) + " ms"); },
+    ms(v) {
+      if (v === null || v === undefined) return "—";
+      return v >= 1000 ? fmt.num(v / 1000, 2) + " s" : fmt.num(v, v < 10 ? 2 : 1) + " ms";
+    },
     bytes(v) {
       if (!v) return "—";
       const units = ["B", "KB", "MB", "GB", "TB"];

@@ -67,6 +67,8 @@ class _Tally:
             self.decode_weight += weight
         timing = r.timing or {}
         parts = {k: float(v) for k, v in timing.items() if _PART.match(k) and isinstance(v, (int, float))}
+        if not parts and isinstance(timing.get("decode_ms"), (int, float)):
+            parts = {"stage0_ms": float(timing["decode_ms"])}  # one stage: its decode step is the whole token
         if parts:
             for k, v in parts.items():
                 self.parts[k] = self.parts.get(k, 0.0) + v * weight
