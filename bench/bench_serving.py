@@ -176,7 +176,7 @@ def main() -> None:
         finally:
             stack.stop()
     serve = {} if args.no_hf_serve else run_hf_serve(ckpt, args.concurrency, args.tokens)
-    print(f"\n| streams | HF generate tok/s | swarm tok/s | swarm / generate | swarm TTFT ms |"
+    print("\n| streams | HF generate tok/s | swarm tok/s | swarm / generate | swarm TTFT ms |"
           + (" transformers serve tok/s | swarm / serve |" if serve else ""))
     print("|---|---|---|---|---|" + ("---|---|" if serve else ""))
     for c in args.concurrency:

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.procs import stop_child
+
 
 class NatsServerError(RuntimeError):
     pass
@@ -88,14 +90,8 @@ class EmbeddedNats:
 
     def stop(self, timeout: float = 10.0) -> None:
         proc, self.process = self.process, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            stop_child(proc, timeout)
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -45,3 +45,12 @@ def stop_child(proc: subprocess.Popen, timeout: float = 10.0) -> int | None:
             proc.kill()
             proc.wait()
     return proc.returncode
+
+
+async def run_hooks(hooks, log) -> None:
+    """Run async stop hooks, newest first; one that fails is logged and the rest still run."""
+    for hook in reversed(hooks):
+        try:
+            await hook()
+        except Exception:
+            log.exception("stop hook %s failed", getattr(hook, "__qualname__", hook))

@@ -14,6 +14,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from core.bus import close_quietly, connect, ensure_streams, publish_struct
+from core.procs import run_hooks
 from core.settings import Settings
 from events import subjects
 from events.commands import Command, StopFellow, command_decoder
@@ -121,11 +122,7 @@ class FellowAgent:
         self.stopped.set()
 
     async def stop(self) -> None:
-        for hook in reversed(self.on_stop):
-            try:
-                await hook()
-            except Exception:
-                log.exception("stop hook failed")
+        await run_hooks(self.on_stop, log)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -10,6 +10,7 @@ from nats.js.api import PubAck
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
 from core.bus import close_quietly, connect, ensure_streams, publish_event
+from core.procs import run_hooks
 from core.settings import Settings
 from events.base import Event
 from leader.db.engine import make_engine, session_factory, upgrade
@@ -52,11 +53,7 @@ class Leader:
         log.info("leader started (database %s)", s.database_url.split("://", 1)[0])
 
     async def stop(self) -> None:
-        for hook in reversed(self.on_stop):
-            try:
-                await hook()
-            except Exception:
-                log.exception("stop hook failed")
+        await run_hooks(self.on_stop, log)
         if self.fellows:
             await self.fellows.stop()
         if self.projections:

@@ -71,3 +71,68 @@ def place_one_stage(parameters: int, num_layers: int, fellows: dict[str, Heartbe
                              f"the most free is {best.free_bytes / 2**30:.2f} GiB on {best.fellow_id}")
     best = max(fitting, key=lambda c: (c.free_bytes, -c.loaded, c.fellow_id))
     return StageAssignment(stage=0, fellow_id=best.fellow_id, layers=(0, num_layers), shards=[])
+
+
+# --- rings -----------------------------------------------------------------------------------
+
+N_STAGE = "serve-n-stage"
+CONCURRENT = "serve-concurrent"
+
+
+def ring_needs(max_in_flight: int) -> tuple[str, ...]:
+    """The capabilities every fellow of a ring must declare."""
+    return (N_STAGE, CONCURRENT) if max_in_flight > 1 else (N_STAGE,)
+
+
+def ring_stage_count(manifest_stages: int, fellows: dict[str, Heartbeat], online: set[str]) -> int:
+    """The servable's own count when that many online fellows can form a ring, else one stage."""
+    able = sum(1 for fid, hb in fellows.items() if fid in online and N_STAGE in hb.capabilities)
+    return manifest_stages if manifest_stages > 1 and able >= manifest_stages else 1
+
+
+def _lacks(hb: Heartbeat, needs: tuple[str, ...]) -> list[str]:
+    return [cap for cap in needs if cap not in hb.capabilities]
+
+
+def place_ring(parameters: int, ranges: list[tuple[int, int]], shards: list[list[int]],
+               fellows: dict[str, Heartbeat], online: set[str], pinned: list[str] | None = None,
+               quantization: dict | None = None, needs: tuple[str, ...] = (N_STAGE,)) -> list[StageAssignment]:
+    """One fellow per stage: pinned in order, else the heaviest stage on the fellow with the most room.
+
+    Every fellow must declare ``needs``; a refusal names the fellow that lacks one.
+    """
+    n = len(ranges)
+    num_layers = ranges[-1][1]
+    if pinned:
+        if len(pinned) != n:
+            raise PlacementError(f"{len(pinned)} fellow_ids for a ring of {n} stages")
+        if len(set(pinned)) != n:
+            raise PlacementError(f"each stage of a ring needs its own fellow; fellow_ids {pinned} repeat one")
+        for fid in pinned:
+            if fid not in online or fid not in fellows:
+                raise PlacementError(f"fellow {fid!r} is not online")
+            if missing := _lacks(fellows[fid], needs):
+                raise PlacementError(f"fellow {fid} does not declare {', '.join(missing)}, "
+                                     f"which a ring of {n} stages needs")
+        order = [candidate(fellows[fid]) for fid in pinned]
+    else:
+        pool = {fid: hb for fid, hb in fellows.items() if fid in online}
+        lacking = {fid: _lacks(hb, needs) for fid, hb in pool.items() if _lacks(hb, needs)}
+        able = sorted((candidate(hb) for fid, hb in pool.items() if fid not in lacking),
+                      key=lambda c: (-c.free_bytes, c.loaded, c.fellow_id))
+        if len(able) < n:
+            why = "; ".join(f"fellow {fid} does not declare {', '.join(caps)}" for fid, caps in sorted(lacking.items()))
+            raise PlacementError(f"a ring of {n} stages needs {n} fellows that declare {', '.join(needs)}, "
+                                 f"{len(able)} online do" + (f" ({why})" if why else ""))
+        heaviest = sorted(range(n), key=lambda i: ranges[i][0] - ranges[i][1])
+        order = [None] * n
+        for stage, fellow in zip(heaviest, able):
+            order[stage] = fellow
+    out = []
+    for stage, (c, layers) in enumerate(zip(order, ranges)):
+        need = parameters * (layers[1] - layers[0]) / num_layers * bytes_per_param(quantization, c.has_gpu) * HEADROOM
+        if c.free_bytes < need:
+            raise PlacementError(f"fellow {c.fellow_id} has no room for stage {stage}: it needs about "
+                                 f"{need / 2**30:.2f} GiB, {c.free_bytes / 2**30:.2f} GiB are free")
+        out.append(StageAssignment(stage=stage, fellow_id=c.fellow_id, layers=tuple(layers), shards=list(shards[stage])))
+    return out

@@ -6,8 +6,6 @@ import asyncio
 import signal
 import time
 
-import pytest
-
 from core.bus import connect, ensure_streams, publish_event
 from core.nats_server import EmbeddedNats
 from events.requests import RequestAccepted, RequestFinished

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM
 
 from core.servable import ServableError, load_manifest, param_count, verify_checksums

@@ -9,12 +9,11 @@ import signal
 import tarfile
 
 import httpx
-import msgspec
 import pytest
 
 from core.bus import publish_struct
 from events.commands import StopFellow, UpdateFellow
-from events.frames import DoneFrame, TokenFrame
+from events.frames import DoneFrame
 from tests.processes import pid_alive, wait_until
 from tests.serving_fixtures import Stack, chat_over_bus, make_servable
 

@@ -8,7 +8,7 @@ import signal
 import pytest
 import torch
 
-from events.frames import DoneFrame, ErrorFrame
+from events.frames import DoneFrame
 from tests.processes import pid_alive, wait_until
 from tests.serving_fixtures import Stack, chat_over_bus, make_servable
 
@@ -72,6 +72,6 @@ async def test_fellow_sigkill_leaves_no_stage_process_and_fails_the_load(tmp_pat
         await asyncio.to_thread(wait_until, lambda: not pid_alive(pid), 30, "stage process died with its agent")
         await asyncio.to_thread(
             wait_until, lambda: stack.get("/api/v1/models/tiny").json()["load_state"] == "unloaded"
-            and stack.get(f"/api/v1/models/tiny/status").json()["load"] is None, 30, "load failed")
+            and stack.get("/api/v1/models/tiny/status").json()["load"] is None, 30, "load failed")
     finally:
         stack.stop()

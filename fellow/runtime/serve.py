@@ -103,12 +103,12 @@ class StageServer:
         self.aloop = asyncio.get_running_loop()
         self.nc = await connect(self.cfg["nats_url"], name=f"swarm-stage-{self.load_id}")
         self.js = self.nc.jetstream()
-        self.serving = ServingLoop(self.engine, self.loaded.tokenizer, self.loaded.stop_ids,
-                                   lambda outs: self.aloop.call_soon_threadsafe(self._deliver, outs))
+        self.serving = self.make_loop(lambda outs: self.aloop.call_soon_threadsafe(self._deliver, outs))
         self.serving.start()
         await self.nc.subscribe("swarm.cancel.*", cb=self._on_cancel)
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.aloop.add_signal_handler(sig, self._stop)
+        await self.before_ready()
         report(event="ready", kv_tokens=self.kv_tokens, kv_tokens_planned=self.kv_planned,
                max_in_flight=self.max_in_flight, vram_bytes=self.vram_bytes(), load_s=round(self.load_s, 3),
                pid=os.getpid())
@@ -118,6 +118,13 @@ class StageServer:
         finally:
             reporter.cancel()
             await self._shutdown()
+
+    def make_loop(self, deliver) -> ServingLoop:
+        """The thread that drives the engine (a ring's stage 0 brings its own)."""
+        return ServingLoop(self.engine, self.loaded.tokenizer, self.loaded.stop_ids, deliver)
+
+    async def before_ready(self) -> None:
+        """Connected, not yet ready: a ring's stage 0 proves its ring here."""
 
     def _stop(self) -> None:
         self.running = False
@@ -222,7 +229,7 @@ class StageServer:
                 batcher.error(str(out.error), code, getattr(out.error, "data", None))
                 self._end(out, failed=True)
             elif out.finish_reason is not None:
-                timing = dict(out.timing, route="local", stage0_ms=out.timing.get("decode_ms"))
+                timing = {"route": "local", "stage0_ms": out.timing.get("decode_ms"), **out.timing}
                 batcher.done(out.completion_tokens, out.prompt_tokens, out.finish_reason, timing)
                 self._end(out, failed=False)
 
@@ -280,9 +287,14 @@ class StageServer:
 def main() -> int:
     cfg = json.loads(sys.argv[1])
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s [stage0 {cfg['load_id']}] %(message)s")
+                        format=f"%(asctime)s %(levelname)s [stage{cfg.get('stage', 0)} {cfg['load_id']}] %(message)s")
     torch.set_num_threads(int(cfg.get("threads") or torch.get_num_threads()))
-    server = StageServer(cfg)
+    if int(cfg.get("num_stages") or 1) > 1:
+        from fellow.runtime.ring.servers import ring_server
+
+        server = ring_server(cfg)
+    else:
+        server = StageServer(cfg)
     try:
         server.load()
     except Exception as exc:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from litestar import Request, Response, post
 from litestar.response import Stream

@@ -84,11 +84,21 @@ const Charts = (() => {
     target.replaceChildren(...names.map((n, i) => el("span", { class: "key" }, el("i", { class: "s" + (classes ? classes[i] : i) }), n)));
   }
 
+  // "2 × NVIDIA RTX 4090 24 GB": a fellow's cards, alike ones counted once.
+  function gpuSummary(gpus) {
+    const counts = new Map();
+    for (const g of gpus) {
+      const key = `${g.name.replace(/^NVIDIA (GeForce )?/, "")} ${fmt.bytes(g.total_bytes)}`;
+      counts.set(key, (counts.get(key) || 0) + 1);
+    }
+    return [...counts].map(([k, c]) => (c > 1 ? `${c} × ${k}` : k)).join(", ");
+  }
+
   // The load's stages as boxes (fellow, GPUs, layers, KV budget, ms per token), hidden states flowing
   // right, the sampled token returning from the last stage to stage 0.
   function ring(container, load) {
     if (!load) { container.replaceChildren(el("p", { class: "muted" }, "Not loaded: no stages to show.")); return; }
-    const n = load.stages.length, bw = 200, gap = 70, bh = 128, top = 14;
+    const n = load.stages.length, bw = 224, gap = 70, bh = 128, top = 14;
     const width = Math.max(W, n * bw + (n - 1) * gap + 40), height = bh + top + 56;
     const svg = el("svg:svg", { viewBox: `0 0 ${width} ${height}`, width, height, role: "img", class: "ring",
       "aria-label": `Load ${load.load_id}: ${n} stage${n === 1 ? "" : "s"} — ` + load.stages.map((s) => `stage ${s.stage} on ${s.fellow_id}`).join(", ") });
@@ -97,11 +107,11 @@ const Charts = (() => {
     const x0 = (width - (n * bw + (n - 1) * gap)) / 2;
     load.stages.forEach((s, i) => {
       const x = x0 + i * (bw + gap);
-      const gpus = s.gpus.length ? s.gpus.map((g) => `${g.name} ${fmt.bytes(g.total_bytes)}`).join(", ") : `CPU · ${fmt.bytes(s.memory_total_bytes)} RAM`;
+      const gpus = s.gpus.length ? gpuSummary(s.gpus) : `CPU · ${fmt.bytes(s.memory_total_bytes)} RAM`;
       const g = el("svg:g", { class: "stage " + s.state });
       g.append(el("svg:rect", { x, y: top, width: bw, height: bh, rx: 10 }));
       const rows = [[`Stage ${s.stage}`, "title"], [`${s.fellow_id}${s.hostname ? " · " + s.hostname : ""}`, "sub"],
-        [gpus.length > 30 ? gpus.slice(0, 29) + "…" : gpus, "sub"], [`layers ${s.layers[0]}–${s.layers[1]} · ${s.state}`, "sub"],
+        [gpus.length > 32 ? gpus.slice(0, 31) + "…" : gpus, "sub"], [`layers ${s.layers[0]}–${s.layers[1] - 1} · ${s.state}`, "sub"],
         [`KV ${fmt.num(s.kv_tokens, 0)} tokens · ${s.max_in_flight} in flight`, "sub"],
         [s.ms_per_token !== null && s.ms_per_token !== undefined ? `${fmt.num(s.ms_per_token, 2)} ms / token` : "no tokens yet", "big"]];
       rows.forEach(([text, cls], r) => g.append(el("svg:text", { x: x + 12, y: top + 22 + r * 19, class: cls }, text)));

@@ -32,7 +32,7 @@
   function loads(data) {
     fill("loads-table", data.map((l) => el("tr", { "data-load": l.load_id },
       el("th", { scope: "row" }, l.model_id), cell(el("code", {}, l.load_id)), cell(badge(l.state)),
-      cell(l.stages.map((s) => el("div", {}, `${s.stage}: ${s.fellow_id} · ${s.layers[0]}–${s.layers[1]} · ${s.state}`))),
+      cell(l.stages.map((s) => el("div", {}, `${s.stage}: ${s.fellow_id} · ${s.layers[0]}–${s.layers[1] - 1} · ${s.state}`))),
       cell(l.stages.map((s) => el("div", {}, `${(s.metrics || {}).in_flight ?? 0} of ${s.max_in_flight}` + ((s.metrics || {}).waiting ? ` (+${s.metrics.waiting} waiting)` : "")))),
       cell(l.stages.map((s) => el("div", {}, `${fmt.num(s.kv_tokens, 0)} tokens` + (s.kv_tokens_planned && s.kv_tokens_planned !== s.kv_tokens ? ` (planned ${fmt.num(s.kv_tokens_planned, 0)})` : "")))),
       cell(fmt.num((l.metrics || {}).tokens_per_s), { class: "num" }),
