@@ -77,3 +77,16 @@ def test_a_broken_servable_cannot_be_loaded(leader):
     r = httpx.post(leader.base_url + "/api/v1/models/bad-json/load", json={}, timeout=30)
     assert r.status_code == 409 and r.json()["error"]["code"] == "model_unavailable"
     assert "not valid JSON" in r.json()["error"]["message"]
+
+
+def test_demo_model_command_writes_a_two_stage_servable(tmp_path):
+    from core.servable import load_manifest
+
+    swarm = str(Path(sys.executable).parent / "swarm")
+    out = subprocess.run([swarm, "demo-model", str(tmp_path / "swarm-demo"), "--steps", "2"], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "2/2 loss" in out.stderr  # the progress bar reached its end
+    m = load_manifest(tmp_path / "swarm-demo")
+    assert m.model_id == "swarm-demo" and m.num_stages == 2 and m.boundaries is not None
+    assert "enable_thinking" in m.chat_template
