@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import time
 
+from events.fellow import Gpu, Heartbeat, LoadedModel
 from events.requests import RequestAccepted, RequestFailed, RequestFinished
+from leader.db.tables import Load, LoadStage
+from leader.web.performance import topology
 from tests.tokens_app import bearer, leader_client, mint, on_app
 
 PERF = "/api/v1/models/m1/performance"
@@ -118,3 +121,25 @@ async def test_pages_are_public_and_the_data_is_not(tmp_path, nats_server, sqlit
         assert (await c.get("/api/v1/requests")).status_code == 401
         assert (await c.get("/api/v1/loads", headers=bearer(admin))).status_code == 200
         assert (await c.get("/api/v1/requests", headers=bearer(admin))).status_code == 200
+
+
+def test_topology_of_a_ring_names_each_stage_gpus_and_links():
+    load = Load(load_id="ld-r", model_id="m1", state="ready", num_stages=2, transport={"max_in_flight": 4})
+    stages = [LoadStage(load_id="ld-r", stage=i, fellow_id=f, layer_first=i * 2, layer_last=i * 2 + 2, state="ready",
+                        kv_tokens=4096, max_in_flight=4, vram_bytes=1 << 30) for i, f in enumerate(["pc1", "pc2"])]
+    gpu = Gpu(index=0, name="NVIDIA GeForce GTX 1660 SUPER", total_bytes=6 << 30, free_bytes=2 << 30)
+    latest = {f: Heartbeat(fellow_id=f, hostname=f"host-{f}", seq=1, interval_s=1.0, gpus=[gpu] * (i + 1),
+                           loaded_models=[LoadedModel(load_id="ld-r", model_id="m1", stage=i, state="ready",
+                                                      tokens_per_s=10.0 + i, in_flight=i)])
+              for i, f in enumerate(["pc1", "pc2"])}
+    split = {"stage0_ms": 40.0, "link_ms": 20.0, "stage1_ms": 55.0}
+    lanes = {"act": {"stage": 0, "bytes": 64_000, "frames": 500}, "tok": {"stage": 1, "bytes": 4_000, "frames": 500}}
+    ring = topology(load, stages, latest, split, lanes)
+    assert [(s["stage"], s["fellow_id"], len(s["gpus"]), s["ms_per_token"]) for s in ring["stages"]] == [
+        (0, "pc1", 1, 40.0), (1, "pc2", 2, 55.0)]
+    assert ring["stages"][1]["gpus"][0]["name"] == gpu.name and ring["stages"][1]["tokens_per_s"] == 11.0
+    assert [(lk["from_fellow"], lk["to_fellow"], lk["carries"], lk["bytes"], lk["frames"]) for lk in ring["links"]] == [
+        ("pc1", "pc2", "hidden", 64_000, 500), ("pc2", "pc1", "token", 4_000, 500)]
+    assert ring["link_ms"] == 20.0 and ring["num_stages"] == 2
+    alone = topology(load, stages[:1], latest, split)  # a ring of one: no links
+    assert alone["links"] == [] and topology(None, [], latest, split) is None

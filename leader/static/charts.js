@@ -121,6 +121,11 @@ const Charts = (() => {
         const ax = x + bw, ay = top + bh / 2;
         svg.append(el("svg:line", { x1: ax + 4, y1: ay, x2: ax + gap - 4, y2: ay, class: "link", "marker-end": "url(#arrow)" }));
         svg.append(el("svg:text", { x: ax + gap / 2, y: ay - 8, class: "tick", "text-anchor": "middle" }, "hidden"));
+        const link = (load.links || [])[i];
+        if (link && link.frames) {
+          svg.append(el("svg:text", { x: ax + gap / 2, y: ay + 16, class: "tick", "text-anchor": "middle" },
+            fmt.bytes(link.bytes / link.frames) + "/frame", el("svg:title", {}, `${fmt.num(link.frames, 0)} frames, ${fmt.bytes(link.bytes)}`)));
+        }
       }
     });
     const first = x0 + bw / 2, last = x0 + (n - 1) * (bw + gap) + bw / 2, by = top + bh;

@@ -45,8 +45,10 @@ async def model_performance(request: Request, model_id: FromPath[str], window_s:
     figures = aggregate(rows, now, window_s, BUCKET_S)
     load = await leader.serving.active_load(model_id)
     stages = await leader.serving.stages(load.load_id) if load else []
+    relay = getattr(leader.serving, "relay", None)  # a ring's lane counts, where the leader keeps them
+    lanes = relay.lanes(load.load_id) if relay is not None and load is not None else None
     return {"model_id": model_id, **figures,
-            "load": topology(load, stages, leader.fellows.latest, figures["totals"]["split_ms"])}
+            "load": topology(load, stages, leader.fellows.latest, figures["totals"]["split_ms"], lanes)}
 
 
 @get("/api/v1/requests", opt={"scope": "read"}, tags=["requests"],

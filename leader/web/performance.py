@@ -138,8 +138,13 @@ def aggregate(rows: list[Request], now: float, window_s: int = WINDOW_S, bucket_
             "totals": totals, "buckets": series}
 
 
-def topology(load: Load | None, stages: list[LoadStage], latest: dict, split_ms: dict) -> dict | None:
-    """The load's ring: each stage with its fellow's GPUs, and the links between neighbours."""
+def topology(load: Load | None, stages: list[LoadStage], latest: dict, split_ms: dict,
+             lanes: dict | None = None) -> dict | None:
+    """The load's ring: each stage with its fellow's GPUs, and the links between neighbours.
+
+    `lanes` is the relay's count per lane (lane -> {"stage", "bytes", "frames"}): a link carries
+    what its sending stage sent.
+    """
     if load is None:
         return None
     out_stages = []
@@ -162,9 +167,12 @@ def topology(load: Load | None, stages: list[LoadStage], latest: dict, split_ms:
     if n > 1:  # hidden states go 0 -> 1 -> ... -> last; the sampled token goes straight back to 0
         for i, s in enumerate(out_stages):
             nxt = out_stages[(i + 1) % n]
+            sent = [{"lane": lane, "bytes": v.get("bytes", 0), "frames": v.get("frames", 0)}
+                    for lane, v in sorted((lanes or {}).items()) if v.get("stage") == s["stage"]]
             links.append({"from_stage": s["stage"], "to_stage": nxt["stage"], "from_fellow": s["fellow_id"],
                           "to_fellow": nxt["fellow_id"], "carries": "token" if i == n - 1 else "hidden",
-                          "local": s["fellow_id"] == nxt["fellow_id"]})
+                          "local": s["fellow_id"] == nxt["fellow_id"], "lanes": sent,
+                          "bytes": sum(x["bytes"] for x in sent), "frames": sum(x["frames"] for x in sent)})
     transport = load.transport or {}
     return {"load_id": load.load_id, "state": load.state, "num_stages": load.num_stages or n,
             "ready_at": load.ready_at, "transport": transport, "stages": out_stages, "links": links,
