@@ -229,8 +229,8 @@ class StageServer:
                 batcher.error(str(out.error), code, getattr(out.error, "data", None))
                 self._end(out, failed=True)
             elif out.finish_reason is not None:
-                timing = {"route": "local", "stage0_ms": out.timing.get("decode_ms"), **out.timing}
-                batcher.done(out.completion_tokens, out.prompt_tokens, out.finish_reason, timing)
+                out.timing = {"route": "local", "stage0_ms": out.timing.get("decode_ms"), **out.timing}
+                batcher.done(out.completion_tokens, out.prompt_tokens, out.finish_reason, out.timing)
                 self._end(out, failed=False)
 
     def _end(self, out: Output, failed: bool) -> None:
