@@ -15,7 +15,7 @@ def capabilities() -> list[str]:
     """What this fellow can do: serving needs the torch side installed."""
     if importlib.util.find_spec("torch") is None:
         return []
-    return ["serve-one-stage", "serve-concurrent", "serve-kv-budget"]
+    return ["serve-one-stage", "serve-n-stage", "serve-concurrent", "serve-kv-budget"]
 
 
 async def run_fellow(settings: Settings, fellow_id: str | None = None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from events.fellow import Heartbeat
-from events.loads import StageAssignment
+from events.loads import StageAssignment, TransportPlan
 
 ONE_STAGE = "serve-one-stage"
 QUANTIZED = "serve-quantized"
@@ -82,6 +82,17 @@ CONCURRENT = "serve-concurrent"
 def ring_needs(max_in_flight: int) -> tuple[str, ...]:
     """The capabilities every fellow of a ring must declare."""
     return (N_STAGE, CONCURRENT) if max_in_flight > 1 else (N_STAGE,)
+
+
+def ring_plan(settings, num_stages: int) -> TransportPlan:
+    """In flight: SWARM_SERVE_IN_FLIGHT, else 4 per stage, so every stage has work while the others
+    run theirs. KV tokens: a typical chat per request in flight, never below one whole conversation;
+    each stage lowers it to what it measures it can hold."""
+    in_flight = settings.serve_in_flight or 4 * num_stages
+    return TransportPlan(max_in_flight=in_flight,
+                         kv_tokens=max(settings.serve_context_tokens, in_flight * settings.serve_typical_tokens),
+                         max_batch=settings.serve_max_batch or 0, speculative=0,
+                         prefill_chunk=settings.serve_prefill_chunk)
 
 
 def ring_stage_count(manifest_stages: int, fellows: dict[str, Heartbeat], online: set[str]) -> int:

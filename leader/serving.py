@@ -11,6 +11,7 @@ from sqlalchemy import select
 
 from core.bus import publish_struct
 from core.servable import ServableError, load_manifest
+from core.servable_plan import plan_stage, serving_ranges
 from events import subjects
 from events.commands import LoadStage, UnloadStage
 from events.fellow import FellowLost
@@ -18,8 +19,10 @@ from events.loads import (LoadFailed, LoadPlaced, LoadRequested, ModelLoaded, Mo
                           StageReady, TransportPlan, UnloadRequested)
 from leader.db.tables import Load, LoadStage as LoadStageRow, Model
 from leader.errors import ApiError
-from leader.placement import PlacementError, place_one_stage
+from leader.placement import (PlacementError, place_one_stage, place_ring, ring_needs, ring_plan,
+                              ring_stage_count)
 from leader.registry import Registry
+from leader.relay_stats import RelayStats
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +61,14 @@ class Serving:
         self.registry = Registry(leader)
         self.ready: dict[str, ReadyLoad] = {}  # model_id -> its ready load (the hot path's view)
         self._changed = asyncio.Condition()
+        self.relay = RelayStats()  # bytes and frames per lane of every ring, for the performance view
 
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
         self.leader.projections.listeners.setdefault("loads", []).append(self._on_loads)
         self.leader.fellows.listeners.append(self._on_fellow)
+        await self.relay.start(self.leader.nc)
         await self._sweep()
 
     async def _sweep(self) -> None:
@@ -78,6 +83,8 @@ class Serving:
         for evt in events:
             if isinstance(evt, StageReady):
                 await self._check_loaded(evt.load_id)
+            elif isinstance(evt, (LoadFailed, ModelUnloaded)):
+                await self._release_ring(evt.load_id, "failed" if isinstance(evt, LoadFailed) else evt.reason)
         if any(isinstance(e, (ModelLoaded, LoadFailed, ModelUnloaded)) for e in events):
             await self._refresh_ready()
         async with self._changed:
@@ -96,6 +103,16 @@ class Serving:
                 id=f"failed-{load_id}", load_id=load_id, model_id=model_id, code="fellow_lost",
                 fellow_id=evt.fellow_id, reason=f"fellow {evt.fellow_id} was lost ({evt.reason})"))
 
+    async def _release_ring(self, load_id: str, reason: str) -> None:
+        """A ring that lost one stage cannot serve: every other stage is told to stop and free its memory."""
+        stages = await self.stages(load_id)
+        if len(stages) < 2:
+            return
+        for stage in stages:
+            await publish_struct(self.leader.js, subjects.command(stage.fellow_id, "unload"),
+                                 UnloadStage(load_id=load_id, reason=reason), msg_id=f"{load_id}-{stage.stage}-unload")
+        self.relay.forget(load_id)
+
     async def _check_loaded(self, load_id: str) -> None:
         async with self.leader.sessions() as session:
             load = await session.get(Load, load_id)
@@ -112,7 +129,8 @@ class Serving:
                                          .where(Load.state == "ready"))
             pairs = rows.all()
             stages = {s.load_id: s for s in await session.scalars(
-                select(LoadStageRow).where(LoadStageRow.load_id.in_([l.load_id for l, _ in pairs])))}
+                select(LoadStageRow).where(LoadStageRow.load_id.in_([l.load_id for l, _ in pairs]),
+                                           LoadStageRow.stage == 0))}  # stage 0 admits
         ready = {}
         for load, model in sorted(pairs, key=lambda p: p[0].ready_at or 0):
             try:
@@ -133,8 +151,13 @@ class Serving:
                                           .order_by(Load.requested_at.desc()))).first()
 
     async def load(self, model_id: str, num_stages: int | None = None, fellow_id: str | None = None,
-                   quantization: dict | None = None, requested_by: str = "") -> Load:
-        """Request a load (or return the model's active one) and place it; returns the load's row."""
+                   quantization: dict | None = None, requested_by: str = "",
+                   fellow_ids: list[str] | None = None) -> Load:
+        """Request a load (or return the model's active one) and place it; returns the load's row.
+
+        Stages: ``num_stages`` when given, else one per pinned ``fellow_ids``, else one with
+        ``fellow_id``, else the servable's own count when enough fellows can form that ring.
+        """
         model = await self.registry.get(model_id)
         if model is None:
             raise model_not_found(model_id)
@@ -143,14 +166,18 @@ class Serving:
         existing = await self.active_load(model_id)
         if existing is not None:
             return existing
-        if num_stages not in (None, 1):
-            raise ApiError(400, f"num_stages={num_stages}: this leader serves models on one stage so far",
-                           code="unsupported_num_stages", param="num_stages")
+        monitor = self.leader.fellows
+        if num_stages is None:
+            num_stages = (len(fellow_ids) if fellow_ids else 1 if fellow_id else
+                          ring_stage_count(model.num_stages, monitor.latest, set(monitor.online)))
+        if num_stages > 1:
+            return await self._load_ring(model, num_stages, fellow_ids or ([fellow_id] if fellow_id else []),
+                                         quantization, requested_by)
+        fellow_id = fellow_id or (fellow_ids[0] if fellow_ids else None)
         load_id = "ld-" + uuid.uuid4().hex[:16]
         await self.leader.publish(LoadRequested(load_id=load_id, model_id=model_id, num_stages=1,
                                                 fellow_ids=[fellow_id] if fellow_id else [],
                                                 quantization=quantization, requested_by=requested_by))
-        monitor = self.leader.fellows
         try:
             assignment = place_one_stage(model.parameters, model.num_layers, monitor.latest,
                                          set(monitor.online), fellow_id, quantization)
@@ -166,6 +193,39 @@ class Serving:
                         model_path=model.path, manifest_sha256=model.manifest_sha256)
         await publish_struct(self.leader.js, subjects.command(assignment.fellow_id, "load"), cmd,
                              msg_id=f"{load_id}-0-load")
+        return await self.get_load(load_id)
+
+    async def _load_ring(self, model: Model, n: int, pinned: list[str], quantization: dict | None,
+                         requested_by: str) -> Load:
+        """Place a ring of ``n`` stages, one fellow each, and command every stage's fellow."""
+        try:
+            manifest = load_manifest(model.path)
+            ranges = serving_ranges(manifest, n)
+            shards = [plan_stage(manifest, i, n).shards for i in range(n)]
+        except ServableError as exc:
+            raise ApiError(409, f"Cannot serve '{model.model_id}' over {n} stages: {exc}",
+                           code="unsupported_num_stages", param="num_stages") from None
+        load_id = "ld-" + uuid.uuid4().hex[:16]
+        await self.leader.publish(LoadRequested(load_id=load_id, model_id=model.model_id, num_stages=n,
+                                                fellow_ids=pinned, quantization=quantization,
+                                                requested_by=requested_by))
+        transport = ring_plan(self.leader.settings, n)
+        monitor = self.leader.fellows
+        try:
+            assignments = place_ring(model.parameters, ranges, shards, monitor.latest, set(monitor.online),
+                                     pinned or None, quantization, ring_needs(transport.max_in_flight))
+        except PlacementError as exc:
+            await self.leader.publish(LoadFailed(id=f"failed-{load_id}", load_id=load_id, model_id=model.model_id,
+                                                 reason=str(exc), code="placement_failed"), wait=["loads"])
+            raise ApiError(409, f"Cannot load '{model.model_id}': {exc}", code="placement_failed") from None
+        await self.leader.publish(LoadPlaced(load_id=load_id, model_id=model.model_id, stages=assignments,
+                                             transport=transport, quantization=quantization), wait=["loads"])
+        for a in assignments:
+            cmd = LoadStage(load_id=load_id, model_id=model.model_id, assignment=a, num_stages=n,
+                            stage_fellows=[x.fellow_id for x in assignments], transport=transport,
+                            quantization=quantization, model_path=model.path, manifest_sha256=model.manifest_sha256)
+            await publish_struct(self.leader.js, subjects.command(a.fellow_id, "load"), cmd,
+                                 msg_id=f"{load_id}-{a.stage}-load")
         return await self.get_load(load_id)
 
     async def get_load(self, load_id: str) -> Load | None:
@@ -214,7 +274,7 @@ class Serving:
         if not autoload:
             raise ApiError(409, f"The model '{model_id}' is not loaded. Load it with `swarm model-load {model_id} "
                                 f"--wait` or POST /api/v1/models/{model_id}/load", code="model_not_loaded")
-        load = await self.load(model_id, requested_by="autoload")
+        load = await self.load(model_id, num_stages=1, requested_by="autoload")  # the spec: on one stage
         try:
             load = await self.wait_settled(load.load_id, AUTOLOAD_WAIT_S)
         except asyncio.TimeoutError:

@@ -18,6 +18,7 @@ from leader.serving import model_not_found
 class LoadBody(msgspec.Struct, forbid_unknown_fields=True):
     num_stages: int | None = None
     fellow_id: str | None = None
+    fellow_ids: list[str] | None = None  # one per stage of a ring, in ring order
     quantization: dict | None = None
     wait: bool = False
     timeout_s: float = 600.0
@@ -113,6 +114,7 @@ async def model_status(request: Request, model_id: str) -> dict:
     view["load"] = load_view(load, await leader.serving.stages(load.load_id), leader.fellows.latest) if load else None
     if load is not None:
         view["load"]["queued"] = await queued_requests(leader.js, load.load_id)
+        view["load"]["relay"] = leader.serving.relay.lanes(load.load_id)  # a ring's bytes and frames per lane
     view["checked_at"] = time.time()
     return view
 
@@ -129,14 +131,15 @@ def _body(raw: bytes, cls):
 
 
 @post("/api/v1/models/{model_id:str}/load", opt={"scope": "operate"}, tags=["models"], status_code=HTTP_200_OK,
-      summary="Load a model (one stage); with wait, answer once it is ready or failed")
+      summary="Load a model on one stage or a ring of num_stages (fellow_ids pins them); with wait, "
+              "answer once it is ready or failed")
 async def load_model(request: Request, model_id: str) -> dict:
     leader = request.app.state.leader
     body = _body(await request.body(), LoadBody)
     if body.num_stages is not None and body.num_stages < 1:
         raise ApiError(400, "num_stages must be at least 1", code="invalid_value", param="num_stages")
     load = await leader.serving.load(model_id, body.num_stages, body.fellow_id, body.quantization,
-                                     requested_by=request.scope.get("swarm_token_id", ""))
+                                     requested_by=request.scope.get("swarm_token_id", ""), fellow_ids=body.fellow_ids)
     if body.wait:
         try:
             load = await leader.serving.wait_settled(load.load_id, body.timeout_s)

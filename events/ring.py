@@ -1,0 +1,114 @@
+"""Ring frames between the stages of a load, on core NATS ``swarm.ring.<load>.<lane>`` (msgpack, binary).
+
+Stage 0 sends on ``act``, middle stage i on ``act<i>``, and the last stage sends the sampled token
+on ``tok``, which stage 0 reads; so a token costs one hop per stage. Every stage also publishes
+what it sent per lane on ``stats`` now and then, which the leader keeps for the performance view.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+STATS_LANE = "stats"
+
+# Hidden.kind: a decode position, a prompt piece with more to come, the prompt's last piece.
+DECODE, PIECE, LAST_PIECE = 0, 1, 2
+NO_TOKEN = -1  # the last stage's answer to a piece that is not the prompt's last: nothing sampled
+
+
+def send_lane(stage: int, num_stages: int) -> str:
+    """The lane stage ``stage`` of ``num_stages`` sends on."""
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage {stage} is not in a ring of {num_stages}")
+    if stage == num_stages - 1:
+        return "tok"
+    return "act" if stage == 0 else f"act{stage}"
+
+
+def recv_lane(stage: int, num_stages: int) -> str:
+    """The lane a stage listens on: its predecessor's, and the last stage's for stage 0."""
+    return send_lane((stage - 1) % num_stages, num_stages)
+
+
+class _Hot(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True, tag_field="f"):
+    """Hot-path frames: positional arrays, defaults left out, no GC tracking."""
+
+
+class RingSampling(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """The request's sampling, named once in the session's first frame for the last stage."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+
+
+class Hidden(_Hot, tag="h"):
+    """Positions [pos, pos + positions) of one session, coded as the boundary's codec says.
+
+    ``data`` holds the rows, ``scale`` a quantizer's per-position scales. ``batch`` frames were
+    sent together in sender step ``step``; the receiver waits briefly for all of them.
+    ``compute_ms`` collects each later stage's compute for this frame, in ring order.
+    """
+
+    session: str
+    pos: int
+    positions: int
+    data: bytes
+    scale: bytes = b""
+    kind: int = DECODE
+    batch: int = 1
+    step: int = 0
+    sampling: RingSampling | None = None
+    compute_ms: list[float] = []
+
+
+class Token(_Hot, tag="t"):
+    """The last stage's answer for one frame (NO_TOKEN for a non-final piece), or a stage's error."""
+
+    session: str
+    token: int
+    batch: int = 1
+    step: int = 0
+    compute_ms: list[float] = []
+    error: str = ""
+    code: str = ""
+
+
+class End(_Hot, tag="e"):
+    """The session ended on stage 0: every stage drops its cache."""
+
+    session: str
+
+
+class Probe(_Hot, tag="p"):
+    """Goes once round the ring; back on stage 0, every stage is listening."""
+
+    nonce: str
+
+
+class LaneStats(_Hot, tag="s"):
+    """What one stage has sent so far: lane -> [bytes, frames]."""
+
+    stage: int
+    lanes: dict[str, list[int]] = {}
+    dropped: int = 0
+
+
+RingFrame = Hidden | Token | End | Probe | LaneStats
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(RingFrame)
+
+
+def encode_frame(frame: RingFrame) -> bytes:
+    return _encoder.encode(frame)
+
+
+def decode_frame(data: bytes) -> RingFrame:
+    """One frame; msgspec.DecodeError (or ValidationError) for anything malformed."""
+    return _decoder.decode(data)
+
+
+STATS_ALL = "swarm.ring.*." + STATS_LANE  # every load's lane stats, for the leader

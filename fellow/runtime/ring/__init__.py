@@ -1,0 +1,1 @@
+"""Pipelined serving across fellows: a ring of stages joined by compressed boundaries on NATS."""

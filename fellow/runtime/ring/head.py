@@ -1,0 +1,253 @@
+"""Stage 0 of a ring: admits sessions by tokens, sends prompt pieces and decode groups, takes tokens back."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from typing import Callable
+
+import torch
+
+from events.ring import DECODE, LAST_PIECE, NO_TOKEN, PIECE, End, Hidden, RingSampling, Token
+from fellow.runtime.admission import TokenBudget
+from fellow.runtime.engine import StepResult
+from fellow.runtime.ring.codec import WireCodec
+from fellow.runtime.ring.inbox import Inbox
+from fellow.runtime.ring.session import RingFailure, RingSession
+from fellow.runtime.session import Session
+from fellow.runtime.stage import StageModel
+
+WAIT_S = 0.02  # longest wait for a token before the serving loop looks at new jobs again
+REPLY_TIMEOUT_S = 120.0  # a frame unanswered this long means the ring lost it
+WAKE = ("wake",)
+
+
+class RingHead:
+    """The engine of a ring's stage 0, with the one-stage Engine's interface (add, cancel, step, busy).
+
+    Each ``step`` takes the tokens that came back and computes one unit: a decode group or a prompt
+    piece, sent at once so the next stage starts while this one computes the next unit. Decode
+    groups hold ceil(in flight / stages) sessions (at most max_batch), so while a later stage runs
+    one group stage 0 runs another. A prompt goes in pieces of at most prefill_chunk positions, up
+    to one piece per stage of a session in the ring at once (prefill_ahead).
+    """
+
+    def __init__(self, stage: StageModel, codec: WireCodec, send: Callable[[object], None], inbox: Inbox, *,
+                 num_stages: int, kv_tokens: int, max_batch: int = 0, prefill_chunk: int = 256,
+                 max_payload: int = 1 << 20) -> None:
+        if not stage.is_first or stage.is_last:
+            raise ValueError("a ring's head holds the embeddings and not the head")
+        self.stage, self.codec, self.send, self.inbox = stage, codec, send, inbox
+        self.num_stages = num_stages
+        self.budget = TokenBudget(kv_tokens)
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.max_piece = max(1, (max_payload - 1024) // codec.bytes_per_position)
+        self.waiting: deque[RingSession] = deque()
+        self.sessions: dict[str, RingSession] = {}
+        self.ready: deque[RingSession] = deque()  # tokens back, in the order they came
+        self.failures: dict[str, RingFailure] = {}  # ended with an error, for the serving loop to report
+        self.broken: RingFailure | None = None
+        self._cancels: dict[str, str] = {}
+        self._step_no = 0
+        self._prefill_turn = False
+        self.last_batches: list[int] = []
+
+    # --- the Engine interface ----------------------------------------------------------------
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.budget.kv_tokens
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.sessions or self.waiting or self._cancels)
+
+    def can_admit(self, tokens: int) -> bool:
+        return tokens + sum(s.reserved_tokens for s in self.waiting) <= self.budget.free
+
+    def add(self, session: Session) -> None:
+        if self.broken is not None:
+            raise self.broken
+        self.budget.check(len(session.prompt_ids), session.max_new_tokens)
+        if session.session_id in self.sessions or any(s.session_id == session.session_id for s in self.waiting):
+            raise ValueError(f"session {session.session_id!r} is already in the ring")
+        ring_session = RingSession.adopt(session)
+        ring_session.added_at = time.perf_counter()
+        self.waiting.append(ring_session)
+
+    def cancel(self, session_id: str, reason: str = "cancelled") -> None:
+        self._cancels[session_id] = reason
+
+    def fail_all(self, message: str, code: str = "ring_failed") -> None:
+        """From any thread: the ring is gone; every session fails now, and new ones are refused."""
+        self.inbox.put(("fail", message, code))
+
+    def stats(self) -> dict:
+        caches = [s.cache for s in self.sessions.values() if s.cache is not None]
+        return {"kv_tokens": self.kv_tokens, "reserved_tokens": self.budget.reserved,
+                "cached_tokens": sum(c.length for c in caches), "kv_bytes": sum(c.bytes for c in caches),
+                "in_flight": len(self.sessions), "waiting": len(self.waiting),
+                "decode_batches": list(self.last_batches)}
+
+    def step(self) -> StepResult:
+        result = StepResult()
+        self._apply_cancels(result)
+        self._admit()
+        for item in self.inbox.take(0 if self._has_work() else WAIT_S):
+            self._take(item, result)
+        self._admit()
+        self._expire(result)
+        self._compute_one()
+        return result
+
+    # --- tokens back -------------------------------------------------------------------------
+
+    def _take(self, item, result: StepResult) -> None:
+        if isinstance(item, Token):
+            session = self.sessions.get(item.session)
+            if session is None:  # ended here already (cancelled, stopped, failed)
+                return
+            if item.error:
+                self._fail(session, RingFailure(f"a later stage failed on this request: {item.error}",
+                                                item.code or "stage_failed"), result)
+                return
+            session.in_ring -= 1
+            if item.token == NO_TOKEN:  # a piece went through; only the last one is answered
+                return
+            now = time.perf_counter()
+            session.answered(item.compute_ms, now)
+            self._accept(session, item.token, now, result)
+        elif isinstance(item, tuple) and item[0] == "fail":
+            self.broken = RingFailure(item[1], item[2])
+            for session in list(self.sessions.values()):
+                self._fail(session, self.broken, result)
+            while self.waiting:
+                self._fail(self.waiting.popleft(), self.broken, result)
+
+    def _accept(self, session: RingSession, token: int, now: float, result: StepResult) -> None:
+        ended = session.accept(token, now)
+        if session.finish_reason != "stop":  # an end-of-turn id is not part of the reply
+            result.emit(session, token)
+        if ended:
+            self._finish(session, None, result)
+        else:
+            session.ready = True
+            self.ready.append(session)
+
+    def _expire(self, result: StepResult) -> None:
+        now = time.perf_counter()
+        for session in list(self.sessions.values()):
+            if session.in_ring and now - session.last_sent_at > REPLY_TIMEOUT_S:
+                self._fail(session, RingFailure(f"no answer from the ring for {REPLY_TIMEOUT_S:.0f}s",
+                                                "ring_timeout"), result)
+
+    # --- admission and ends ------------------------------------------------------------------
+
+    def _apply_cancels(self, result: StepResult) -> None:
+        for session_id, reason in self._cancels.items():
+            session = self.sessions.get(session_id)
+            if session is not None:
+                self._finish(session, reason, result)
+                continue
+            for queued in self.waiting:
+                if queued.session_id == session_id:
+                    self.waiting.remove(queued)
+                    queued.finish_reason = reason
+                    result.finished.append(queued)
+                    break
+        self._cancels.clear()
+
+    def _admit(self) -> None:
+        while self.waiting and self.budget.fits(self.waiting[0].reserved_tokens):
+            session = self.waiting.popleft()
+            self.budget.reserve(session.reserved_tokens)
+            session.cache = self.stage.new_cache()
+            self.sessions[session.session_id] = session
+
+    def _fail(self, session: RingSession, error: RingFailure, result: StepResult) -> None:
+        session.error = error
+        self.failures[session.session_id] = error
+        if session.session_id in self.sessions:
+            self._finish(session, "error", result)
+        else:
+            session.finish_reason = "error"
+            result.finished.append(session)
+
+    def _finish(self, session: RingSession, reason: str | None, result: StepResult) -> None:
+        if reason is not None:
+            session.finish_reason = reason
+        self.sessions.pop(session.session_id, None)
+        if session.ready:
+            self.ready.remove(session)
+            session.ready = False
+        self.budget.release(session.reserved_tokens)
+        session.cache.release()
+        session.cache = None
+        if session.prefilled:  # the later stages hold a cache for it
+            self.send(End(session=session.session_id))
+        result.finished.append(session)
+
+    # --- compute -----------------------------------------------------------------------------
+
+    def _has_work(self) -> bool:
+        return bool(self.ready) or any(self._can_piece(s) for s in self.sessions.values())
+
+    def _can_piece(self, session: RingSession) -> bool:
+        return session.prefilling and session.in_ring < self.num_stages  # prefill_ahead
+
+    def _compute_one(self) -> None:
+        units = [self._decode_group, self._prefill_piece]
+        if self._prefill_turn:
+            units.reverse()
+        for unit in units:
+            if unit():
+                self._prefill_turn = unit == self._decode_group  # the other kind goes first next time
+                return
+
+    def _group_size(self) -> int:
+        size = math.ceil(len(self.sessions) / self.num_stages)
+        return max(1, min(size, self.max_batch) if self.max_batch else size)
+
+    def _decode_group(self) -> bool:
+        if not self.ready:
+            return False
+        size = self._group_size()
+        group = [self.ready.popleft() for _ in range(min(size, len(self.ready)))]
+        started = time.perf_counter()
+        positions = [s.cache.length for s in group]
+        ids = torch.tensor([s.next_input for s in group], device=self.stage.input_device)
+        rows = self.codec.encode(self.stage.decode([s.cache for s in group], ids))  # [B, 1, H] -> bytes
+        now = time.perf_counter()
+        self._step_no += 1
+        self.last_batches = [len(group)]
+        for session, pos, (data, scale) in zip(group, positions, rows):
+            session.ready = False
+            session.stage0_s += now - started
+            session.stage0_steps += 1
+            self.send(Hidden(session=session.session_id, pos=pos, positions=1, data=data, scale=scale,
+                             kind=DECODE, batch=len(group), step=self._step_no))
+            session.sent(len(data) + len(scale), 1, now)
+            session.decode_sent_at = now
+        return True
+
+    def _prefill_piece(self) -> bool:
+        session = next((s for s in self.sessions.values() if self._can_piece(s)), None)
+        if session is None:
+            return False
+        start = session.prefilled
+        left = len(session.prompt_ids) - start
+        size = min(left, self.prefill_chunk or left, self.max_piece)
+        if session.prefill_started_at is None:
+            session.prefill_started_at = time.perf_counter()
+        piece = torch.tensor(session.prompt_ids[start : start + size], device=self.stage.input_device)
+        (data, scale), = self.codec.encode(self.stage.forward_piece(session.cache, piece))  # [1, q, H]
+        session.prefilled += size
+        s = session.sampling
+        sampling = RingSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+                                seed=s.seed) if start == 0 else None
+        self.send(Hidden(session=session.session_id, pos=start, positions=size, data=data, scale=scale,
+                         kind=PIECE if session.prefilling else LAST_PIECE, sampling=sampling))
+        session.sent(len(data) + len(scale), size, time.perf_counter())
+        return True

@@ -1,0 +1,61 @@
+"""Load one stage of a ring: its layers (plus embeddings or head), its boundary codecs, its tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from core.servable import Manifest, load_manifest
+from core.servable_plan import StagePlan
+from fellow.runtime.ring.codec import WireCodec
+from fellow.runtime.stage import StageModel
+from fellow.runtime.stage_loader import load_tokenizer, pick_device, pick_dtype, stop_ids_for
+from fellow.runtime.stage_weights import build_stage_modules
+
+
+@dataclass
+class RingStage:
+    """What a ring's stage process serves with; the tokenizer and stop ids only on stage 0."""
+
+    manifest: Manifest
+    plan: StagePlan
+    stage: StageModel
+    device: torch.device
+    sender: WireCodec | None  # the boundary after this stage (None on the last)
+    receiver: WireCodec | None  # the boundary before it (None on stage 0)
+    tokenizer: object = None
+    stop_ids: frozenset[int] = frozenset()
+
+    @property
+    def index(self) -> int:
+        return self.plan.stage
+
+    @property
+    def num_stages(self) -> int:
+        return self.plan.num_stages
+
+
+def load_ring_stage(model_dir: str | Path, stage: int, num_stages: int, device: str | None = None,
+                    attention: str = "sdpa") -> RingStage:
+    """Stage ``stage`` of ``num_stages``: the trained split when the counts match, else an even one
+    reading every overlapping shard (an untrained cut is served uncompressed); a servable without
+    recorded boundaries refuses any count but its own (ServableError)."""
+    model_dir = Path(model_dir)
+    manifest = load_manifest(model_dir)
+    dev = pick_device(device)
+    mods = build_stage_modules(manifest, stage, model_dir, num_stages=num_stages, dtype=pick_dtype(dev), device=dev)
+    mods.config._attn_implementation = attention
+    model = StageModel(config=mods.config, layers=mods.layers, first_layer=mods.layer_indices[0],
+                       rotary_emb=mods.rotary_emb, embed=mods.embed, norm=mods.norm, head=mods.lm_head)
+    plan = mods.plan
+    hidden = manifest.hidden_size
+    loaded = RingStage(
+        manifest=manifest, plan=plan, stage=model, device=dev,
+        sender=None if plan.is_last else WireCodec(plan.send, hidden, encoder=mods.encoder),
+        receiver=None if plan.is_first else WireCodec(plan.recv, hidden, decoder=mods.decoder))
+    if plan.is_first:
+        loaded.tokenizer = load_tokenizer(model_dir)
+        loaded.stop_ids = stop_ids_for(manifest, loaded.tokenizer)
+    return loaded

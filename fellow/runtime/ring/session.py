@@ -1,0 +1,78 @@
+"""A session as stage 0 of a ring keeps it: what is in the ring, and where its token's time went."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fellow.runtime.session import Session
+
+
+class RingFailure(ValueError):
+    """A request the ring could not serve (a later stage failed on it, or the ring is gone).
+
+    A ValueError, so a job refused at admission becomes that request's error like any refusal.
+    """
+
+    def __init__(self, message: str, code: str = "ring_failed", data: dict | None = None):
+        super().__init__(message)
+        self.code = code
+        self.data = data or {}
+
+
+@dataclass(eq=False)
+class RingSession(Session):
+    """A Session plus its ring bookkeeping; ``timing()`` adds the split of a token's time."""
+
+    in_ring: int = field(default=0, init=False)  # frames sent and not answered yet
+    ready: bool = field(default=False, init=False)  # its token is back: its next position can go
+    decode_sent_at: float | None = field(default=None, init=False)  # when its decode frame left
+    last_sent_at: float = field(default=0.0, init=False)
+    stage0_s: float = field(default=0.0, init=False)
+    stage0_steps: int = field(default=0, init=False)
+    later_s: list[float] = field(default_factory=list, init=False)  # per later stage, summed
+    link_s: float = field(default=0.0, init=False)
+    replies: int = field(default=0, init=False)
+    wire_bytes: int = field(default=0, init=False)
+    wire_positions: int = field(default=0, init=False)
+    error: RingFailure | None = field(default=None, init=False)
+
+    @classmethod
+    def adopt(cls, session: Session) -> "RingSession":
+        return cls(session.session_id, session.prompt_ids, session.max_new_tokens, sampling=session.sampling,
+                   stop_ids=session.stop_ids)
+
+    def sent(self, data_bytes: int, positions: int, now: float) -> None:
+        self.in_ring += 1
+        self.wire_bytes += data_bytes
+        self.wire_positions += positions
+        self.last_sent_at = now
+
+    def answered(self, compute_ms: list[float], now: float) -> None:
+        """A decode position's token came back: stage i's compute, and the rest is the link's."""
+        if self.decode_sent_at is None:
+            return
+        round_trip = now - self.decode_sent_at
+        later = [ms / 1e3 for ms in compute_ms]
+        if len(self.later_s) < len(later):
+            self.later_s += [0.0] * (len(later) - len(self.later_s))
+        for i, seconds in enumerate(later):
+            self.later_s[i] += seconds
+        self.link_s += max(0.0, round_trip - sum(later))
+        self.replies += 1
+        self.decode_s += round_trip
+        self.decode_steps += 1
+        self.decode_sent_at = None
+
+    def timing(self, now: float | None = None) -> dict:
+        timing = super().timing(now)
+        timing["route"] = "relay"
+        if self.stage0_steps:
+            timing["stage0_ms"] = round(self.stage0_s * 1e3 / self.stage0_steps, 3)
+            timing["decode_ms"] = round((self.stage0_s + self.decode_s) * 1e3 / self.stage0_steps, 3)
+        if self.replies:
+            timing["link_ms"] = round(self.link_s * 1e3 / self.replies, 3)
+            for i, seconds in enumerate(self.later_s, start=1):
+                timing[f"stage{i}_ms"] = round(seconds * 1e3 / self.replies, 3)
+        if self.wire_positions:
+            timing["bytes_per_token"] = round(self.wire_bytes / self.wire_positions, 3)
+        return timing

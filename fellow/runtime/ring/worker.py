@@ -1,0 +1,200 @@
+"""A middle or last stage of a ring: decode what comes in, run its blocks per session, pass on or sample."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from events.ring import DECODE, LAST_PIECE, NO_TOKEN, End, Hidden, Probe, Token
+from fellow.runtime.kv_cache import KVCache
+from fellow.runtime.ring.inbox import Inbox
+from fellow.runtime.ring.loader import RingStage
+from fellow.runtime.sampling import SamplingParams, make_generator, sample
+
+log = logging.getLogger(__name__)
+
+
+class FrameError(ValueError):
+    """A frame this stage cannot run for its session; that session alone fails."""
+
+
+@dataclass(eq=False)
+class _Held:
+    """A session as a later stage holds it: its cache and, on the last stage, its sampling."""
+
+    cache: KVCache
+    sampling: SamplingParams
+    generator: torch.Generator | None
+
+
+class RingWorker:
+    """Runs frames as they come; I/O-free: ``send(frame, lane=None)`` is the link's.
+
+    A middle stage has no embeddings and no head: it decodes with the receiver half of the boundary
+    before it, runs its blocks with its own KV cache per session, and encodes with the sender half
+    of the boundary after it. The last stage samples with the sampling named in the session's first
+    frame and sends the token straight back to stage 0. Decode frames that wait together run as one
+    batch; a session's other frames keep their order behind it. A frame that fails ends only its
+    own session: stage 0 is told on the token lane.
+    """
+
+    def __init__(self, ring: RingStage, inbox: Inbox, send: Callable[..., None], max_batch: int = 0) -> None:
+        self.ring, self.stage = ring, ring.stage
+        self.inbox, self.send = inbox, send
+        self.is_last = ring.plan.is_last
+        self.max_batch = max_batch
+        self.held: dict[str, _Held] = {}
+        self.running = True
+        self.last_active = time.monotonic()
+        self.frames = 0
+        self._step_no = 0
+
+    def run(self) -> None:
+        while self.running:
+            frames = self.inbox.take(0.5)
+            if frames:
+                self.last_active = time.monotonic()
+                self.handle(frames)
+
+    def stop(self) -> None:
+        self.running = False
+        self.inbox.put(("wake",))
+
+    def handle(self, frames: list) -> None:
+        batch: list[Hidden] = []
+        for frame in frames:
+            if not isinstance(frame, (Hidden, End, Probe)):
+                continue
+            session = getattr(frame, "session", None)
+            if isinstance(frame, Hidden) and frame.kind == DECODE and all(f.session != session for f in batch):
+                batch.append(frame)
+                if self.max_batch and len(batch) >= self.max_batch:
+                    self._decode(batch)
+                    batch = []
+                continue
+            if session is not None and any(f.session == session for f in batch):
+                self._decode(batch)  # its earlier position first
+                batch = []
+                if isinstance(frame, Hidden) and frame.kind == DECODE:
+                    batch.append(frame)
+                    continue
+            self._one(frame)
+        if batch:
+            self._decode(batch)
+
+    # --- one frame at a time -----------------------------------------------------------------
+
+    def _one(self, frame) -> None:
+        self.frames += 1
+        if isinstance(frame, Probe):
+            self.send(frame)
+        elif isinstance(frame, End):
+            held = self.held.pop(frame.session, None)
+            if held is not None:
+                held.cache.release()
+            if not self.is_last:
+                self.send(frame)
+        else:
+            try:
+                self._piece(frame)
+            except Exception as exc:
+                self._fail(frame.session, exc)
+
+    def _piece(self, frame: Hidden) -> None:
+        started = time.perf_counter()
+        if frame.pos == 0:  # a session's first frame: a fresh cache, and its sampling for the last stage
+            self._drop(frame.session)
+            params = SamplingParams.of(frame.sampling) if frame.sampling is not None else SamplingParams()
+            generator = make_generator(params, self.stage.output_device) if self.is_last else None
+            self.held[frame.session] = _Held(self.stage.new_cache(), params, generator)
+        held = self._held(frame)
+        hidden = self.ring.receiver.decode([(frame.data, frame.scale)], frame.positions, self.stage.dtype,
+                                           self.stage.input_device)
+        out = self.stage.forward_piece(held.cache, hidden)
+        if not self.is_last:
+            (data, scale), = self.ring.sender.encode(out)
+            self.send(Hidden(session=frame.session, pos=frame.pos, positions=frame.positions, data=data,
+                             scale=scale, kind=frame.kind, sampling=frame.sampling,
+                             compute_ms=[*frame.compute_ms, _ms(started)]))
+        elif frame.kind == LAST_PIECE:
+            token = int(sample(out[None], [held.sampling], [held.generator])[0])
+            self.send(Token(session=frame.session, token=token, compute_ms=[*frame.compute_ms, _ms(started)]))
+        else:
+            self.send(Token(session=frame.session, token=NO_TOKEN))
+
+    # --- decode batches ----------------------------------------------------------------------
+
+    def _decode(self, frames: list[Hidden]) -> None:
+        self.frames += len(frames)
+        runnable = []
+        for frame in frames:
+            try:
+                self._held(frame)
+                runnable.append(frame)
+            except FrameError as exc:
+                self._fail(frame.session, exc)
+        if not runnable:
+            return
+        try:
+            self._decode_batch(runnable)
+        except Exception as exc:
+            if len(runnable) == 1:
+                self._fail(runnable[0].session, exc)
+                return
+            log.warning("a decode batch of %d failed; running its frames one at a time", len(runnable))
+            for frame in runnable:
+                try:
+                    self._decode_batch([frame])
+                except Exception as exc:
+                    self._fail(frame.session, exc)
+
+    def _decode_batch(self, frames: list[Hidden]) -> None:
+        started = time.perf_counter()
+        held = [self.held[f.session] for f in frames]
+        hidden = self.ring.receiver.decode([(f.data, f.scale) for f in frames], 1, self.stage.dtype,
+                                           self.stage.input_device)  # [B, 1, H]
+        out = self.stage.decode([h.cache for h in held], hidden)
+        self._step_no += 1
+        if self.is_last:
+            tokens = sample(out, [h.sampling for h in held], [h.generator for h in held]).tolist()
+            elapsed = _ms(started)
+            for frame, token in zip(frames, tokens):
+                self.send(Token(session=frame.session, token=int(token), batch=len(frames), step=self._step_no,
+                                compute_ms=[*frame.compute_ms, elapsed]))
+            return
+        rows = self.ring.sender.encode(out)
+        elapsed = _ms(started)
+        for frame, (data, scale) in zip(frames, rows):
+            self.send(Hidden(session=frame.session, pos=frame.pos, positions=1, data=data, scale=scale,
+                             batch=len(frames), step=self._step_no, compute_ms=[*frame.compute_ms, elapsed]))
+
+    # --- sessions ----------------------------------------------------------------------------
+
+    def _held(self, frame: Hidden) -> _Held:
+        held = self.held.get(frame.session)
+        if held is None:
+            raise FrameError(f"stage {self.ring.index} holds no session {frame.session!r}")
+        if held.cache.length != frame.pos:
+            raise FrameError(f"stage {self.ring.index} holds {held.cache.length} position(s) of this session; "
+                             f"a frame for position {frame.pos} does not follow them")
+        return held
+
+    def _drop(self, session: str) -> None:
+        held = self.held.pop(session, None)
+        if held is not None:
+            held.cache.release()
+
+    def _fail(self, session: str, exc: Exception) -> None:
+        """This session alone ends: its cache goes, and stage 0 hears of it on the token lane."""
+        log.warning("stage %d failed session %s: %s", self.ring.index, session, exc)
+        self._drop(session)
+        self.send(Token(session=session, token=NO_TOKEN, error=f"stage {self.ring.index}: {exc}",
+                        code="stage_failed"), lane="tok")
+
+
+def _ms(started: float) -> float:
+    return round((time.perf_counter() - started) * 1e3, 3)

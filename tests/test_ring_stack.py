@@ -1,0 +1,159 @@
+"""Rings across fellow processes over a real bus: greedy equals the model alone, timing, refusals, a lost stage."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import signal
+import time
+import uuid
+
+import msgspec
+import pytest
+import torch
+
+from core.bus import connect
+from core.nats_server import EmbeddedNats
+from events.frames import DoneFrame, ErrorFrame, TokenFrame, frame_decoder
+from events.requests import ChatMessage, ChatRequest, Sampling
+from tests.processes import pid_alive, wait_until
+from tests.serving_fixtures import Stack, chat_over_bus, make_servable
+
+PROMPTS = ["What is a list comprehension?", "hi", "Explain the with statement in Python, with an example or two.",
+           "Name three colours."]
+HIDDEN = 64
+
+
+@pytest.fixture(scope="module")
+def ring_stack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ring-stack")
+    hf, servable = make_servable(root / "models", "tiny", layers=4, hidden=HIDDEN, stages=2)
+    legacy = servable.parent / "legacy"
+    shutil.copytree(servable, legacy)
+    manifest = json.loads((legacy / "servable.json").read_text())
+    (legacy / "servable.json").write_text(json.dumps({**manifest, "model_id": "legacy", "boundaries": None}))
+    nats = EmbeddedNats(root / "jetstream").start()
+    # pieces of 8 tokens, so every prompt crosses the ring in several; one torch thread per stage process
+    stack = Stack(root, nats.url, servable.parent, fellows=3, SWARM_SERVE_PREFILL_CHUNK=8, OMP_NUM_THREADS=1)
+    try:
+        stack.start()
+        yield stack, nats.url, hf
+    finally:
+        stack.stop()
+        nats.stop()
+
+
+def hf_greedy(hf_dir, content: str, max_new_tokens: int) -> list[int]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    ids = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=model.generation_config.eos_token_id, pad_token_id=tok.pad_token_id)
+    new = out[0, ids.shape[1]:].tolist()
+    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
+              else [model.generation_config.eos_token_id])
+    return [t for t in new if t not in eos]
+
+
+async def _bus(url):
+    nc = await connect(url, name="ring-test")
+    return nc, nc.jetstream()
+
+
+async def _greedy_ring_equals_hf(stack, url, hf, num_stages: int, fellow_ids: list[str]) -> None:
+    load = await asyncio.to_thread(stack.load, "tiny", num_stages=num_stages, fellow_ids=fellow_ids)
+    assert [s["fellow_id"] for s in load["stages"]] == fellow_ids
+    assert [tuple(s["layers"]) for s in load["stages"]][0][0] == 0 and load["stages"][-1]["layers"][1] == 4
+    assert all(s["kv_tokens"] > 0 for s in load["stages"])
+    nc, js = await _bus(url)
+    try:
+        replies = await asyncio.gather(*(chat_over_bus(nc, js, load["load_id"], "tiny", p, max_tokens=20)
+                                         for p in PROMPTS))
+        for prompt, (_, frames, tokens, _) in zip(PROMPTS, replies):
+            done = frames[-1]
+            assert isinstance(done, DoneFrame), (done, stack.logs())
+            assert tokens == hf_greedy(hf, prompt, 20)
+            t = done.timing
+            assert t["route"] == "relay" and t["bytes_per_token"] == HIDDEN * 2
+            assert {"stage0_ms", "link_ms", "prefill_ms"} <= set(t)
+            assert all(f"stage{i}_ms" in t for i in range(1, num_stages)) or len(tokens) < 2
+        # garbage on every ring lane is dropped, and the ring serves on
+        for lane in ("act", "act1", "tok"):
+            await nc.publish(f"swarm.ring.{load['load_id']}.{lane}", b"\x93not a frame")
+        _, frames, tokens, _ = await chat_over_bus(nc, js, load["load_id"], "tiny", PROMPTS[0], max_tokens=20)
+        assert isinstance(frames[-1], DoneFrame) and tokens == hf_greedy(hf, PROMPTS[0], 20)
+        status = await asyncio.to_thread(wait_until, lambda: (s := stack.get("/api/v1/models/tiny/status").json())
+                                         ["load"]["relay"].get("tok", {}).get("frames") and s, 30, "relay stats")
+        relay = status["load"]["relay"]
+        assert relay["act"]["bytes"] > relay["act"]["frames"] * HIDDEN * 2 > 0
+        pids = [s["pid"] for s in status["load"]["stages"]]
+        assert all(pid_alive(p) for p in pids)
+    finally:
+        await nc.close()
+    r = await asyncio.to_thread(stack.post, "/api/v1/models/tiny/unload")
+    assert r.status_code == 200, r.text
+    await asyncio.to_thread(wait_until, lambda: not any(pid_alive(p) for p in pids), 30, "stage processes gone")
+    await asyncio.to_thread(wait_until, lambda: stack.get("/api/v1/models/tiny").json()["load_state"] == "unloaded",
+                            30, "unloaded")
+
+
+async def test_two_and_three_stage_rings_equal_hf_greedy_with_sessions_in_flight(ring_stack):
+    stack, url, hf = ring_stack
+    await _greedy_ring_equals_hf(stack, url, hf, 2, ["f1", "f0"])
+    await _greedy_ring_equals_hf(stack, url, hf, 3, ["f0", "f1", "f2"])
+
+
+async def test_a_servable_without_boundaries_is_refused_over_another_count(ring_stack):
+    stack, _, _ = ring_stack
+    r = await asyncio.to_thread(stack.post, "/api/v1/models/legacy/load", {"num_stages": 3, "wait": True})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "unsupported_num_stages"
+    assert "records no boundaries" in r.json()["error"]["message"]
+    r = await asyncio.to_thread(stack.post, "/api/v1/models/tiny/load",
+                                {"num_stages": 2, "fellow_ids": ["f0", "f0"], "wait": True})
+    assert r.status_code == 409 and "repeat" in r.json()["error"]["message"]
+
+
+async def _first_tokens_then_end(nc, js, load_id: str, content: str, started: asyncio.Event):
+    rid = "rq-" + uuid.uuid4().hex[:12]
+    frames, ended = [], asyncio.Event()
+
+    async def on_frame(msg):
+        frame = frame_decoder.decode(msg.data)
+        frames.append(frame)
+        if isinstance(frame, TokenFrame):
+            started.set()
+        if isinstance(frame, (DoneFrame, ErrorFrame)):
+            ended.set()
+
+    await nc.subscribe(f"swarm.tok.{rid}", cb=on_frame)
+    req = ChatRequest(request_id=rid, load_id=load_id, model_id="tiny",
+                      messages=[ChatMessage(role="user", content=content)], max_tokens=1500,
+                      sampling=Sampling(temperature=0.0), created=time.time())
+    await js.publish(f"swarm.req.{load_id}", msgspec.json.encode(req), headers={"Nats-Msg-Id": rid})
+    await asyncio.wait_for(ended.wait(), 60)
+    return frames
+
+
+async def test_killing_a_middle_fellow_fails_its_requests_and_leaves_no_stage_process(ring_stack):
+    stack, url, _ = ring_stack
+    load = await asyncio.to_thread(stack.load, "tiny", num_stages=3, fellow_ids=["f0", "f1", "f2"])
+    pids = [s["pid"] for s in load["stages"]]
+    nc, js = await _bus(url)
+    try:
+        started = [asyncio.Event() for _ in range(2)]
+        replies = [asyncio.create_task(_first_tokens_then_end(nc, js, load["load_id"], "Tell me a story " * (i + 1),
+                                                              started[i])) for i in range(2)]
+        await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
+        stack.fellows[1].kill(signal.SIGKILL)
+        for frames in await asyncio.gather(*replies):
+            assert isinstance(frames[-1], ErrorFrame), frames[-1]
+            assert "f1" in frames[-1].message or frames[-1].code in ("fellow_lost", "model_unloaded")
+        await asyncio.to_thread(wait_until, lambda: not any(pid_alive(p) for p in pids), 30, "no stage process left")
+        await asyncio.to_thread(
+            wait_until, lambda: stack.get(f"/api/v1/models/tiny").json()["load_state"] == "unloaded", 30, "load failed")
+    finally:
+        await nc.close()
