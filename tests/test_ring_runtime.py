@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from core.servable import ServableError, load_manifest
 from events.ring import Hidden, Token, decode_frame, encode_frame
 from fellow.runtime.engine import Engine
+from fellow.runtime.export import export
 from fellow.runtime.ring.head import RingHead
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.loader import load_ring_stage
@@ -18,6 +20,7 @@ from fellow.runtime.ring.worker import RingWorker
 from fellow.runtime.sampling import SamplingParams
 from fellow.runtime.session import Session
 from fellow.runtime.stage_loader import load_one_stage
+from fellow.runtime.tiny import make_tiny_checkpoint
 from tests.processes import wait_until
 from tests.serving_fixtures import make_servable
 
@@ -31,8 +34,15 @@ def servables(tmp_path_factory):
     root = tmp_path_factory.mktemp("ring")
     _, two = make_servable(root, "tiny2", layers=4, hidden=64, stages=2)
     _, three = make_servable(root, "tiny3", layers=3, hidden=64, stages=3, seed=1)
-    _, squeezed = make_servable(root, "tiny-bn", layers=4, hidden=64, stages=2, seed=2)
-    return {"two": two, "three": three}
+    hf = make_tiny_checkpoint(root / "hf-bn", layers=4, hidden=64, seed=2)
+    bottleneck = root / "servables" / "tiny-bn"
+    export(hf, bottleneck, stages=2, bottleneck=16, model_id="tiny-bn", calib_sequences=16, calib_seq_len=64)
+    quantized = root / "servables" / "tiny-q8"
+    shutil.copytree(two, quantized)
+    manifest = json.loads((quantized / "servable.json").read_text())
+    manifest.update(model_id="tiny-q8", compressors=[{"kind": "quantizer", "bits": 8}])
+    (quantized / "servable.json").write_text(json.dumps(manifest))
+    return {"two": two, "three": three, "bottleneck": bottleneck, "quantizer": quantized}
 
 
 class LocalRing:
@@ -103,6 +113,91 @@ def test_greedy_ring_equals_one_stage_with_sessions_in_flight_and_pieces(servabl
     # uncompressed: every position crosses as hidden x 2 bytes
     hidden = load_manifest(model).hidden_size
     assert {len(f.data) // f.positions for s, f in ring.sent if isinstance(f, Hidden)} == {hidden * 2}
+
+
+def cache_free_greedy(ring: LocalRing, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The whole sequence through the same stages and boundary codecs each step, with no cache kept."""
+    ids, out = list(prompt), []
+    for _ in range(max_new_tokens):
+        x = torch.tensor(ids)
+        for i, loaded in enumerate(ring.stages):
+            if i:
+                x = loaded.receiver.decode(rows, len(ids), loaded.stage.dtype, loaded.stage.input_device)
+            x = loaded.stage.forward_piece(loaded.stage.new_cache(), x)
+            if loaded.sender is not None:
+                rows = loaded.sender.encode(x)
+        token = int(x.argmax())
+        if token in ring.stages[0].stop_ids:
+            break
+        ids.append(token)
+        out.append(token)
+    return out
+
+
+@pytest.mark.parametrize("which,stages,wire", [("bottleneck", 2, [32]), ("bottleneck", 3, [32, 128]),
+                                               ("quantizer", 2, [66]), ("two", 3, [128, 128])])
+def test_boundary_codecs_on_the_wire(servables, which, stages, wire):
+    """A learned bottleneck sends its narrow code where training cut; a cut training lacked goes
+    uncompressed; a quantizer sends int8 and a scale. Served with caches and batches, the reply is
+    what a cache-free pass through the same stages and codecs gives."""
+    ring = LocalRing(servables[which], stages, prefill_chunk=8)
+    try:
+        got = ring.generate(PROMPTS[:3], 10)
+        expected = {f"s{i}": cache_free_greedy(ring, p, 10) for i, p in enumerate(PROMPTS[:3])}
+    finally:
+        ring.close()
+    assert got == expected and all(got.values())
+    per_position = [{(len(f.data) + len(f.scale)) // f.positions for s, f in ring.sent
+                     if s == stage and isinstance(f, Hidden)} for stage in range(stages - 1)]
+    assert per_position == [{b} for b in wire]
+    assert ring.head.sessions == {} and ring.stages[0].sender.bytes_per_position == wire[0]
+
+
+def test_a_frame_that_fails_on_a_later_stage_ends_only_its_own_request(servables):
+    ring = LocalRing(servables["three"], 3, prefill_chunk=8)
+    expected = one_stage(servables["three"], PROMPTS[:3], 12)
+    try:
+        for i, prompt in enumerate(PROMPTS[:3]):
+            ring.head.add(Session(f"s{i}", prompt, 12, sampling=GREEDY))
+        got: dict[str, list[int]] = {}
+        ended = []
+        while ring.head.busy:
+            result = ring.head.step()
+            for sid, tokens in result.tokens.items():
+                got.setdefault(sid, []).extend(tokens)
+            ended += result.finished
+            if len(got.get("s1", [])) == 2 and not any(isinstance(f, Hidden) and f.pos == 10**6 for _, f in ring.sent):
+                bad = Hidden(session="s1", pos=10**6, positions=1, data=b"\0" * 128)
+                ring.sent.append((0, bad))
+                ring.inboxes[1].put(bad)  # a frame stage 1 cannot run for s1
+    finally:
+        ring.close()
+    failed = {s.session_id: ring.head.failures.get(s.session_id) for s in ended if s.finish_reason == "error"}
+    assert list(failed) == ["s1"] and failed["s1"].code == "stage_failed" and "stage 1" in str(failed["s1"])
+    assert got["s0"] == expected["s0"] and got["s2"] == expected["s2"]
+    assert len(got["s1"]) < len(expected["s1"])
+
+
+def test_sampled_ring_draws_what_one_stage_draws_with_the_same_seed(servables):
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=7)
+    engine = Engine(load_one_stage(servables["two"], "cpu").stage, kv_tokens=4096)
+    engine.add(Session("a", PROMPTS[0], 16, sampling=sampled))
+    engine.add(Session("b", PROMPTS[1], 16, sampling=SamplingParams(temperature=0.7, seed=8)))
+    expected: dict[str, list[int]] = {}
+    while engine.busy:
+        for sid, tokens in engine.step().tokens.items():
+            expected.setdefault(sid, []).extend(tokens)
+    ring = LocalRing(servables["two"], 2, prefill_chunk=8)
+    try:
+        ring.head.add(Session("a", PROMPTS[0], 16, sampling=sampled))
+        ring.head.add(Session("b", PROMPTS[1], 16, sampling=SamplingParams(temperature=0.7, seed=8)))
+        got: dict[str, list[int]] = {}
+        while ring.head.busy:
+            for sid, tokens in ring.head.step().tokens.items():
+                got.setdefault(sid, []).extend(tokens)
+    finally:
+        ring.close()
+    assert got == expected
 
 
 def test_a_servable_without_boundaries_serves_only_its_own_count(servables, tmp_path):
