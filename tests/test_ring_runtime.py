@@ -200,6 +200,19 @@ def test_sampled_ring_draws_what_one_stage_draws_with_the_same_seed(servables):
     assert got == expected
 
 
+def test_the_demo_model_over_a_ring_equals_it_on_one_stage(tmp_path):
+    from fellow.runtime.demo_model import make_demo_model
+
+    make_demo_model(tmp_path / "demo", seed=0, steps=6, vocab=512, hidden=64, layers=2, seq_len=64, batch=8)
+    expected = one_stage(tmp_path / "demo", PROMPTS[:3], 10)
+    ring = LocalRing(tmp_path / "demo", 2, prefill_chunk=8)
+    try:
+        got = ring.generate(PROMPTS[:3], 10)
+    finally:
+        ring.close()
+    assert got == expected and all(got.values())
+
+
 def test_a_servable_without_boundaries_serves_only_its_own_count(servables, tmp_path):
     import shutil
 
