@@ -52,6 +52,7 @@ class LocalRing:
         self.inboxes = [Inbox() for _ in range(num_stages)]
         self.stages = [load_ring_stage(model_dir, i, num_stages, device="cpu") for i in range(num_stages)]
         self.sent: list = []
+        self.timings: dict[str, dict] = {}
         self.head = RingHead(self.stages[0].stage, self.stages[0].sender, self._sender(0), self.inboxes[0],
                              num_stages=num_stages, kv_tokens=4096, max_batch=max_batch, prefill_chunk=prefill_chunk)
         self.workers = [RingWorker(self.stages[i], self.inboxes[i], self._sender(i)) for i in range(1, num_stages)]
@@ -77,6 +78,7 @@ class LocalRing:
             result = self.head.step()
             for sid, tokens in result.tokens.items():
                 out.setdefault(sid, []).extend(tokens)
+            self.timings.update({session.session_id: session.timing() for session in result.finished})
         return out
 
     def close(self):
@@ -151,6 +153,7 @@ def test_boundary_codecs_on_the_wire(servables, which, stages, wire):
                      if s == stage and isinstance(f, Hidden)} for stage in range(stages - 1)]
     assert per_position == [{b} for b in wire]
     assert ring.head.sessions == {} and ring.stages[0].sender.bytes_per_position == wire[0]
+    assert {t["bytes_per_token"] for t in ring.timings.values()} == {wire[0]}
 
 
 def test_a_frame_that_fails_on_a_later_stage_ends_only_its_own_request(servables):
@@ -176,6 +179,25 @@ def test_a_frame_that_fails_on_a_later_stage_ends_only_its_own_request(servables
     assert list(failed) == ["s1"] and failed["s1"].code == "stage_failed" and "stage 1" in str(failed["s1"])
     assert got["s0"] == expected["s0"] and got["s2"] == expected["s2"]
     assert len(got["s1"]) < len(expected["s1"])
+
+
+def test_a_cancelled_session_leaves_no_cache_on_any_stage(servables):
+    ring = LocalRing(servables["three"], 3, prefill_chunk=8)
+    try:
+        for i, prompt in enumerate(PROMPTS[:2]):
+            ring.head.add(Session(f"s{i}", prompt, 40, sampling=GREEDY))
+        finished = []
+        while ring.head.busy:
+            result = ring.head.step()
+            finished += result.finished
+            if "s0" in result.tokens:
+                ring.head.cancel("s0")
+        wait_until(lambda: all(not w.held for w in ring.workers), 10, "every stage dropped its caches")
+    finally:
+        ring.close()
+    reasons = {s.session_id: s.finish_reason for s in finished}
+    assert reasons["s0"] == "cancelled" and reasons["s1"] in ("length", "stop")
+    assert ring.head.budget.reserved == 0
 
 
 def test_sampled_ring_draws_what_one_stage_draws_with_the_same_seed(servables):
