@@ -86,8 +86,12 @@ async def _greedy_ring_equals_hf(stack, url, hf, num_stages: int, fellow_ids: li
             await nc.publish(f"swarm.ring.{load['load_id']}.{lane}", b"\x93not a frame")
         _, frames, tokens, _ = await chat_over_bus(nc, js, load["load_id"], "tiny", PROMPTS[0], max_tokens=20)
         assert isinstance(frames[-1], DoneFrame) and tokens == hf_greedy(hf, PROMPTS[0], 20)
-        status = await asyncio.to_thread(wait_until, lambda: (s := stack.get("/api/v1/models/tiny/status").json())
-                                         ["load"]["relay"].get("tok", {}).get("frames") and s, 30, "relay stats")
+        def relay_counted():
+            status = stack.get("/api/v1/models/tiny/status").json()
+            lanes = status["load"]["relay"]
+            return all(lanes.get(lane, {}).get("frames") for lane in ("act", "tok")) and status
+
+        status = await asyncio.to_thread(wait_until, relay_counted, 30, "relay stats of every stage")
         relay = status["load"]["relay"]
         assert relay["act"]["bytes"] > relay["act"]["frames"] * HIDDEN * 2 > 0
         pids = [s["pid"] for s in status["load"]["stages"]]
