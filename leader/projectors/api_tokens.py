@@ -19,6 +19,7 @@ class ApiTokensProjector(Projector):
 
     name = "api_tokens"
     tables = (ApiToken,)
+    handles = (ApiTokenMinted, ApiTokenRevoked, ApiTokenPruned)
 
     def __init__(self) -> None:
         self.changed_seq = 0

@@ -14,6 +14,7 @@ from leader.projectors.projector import Projector
 class CatalogProjector(Projector):
     name = "catalog"
     tables = (Model,)
+    handles = (ModelCataloged, ModelUncataloged)
 
     async def apply(self, session: AsyncSession, evt: Event, seq: int) -> None:
         match evt:

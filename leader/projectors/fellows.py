@@ -14,6 +14,7 @@ from leader.projectors.projector import Projector
 class FellowsProjector(Projector):
     name = "fellows"
     tables = (Fellow,)
+    handles = (FellowJoined, FellowLost)
 
     async def apply(self, session: AsyncSession, evt: Event, seq: int) -> None:
         match evt:

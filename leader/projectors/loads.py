@@ -18,6 +18,7 @@ ENDED = ("failed", "unloaded")
 class LoadsProjector(Projector):
     name = "loads"
     tables = (LoadStage, Load)
+    handles = (LoadRequested, LoadPlaced, StageReady, ModelLoaded, UnloadRequested, LoadFailed, ModelUnloaded)
 
     async def apply(self, session: AsyncSession, evt: Event, seq: int) -> None:
         match evt:

@@ -19,6 +19,10 @@ class Projector:
 
     name: ClassVar[str]
     tables: ClassVar[tuple[type, ...]]
+    handles: ClassVar[tuple[type, ...]] = (Event,)  # the event types `apply` acts on
+
+    def wants(self, evt: Event | None) -> bool:
+        return evt is not None and isinstance(evt, self.handles)
 
     async def apply(self, session: AsyncSession, evt: Event, seq: int) -> None:
         raise NotImplementedError

@@ -13,6 +13,7 @@ from leader.projectors.projector import Projector
 class RequestsProjector(Projector):
     name = "requests"
     tables = (Request,)
+    handles = (RequestAccepted, RequestFinished, RequestFailed)
 
     async def apply(self, session: AsyncSession, evt: Event, seq: int) -> None:
         match evt:
