@@ -56,8 +56,8 @@ def make_checkpoint(out: Path, vocab: int = 32000, hidden: int = 512, layers: in
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # no reply ends early: every path decodes the same number of tokens
-        for i in gen["eos_token_id"]:
-            model.model.embed_tokens.weight[i] = -1.0
+        for i in gen["eos_token_id"]:  # a zero row (tied head) scores 0, below the best of 32k others
+            model.model.embed_tokens.weight[i] = 0.0
     model.save_pretrained(str(out))
     tok.save_pretrained(str(out))
     (out / "generation_config.json").write_text(json.dumps(gen))

@@ -8,6 +8,7 @@ import logging
 from nats.js import JetStreamContext
 
 from core.bus import publish_struct
+from events.base import encode
 from events import subjects
 from events.frames import DoneFrame, ErrorFrame, Frame, TokenFrame, frame_msg_id
 
@@ -69,7 +70,14 @@ class TokenBatcher:
                     self.sent_tokens += len(texts)
                 else:
                     frame = self._final(self.seq)
-                await publish_struct(self.js, self.subject, frame, frame_msg_id(self.request_id, self.seq))
+                if isinstance(frame, TokenFrame):
+                    # Token frames go out without waiting for JetStream's ack: the stream still keeps
+                    # them (same subject, same msg id) for a gap fill or a replay, and the done or
+                    # error frame, which is acked, follows them on the same connection in order.
+                    await self.js._nc.publish(self.subject, encode(frame),
+                                              headers={"Nats-Msg-Id": frame_msg_id(self.request_id, self.seq)})
+                else:
+                    await publish_struct(self.js, self.subject, frame, frame_msg_id(self.request_id, self.seq))
                 self.seq += 1
                 if not isinstance(frame, TokenFrame):
                     self.closed.set()

@@ -56,6 +56,24 @@ async def test_streamed_and_whole_replies_agree_and_carry_usage_and_timing(clien
         assert timing["route"] == "local" and "prefill_ms" in timing
 
 
+async def test_greedy_reply_through_the_gateway_equals_hf_generate(stack, client):
+    """The whole path (gateway, bus, stage, detokenizer) adds nothing to what the model says."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = stack[0].tmp / "models" / "hf-tiny"
+    tok = AutoTokenizer.from_pretrained(str(hf))
+    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+    ids = tok.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, max_new_tokens=20, do_sample=False, pad_token_id=tok.pad_token_id,
+                         eos_token_id=model.generation_config.eos_token_id)[0, ids["input_ids"].shape[1]:].tolist()
+    stops = set(model.generation_config.eos_token_id)
+    expected = tok.decode([t for t in out if t not in stops], skip_special_tokens=False)
+    reply = await client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=20, temperature=0)
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.completion_tokens == len([t for t in out if t not in stops])
+
+
 async def test_a_stop_string_ends_the_reply_before_it(client):
     full = (await client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=24,
                                                  temperature=0)).choices[0].message.content
@@ -104,3 +122,4 @@ async def test_a_fellow_lost_mid_stream_ends_the_reply_with_an_error(stack, clie
     assert exc.value.code == "load_failed" and "f0" in exc.value.message
     await asyncio.to_thread(wait_until, lambda: s.get("/api/v1/models/tiny").json()["load_state"] != "ready",
                             30, "the load ended")
+

@@ -120,7 +120,7 @@ class Engine:
         result.finished.append(session)
 
     def _prefill(self, result: StepResult) -> None:
-        spent = 0
+        spent = self._prefill_fresh(result)
         for session in [s for s in self.sessions.values() if s.prefilling]:
             if spent and (self.prefill_chunk == 0 or spent >= self.prefill_chunk):
                 break
@@ -136,6 +136,30 @@ class Engine:
             if not session.prefilling:  # the prompt's last piece starts the reply
                 token = int(sample(logits[None], [session.sampling], [session.generator])[0])
                 self._accept(session, token, time.perf_counter(), result)
+
+    def _prefill_fresh(self, result: StepResult) -> int:
+        """Whole short prompts that arrived together go through in one forward, left-padded (rows x
+        longest counted against prefill_chunk); one prompt alone, or a long one, takes the loop below."""
+        fresh = [s for s in self.sessions.values()
+                 if s.prefilled == 0 and (not self.prefill_chunk or len(s.prompt_ids) <= self.prefill_chunk)]
+        batch: list[Session] = []
+        for session in fresh:
+            width = max([len(session.prompt_ids)] + [len(s.prompt_ids) for s in batch])
+            if self.prefill_chunk and (len(batch) + 1) * width > self.prefill_chunk:
+                break
+            batch.append(session)
+        if len(batch) < 2 or not self.stage.is_first:
+            return 0
+        started = time.perf_counter()
+        for session in batch:
+            session.prefill_started_at = started
+        logits = self.stage.prefill_fresh([s.cache for s in batch], [s.prompt_ids for s in batch])
+        tokens = sample(logits, [s.sampling for s in batch], [s.generator for s in batch]).tolist()
+        now = time.perf_counter()
+        for session, token in zip(batch, tokens):
+            session.prefilled = len(session.prompt_ids)
+            self._accept(session, token, now, result)
+        return len(batch) * max(len(s.prompt_ids) for s in batch)
 
     def _decode(self, result: StepResult) -> None:
         decoding = [s for s in self.sessions.values() if not s.prefilling]

@@ -206,3 +206,23 @@ class BatchedView:
         hidden = columns[None, :] < starts[:, None]
         mask = torch.zeros(len(self.caches), 1, 1, self.width, dtype=dtype, device=device)
         return mask.masked_fill_(hidden[:, None, None, :], torch.finfo(dtype).min)
+
+
+class FreshBatchView:
+    """First prompt pieces of several sessions with empty caches, left-padded into one forward.
+
+    A layer attends to the batch's own keys and values (padding masked by the stage's mask); each
+    row's real positions, without its padding, go straight into its session's cache.
+    """
+
+    def __init__(self, caches: Sequence[KVCache], pads: Sequence[int]) -> None:
+        self.caches = list(caches)
+        self.pads = list(pads)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        for row, (cache, pad) in enumerate(zip(self.caches, self.pads)):
+            cache.write(layer_idx, key_states[row : row + 1, :, pad:], value_states[row : row + 1, :, pad:])
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0

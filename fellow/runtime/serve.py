@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 
 import msgspec
@@ -99,15 +100,33 @@ class StageServer:
         params = sum(p.numel() * p.element_size() for layer in self.loaded.stage.layers for p in layer.parameters())
         return params + int(self.engine.stats()["kv_bytes"])
 
+    def serve(self) -> None:
+        """Steps the engine on this, the main, thread and runs the bus on an event loop in another.
+
+        Torch's CPU kernels ran a batch-8 decode about 25 % slower called from a second thread than
+        from the main one (bench/bench_serving.py's model, 2 cores), so compute keeps the main thread.
+        """
+        self.serving = self.make_loop(lambda outs: self.aloop.call_soon_threadsafe(self._deliver, outs))
+        self.aloop = asyncio.new_event_loop()
+        bus = threading.Thread(target=self._bus, name="bus", daemon=True)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.aloop.call_soon_threadsafe(self._stop))
+        bus.start()
+        self.serving.run_here()  # until _shutdown stops it
+        bus.join(30)
+
+    def _bus(self) -> None:
+        try:
+            self.aloop.run_until_complete(self.run())
+        except Exception:
+            log.exception("the stage's bus loop failed")
+        finally:
+            self.serving.stop()
+
     async def run(self) -> None:
-        self.aloop = asyncio.get_running_loop()
         self.nc = await connect(self.cfg["nats_url"], name=f"swarm-stage-{self.load_id}")
         self.js = self.nc.jetstream()
-        self.serving = self.make_loop(lambda outs: self.aloop.call_soon_threadsafe(self._deliver, outs))
-        self.serving.start()
         await self.nc.subscribe("swarm.cancel.*", cb=self._on_cancel)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self.aloop.add_signal_handler(sig, self._stop)
         await self.before_ready()
         report(event="ready", kv_tokens=self.kv_tokens, kv_tokens_planned=self.kv_planned,
                max_in_flight=self.max_in_flight, vram_bytes=self.vram_bytes(), load_s=round(self.load_s, 3),
@@ -301,9 +320,16 @@ def main() -> int:
         log.exception("load failed")
         report(event="failed", reason=f"{type(exc).__name__}: {exc}")
         return 1
-    asyncio.run(server.run())
+    if isinstance(server, StageServer):
+        server.serve()
+    else:  # a later ring stage: its worker thread computes, the event loop keeps the main thread
+        asyncio.run(server.run())
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as `python -m`, this file is __main__; the ring servers import `fellow.runtime.serve`.
+    # Take main from that module so there is one StageServer class, not two.
+    from fellow.runtime.serve import main as _main
+
+    sys.exit(_main())

@@ -89,6 +89,10 @@ class ServingLoop:
     def start(self) -> None:
         self.thread.start()
 
+    def run_here(self) -> None:
+        """Drive the engine on the calling thread until `stop`."""
+        self._run()
+
     def submit(self, job: Job) -> None:
         self.inbox.put(("add", job))
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fellow.runtime.kv_cache import BatchedView, KVCache, SessionView
+from fellow.runtime.kv_cache import BatchedView, FreshBatchView, KVCache, SessionView
 
 BATCHABLE_ATTENTION = ("sdpa", "eager")  # implementations that take an explicit additive 4D mask
 # cuDNN attention rebuilt its plan for every new key length: 52 ms a decode step on an H200 where
@@ -137,6 +137,40 @@ class StageModel:
         hidden = self._layers(hidden, position_ids, mask, SessionView(cache))
         cache.advance(positions)
         return self._head(hidden)[0] if self.is_last else hidden
+
+    @torch.inference_mode()
+    def prefill_fresh(self, caches: Sequence[KVCache], pieces: Sequence[Sequence[int]]) -> torch.Tensor:
+        """The first prompt pieces of several sessions whose caches are empty, in one forward.
+
+        Rows are left-padded to the longest; each row sees only its own positions, causally. One
+        bigger matrix product per layer instead of one small one per session. Stage 0 only (ids);
+        returns the last position's logits [B, V] on a last stage, hidden [B, q, H] otherwise.
+        """
+        if not self.is_first:
+            raise ValueError("fresh batched prompts start on the stage that holds the embeddings")
+        width = max(len(p) for p in pieces)
+        pads = [width - len(p) for p in pieces]
+        ids = torch.zeros(len(pieces), width, dtype=torch.long)
+        for row, piece in enumerate(pieces):
+            ids[row, pads[row]:] = torch.as_tensor(list(piece), dtype=torch.long)
+        hidden = self._embed(ids)
+        for cache, piece in zip(caches, pieces):
+            if cache.length:
+                raise ValueError("prefill_fresh takes sessions with empty caches")
+            cache.reserve(len(piece))
+        device = hidden.device
+        pad = torch.tensor(pads, device=device)[:, None, None]  # [B, 1, 1]
+        rows = torch.arange(width, device=device)[None, :, None]
+        columns = torch.arange(width, device=device)[None, None, :]
+        # a real query sees real keys up to itself; a padding row sees only itself (no empty softmax)
+        visible = ((columns <= rows) & (columns >= pad)) | (columns == rows)
+        mask = torch.zeros(len(pieces), 1, width, width, dtype=hidden.dtype, device=device)
+        mask.masked_fill_(~visible[:, None], torch.finfo(hidden.dtype).min)
+        position_ids = (torch.arange(width, device=device)[None, :] - pad[:, :, 0]).clamp(min=0)
+        hidden = self._layers(hidden, position_ids, mask, FreshBatchView(caches, pads))
+        for cache, piece in zip(caches, pieces):
+            cache.advance(len(piece))
+        return self._head(hidden) if self.is_last else hidden
 
     @torch.inference_mode()
     def decode(self, caches: Sequence[KVCache], inputs: torch.Tensor) -> torch.Tensor:
