@@ -15,6 +15,22 @@ from events.requests import ChatMessage, ChatRequest, Sampling
 from tests.processes import SwarmProcess, swarm_env, wait_until
 
 
+def hf_greedy(hf_dir, content: str, max_new_tokens: int) -> list[int]:
+    """Hugging Face `generate`'s greedy reply to one user message, without its end-of-turn id."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    ids = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos),
+                         pad_token_id=tok.pad_token_id)
+    return [t for t in out[0, ids.shape[1]:].tolist() if t not in eos]
+
+
 def make_servable(root: Path, model_id: str = "tiny", family: str = "qwen3", layers: int = 4, hidden: int = 64,
                   stages: int = 2, seed: int = 0) -> tuple[Path, Path]:
     """(hf checkpoint dir, servable dir) of a random tiny model with a chat tokenizer."""

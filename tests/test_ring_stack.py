@@ -11,14 +11,13 @@ import uuid
 
 import msgspec
 import pytest
-import torch
 
 from core.bus import connect
 from core.nats_server import EmbeddedNats
 from events.frames import DoneFrame, ErrorFrame, TokenFrame, frame_decoder
 from events.requests import ChatMessage, ChatRequest, Sampling
 from tests.processes import pid_alive, wait_until
-from tests.serving_fixtures import Stack, chat_over_bus, make_servable
+from tests.serving_fixtures import Stack, chat_over_bus, hf_greedy, make_servable
 
 PROMPTS = ["What is a list comprehension?", "hi", "Explain the with statement in Python, with an example or two.",
            "Name three colours."]
@@ -42,21 +41,6 @@ def ring_stack(tmp_path_factory):
     finally:
         stack.stop()
         nats.stop()
-
-
-def hf_greedy(hf_dir, content: str, max_new_tokens: int) -> list[int]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(hf_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    ids = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)["input_ids"]
-    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=model.generation_config.eos_token_id, pad_token_id=tok.pad_token_id)
-    new = out[0, ids.shape[1]:].tolist()
-    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
-              else [model.generation_config.eos_token_id])
-    return [t for t in new if t not in eos]
 
 
 async def _bus(url):
@@ -158,6 +142,6 @@ async def test_killing_a_middle_fellow_fails_its_requests_and_leaves_no_stage_pr
             assert "f1" in frames[-1].message or frames[-1].code in ("fellow_lost", "model_unloaded")
         await asyncio.to_thread(wait_until, lambda: not any(pid_alive(p) for p in pids), 30, "no stage process left")
         await asyncio.to_thread(
-            wait_until, lambda: stack.get(f"/api/v1/models/tiny").json()["load_state"] == "unloaded", 30, "load failed")
+            wait_until, lambda: stack.get("/api/v1/models/tiny").json()["load_state"] == "unloaded", 30, "load failed")
     finally:
         await nc.close()

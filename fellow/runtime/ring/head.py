@@ -11,7 +11,7 @@ import torch
 
 from events.ring import DECODE, LAST_PIECE, NO_TOKEN, PIECE, End, Hidden, RingSampling, Token
 from fellow.runtime.admission import TokenBudget
-from fellow.runtime.engine import StepResult
+from fellow.runtime.engine import Engine, StepResult
 from fellow.runtime.ring.codec import WireCodec
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.session import RingFailure, RingSession
@@ -145,19 +145,8 @@ class RingHead:
 
     # --- admission and ends ------------------------------------------------------------------
 
-    def _apply_cancels(self, result: StepResult) -> None:
-        for session_id, reason in self._cancels.items():
-            session = self.sessions.get(session_id)
-            if session is not None:
-                self._finish(session, reason, result)
-                continue
-            for queued in self.waiting:
-                if queued.session_id == session_id:
-                    self.waiting.remove(queued)
-                    queued.finish_reason = reason
-                    result.finished.append(queued)
-                    break
-        self._cancels.clear()
+    # the same cancel rules as the one-stage engine: an admitted session ends at this step, a queued one leaves the line
+    _apply_cancels = Engine._apply_cancels
 
     def _admit(self) -> None:
         while self.waiting and self.budget.fits(self.waiting[0].reserved_tokens):
