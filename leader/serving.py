@@ -61,6 +61,7 @@ class Serving:
         self.registry = Registry(leader)
         self.ready: dict[str, ReadyLoad] = {}  # model_id -> its ready load (the hot path's view)
         self._changed = asyncio.Condition()
+        self._loading: dict[str, asyncio.Lock] = {}
         self.relay = RelayStats()  # bytes and frames per lane of every ring, for the performance view
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -158,6 +159,13 @@ class Serving:
         Stages: ``num_stages`` when given, else one per pinned ``fellow_ids``, else one with
         ``fellow_id``, else the servable's own count when enough fellows can form that ring.
         """
+        # One load at a time per model: concurrent first requests (autoload) share the load the
+        # first one placed instead of each placing its own.
+        async with self._loading.setdefault(model_id, asyncio.Lock()):
+            return await self._load(model_id, num_stages, fellow_id, quantization, requested_by, fellow_ids)
+
+    async def _load(self, model_id: str, num_stages: int | None, fellow_id: str | None, quantization: dict | None,
+                    requested_by: str, fellow_ids: list[str] | None) -> Load:
         model = await self.registry.get(model_id)
         if model is None:
             raise model_not_found(model_id)
@@ -177,7 +185,8 @@ class Serving:
         load_id = "ld-" + uuid.uuid4().hex[:16]
         await self.leader.publish(LoadRequested(load_id=load_id, model_id=model_id, num_stages=1,
                                                 fellow_ids=[fellow_id] if fellow_id else [],
-                                                quantization=quantization, requested_by=requested_by))
+                                                quantization=quantization, requested_by=requested_by),
+                                  wait=["loads"])
         try:
             assignment = place_one_stage(model.parameters, model.num_layers, monitor.latest,
                                          set(monitor.online), fellow_id, quantization)
@@ -280,6 +289,8 @@ class Serving:
         except asyncio.TimeoutError:
             raise ApiError(503, f"The model '{model_id}' did not finish loading in {AUTOLOAD_WAIT_S:.0f}s",
                            code="model_loading") from None
+        if load.state == "ready" and model_id not in self.ready:
+            await self._refresh_ready()  # the row is ready; the listener that refreshes the view may lag it
         if load.state != "ready" or model_id not in self.ready:
             raise ApiError(503, f"The model '{model_id}' failed to load: {load.reason or load.state}",
                            code="load_failed")
