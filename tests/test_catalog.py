@@ -90,3 +90,22 @@ def test_demo_model_command_writes_a_two_stage_servable(tmp_path):
     m = load_manifest(tmp_path / "swarm-demo")
     assert m.model_id == "swarm-demo" and m.num_stages == 2 and m.boundaries is not None
     assert "enable_thinking" in m.chat_template
+
+
+@pytest.mark.parametrize("args", [["models"], ["infer", "nope", "hi"], ["model-load", "nope", "--wait"],
+                                  ["model-unload", "good"]])
+def test_model_commands_fail_with_one_line(leader, args):
+    import os
+
+    swarm = str(Path(sys.executable).parent / "swarm")
+    env = dict(os.environ, SWARM_LEADER_URL=leader.base_url)
+    if args == ["models"]:  # nothing listens there: unreachable
+        from tests.processes import free_port
+
+        env["SWARM_LEADER_URL"] = f"http://127.0.0.1:{free_port()}"
+    out = subprocess.run([swarm, *args], env=env, capture_output=True, text=True, timeout=60)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("swarm: error: "), out.stderr
+    expected = {"models": "cannot reach the leader", "infer": "The model 'nope' does not exist",
+                "model-load": "The model 'nope' does not exist", "model-unload": "is not loaded"}[args[0]]
+    assert expected in lines[0]
