@@ -30,8 +30,8 @@ def sessions(sampled: bool) -> list[Session]:
                     else SamplingParams(temperature=0.0)) for i, n in enumerate(lengths)]
 
 
-def run(stage: StageModel, batch: list[Session], chunk: int = 256) -> tuple[dict, list[int]]:
-    engine = Engine(stage, kv_tokens=8192, prefill_chunk=chunk)
+def run(stage: StageModel, batch: list[Session], chunk: int = 256, max_batch: int = 0) -> tuple[dict, list[int]]:
+    engine = Engine(stage, kv_tokens=8192, prefill_chunk=chunk, max_batch=max_batch)
     for s in batch:
         engine.add(Session(s.session_id, s.prompt_ids, s.max_new_tokens, s.sampling))
     out: dict[str, list[int]] = {}
@@ -56,3 +56,12 @@ def test_prompts_prefilled_together_equal_each_alone(stage, sampled):
 def test_the_padded_batch_respects_the_prefill_chunk(stage):
     _, first_tokens = run(stage, sessions(False), chunk=80)  # 2 rows x 40 is all one step may take
     assert first_tokens[0] == 2 and sum(first_tokens) == 5
+
+
+def test_max_batch_caps_the_padded_prefill_too(stage):
+    for cap, batched in ((0, 5), (2, 2), (1, 0)):  # 1: batching off
+        engine = Engine(stage, kv_tokens=8192, max_batch=cap)
+        for s in sessions(False):
+            engine.add(s)
+        engine.step()
+        assert engine.last_prefill_batch == batched, cap

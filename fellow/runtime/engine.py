@@ -46,6 +46,7 @@ class Engine:
         self.waiting: deque[Session] = deque()
         self.sessions: dict[str, Session] = {}  # admitted, in admission order
         self._cancels: dict[str, str] = {}
+        self.last_prefill_batch = 0  # prompts in the last step's padded prefill (0: none batched)
         self.last_batches: list[int] = []  # the decode batch sizes of the latest step, for stats
 
     @property
@@ -144,11 +145,14 @@ class Engine:
                  if s.prefilled == 0 and (not self.prefill_chunk or len(s.prompt_ids) <= self.prefill_chunk)]
         batch: list[Session] = []
         for session in fresh:
+            if self.max_batch and len(batch) == self.max_batch:  # SWARM_SERVE_MAX_BATCH caps these too
+                break
             width = max([len(session.prompt_ids)] + [len(s.prompt_ids) for s in batch])
             if self.prefill_chunk and (len(batch) + 1) * width > self.prefill_chunk:
                 break
             batch.append(session)
-        if len(batch) < 2 or not self.stage.is_first:
+        self.last_prefill_batch = len(batch) if len(batch) >= 2 else 0
+        if not self.last_prefill_batch:
             return 0
         started = time.perf_counter()
         for session in batch:
