@@ -10,7 +10,7 @@ import nats
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import PubAck, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, NoStreamResponseError, ServiceUnavailableError
 
 from events.base import Event, encode
 from events.subjects import STREAMS, StreamSpec, event
@@ -76,13 +76,33 @@ async def ensure_streams(js: JetStreamContext) -> None:
             await js.update_stream(cfg)
 
 
+# What a retry can cure: no answer in time, or JetStream not (yet) answering, as while a
+# nats-server restarts and recovers its streams. Nats-Msg-Id makes a retry that did land a no-op.
+_RETRYABLE = (nats.errors.TimeoutError, nats.errors.NoRespondersError, NoStreamResponseError,
+              ServiceUnavailableError)
+RETRY_DELAYS_S = (0.2, 0.5, 1.0, 2.0)
+
+
+async def publish_with_id(js: JetStreamContext, subject: str, payload: bytes, msg_id: str,
+                          timeout: float = 5.0) -> PubAck:
+    """A JetStream publish with its id, retried on timeouts and unavailable JetStream."""
+    for delay in (*RETRY_DELAYS_S, None):
+        try:
+            return await js.publish(subject, payload, timeout=timeout, headers={"Nats-Msg-Id": msg_id})
+        except _RETRYABLE as exc:
+            if delay is None:
+                raise
+            log.warning("publish of %s on %s not acknowledged (%s); retrying", msg_id, subject,
+                        type(exc).__name__)
+            await asyncio.sleep(delay)
+    raise AssertionError("unreachable")
+
+
 async def publish_event(js: JetStreamContext, evt: Event, timeout: float = 5.0) -> PubAck:
     """Publish an event on ``swarm.evt.<type>`` with its id as Nats-Msg-Id (retries dedupe)."""
-    return await js.publish(
-        event(evt.type), encode(evt), timeout=timeout, headers={"Nats-Msg-Id": evt.id},
-    )
+    return await publish_with_id(js, event(evt.type), encode(evt), evt.id, timeout)
 
 
 async def publish_struct(js: JetStreamContext, subject: str, msg: msgspec.Struct, msg_id: str,
                          timeout: float = 5.0) -> PubAck:
-    return await js.publish(subject, encode(msg), timeout=timeout, headers={"Nats-Msg-Id": msg_id})
+    return await publish_with_id(js, subject, encode(msg), msg_id, timeout)
