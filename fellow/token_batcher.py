@@ -16,10 +16,11 @@ log = logging.getLogger(__name__)
 
 
 class TokenBatcher:
-    """One per request. The first token goes out at once; later ones ride together while a publish
-    is awaiting its ack, so a busy stage sends fewer, fuller frames and an idle one adds no delay.
+    """One per request. Tokens that arrive while the previous frame is being sent ride together
+    in the next one; token frames do not wait for JetStream's ack (the stream keeps them all the
+    same), so an idle stage adds no delay.
 
-    The done or error frame always follows every token frame (one ordered sender per request).
+    The done or error frame, acked, always follows every token frame (one ordered sender per request).
     """
 
     def __init__(self, js: JetStreamContext, request_id: str):
