@@ -56,16 +56,9 @@ class RingHead:
 
     # --- the Engine interface ----------------------------------------------------------------
 
-    @property
-    def kv_tokens(self) -> int:
-        return self.budget.kv_tokens
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.sessions or self.waiting or self._cancels)
-
-    def can_admit(self, tokens: int) -> bool:
-        return tokens + sum(s.reserved_tokens for s in self.waiting) <= self.budget.free
+    kv_tokens = Engine.kv_tokens
+    busy = Engine.busy
+    can_admit = Engine.can_admit
 
     def add(self, session: Session) -> None:
         if self.broken is not None:
