@@ -77,12 +77,7 @@ class RingHead:
         """From any thread: the ring is gone; every session fails now, and new ones are refused."""
         self.inbox.put(("fail", message, code))
 
-    def stats(self) -> dict:
-        caches = [s.cache for s in self.sessions.values() if s.cache is not None]
-        return {"kv_tokens": self.kv_tokens, "reserved_tokens": self.budget.reserved,
-                "cached_tokens": sum(c.length for c in caches), "kv_bytes": sum(c.bytes for c in caches),
-                "in_flight": len(self.sessions), "waiting": len(self.waiting),
-                "decode_batches": list(self.last_batches)}
+    stats = Engine.stats
 
     def step(self) -> StepResult:
         result = StepResult()
