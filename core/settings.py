@@ -109,6 +109,7 @@ class Settings:
     serve_step_costs: str
     serve_prefill_chunk: int
     serve_max_in_flight: int
+    serve_packed_linear: str
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -168,6 +169,7 @@ class Settings:
                                      ("off", "0", "1", "on", "profile")),
             serve_prefill_chunk=_int(env, "SWARM_SERVE_PREFILL_CHUNK", 256),
             serve_max_in_flight=_int(env, "SWARM_SERVE_MAX_IN_FLIGHT", 8, minimum=1),
+            serve_packed_linear=_choice(env, "SWARM_SERVE_PACKED_LINEAR", "auto", ("auto", "off")),
         )
 
     def replace(self, **changes) -> "Settings":

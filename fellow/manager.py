@@ -69,7 +69,8 @@ class ModelManager:
                    "nats_url": self.settings.nats_url or "nats://127.0.0.1:4222",
                    "transport": {"max_in_flight": cmd.transport.max_in_flight, "kv_tokens": cmd.transport.kv_tokens,
                                  "max_batch": cmd.transport.max_batch, "prefill_chunk": cmd.transport.prefill_chunk},
-                   "report_s": min(1.0, self.settings.heartbeat_s)}
+                   "report_s": min(1.0, self.settings.heartbeat_s),
+                   "packed_linear": self.settings.serve_packed_linear != "off"}
             if self.settings.serve_max_batch is not None and not cmd.transport.max_batch:
                 cfg["transport"]["max_batch"] = self.settings.serve_max_batch
             logs = self.settings.data_dir / "logs"

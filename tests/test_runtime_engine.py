@@ -6,6 +6,7 @@ import transformers
 
 from fellow.runtime.admission import ContextTooLong
 from fellow.runtime.engine import Engine
+from fellow.runtime.packed_linear import pack_stage
 from fellow.runtime.sampling import SamplingParams
 from fellow.runtime.session import Session
 from fellow.runtime.stage import StageModel
@@ -16,13 +17,18 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.gpu,
                                    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")])
 
 
-@pytest.fixture(scope="module", params=["cpu", CUDA])
+@pytest.fixture(scope="module", params=["cpu", "cpu-packed", CUDA])
 def stage(request) -> StageModel:
+    """The engine's stage as the fellow serves it: on CPU float32 with packed weights too."""
     config = transformers.Qwen3Config(num_hidden_layers=3, hidden_size=64, intermediate_size=128,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval().to(request.param)
-    return StageModel.from_causal_lm(model)
+    device, _, packed = request.param.partition("-")
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().to(device)
+    stage = StageModel.from_causal_lm(model)
+    if packed:
+        assert pack_stage(stage) == 3 * 7 + 1  # q k v o, gate up down per layer, and the head
+    return stage
 
 
 def prompt(length: int, seed: int) -> list[int]:

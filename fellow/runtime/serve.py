@@ -74,7 +74,8 @@ class StageServer:
 
     def load(self) -> None:
         started = time.perf_counter()
-        self.loaded = load_one_stage(self.cfg["model_dir"], self.cfg.get("device"))
+        self.loaded = load_one_stage(self.cfg["model_dir"], self.cfg.get("device"),
+                                     packed=self.cfg.get("packed_linear", True))
         planned = int(self.cfg.get("transport", {}).get("kv_tokens") or 0)
         self.kv_tokens = measured_kv_tokens(self.loaded.stage, self.prefill_chunk or 256)
         if planned:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from core.servable import TOKENIZER_DIR, Manifest, load_manifest
+from fellow.runtime.packed_linear import pack_stage
 from fellow.runtime.stage import StageModel
 from fellow.runtime.stage_weights import build_stage_modules
 
@@ -49,8 +50,12 @@ def stop_ids_for(manifest: Manifest, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def load_one_stage(model_dir: str | Path, device: str | None = None, attention: str = "sdpa") -> LoadedStage:
-    """The whole model as one stage (embeddings, every layer, norm and head): a ring of one."""
+def load_one_stage(model_dir: str | Path, device: str | None = None, attention: str = "sdpa",
+                   packed: bool = True) -> LoadedStage:
+    """The whole model as one stage (embeddings, every layer, norm and head): a ring of one.
+
+    ``packed``: float32 CPU stages pack their linear weights for oneDNN (fellow.runtime.packed_linear).
+    """
     model_dir = Path(model_dir)
     manifest = load_manifest(model_dir)
     dev = pick_device(device)
@@ -58,5 +63,7 @@ def load_one_stage(model_dir: str | Path, device: str | None = None, attention: 
     mods.config._attn_implementation = attention
     stage = StageModel(config=mods.config, layers=mods.layers, first_layer=mods.layer_indices[0],
                        rotary_emb=mods.rotary_emb, embed=mods.embed, norm=mods.norm, head=mods.lm_head)
+    if packed:
+        pack_stage(stage)
     tokenizer = load_tokenizer(model_dir)
     return LoadedStage(manifest, stage, tokenizer, stop_ids_for(manifest, tokenizer), dev)

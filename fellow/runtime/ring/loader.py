@@ -9,6 +9,7 @@ import torch
 
 from core.servable import Manifest, load_manifest
 from core.servable_plan import StagePlan
+from fellow.runtime.packed_linear import pack_stage
 from fellow.runtime.ring.codec import WireCodec
 from fellow.runtime.stage import StageModel
 from fellow.runtime.stage_loader import load_tokenizer, pick_device, pick_dtype, stop_ids_for
@@ -38,7 +39,7 @@ class RingStage:
 
 
 def load_ring_stage(model_dir: str | Path, stage: int, num_stages: int, device: str | None = None,
-                    attention: str = "sdpa") -> RingStage:
+                    attention: str = "sdpa", packed: bool = True) -> RingStage:
     """Stage ``stage`` of ``num_stages``: the trained split when the counts match, else an even one
     reading every overlapping shard (an untrained cut is served uncompressed); a servable without
     recorded boundaries refuses any count but its own (ServableError)."""
@@ -49,6 +50,8 @@ def load_ring_stage(model_dir: str | Path, stage: int, num_stages: int, device: 
     mods.config._attn_implementation = attention
     model = StageModel(config=mods.config, layers=mods.layers, first_layer=mods.layer_indices[0],
                        rotary_emb=mods.rotary_emb, embed=mods.embed, norm=mods.norm, head=mods.lm_head)
+    if packed:
+        pack_stage(model)
     plan = mods.plan
     hidden = manifest.hidden_size
     loaded = RingStage(

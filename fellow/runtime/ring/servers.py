@@ -86,7 +86,8 @@ class RingHeadServer(StageServer):
     def load(self) -> None:
         started = time.perf_counter()
         self.num_stages = int(self.cfg["num_stages"])
-        self.ring = self.loaded = load_ring_stage(self.cfg["model_dir"], 0, self.num_stages, self.cfg.get("device"))
+        self.ring = self.loaded = load_ring_stage(self.cfg["model_dir"], 0, self.num_stages, self.cfg.get("device"),
+                                                   packed=self.cfg.get("packed_linear", True))
         self.kv_tokens, self.kv_planned = _kv_tokens(self.ring, self.cfg, self.prefill_chunk)
         self.inbox = Inbox()
         self.engine = RingHead(self.ring.stage, self.ring.sender, lambda frame: self.link.send(frame), self.inbox,
@@ -141,7 +142,8 @@ class RingStageServer:
 
     def load(self) -> None:
         started = time.perf_counter()
-        self.ring = load_ring_stage(self.cfg["model_dir"], self.stage, self.num_stages, self.cfg.get("device"))
+        self.ring = load_ring_stage(self.cfg["model_dir"], self.stage, self.num_stages, self.cfg.get("device"),
+                                    packed=self.cfg.get("packed_linear", True))
         self.kv_tokens, self.kv_planned = _kv_tokens(self.ring, self.cfg, self.prefill_chunk)
         self.inbox = Inbox()
         self.worker = RingWorker(self.ring, self.inbox, lambda frame, lane=None: self.link.send(frame, lane),
