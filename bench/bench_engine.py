@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 
 import torch
 import transformers
 
 from fellow.runtime.engine import Engine
+from fellow.runtime.packed_linear import pack_stage
 from fellow.runtime.sampling import SamplingParams
 from fellow.runtime.session import Session
 from fellow.runtime.stage import StageModel
@@ -72,13 +74,16 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sampled", action="store_true", help="temperature 0.8, top-p 0.9, top-k 50 instead of greedy")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--plain", action="store_true", help="leave the linear weights unpacked (as with "
+                        "SWARM_SERVE_PACKED_LINEAR=off); by default the stage is packed as a fellow serves it")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = build_model(args.layers, args.hidden, args.vocab, args.device, getattr(torch, args.dtype))
-    stage = StageModel.from_causal_lm(model)
+    stage = StageModel.from_causal_lm(copy.deepcopy(model))  # generate keeps the model's own modules
+    packed = 0 if args.plain else pack_stage(stage)
     params = sum(p.numel() for p in model.parameters())
     print(f"Qwen3 {params / 1e6:.1f}M params, {args.dtype} on {args.device}, {args.threads} threads, prompt {args.prompt}, "
-          f"{args.new_tokens} new tokens, {'sampled' if args.sampled else 'greedy'}")
+          f"{args.new_tokens} new tokens, {'sampled' if args.sampled else 'greedy'}, {packed} linear layers packed")
     for batch in args.batches:
         prompts = torch.randint(1, args.vocab, (batch, args.prompt),
                                 generator=torch.Generator().manual_seed(batch)).to(args.device)
