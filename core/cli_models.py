@@ -51,6 +51,8 @@ def cmd_model_load(args) -> int:
         body["num_stages"] = args.num_stages
     if args.fellow_id:
         body["fellow_id"] = args.fellow_id
+    if args.replicas != 1:
+        body["replicas"] = args.replicas
     if args.quantization:
         q = args.quantization
         body["quantization"] = {"bits": int(q)} if q.isdigit() else {"method": q}
@@ -65,7 +67,8 @@ def cmd_model_load(args) -> int:
         stop.set()
     if load["state"] == "failed":
         raise CliError(f"loading {args.model_id} failed: {load.get('reason')}")
-    stages = ", ".join(f"stage {s['stage']} on {s['fellow_id']} (kv {s['kv_tokens']} tokens)" for s in load["stages"])
+    stages = ", ".join((f"replica {s['replica']}, " if load.get("replicas", 1) > 1 else "")
+                       + f"stage {s['stage']} on {s['fellow_id']} (kv {s['kv_tokens']} tokens)" for s in load["stages"])
     print(f"{args.model_id}: {load['state']} as {load['load_id']}" + (f" — {stages}" if stages else ""))
     return 0
 
@@ -161,6 +164,7 @@ def add_commands(sub) -> None:
     load.add_argument("--wait", action="store_true", help="wait until it is ready")
     load.add_argument("--num-stages", type=int, default=None)
     load.add_argument("--fellow-id", default=None)
+    load.add_argument("--replicas", type=int, default=1, help="one-stage copies on as many fellows, sharing the requests")
     load.add_argument("--quantization", default=None, help="nf4, int4-fast, 8, none")
     load.add_argument("--timeout", type=float, default=600.0)
     load.set_defaults(func=cmd_model_load)

@@ -21,6 +21,7 @@ class LoadedModel(msgspec.Struct, frozen=True, kw_only=True):
     load_id: str
     model_id: str
     stage: int = 0
+    replica: int = 0
     pid: int = 0
     state: str = "loading"  # loading | ready | failed
     tokens_per_s: float = 0.0

@@ -10,6 +10,18 @@ class Frame(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", array_l
     seq: int  # 0, 1, 2 ... per request, so a gap is visible and filled from the stream
 
 
+class StartFrame(Frame, frozen=True, tag="start"):
+    """seq 0: the stage that took the request says which replica serves it, before it acks the request.
+
+    A fellow that dies after this frame fails the request; one that dies before it leaves the
+    request unacked, so JetStream redelivers it to another replica, which serves it only when no
+    frame of it is in SWARM_TOKENS yet. So a request is served or fails, never both.
+    """
+
+    fellow_id: str
+    replica: int = 0
+
+
 class TokenFrame(Frame, frozen=True, tag="tokens"):
     texts: list[str]
     text: str = ""  # the texts joined, for readers that want one string
@@ -29,7 +41,7 @@ class ErrorFrame(Frame, frozen=True, tag="error"):
     data: dict = {}
 
 
-AnyFrame = TokenFrame | DoneFrame | ErrorFrame
+AnyFrame = StartFrame | TokenFrame | DoneFrame | ErrorFrame
 frame_decoder = msgspec.json.Decoder(AnyFrame)
 
 

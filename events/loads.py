@@ -10,6 +10,7 @@ from events.base import Event
 class StageAssignment(msgspec.Struct, frozen=True, kw_only=True):
     stage: int
     fellow_id: str
+    replica: int = 0  # which copy of the load: replicas share its request queue, one fellow each
     layers: tuple[int, int] = (0, 0)  # [first, last) decoder layers
     shards: list[int] = []  # trained shard indices this stage reads
 
@@ -29,6 +30,7 @@ class LoadRequested(Event, frozen=True, tag="load.requested"):
     fellow_ids: list[str] = []
     quantization: dict | None = None
     requested_by: str = ""
+    replicas: int = 1
 
 
 class LoadPlaced(Event, frozen=True, tag="load.placed"):
@@ -43,6 +45,7 @@ class StageReady(Event, frozen=True, tag="load.stage_ready"):
     load_id: str
     stage: int
     fellow_id: str
+    replica: int = 0
     pid: int = 0
     kv_tokens: int = 0
     kv_tokens_planned: int = 0
@@ -62,6 +65,19 @@ class LoadFailed(Event, frozen=True, tag="load.failed"):
     reason: str
     code: str = "load_failed"
     fellow_id: str = ""
+
+
+class ReplicaLost(Event, frozen=True, tag="load.replica_lost"):
+    """One replica of a load of several stopped serving (its fellow failed, was lost, evicted it or
+    let it idle out). The requests it had started fail; the others keep serving the queue. When
+    none is left the leader ends the load (LoadFailed, or ModelUnloaded for idle / evicted / stopped)."""
+
+    load_id: str
+    model_id: str
+    replica: int
+    fellow_id: str = ""
+    reason: str = ""
+    code: str = "load_failed"  # load_failed | fellow_lost | idle | evicted | stopped
 
 
 class UnloadRequested(Event, frozen=True, tag="load.unload_requested"):

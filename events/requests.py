@@ -57,6 +57,7 @@ class RequestFinished(Event, frozen=True, tag="request.finished"):
     duration_s: float = 0.0
     tokens_per_s: float = 0.0
     timing: dict = {}
+    fellow_id: str = ""  # the fellow whose stage 0 served it
 
 
 class RequestFailed(Event, frozen=True, tag="request.failed"):
@@ -67,3 +68,4 @@ class RequestFailed(Event, frozen=True, tag="request.failed"):
     message: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    fellow_id: str = ""

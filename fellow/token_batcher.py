@@ -10,7 +10,7 @@ from nats.js import JetStreamContext
 from core.bus import publish_struct
 from events.base import encode
 from events import subjects
-from events.frames import DoneFrame, ErrorFrame, Frame, TokenFrame, frame_msg_id
+from events.frames import DoneFrame, ErrorFrame, Frame, StartFrame, TokenFrame, frame_msg_id
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,14 @@ class TokenBatcher:
         self._final: Frame | None = None
         self._sender: asyncio.Task | None = None
         self.closed = asyncio.Event()
+
+    async def start(self, fellow_id: str, replica: int) -> None:
+        """Frame 0, acked by JetStream: which replica took the request (before the stage acks it)."""
+        if self.seq:
+            raise RuntimeError("the start frame comes first")
+        await publish_struct(self.js, self.subject, StartFrame(request_id=self.request_id, seq=0, fellow_id=fellow_id,
+                                                               replica=replica), frame_msg_id(self.request_id, 0))
+        self.seq = 1
 
     def add(self, texts: list[str], ids: list[int]) -> None:
         if self._final is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from msgspec import structs
+
 from events.fellow import Heartbeat
 from events.loads import StageAssignment, TransportPlan
 
@@ -71,6 +73,32 @@ def place_one_stage(parameters: int, num_layers: int, fellows: dict[str, Heartbe
                              f"the most free is {best.free_bytes / 2**30:.2f} GiB on {best.fellow_id}")
     best = max(fitting, key=lambda c: (c.free_bytes, -c.loaded, c.fellow_id))
     return StageAssignment(stage=0, fellow_id=best.fellow_id, layers=(0, num_layers), shards=[])
+
+
+def place_replicas(parameters: int, num_layers: int, replicas: int, fellows: dict[str, Heartbeat],
+                   online: set[str], pinned: list[str] | None = None,
+                   quantization: dict | None = None) -> list[StageAssignment]:
+    """``replicas`` one-stage copies of a model, each on its own fellow: pinned in order, else the
+    fellows with the most free memory that fit it. A refusal says how many could take one."""
+    if pinned:
+        if len(pinned) != replicas:
+            raise PlacementError(f"{len(pinned)} fellow_ids for {replicas} replicas")
+        if len(set(pinned)) != replicas:
+            raise PlacementError(f"each replica needs its own fellow; fellow_ids {pinned} repeat one")
+        out = [place_one_stage(parameters, num_layers, fellows, online, fid, quantization) for fid in pinned]
+        return [structs.replace(a, replica=i) for i, a in enumerate(out)]
+    out: list[StageAssignment] = []
+    taken: set[str] = set()
+    for replica in range(replicas):
+        rest = {fid: hb for fid, hb in fellows.items() if fid not in taken}
+        try:
+            a = place_one_stage(parameters, num_layers, rest, online - taken, None, quantization)
+        except PlacementError as exc:
+            raise PlacementError(f"{replicas} replicas need {replicas} fellows with room, "
+                                 f"{replica} found ({exc})") from None
+        taken.add(a.fellow_id)
+        out.append(structs.replace(a, replica=replica))
+    return out
 
 
 # --- rings -----------------------------------------------------------------------------------

@@ -15,18 +15,19 @@ from core.servable_plan import plan_stage, serving_ranges
 from events import subjects
 from events.commands import LoadStage, UnloadStage
 from events.fellow import FellowLost
-from events.loads import (LoadFailed, LoadPlaced, LoadRequested, ModelLoaded, ModelUnloaded,
+from events.loads import (LoadFailed, LoadPlaced, LoadRequested, ModelLoaded, ModelUnloaded, ReplicaLost,
                           StageReady, TransportPlan, UnloadRequested)
 from leader.db.tables import Load, LoadStage as LoadStageRow, Model
 from leader.errors import ApiError
-from leader.placement import (PlacementError, place_one_stage, place_ring, ring_needs, ring_plan,
-                              ring_stage_count)
+from leader.placement import PlacementError, place_replicas, place_ring, ring_needs, ring_plan, ring_stage_count
 from leader.registry import Registry
 from leader.relay_stats import RelayStats
 
 log = logging.getLogger(__name__)
 
 ACTIVE = ("requested", "loading", "ready")
+SERVING = ("loading", "ready")  # a stage row that still counts
+UNLOADED_CODES = ("idle", "evicted", "stopped")  # a replica that went away without failing
 AUTOLOAD_WAIT_S = 600.0
 
 
@@ -49,6 +50,14 @@ def one_stage_plan(s) -> TransportPlan:
                          kv_tokens=max(s.serve_context_tokens, in_flight * s.serve_typical_tokens),
                          max_batch=s.serve_max_batch or 0, speculative=s.serve_speculative,
                          prefill_chunk=s.serve_prefill_chunk)
+
+
+def load_msg_id(load_id: str, a) -> str:
+    return f"{load_id}-{a.stage}-load" + (f"-r{a.replica}" if a.replica else "")
+
+
+def unload_msg_id(stage) -> str:
+    return f"{stage.load_id}-{stage.stage}-unload" + (f"-r{stage.replica}" if stage.replica else "")
 
 
 def model_not_found(model_id: str) -> ApiError:
@@ -84,9 +93,11 @@ class Serving:
         for evt in events:
             if isinstance(evt, StageReady):
                 await self._check_loaded(evt.load_id)
+            elif isinstance(evt, ReplicaLost):
+                await self._replica_lost(evt)
             elif isinstance(evt, (LoadFailed, ModelUnloaded)):
                 await self._release_ring(evt.load_id, "failed" if isinstance(evt, LoadFailed) else evt.reason)
-        if any(isinstance(e, (ModelLoaded, LoadFailed, ModelUnloaded)) for e in events):
+        if any(isinstance(e, (ModelLoaded, LoadFailed, ModelUnloaded, ReplicaLost)) for e in events):
             await self._refresh_ready()
         async with self._changed:
             self._changed.notify_all()
@@ -96,23 +107,47 @@ class Serving:
             return
         async with self.leader.sessions() as session:
             rows = await session.execute(
-                select(Load.load_id, Load.model_id).join(LoadStageRow, LoadStageRow.load_id == Load.load_id)
+                select(Load.load_id, Load.model_id, LoadStageRow.replica)
+                .join(LoadStageRow, LoadStageRow.load_id == Load.load_id)
                 .where(LoadStageRow.fellow_id == evt.fellow_id, Load.state.in_(ACTIVE)))
             hit = sorted(set(rows.all()))
-        for load_id, model_id in hit:
+        for load_id, model_id, replica in hit:
+            if len({s.replica for s in await self.stages(load_id)}) > 1:  # the others keep serving
+                await self.leader.publish(ReplicaLost(
+                    id=f"lost-{load_id}-r{replica}", load_id=load_id, model_id=model_id, replica=replica,
+                    fellow_id=evt.fellow_id, code="fellow_lost",
+                    reason=f"fellow {evt.fellow_id} was lost ({evt.reason})"))
+                continue
             await self.leader.publish(LoadFailed(
                 id=f"failed-{load_id}", load_id=load_id, model_id=model_id, code="fellow_lost",
                 fellow_id=evt.fellow_id, reason=f"fellow {evt.fellow_id} was lost ({evt.reason})"))
 
     async def _release_ring(self, load_id: str, reason: str) -> None:
-        """A ring that lost one stage cannot serve: every other stage is told to stop and free its memory."""
+        """A load that ended on one stage or replica cannot serve: every other one is told to stop and
+        free its memory."""
         stages = await self.stages(load_id)
         if len(stages) < 2:
             return
         for stage in stages:
             await publish_struct(self.leader.js, subjects.command(stage.fellow_id, "unload"),
-                                 UnloadStage(load_id=load_id, reason=reason), msg_id=f"{load_id}-{stage.stage}-unload")
+                                 UnloadStage(load_id=load_id, reason=reason), msg_id=unload_msg_id(stage))
         self.relay.forget(load_id)
+
+    async def _replica_lost(self, evt: ReplicaLost) -> None:
+        """One replica went away: the load serves on with the others, or ends with the last one."""
+        load = await self.get_load(evt.load_id)
+        if load is None or load.state not in ACTIVE:
+            return
+        if any(s.state in SERVING for s in await self.stages(evt.load_id)):
+            await self._check_loaded(evt.load_id)  # the replicas still loading may be all it waits for
+            return
+        if evt.code in UNLOADED_CODES:
+            await self.leader.publish(ModelUnloaded(id=f"unloaded-{evt.load_id}", load_id=evt.load_id,
+                                                    model_id=evt.model_id, reason=evt.code, fellow_id=evt.fellow_id))
+        else:
+            await self.leader.publish(LoadFailed(
+                id=f"failed-{evt.load_id}", load_id=evt.load_id, model_id=evt.model_id, code=evt.code,
+                fellow_id=evt.fellow_id, reason=f"no replica is left; the last: {evt.reason}"))
 
     async def _check_loaded(self, load_id: str) -> None:
         async with self.leader.sessions() as session:
@@ -120,7 +155,10 @@ class Serving:
             stages = list(await session.scalars(select(LoadStageRow).where(LoadStageRow.load_id == load_id)))
         if load is None or load.state != "loading" or not stages:
             return
-        if all(s.state == "ready" for s in stages) and len(stages) == load.num_stages:
+        live = [s for s in stages if s.state in SERVING]
+        replicas = {s.replica for s in live}
+        whole = all(sum(s.replica == r for s in live) == load.num_stages for r in replicas)
+        if live and whole and all(s.state == "ready" for s in live):
             await self.leader.publish(ModelLoaded(id=f"loaded-{load_id}", load_id=load_id,
                                                   model_id=load.model_id))
 
@@ -129,9 +167,12 @@ class Serving:
             rows = await session.execute(select(Load, Model).join(Model, Model.model_id == Load.model_id)
                                          .where(Load.state == "ready"))
             pairs = rows.all()
-            stages = {s.load_id: s for s in await session.scalars(
-                select(LoadStageRow).where(LoadStageRow.load_id.in_([l.load_id for l, _ in pairs]),
-                                           LoadStageRow.stage == 0))}  # stage 0 admits
+            stages: dict[str, LoadStageRow] = {}  # stage 0 admits; of several replicas the smallest budget
+            for s in await session.scalars(
+                    select(LoadStageRow).where(LoadStageRow.load_id.in_([l.load_id for l, _ in pairs]),
+                                               LoadStageRow.stage == 0, LoadStageRow.state == "ready")):
+                if s.load_id not in stages or s.kv_tokens < stages[s.load_id].kv_tokens:
+                    stages[s.load_id] = s
         ready = {}
         for load, model in sorted(pairs, key=lambda p: p[0].ready_at or 0):
             try:
@@ -153,19 +194,22 @@ class Serving:
 
     async def load(self, model_id: str, num_stages: int | None = None, fellow_id: str | None = None,
                    quantization: dict | None = None, requested_by: str = "",
-                   fellow_ids: list[str] | None = None) -> Load:
+                   fellow_ids: list[str] | None = None, replicas: int = 1) -> Load:
         """Request a load (or return the model's active one) and place it; returns the load's row.
 
         Stages: ``num_stages`` when given, else one per pinned ``fellow_ids``, else one with
         ``fellow_id``, else the servable's own count when enough fellows can form that ring.
+        ``replicas`` > 1: that many one-stage copies on as many fellows (``fellow_ids`` pins them),
+        sharing one request queue.
         """
         # One load at a time per model: concurrent first requests (autoload) share the load the
         # first one placed instead of each placing its own.
         async with self._loading.setdefault(model_id, asyncio.Lock()):
-            return await self._load(model_id, num_stages, fellow_id, quantization, requested_by, fellow_ids)
+            return await self._load(model_id, num_stages, fellow_id, quantization, requested_by, fellow_ids,
+                                    replicas)
 
     async def _load(self, model_id: str, num_stages: int | None, fellow_id: str | None, quantization: dict | None,
-                    requested_by: str, fellow_ids: list[str] | None) -> Load:
+                    requested_by: str, fellow_ids: list[str] | None, replicas: int = 1) -> Load:
         model = await self.registry.get(model_id)
         if model is None:
             raise model_not_found(model_id)
@@ -175,33 +219,43 @@ class Serving:
         if existing is not None:
             return existing
         monitor = self.leader.fellows
+        if replicas > 1:
+            if num_stages is not None and num_stages > 1:
+                raise ApiError(400, "replicas are served on one stage each; a ring of several stages has one "
+                                    "replica", code="unsupported_replicas", param="replicas")
+            num_stages = 1
         if num_stages is None:
             num_stages = (len(fellow_ids) if fellow_ids else 1 if fellow_id else
                           ring_stage_count(model.num_stages, monitor.latest, set(monitor.online)))
         if num_stages > 1:
             return await self._load_ring(model, num_stages, fellow_ids or ([fellow_id] if fellow_id else []),
                                          quantization, requested_by)
-        fellow_id = fellow_id or (fellow_ids[0] if fellow_ids else None)
+        if replicas > 1:
+            pinned = fellow_ids or ([fellow_id] if fellow_id else [])
+        else:
+            fellow_id = fellow_id or (fellow_ids[0] if fellow_ids else None)
+            pinned = [fellow_id] if fellow_id else []
         load_id = "ld-" + uuid.uuid4().hex[:16]
         await self.leader.publish(LoadRequested(load_id=load_id, model_id=model_id, num_stages=1,
-                                                fellow_ids=[fellow_id] if fellow_id else [],
-                                                quantization=quantization, requested_by=requested_by),
+                                                fellow_ids=pinned, quantization=quantization,
+                                                requested_by=requested_by, replicas=replicas),
                                   wait=["loads"])
         try:
-            assignment = place_one_stage(model.parameters, model.num_layers, monitor.latest,
-                                         set(monitor.online), fellow_id, quantization)
+            assignments = place_replicas(model.parameters, model.num_layers, replicas, monitor.latest,
+                                         set(monitor.online), pinned or None, quantization)
         except PlacementError as exc:
             await self.leader.publish(LoadFailed(id=f"failed-{load_id}", load_id=load_id, model_id=model_id,
                                                  reason=str(exc), code="placement_failed"), wait=["loads"])
             raise ApiError(409, f"Cannot load '{model_id}': {exc}", code="placement_failed") from None
         transport = one_stage_plan(self.leader.settings)
-        await self.leader.publish(LoadPlaced(load_id=load_id, model_id=model_id, stages=[assignment],
+        await self.leader.publish(LoadPlaced(load_id=load_id, model_id=model_id, stages=assignments,
                                              transport=transport, quantization=quantization), wait=["loads"])
-        cmd = LoadStage(load_id=load_id, model_id=model_id, assignment=assignment, num_stages=1,
-                        stage_fellows=[assignment.fellow_id], transport=transport, quantization=quantization,
-                        model_path=model.path, manifest_sha256=model.manifest_sha256)
-        await publish_struct(self.leader.js, subjects.command(assignment.fellow_id, "load"), cmd,
-                             msg_id=f"{load_id}-0-load")
+        for a in assignments:
+            cmd = LoadStage(load_id=load_id, model_id=model_id, assignment=a, num_stages=1,
+                            stage_fellows=[a.fellow_id], transport=transport, quantization=quantization,
+                            model_path=model.path, manifest_sha256=model.manifest_sha256, replicas=replicas)
+            await publish_struct(self.leader.js, subjects.command(a.fellow_id, "load"), cmd,
+                                 msg_id=load_msg_id(load_id, a))
         return await self.get_load(load_id)
 
     async def _load_ring(self, model: Model, n: int, pinned: list[str], quantization: dict | None,
@@ -234,7 +288,7 @@ class Serving:
                             stage_fellows=[x.fellow_id for x in assignments], transport=transport,
                             quantization=quantization, model_path=model.path, manifest_sha256=model.manifest_sha256)
             await publish_struct(self.leader.js, subjects.command(a.fellow_id, "load"), cmd,
-                                 msg_id=f"{load_id}-{a.stage}-load")
+                                 msg_id=load_msg_id(load_id, a))
         return await self.get_load(load_id)
 
     async def get_load(self, load_id: str) -> Load | None:
@@ -244,7 +298,7 @@ class Serving:
     async def stages(self, load_id: str) -> list[LoadStageRow]:
         async with self.leader.sessions() as session:
             return list(await session.scalars(select(LoadStageRow).where(LoadStageRow.load_id == load_id)
-                                              .order_by(LoadStageRow.stage)))
+                                              .order_by(LoadStageRow.replica, LoadStageRow.stage)))
 
     async def wait_settled(self, load_id: str, timeout: float) -> Load:
         """Wait until the load is ready or ended; returns its row (TimeoutError past `timeout`)."""
@@ -268,7 +322,7 @@ class Serving:
                                                   requested_by=requested_by), wait=["loads"])
         for stage in await self.stages(load.load_id):
             await publish_struct(self.leader.js, subjects.command(stage.fellow_id, "unload"),
-                                 UnloadStage(load_id=load.load_id), msg_id=f"{load.load_id}-{stage.stage}-unload")
+                                 UnloadStage(load_id=load.load_id), msg_id=unload_msg_id(stage))
         return await self.get_load(load.load_id)
 
     async def ready_load(self, model_id: str, autoload: bool | None = None) -> ReadyLoad:

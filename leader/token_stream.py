@@ -4,7 +4,9 @@ The gateway subscribes to ``swarm.tok.<rid>`` before it publishes the request, s
 every frame arrives live and in order. A frame the subscription missed (slow consumer,
 reconnect) shows as a gap in ``seq``, or, when it was the last frame, as silence; either way
 the missing frames are read back from the stream with a short-lived consumer. One shared
-subscription on ``load.failed`` ends every request of a load whose fellow was lost.
+subscription on ``load.failed`` ends every request of a load whose fellow was lost; one on
+``load.replica_lost`` ends the requests that replica had started (its start frame said so), while
+those it had not started stay queued for the replicas left.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from events import subjects
 from events.base import decode_event, new_id
-from events.frames import AnyFrame, ErrorFrame, TokenFrame, frame_decoder
-from events.loads import LoadFailed
+from events.frames import AnyFrame, ErrorFrame, StartFrame, TokenFrame, frame_decoder
+from events.loads import LoadFailed, ReplicaLost
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,8 @@ class TokenStream:
         self.subject = subjects.tokens(request_id)
         self.next_seq = 0
         self.ended = False
+        self.replica: int | None = None  # which replica took the request, once its start frame came
+        self.fellow_id = ""
         self._held: dict[int, AnyFrame] = {}
         self._queue: asyncio.Queue[AnyFrame | None] = asyncio.Queue()
         self._failure: ErrorFrame | None = None
@@ -56,9 +60,16 @@ class TokenStream:
 
     async def _on_msg(self, msg) -> None:
         try:
-            self._queue.put_nowait(frame_decoder.decode(msg.data))
+            frame = frame_decoder.decode(msg.data)
         except msgspec.DecodeError:
             log.warning("undecodable frame on %s dropped", self.subject)
+            return
+        self._started(frame)  # at once: a replica's loss may come before the reader gets here
+        self._queue.put_nowait(frame)
+
+    def _started(self, frame: AnyFrame) -> None:
+        if isinstance(frame, StartFrame):
+            self.replica, self.fellow_id = frame.replica, frame.fellow_id
 
     def fail(self, frame: ErrorFrame) -> None:
         """End the request from outside (its load failed); the reader sees `frame` next."""
@@ -78,6 +89,9 @@ class TokenStream:
             frame = self._held.pop(self.next_seq, None)
             if frame is not None:
                 self.next_seq += 1
+                if isinstance(frame, StartFrame):  # the gateway's to know, not the reader's
+                    self._started(frame)
+                    continue
                 self.ended = not isinstance(frame, TokenFrame)
                 return frame
             if self._failure is not None:
@@ -150,7 +164,7 @@ class TokenStreams:
         self.gap_wait_s = gap_wait_s
         self._by_load: dict[str, set[TokenStream]] = {}
         self._tasks: set[asyncio.Task] = set()
-        self._sub = None
+        self._sub = self._replica_sub = None
         self._started: asyncio.Task | None = None
 
     async def start(self) -> "TokenStreams":
@@ -162,10 +176,12 @@ class TokenStreams:
 
     async def _subscribe(self) -> None:
         self._sub = await self.nc.subscribe(subjects.event("load.failed"), cb=self._on_load_failed)
+        self._replica_sub = await self.nc.subscribe(subjects.event("load.replica_lost"), cb=self._on_replica_lost)
 
     async def stop(self) -> None:
         if self._sub is not None and not self.nc.is_closed:
             await self._sub.unsubscribe()
+            await self._replica_sub.unsubscribe()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
@@ -190,6 +206,18 @@ class TokenStreams:
             stream.fail(ErrorFrame(request_id=stream.request_id, seq=-1, code="load_failed",
                                    message=f"the model '{evt.model_id}' stopped serving: {evt.reason}",
                                    data={"load_code": evt.code, "fellow_id": evt.fellow_id}))
+
+    async def _on_replica_lost(self, msg) -> None:
+        evt = decode_event(msg.data)
+        if not isinstance(evt, ReplicaLost):
+            return
+        for stream in list(self._by_load.get(evt.load_id, ())):
+            if stream.replica == evt.replica:
+                stream.fail(ErrorFrame(request_id=stream.request_id, seq=-1, code="load_failed",
+                                       message=f"the replica of '{evt.model_id}' serving this request stopped: "
+                                               f"{evt.reason}",
+                                       data={"load_code": evt.code, "fellow_id": evt.fellow_id,
+                                             "replica": evt.replica}))
 
     def spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -59,7 +59,7 @@ async def test_projections_follow_the_log_and_replay_identically(js, sessions):
         assert len(live["requests"]) == 20
         assert sum(r[3] == "too_long" for r in live["requests"]) == 6  # status column
         assert live["fellows"][0][3] == "lost"
-        assert live["load_stages"][0][7] == 4096  # kv_tokens
+        assert live["load_stages"][0][8] == 4096  # kv_tokens (after load_id, stage, replica, fellow_id, ...)
         for p in all_projectors():
             assert await replay(js, sessions, p) == last.seq
         assert await dump(sessions, *TABLES) == live
@@ -95,3 +95,48 @@ async def test_wait_for_times_out_with_the_lag_named(js, sessions):
             await runner.wait_for(999, ["fellows"], timeout=0.3)
     finally:
         await runner.stop()
+
+
+async def test_migration_0002_rebuilds_load_stages_from_the_log(js, database_url):
+    """0002 re-keys load_stages by replica: the loads projection is dropped and replayed from the
+    log into the new shape; requests keep their rows and gain an empty fellow_id."""
+    import sqlalchemy as sa
+
+    await upgrade(database_url, "0001")
+    engine = make_engine(database_url)
+    sessions = session_factory(engine)
+    try:
+        last = None
+        for e in story(3):
+            last = await publish_event(js, e)
+        async with sessions() as session:  # what 0001's projectors left: a load, its stage, checkpoints
+            await session.execute(sa.text("INSERT INTO loads (load_id, model_id, state, requested_at, reason) "
+                                          "VALUES ('L1', 'm', 'ready', 0, '')"))
+            await session.execute(sa.text(
+                "INSERT INTO load_stages (load_id, stage, fellow_id, layer_first, layer_last, state, pid, kv_tokens, "
+                "kv_tokens_planned, max_in_flight, vram_bytes) VALUES ('L1', 0, 'f1', 0, 4, 'ready', 0, 1, 0, 1, 0)"))
+            await session.execute(sa.text("INSERT INTO requests (request_id, model_id, load_id, status, stream, "
+                                          "max_tokens, token_id, accepted_at, prompt_tokens, completion_tokens, "
+                                          "finish_reason, duration_s, tokens_per_s, error_code, error_message) "
+                                          "VALUES ('old', 'm', 'L1', 'finished', false, 0, '', 0, 0, 0, '', 0, 0, '', '')"))
+            await session.execute(sa.text("INSERT INTO projector_checkpoints (name, seq) VALUES ('loads', :s), "
+                                          "('requests', :s)"), {"s": last.seq})
+            await session.commit()
+        await upgrade(database_url)
+        async with sessions() as session:
+            assert await session.get(ProjectorCheckpoint, "loads") is None
+            assert (await session.get(ProjectorCheckpoint, "requests")).seq == last.seq
+            assert (await session.get(Request, "old")).fellow_id == ""
+            assert await session.get(Load, "L1") is None
+        runner = ProjectionRunner(js, sessions, all_projectors())
+        await runner.start()
+        try:
+            await runner.wait_for(last.seq, timeout=20)
+        finally:
+            await runner.stop()
+        async with sessions() as session:
+            stage = await session.get(LoadStage, ("L1", 0, 0))
+            assert stage is not None and stage.kv_tokens == 4096 and stage.fellow_id == "f1"
+            assert (await session.get(Load, "L1")).state == "loading"  # placed, its stage ready: as on the log
+    finally:
+        await engine.dispose()

@@ -15,12 +15,13 @@ import time
 import msgspec
 import torch
 from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import NotFoundError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from core.bus import close_quietly, connect, publish_event
 from events import subjects
 from events.requests import ChatRequest, RequestFailed, RequestFinished
-from events.subjects import REQUESTS_STREAM
+from events.subjects import REQUESTS_STREAM, TOKENS_STREAM
 from fellow.runtime.engine import Engine
 from fellow.runtime.kv_budget import measured_kv_tokens
 from fellow.runtime.sampling import SamplingParams
@@ -29,6 +30,9 @@ from fellow.runtime.stage_loader import load_one_stage
 from fellow.token_batcher import TokenBatcher
 
 log = logging.getLogger("swarm.serve")
+# A request a stage fetched but neither acked nor refused (it died in between) goes to another
+# replica after this long. Taking one (decode, tokenize, admit, start frame) is milliseconds.
+ACK_WAIT_S = 10.0
 _request = msgspec.json.Decoder(ChatRequest).decode
 
 
@@ -62,6 +66,8 @@ class StageServer:
         self.cfg = cfg
         self.load_id = cfg["load_id"]
         self.model_id = cfg["model_id"]
+        self.fellow_id = cfg.get("fellow_id", "")
+        self.replica = int(cfg.get("replica", 0))
         t = cfg.get("transport", {})
         self.max_in_flight = max(1, int(t.get("max_in_flight") or 8))
         self.max_batch = int(t.get("max_batch") or 0)
@@ -160,7 +166,7 @@ class StageServer:
         sub = await self.js.pull_subscribe(
             subjects.request(self.load_id), durable=durable, stream=REQUESTS_STREAM,
             config=ConsumerConfig(durable_name=durable, deliver_policy=DeliverPolicy.ALL,
-                                  ack_policy=AckPolicy.EXPLICIT, ack_wait=30, inactive_threshold=3600.0))
+                                  ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S, inactive_threshold=3600.0))
         while self.running:
             if len(self.active) >= self.max_in_flight or self.reserved >= self.kv_tokens:
                 self.room.clear()
@@ -181,6 +187,11 @@ class StageServer:
             await msg.ack()
             return
         if req.request_id in self.active:  # a redelivery of what we already serve
+            await msg.ack()
+            return
+        if msg.metadata.num_delivered > 1 and await self._started_elsewhere(req.request_id):
+            # A replica took it, said so, and died before acking: the gateway fails it (never both).
+            log.warning("request %s was started by another replica; not serving it again", req.request_id)
             await msg.ack()
             return
         try:
@@ -207,6 +218,7 @@ class StageServer:
             await self.room.wait()
             return
         batcher = TokenBatcher(self.js, req.request_id)
+        await batcher.start(self.fellow_id, self.replica)  # from here on, a death of this fellow fails it
         self.active[req.request_id] = (batcher, needed, time.monotonic())
         self.reserved += needed
         self.metrics.requests += 1
@@ -215,6 +227,14 @@ class StageServer:
                                 SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                                min_p=s.min_p, seed=s.seed), list(req.stop)))
         await msg.ack()
+
+    async def _started_elsewhere(self, request_id: str) -> bool:
+        """Whether SWARM_TOKENS holds a frame of this request already (a start frame at least)."""
+        try:
+            await self.js.get_last_msg(TOKENS_STREAM, subjects.tokens(request_id))
+        except NotFoundError:
+            return False
+        return True
 
     def _tokenize(self, req: ChatRequest) -> list[int]:
         kwargs = {} if req.enable_thinking is None else {"enable_thinking": req.enable_thinking}
@@ -232,7 +252,8 @@ class StageServer:
         await batcher.closed.wait()
         await publish_event(self.js, RequestFailed(id=f"fail-{req.request_id}", request_id=req.request_id,
                                                    model_id=self.model_id, load_id=self.load_id, code=code,
-                                                   message=message, prompt_tokens=prompt_tokens))
+                                                   message=message, prompt_tokens=prompt_tokens,
+                                                   fellow_id=self.fellow_id))
 
     def _deliver(self, outputs: list[Output]) -> None:
         for out in outputs:
@@ -267,7 +288,7 @@ class StageServer:
                 evt = RequestFailed(id=f"fail-{out.request_id}", request_id=out.request_id, model_id=self.model_id,
                                     load_id=self.load_id, code=getattr(out.error, "code", "internal_error"),
                                     message=str(out.error), prompt_tokens=out.prompt_tokens,
-                                    completion_tokens=out.completion_tokens)
+                                    completion_tokens=out.completion_tokens, fellow_id=self.fellow_id)
             else:
                 t = out.timing
                 evt = RequestFinished(id=f"fin-{out.request_id}", request_id=out.request_id, model_id=self.model_id,
@@ -275,7 +296,7 @@ class StageServer:
                                       completion_tokens=out.completion_tokens, finish_reason=out.finish_reason,
                                       ttft_s=t["ttft_ms"] / 1e3 if "ttft_ms" in t else None,
                                       duration_s=round(duration, 6), tokens_per_s=t.get("tokens_per_s", 0.0),
-                                      timing=t)
+                                      timing=t, fellow_id=self.fellow_id)
             await publish_event(self.js, evt)
         except Exception:
             log.exception("request event for %s not published", out.request_id)

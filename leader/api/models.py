@@ -20,6 +20,7 @@ class LoadBody(msgspec.Struct, forbid_unknown_fields=True):
     fellow_id: str | None = None
     fellow_ids: list[str] | None = None  # one per stage of a ring, in ring order
     quantization: dict | None = None
+    replicas: int = 1  # one-stage copies on as many fellows, sharing the request queue
     wait: bool = False
     timeout_s: float = 600.0
 
@@ -50,24 +51,37 @@ async def queued_requests(js, load_id: str) -> int:
 def load_view(load: Load, stages, latest: dict) -> dict:
     view = {"load_id": load.load_id, "model_id": load.model_id, "state": load.state, "reason": load.reason or None,
             "num_stages": load.num_stages, "requested_at": load.requested_at, "ready_at": load.ready_at,
-            "ended_at": load.ended_at, "transport": load.transport, "stages": []}
-    metrics = {}
+            "ended_at": load.ended_at, "transport": load.transport, "replicas": len({s.replica for s in stages}) or 1,
+            "stages": []}
+    admitting = []  # stage 0 of every replica
     for s in stages:
-        stage = {"stage": s.stage, "fellow_id": s.fellow_id, "layers": [s.layer_first, s.layer_last],
+        stage = {"stage": s.stage, "replica": s.replica or 0, "fellow_id": s.fellow_id, "layers": [s.layer_first, s.layer_last],
                  "state": s.state, "pid": s.pid, "kv_tokens": s.kv_tokens, "kv_tokens_planned": s.kv_tokens_planned,
                  "max_in_flight": s.max_in_flight, "vram_bytes": s.vram_bytes}
         hb = latest.get(s.fellow_id)
         for lm in (hb.loaded_models if hb else []):
-            if lm.load_id == load.load_id and lm.stage == s.stage:
+            if lm.load_id == load.load_id and lm.stage == s.stage and lm.replica == (s.replica or 0):
                 live = msgspec.to_builtins(lm)
                 stage["metrics"] = {k: live[k] for k in ("tokens_per_s", "last_ttft_s", "requests", "idle_s",
                                                          "vram_bytes", "in_flight", "waiting")
                                     if k in live}
                 if s.stage == 0:
-                    metrics = stage["metrics"]
+                    admitting.append(stage["metrics"])
         view["stages"].append(stage)
-    view["metrics"] = metrics
+    view["metrics"] = admitting[0] if len(admitting) == 1 else _summed(admitting)
     return view
+
+
+def _summed(replicas: list[dict]) -> dict:
+    """The load's metrics over its replicas: rates, counts and memory add up; idle is the least idle's."""
+    if not replicas:
+        return {}
+    out = {k: round(sum(m.get(k) or 0 for m in replicas), 3) if k == "tokens_per_s" else sum(m.get(k) or 0 for m in replicas)
+           for k in ("tokens_per_s", "requests", "vram_bytes", "in_flight", "waiting")}
+    out["idle_s"] = min(m.get("idle_s", 0.0) for m in replicas)
+    ttfts = [m["last_ttft_s"] for m in replicas if m.get("last_ttft_s") is not None]
+    out["last_ttft_s"] = ttfts[0] if ttfts else None
+    return out
 
 
 @get("/api/v1/models", opt={"scope": "read"}, tags=["models"], summary="Servable models and their load state")
@@ -131,15 +145,19 @@ def _body(raw: bytes, cls):
 
 
 @post("/api/v1/models/{model_id:str}/load", opt={"scope": "operate"}, tags=["models"], status_code=HTTP_200_OK,
-      summary="Load a model on one stage or a ring of num_stages (fellow_ids pins them); with wait, "
+      summary="Load a model on one stage, a ring of num_stages or as replicas one-stage copies (fellow_ids "
+              "pins them); with wait, "
               "answer once it is ready or failed")
 async def load_model(request: Request, model_id: str) -> dict:
     leader = request.app.state.leader
     body = _body(await request.body(), LoadBody)
     if body.num_stages is not None and body.num_stages < 1:
         raise ApiError(400, "num_stages must be at least 1", code="invalid_value", param="num_stages")
+    if body.replicas < 1:
+        raise ApiError(400, "replicas must be at least 1", code="invalid_value", param="replicas")
     load = await leader.serving.load(model_id, body.num_stages, body.fellow_id, body.quantization,
-                                     requested_by=request.scope.get("swarm_token_id", ""), fellow_ids=body.fellow_ids)
+                                     requested_by=request.scope.get("swarm_token_id", ""), fellow_ids=body.fellow_ids,
+                                     replicas=body.replicas)
     if body.wait:
         try:
             load = await leader.serving.wait_settled(load.load_id, body.timeout_s)

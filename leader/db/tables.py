@@ -72,6 +72,7 @@ class LoadStage(Base):
     __tablename__ = "load_stages"
     load_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     stage: Mapped[int] = mapped_column(Integer, primary_key=True)
+    replica: Mapped[int] = mapped_column(Integer, primary_key=True, default=0)
     fellow_id: Mapped[str] = mapped_column(String(128), index=True)
     layer_first: Mapped[int] = mapped_column(Integer, default=0)
     layer_last: Mapped[int] = mapped_column(Integer, default=0)
@@ -101,6 +102,7 @@ class Request(Base):
     duration_s: Mapped[float] = mapped_column(Float, default=0.0)
     tokens_per_s: Mapped[float] = mapped_column(Float, default=0.0)
     error_code: Mapped[str] = mapped_column(String(64), default="")
+    fellow_id: Mapped[str] = mapped_column(String(128), default="")
     error_message: Mapped[str] = mapped_column(Text, default="")
     timing: Mapped[dict | None] = mapped_column(JSON, nullable=True)
 

@@ -7,7 +7,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from events.base import Event
-from events.loads import (LoadFailed, LoadPlaced, LoadRequested, ModelLoaded, ModelUnloaded,
+from events.loads import (LoadFailed, LoadPlaced, LoadRequested, ModelLoaded, ModelUnloaded, ReplicaLost,
                           StageReady, UnloadRequested)
 from leader.db.tables import Load, LoadStage
 from leader.projectors.projector import Projector
@@ -18,7 +18,8 @@ ENDED = ("failed", "unloaded")
 class LoadsProjector(Projector):
     name = "loads"
     tables = (LoadStage, Load)
-    handles = (LoadRequested, LoadPlaced, StageReady, ModelLoaded, UnloadRequested, LoadFailed, ModelUnloaded)
+    handles = (LoadRequested, LoadPlaced, StageReady, ModelLoaded, UnloadRequested, LoadFailed, ModelUnloaded,
+               ReplicaLost)
 
     async def apply(self, session: AsyncSession, evt: Event, seq: int) -> None:
         match evt:
@@ -33,17 +34,17 @@ class LoadsProjector(Projector):
                     return
                 load.state = "loading"
                 load.placed_at = evt.at
-                load.num_stages = len(evt.stages)
+                load.num_stages = len({a.stage for a in evt.stages})
                 load.transport = msgspec.to_builtins(evt.transport)
                 load.quantization = evt.quantization
                 for a in evt.stages:
-                    session.add(LoadStage(load_id=evt.load_id, stage=a.stage, fellow_id=a.fellow_id,
+                    session.add(LoadStage(load_id=evt.load_id, stage=a.stage, replica=a.replica, fellow_id=a.fellow_id,
                                           layer_first=a.layers[0], layer_last=a.layers[1],
                                           state="loading", pid=0, kv_tokens=0, kv_tokens_planned=0,
                                           max_in_flight=evt.transport.max_in_flight, vram_bytes=0))
             case StageReady():
-                stage = await session.get(LoadStage, (evt.load_id, evt.stage))
-                if stage is None:
+                stage = await session.get(LoadStage, (evt.load_id, evt.stage, evt.replica))
+                if stage is None or stage.state != "loading":
                     return
                 stage.state = "ready"
                 stage.pid = evt.pid
@@ -60,6 +61,12 @@ class LoadsProjector(Projector):
                 load = await session.get(Load, evt.load_id)
                 if load is not None and load.state not in ENDED:
                     load.state = "unloading"
+            case ReplicaLost():
+                stages = await session.scalars(select(LoadStage).where(LoadStage.load_id == evt.load_id,
+                                                                       LoadStage.replica == evt.replica))
+                for stage in stages:
+                    if stage.state in ("loading", "ready"):
+                        stage.state = "failed" if evt.code in ("load_failed", "fellow_lost") else "unloaded"
             case LoadFailed():
                 await self._end(session, evt.load_id, "failed", evt.reason, evt.at)
             case ModelUnloaded():

@@ -24,7 +24,7 @@ class RequestsProjector(Projector):
                         status="accepted", stream=evt.stream, max_tokens=evt.max_tokens,
                         token_id=evt.token_id, accepted_at=evt.at, prompt_tokens=0,
                         completion_tokens=0, finish_reason="", duration_s=0.0, tokens_per_s=0.0,
-                        error_code="", error_message=""))
+                        error_code="", error_message="", fellow_id=""))
             case RequestFinished():
                 row = await self._row(session, evt.request_id, evt.model_id, evt.load_id, evt.at)
                 row.status = "finished"
@@ -36,6 +36,7 @@ class RequestsProjector(Projector):
                 row.duration_s = evt.duration_s
                 row.tokens_per_s = evt.tokens_per_s
                 row.timing = dict(evt.timing)
+                row.fellow_id = evt.fellow_id
             case RequestFailed():
                 row = await self._row(session, evt.request_id, evt.model_id, evt.load_id, evt.at)
                 row.status = "too_long" if evt.code == "context_too_long" else "failed"
@@ -44,6 +45,7 @@ class RequestsProjector(Projector):
                 row.error_message = evt.message
                 row.prompt_tokens = evt.prompt_tokens
                 row.completion_tokens = evt.completion_tokens
+                row.fellow_id = evt.fellow_id or row.fellow_id
 
     async def _row(self, session: AsyncSession, request_id: str, model_id: str, load_id: str,
                    at: float) -> Request:
@@ -52,6 +54,6 @@ class RequestsProjector(Projector):
             row = Request(request_id=request_id, model_id=model_id, load_id=load_id, accepted_at=at,
                           stream=False, max_tokens=0, token_id="", prompt_tokens=0,
                           completion_tokens=0, finish_reason="", duration_s=0.0,
-                          tokens_per_s=0.0, error_code="", error_message="")
+                          tokens_per_s=0.0, error_code="", error_message="", fellow_id="")
             session.add(row)
         return row

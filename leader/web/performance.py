@@ -151,9 +151,9 @@ def topology(load: Load | None, stages: list[LoadStage], latest: dict, split_ms:
     for s in stages:
         hb = latest.get(s.fellow_id)
         live = next((lm for lm in (hb.loaded_models if hb else []) if lm.load_id == load.load_id
-                     and lm.stage == s.stage), None)
+                     and lm.stage == s.stage and lm.replica == (s.replica or 0)), None)
         out_stages.append({
-            "stage": s.stage, "fellow_id": s.fellow_id, "hostname": hb.hostname if hb else "",
+            "stage": s.stage, "replica": s.replica or 0, "fellow_id": s.fellow_id, "hostname": hb.hostname if hb else "",
             "layers": [s.layer_first, s.layer_last], "state": s.state, "kv_tokens": s.kv_tokens,
             "max_in_flight": s.max_in_flight, "vram_bytes": s.vram_bytes,
             "gpus": msgspec.to_builtins(hb.gpus) if hb else [],
@@ -162,11 +162,12 @@ def topology(load: Load | None, stages: list[LoadStage], latest: dict, split_ms:
             "tokens_per_s": live.tokens_per_s if live else None,
             "in_flight": live.in_flight if live else None, "waiting": live.waiting if live else None,
         })
-    n = len(out_stages)
+    ring = [s for s in out_stages if s["replica"] == 0]  # replicas are one-stage copies: no links
+    n = len(ring)
     links = []
     if n > 1:  # hidden states go 0 -> 1 -> ... -> last; the sampled token goes straight back to 0
-        for i, s in enumerate(out_stages):
-            nxt = out_stages[(i + 1) % n]
+        for i, s in enumerate(ring):
+            nxt = ring[(i + 1) % n]
             sent = [{"lane": lane, "bytes": v.get("bytes", 0), "frames": v.get("frames", 0)}
                     for lane, v in sorted((lanes or {}).items()) if v.get("stage") == s["stage"]]
             links.append({"from_stage": s["stage"], "to_stage": nxt["stage"], "from_fellow": s["fellow_id"],
