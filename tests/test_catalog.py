@@ -93,7 +93,7 @@ def test_demo_model_command_writes_a_two_stage_servable(tmp_path):
 
 
 @pytest.mark.parametrize("args", [["models"], ["infer", "nope", "hi"], ["model-load", "nope", "--wait"],
-                                  ["model-unload", "good"]])
+                                  ["model-load", "good", "--replicas", "0"], ["model-unload", "good"]])
 def test_model_commands_fail_with_one_line(leader, args):
     import os
 
@@ -108,4 +108,6 @@ def test_model_commands_fail_with_one_line(leader, args):
     assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("swarm: error: "), out.stderr
     expected = {"models": "cannot reach the leader", "infer": "The model 'nope' does not exist",
                 "model-load": "The model 'nope' does not exist", "model-unload": "is not loaded"}[args[0]]
+    if "--replicas" in args:
+        expected = "replicas must be at least 1"
     assert expected in lines[0]
