@@ -35,13 +35,20 @@ class TokenBatcher:
         self._sender: asyncio.Task | None = None
         self.closed = asyncio.Event()
 
-    async def start(self, fellow_id: str, replica: int) -> None:
-        """Frame 0, acked by JetStream: which replica took the request (before the stage acks it)."""
+    async def start(self, fellow_id: str, replica: int) -> bool:
+        """Frame 0, acked by JetStream: which replica took the request (before the stage acks it).
+
+        Its message id is the request's frame 0, so of two replicas that took the same request (one
+        frozen past the ack wait, the other handed the redelivery) only the first is stored: False
+        tells the second it lost the claim and must not serve.
+        """
         if self.seq:
             raise RuntimeError("the start frame comes first")
-        await publish_struct(self.js, self.subject, StartFrame(request_id=self.request_id, seq=0, fellow_id=fellow_id,
-                                                               replica=replica), frame_msg_id(self.request_id, 0))
+        ack = await publish_struct(self.js, self.subject, StartFrame(request_id=self.request_id, seq=0,
+                                                                     fellow_id=fellow_id, replica=replica),
+                                   frame_msg_id(self.request_id, 0))
         self.seq = 1
+        return not ack.duplicate
 
     def add(self, texts: list[str], ids: list[int]) -> None:
         if self._final is not None:

@@ -68,7 +68,9 @@ class TokenStream:
         self._queue.put_nowait(frame)
 
     def _started(self, frame: AnyFrame) -> None:
-        if isinstance(frame, StartFrame):
+        # the first start frame is the one JetStream stored; a later one (a replica that lost the
+        # claim) is only seen live, and that replica does not serve the request
+        if isinstance(frame, StartFrame) and self.replica is None:
             self.replica, self.fellow_id = frame.replica, frame.fellow_id
 
     def fail(self, frame: ErrorFrame) -> None:

@@ -238,3 +238,15 @@ async def test_a_lost_replica_fails_its_own_requests_and_the_load_serves_on(stac
 async def _until(check) -> None:
     while not check():
         await asyncio.sleep(0.02)
+
+
+async def test_of_two_replicas_starting_one_request_only_the_first_serves_it(js):
+    """A replica frozen past the ack wait and the one handed the redelivery may both reach the start
+    frame: JetStream stores the first (same message id) and tells the second it was a duplicate."""
+    from fellow.token_batcher import TokenBatcher
+
+    first, second = TokenBatcher(js, "rq-claimed"), TokenBatcher(js, "rq-claimed")
+    assert await first.start("f0", 0) is True
+    assert await second.start("f1", 1) is False
+    stored = await js.get_last_msg(subjects.TOKENS_STREAM, subjects.tokens("rq-claimed"))
+    assert frame_decoder.decode(stored.data) == StartFrame(request_id="rq-claimed", seq=0, fellow_id="f0", replica=0)

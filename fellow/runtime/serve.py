@@ -218,7 +218,10 @@ class StageServer:
             await self.room.wait()
             return
         batcher = TokenBatcher(self.js, req.request_id)
-        await batcher.start(self.fellow_id, self.replica)  # from here on, a death of this fellow fails it
+        if not await batcher.start(self.fellow_id, self.replica):  # from here on, a death of this fellow fails it
+            log.warning("request %s was started by another replica; not serving it again", req.request_id)
+            await msg.ack()
+            return
         self.active[req.request_id] = (batcher, needed, time.monotonic())
         self.reserved += needed
         self.metrics.requests += 1
