@@ -232,6 +232,19 @@ async def test_a_lost_replica_fails_its_own_requests_and_the_load_serves_on(stac
     assert rows(s)[last][:2] == ("finished", survivor)
     await asyncio.to_thread(wait_until, lambda: rows(s)[rid][0] == "failed", 10, "the doomed request recorded")
     assert rows(s)[rid][2] == "load_failed"
+
+    # with the last replica gone the load itself ends
+    await asyncio.to_thread(s.fellows[int(survivor[1:])].kill, signal.SIGKILL)
+    load_id = load["load_id"]
+
+    def ended() -> tuple[str, str]:
+        db = sqlite3.connect(s.tmp / "swarm.db")
+        try:
+            return db.execute("select state, reason from loads where load_id = ?", (load_id,)).fetchone()
+        finally:
+            db.close()
+    await asyncio.to_thread(wait_until, lambda: ended()[0] == "failed", 30, "the load failed")
+    assert "no replica is left" in ended()[1] and survivor in ended()[1], ended()
     await nc.close()
 
 
