@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import tempfile
@@ -27,7 +26,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_serving import QUESTIONS, make_checkpoint  # noqa: E402
+from bench.bench_serving import QUESTIONS, make_checkpoint, sse_chunks  # noqa: E402
 from core.nats_server import EmbeddedNats  # noqa: E402
 from tests.serving_fixtures import Stack  # noqa: E402
 
@@ -35,19 +34,12 @@ MODEL = "bench45m-ring"
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, question: str, tokens: int) -> dict:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     timing, usage, first = {}, None, None
-    async with client.stream("POST", url, json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            usage = data.get("usage") or usage
-            timing = (data.get("swarm") or {}).get("timing") or timing
-            if first is None and any((c.get("delta") or {}).get("content") for c in data.get("choices") or []):
-                first = time.perf_counter()
+    async for data in sse_chunks(client, url, MODEL, question, tokens):
+        usage = data.get("usage") or usage
+        timing = (data.get("swarm") or {}).get("timing") or timing
+        if first is None and any((c.get("delta") or {}).get("content") for c in data.get("choices") or []):
+            first = time.perf_counter()
     return {"tokens": usage["completion_tokens"], "first": first, "end": time.perf_counter(), "timing": timing}
 
 

@@ -93,27 +93,31 @@ def hf_generate(ckpt: Path, batch: int, tokens: int) -> float:
     return best
 
 
-async def stream_one(client: httpx.AsyncClient, url: str, model: str, question: str, tokens: int) -> dict:
+async def sse_chunks(client: httpx.AsyncClient, url: str, model: str, question: str, tokens: int):
+    """The parsed ``data:`` chunks of one streamed, greedy chat completion (usage included)."""
     body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", url, json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, model: str, question: str, tokens: int) -> dict:
     t0 = time.perf_counter()
     first = last = None
     chunks = 0
     usage = None
-    async with client.stream("POST", url, json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if data.get("usage"):
-                usage = data["usage"]
-            for ch in data.get("choices") or []:
-                if (ch.get("delta") or {}).get("content"):
-                    chunks += 1
-                    now = time.perf_counter()
-                    first = first or now
-                    last = now
+    async for data in sse_chunks(client, url, model, question, tokens):
+        if data.get("usage"):
+            usage = data["usage"]
+        for ch in data.get("choices") or []:
+            if (ch.get("delta") or {}).get("content"):
+                chunks += 1
+                now = time.perf_counter()
+                first = first or now
+                last = now
     n = usage["completion_tokens"] if usage else chunks
     return {"ttft": (first or t0) - t0, "tokens": n, "decode_s": (last or t0) - (first or t0), "end": time.perf_counter()}
 

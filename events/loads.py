@@ -67,6 +67,16 @@ class LoadFailed(Event, frozen=True, tag="load.failed"):
     fellow_id: str = ""
 
 
+def replica_part(replica: int) -> str:
+    """What a replica adds to the ids derived from a load's stage ("" for replica 0, as before replicas)."""
+    return f"-r{replica}" if replica else ""
+
+
+def replica_lost_id(load_id: str, replica: int) -> str:
+    """One id whoever reports the loss (the fellow, or the leader on FellowLost): JetStream keeps one."""
+    return f"lost-{load_id}-r{replica}"
+
+
 class ReplicaLost(Event, frozen=True, tag="load.replica_lost"):
     """One replica of a load of several stopped serving (its fellow failed, was lost, evicted it or
     let it idle out). The requests it had started fail; the others keep serving the queue. When

@@ -12,7 +12,7 @@ import tarfile
 from core.bus import publish_event
 from events.commands import LoadStage, StopFellow, UnloadStage, UpdateFellow
 from events.fellow import LoadedModel
-from events.loads import LoadFailed, ModelUnloaded, ReplicaLost, StageReady
+from events.loads import LoadFailed, ModelUnloaded, ReplicaLost, StageReady, replica_lost_id, replica_part
 from fellow.fetch import FetchError, fetch_model, local_model_dir
 from fellow.stage_process import StageProcess
 
@@ -41,8 +41,7 @@ class ModelManager:
         for p in self.procs.values():
             m = p.metrics
             out.append(LoadedModel(
-                load_id=p.load_id, model_id=p.model_id, stage=p.stage, replica=p.cfg.get("replica", 0), pid=p.pid,
-                state=p.state,
+                load_id=p.load_id, model_id=p.model_id, stage=p.stage, replica=p.replica, pid=p.pid, state=p.state,
                 tokens_per_s=m.get("tokens_per_s", 0.0), last_ttft_s=m.get("last_ttft_s"),
                 requests=m.get("requests", 0), idle_s=m.get("idle_s", 0.0),
                 vram_bytes=m.get("vram_bytes", p.ready_info.get("vram_bytes", 0)),
@@ -87,33 +86,32 @@ class ModelManager:
     async def _on_report(self, proc: StageProcess, msg: dict) -> None:
         kind = msg.get("event")
         if kind == "ready":
-            replica = proc.cfg.get("replica", 0)
             await publish_event(self.agent.js, StageReady(
-                id=f"ready-{proc.load_id}-{proc.stage}" + (f"-r{replica}" if replica else ""), load_id=proc.load_id,
-                stage=proc.stage, replica=replica, fellow_id=self.agent.fellow_id, pid=proc.pid, kv_tokens=msg.get("kv_tokens", 0),
+                id=f"ready-{proc.load_id}-{proc.stage}{replica_part(proc.replica)}", load_id=proc.load_id,
+                stage=proc.stage, replica=proc.replica, fellow_id=self.agent.fellow_id, pid=proc.pid,
+                kv_tokens=msg.get("kv_tokens", 0),
                 kv_tokens_planned=msg.get("kv_tokens_planned", 0), max_in_flight=msg.get("max_in_flight", 1),
                 vram_bytes=msg.get("vram_bytes", 0), load_s=msg.get("load_s", 0.0)))
             await self.agent.beat()
         elif kind == "failed":
             proc.stop_reason = "failed"
             await self._fail(proc.load_id, proc.model_id, msg.get("reason", "the stage failed to load"),
-                             **self._replica_of(proc))
+                             proc.replica, proc.replicas)
         elif kind == "exited":
             self.procs.pop(proc.load_id, None)
             if proc.stop_reason in (None,):
                 await self._fail(proc.load_id, proc.model_id,
                                  f"the stage process exited unexpectedly (code {msg.get('code')})",
-                                 **self._replica_of(proc))
-            elif proc.stop_reason != "failed" and proc.stop_reason != "requested" and proc.cfg.get("replicas", 1) > 1:
-                replica = proc.cfg.get("replica", 0)  # one replica went; the leader decides whether the load did
+                                 proc.replica, proc.replicas)
+            elif proc.stop_reason not in ("failed", "requested") and proc.replicas > 1:
+                # one replica went (idle, evicted, stopped); the leader decides whether the load did
                 await publish_event(self.agent.js, ReplicaLost(
-                    id=f"lost-{proc.load_id}-r{replica}", load_id=proc.load_id, model_id=proc.model_id,
-                    replica=replica, fellow_id=self.agent.fellow_id, code=proc.stop_reason,
+                    id=replica_lost_id(proc.load_id, proc.replica), load_id=proc.load_id, model_id=proc.model_id,
+                    replica=proc.replica, fellow_id=self.agent.fellow_id, code=proc.stop_reason,
                     reason=f"fellow {self.agent.fellow_id} stopped it ({proc.stop_reason})"))
             elif proc.stop_reason != "failed":
-                replica = proc.cfg.get("replica", 0)
                 await publish_event(self.agent.js, ModelUnloaded(
-                    id=f"unloaded-{proc.load_id}-{proc.stage}" + (f"-r{replica}" if replica else ""),
+                    id=f"unloaded-{proc.load_id}-{proc.stage}{replica_part(proc.replica)}",
                     load_id=proc.load_id, model_id=proc.model_id, reason=proc.stop_reason,
                     fellow_id=self.agent.fellow_id))
             try:
@@ -121,15 +119,11 @@ class ModelManager:
             except Exception:
                 pass
 
-    @staticmethod
-    def _replica_of(proc: StageProcess) -> dict:
-        return {"replica": proc.cfg.get("replica", 0), "replicas": proc.cfg.get("replicas", 1)}
-
     async def _fail(self, load_id: str, model_id: str, reason: str, replica: int = 0, replicas: int = 1) -> None:
         log.error("load %s failed: %s", load_id, reason)
         if replicas > 1:  # one replica of several: the leader ends the load only with the last
             await publish_event(self.agent.js, ReplicaLost(
-                id=f"lost-{load_id}-r{replica}", load_id=load_id, model_id=model_id, replica=replica,
+                id=replica_lost_id(load_id, replica), load_id=load_id, model_id=model_id, replica=replica,
                 fellow_id=self.agent.fellow_id, reason=reason, code="load_failed"))
             return
         await publish_event(self.agent.js, LoadFailed(id=f"failed-{load_id}", load_id=load_id, model_id=model_id,

@@ -38,6 +38,14 @@ class StageProcess:
     def pid(self) -> int:
         return self.proc.pid if self.proc else 0
 
+    @property
+    def replica(self) -> int:
+        return int(self.cfg.get("replica", 0))
+
+    @property
+    def replicas(self) -> int:
+        return int(self.cfg.get("replicas", 1))
+
     async def start(self) -> None:
         parent = os.getpid()
 

@@ -16,7 +16,7 @@ from events import subjects
 from events.commands import LoadStage, UnloadStage
 from events.fellow import FellowLost
 from events.loads import (LoadFailed, LoadPlaced, LoadRequested, ModelLoaded, ModelUnloaded, ReplicaLost,
-                          StageReady, TransportPlan, UnloadRequested)
+                          StageReady, TransportPlan, UnloadRequested, replica_lost_id, replica_part)
 from leader.db.tables import Load, LoadStage as LoadStageRow, Model
 from leader.errors import ApiError
 from leader.placement import PlacementError, place_replicas, place_ring, ring_needs, ring_plan, ring_stage_count
@@ -53,11 +53,11 @@ def one_stage_plan(s) -> TransportPlan:
 
 
 def load_msg_id(load_id: str, a) -> str:
-    return f"{load_id}-{a.stage}-load" + (f"-r{a.replica}" if a.replica else "")
+    return f"{load_id}-{a.stage}-load{replica_part(a.replica)}"
 
 
 def unload_msg_id(stage) -> str:
-    return f"{stage.load_id}-{stage.stage}-unload" + (f"-r{stage.replica}" if stage.replica else "")
+    return f"{stage.load_id}-{stage.stage}-unload{replica_part(stage.replica)}"
 
 
 def model_not_found(model_id: str) -> ApiError:
@@ -96,7 +96,7 @@ class Serving:
             elif isinstance(evt, ReplicaLost):
                 await self._replica_lost(evt)
             elif isinstance(evt, (LoadFailed, ModelUnloaded)):
-                await self._release_ring(evt.load_id, "failed" if isinstance(evt, LoadFailed) else evt.reason)
+                await self._release_stages(evt.load_id, "failed" if isinstance(evt, LoadFailed) else evt.reason)
         if any(isinstance(e, (ModelLoaded, LoadFailed, ModelUnloaded, ReplicaLost)) for e in events):
             await self._refresh_ready()
         async with self._changed:
@@ -114,7 +114,7 @@ class Serving:
         for load_id, model_id, replica in hit:
             if len({s.replica for s in await self.stages(load_id)}) > 1:  # the others keep serving
                 await self.leader.publish(ReplicaLost(
-                    id=f"lost-{load_id}-r{replica}", load_id=load_id, model_id=model_id, replica=replica,
+                    id=replica_lost_id(load_id, replica), load_id=load_id, model_id=model_id, replica=replica,
                     fellow_id=evt.fellow_id, code="fellow_lost",
                     reason=f"fellow {evt.fellow_id} was lost ({evt.reason})"))
                 continue
@@ -122,7 +122,7 @@ class Serving:
                 id=f"failed-{load_id}", load_id=load_id, model_id=model_id, code="fellow_lost",
                 fellow_id=evt.fellow_id, reason=f"fellow {evt.fellow_id} was lost ({evt.reason})"))
 
-    async def _release_ring(self, load_id: str, reason: str) -> None:
+    async def _release_stages(self, load_id: str, reason: str) -> None:
         """A load that ended on one stage or replica cannot serve: every other one is told to stop and
         free its memory."""
         stages = await self.stages(load_id)

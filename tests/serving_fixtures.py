@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 import uuid
 from pathlib import Path
@@ -78,6 +79,14 @@ class Stack:
         assert r.status_code == 200, r.text
         assert r.json()["state"] == "ready", (r.json(), self.logs())
         return r.json()
+
+    def sql(self, query: str, *params) -> list[tuple]:
+        """Rows of the leader's SQLite projections."""
+        db = sqlite3.connect(self.tmp / "swarm.db")
+        try:
+            return db.execute(query, params).fetchall()
+        finally:
+            db.close()
 
     def logs(self) -> str:
         out = [f"--- leader\n{self.leader.tail()}"]

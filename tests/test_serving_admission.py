@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 
 import openai
 import pytest
@@ -35,11 +34,7 @@ async def client(stack):
 
 
 def requests_rows(stack: Stack) -> dict[str, tuple]:
-    db = sqlite3.connect(stack.tmp / "swarm.db")
-    try:
-        return {r[0]: r[1:] for r in db.execute("select request_id, status, error_code from requests")}
-    finally:
-        db.close()
+    return {r[0]: r[1:] for r in stack.sql("select request_id, status, error_code from requests")}
 
 
 async def test_status_reports_the_budget(stack):
@@ -78,13 +73,9 @@ async def test_a_request_waits_for_room_then_is_served(stack, client):
     assert c1[-1].choices[0].finish_reason and c2[-1].choices[0].finish_reason
 
     def spans():
-        db = sqlite3.connect(stack.tmp / "swarm.db")
-        try:
-            rows = dict((r[0], (r[1] - r[2], r[1])) for r in db.execute(
-                "select request_id, ended_at, duration_s from requests where status = 'finished' "
-                "and request_id in (?, ?)", (r1, r2)))
-        finally:
-            db.close()
+        rows = dict((r[0], (r[1] - r[2], r[1])) for r in stack.sql(
+            "select request_id, ended_at, duration_s from requests where status = 'finished' "
+            "and request_id in (?, ?)", r1, r2))
         return rows if len(rows) == 2 else None
 
     # The stage's own record: from taking a request to its end. The two spans must not overlap.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 
 import httpx
 
@@ -23,11 +22,7 @@ async def test_concurrent_first_requests_share_one_autoload(tmp_path):
             replies = await asyncio.gather(*(client.post(stack.url + "/v1/chat/completions", json=body)
                                              for _ in range(4)))
         assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
-        db = sqlite3.connect(tmp_path / "swarm.db")
-        try:
-            loads = db.execute("select load_id, state from loads where model_id = 'tiny'").fetchall()
-        finally:
-            db.close()
+        loads = stack.sql("select load_id, state from loads where model_id = 'tiny'")
         assert len(loads) == 1 and loads[0][1] == "ready", loads
     finally:
         await asyncio.to_thread(stack.stop)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sqlite3
 
 import msgspec
 import nats
@@ -47,11 +46,7 @@ async def bus(s: Stack):
 
 
 def rows(s: Stack) -> dict[str, tuple]:
-    db = sqlite3.connect(s.tmp / "swarm.db")
-    try:
-        return {r[0]: r[1:] for r in db.execute("select request_id, status, fellow_id, error_code from requests")}
-    finally:
-        db.close()
+    return {r[0]: r[1:] for r in s.sql("select request_id, status, fellow_id, error_code from requests")}
 
 
 def status(s: Stack) -> dict:
@@ -238,11 +233,7 @@ async def test_a_lost_replica_fails_its_own_requests_and_the_load_serves_on(stac
     load_id = load["load_id"]
 
     def ended() -> tuple[str, str]:
-        db = sqlite3.connect(s.tmp / "swarm.db")
-        try:
-            return db.execute("select state, reason from loads where load_id = ?", (load_id,)).fetchone()
-        finally:
-            db.close()
+        return s.sql("select state, reason from loads where load_id = ?", load_id)[0]
     await asyncio.to_thread(wait_until, lambda: ended()[0] == "failed", 30, "the load failed")
     assert "no replica is left" in ended()[1] and survivor in ended()[1], ended()
     await nc.close()

@@ -86,6 +86,26 @@ class Checkpoint:
             out.update({(k[len(self.prefix):] if k.startswith(self.prefix) else k): t for k, t in loaded.items()})
         return out
 
+    def read_stage(self, first: int, last: int, *, is_first: bool, is_last: bool, renumber_from: int = 0,
+                   copy_tied_head: bool = True) -> dict[str, torch.Tensor]:
+        """One stage's tensors: layers [first, last) as ``layers.<index - renumber_from>.<name>``, the
+        embeddings when ``is_first``, the norm and head when ``is_last``. A last stage of a checkpoint
+        with tied embeddings gets its own copy of the head (``copy_tied_head``) rather than stage 0's."""
+        wanted: dict[str, str] = {}
+        for key in self.keys():
+            kind = classify(key)
+            if kind is None:
+                continue
+            piece, layer, name = kind
+            if piece == "layers" and first <= layer < last:
+                wanted[key] = f"layers.{layer - renumber_from}.{name}"
+            elif (piece == "embed_tokens" and is_first) or (piece in ("norm", "lm_head") and is_last):
+                wanted[key] = f"{piece}.{name}"
+        tensors = {wanted[k]: t.contiguous() for k, t in self.read(list(wanted)).items()}
+        if copy_tied_head and is_last and "lm_head.weight" not in tensors:
+            tensors["lm_head.weight"] = self.read(["model.embed_tokens.weight"])["model.embed_tokens.weight"].clone()
+        return tensors
+
 
 def read_config(folder: str | Path) -> dict:
     path = Path(folder) / "config.json"

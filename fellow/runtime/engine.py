@@ -180,12 +180,14 @@ class Engine:
                 session.decode_steps += 1
                 self._accept(session, token, now, result)
 
-    def _accept(self, session: Session, token: int, now: float, result: StepResult) -> None:
+    def _accept(self, session: Session, token: int, now: float, result: StepResult) -> bool:
+        """Take a sampled token into the session (and the step's result); True when it ended the session."""
         ended = session.accept(token, now)
         if session.finish_reason != "stop":  # an end-of-turn id is not part of the reply
             result.emit(session, token)
         if ended:
             self._finish(session, None, result)
+        return ended
 
     def _decode_batches(self, sessions: list[Session]) -> list[list[Session]]:
         """Batches of at most max_batch; sessions of similar length together, so padding stays small."""

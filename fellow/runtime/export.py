@@ -14,7 +14,7 @@ from core.servable import (BottleneckCompressor, Compressor, Generation, Manifes
                            sha256_file)
 from fellow.runtime.bottleneck import codec_error, codec_tensors, fit_pca
 from fellow.runtime.calibration import boundary_activations, calibration_sequences
-from fellow.runtime.checkpoint import Checkpoint, classify, read_config
+from fellow.runtime.checkpoint import Checkpoint, read_config
 
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>")
 
@@ -102,22 +102,8 @@ def _fresh_staging(out_dir: Path) -> Path:
 def _stage_tensors(source: Checkpoint, stage: int, num_stages: int, first: int, last: int,
                    tied: bool) -> dict[str, torch.Tensor]:
     """This stage's tensors, layer keys renamed relative to ``first`` so the shard loads alone."""
-    wanted: dict[str, str] = {}
-    for key in source.keys():
-        kind = classify(key)
-        if kind is None:
-            continue
-        piece, layer, name = kind
-        if piece == "layers" and first <= layer < last:
-            wanted[key] = f"layers.{layer - first}.{name}"
-        elif (piece == "embed_tokens" and stage == 0) or (piece in ("norm", "lm_head") and stage == num_stages - 1):
-            wanted[key] = f"{piece}.{name}"
-    loaded = source.read(list(wanted))
-    tensors = {wanted[k]: t.contiguous() for k, t in loaded.items()}
-    if tied and stage == num_stages - 1 and "lm_head.weight" not in tensors:
-        # Tied embeddings: the last stage keeps its own copy of the head instead of fetching stage 0's.
-        tensors["lm_head.weight"] = source.read(["model.embed_tokens.weight"])["model.embed_tokens.weight"].clone()
-    return tensors
+    return source.read_stage(first, last, is_first=stage == 0, is_last=stage == num_stages - 1, renumber_from=first,
+                             copy_tied_head=tied)
 
 
 def _fit_codecs(hf_dir: Path, adapters, ranges, dim: int | None, texts, seq_len: int, sequences: int):

@@ -12,7 +12,7 @@ from torch import nn
 from core.servable import BottleneckCompressor, LEGACY_SHARD_FILE, Manifest, ServableError, load_manifest, resolve_base
 from core.servable_plan import StagePlan, plan_stage
 from fellow.runtime.bottleneck import RECV, SEND, BottleneckDecoder, BottleneckEncoder
-from fellow.runtime.checkpoint import Checkpoint, classify
+from fellow.runtime.checkpoint import Checkpoint
 from fellow.runtime.lora_merge import merge_lora
 
 
@@ -67,22 +67,7 @@ def _base_state(m: Manifest, plan: StagePlan, model_cache) -> dict[str, torch.Te
     base_dir = resolve_base(m.base, model_cache)
     if base_dir is None:
         raise ServableError(f"{m.model_id}: base checkpoint {m.base!r} is not on this machine")
-    checkpoint = Checkpoint(base_dir)
-    wanted: dict[str, str] = {}
-    for key in checkpoint.keys():
-        kind = classify(key)
-        if kind is None:
-            continue
-        piece, layer, name = kind
-        if piece == "layers" and plan.layers[0] <= layer < plan.layers[1]:
-            wanted[key] = f"layers.{layer}.{name}"
-        elif (piece == "embed_tokens" and plan.is_first) or (piece in ("norm", "lm_head") and plan.is_last):
-            wanted[key] = f"{piece}.{name}"
-    state = {wanted[k]: t for k, t in checkpoint.read(list(wanted)).items()}
-    if plan.is_last and "lm_head.weight" not in state:
-        # Tied head: the stage keeps its own copy rather than sharing stage 0's embedding.
-        state["lm_head.weight"] = checkpoint.read(["model.embed_tokens.weight"])["model.embed_tokens.weight"].clone()
-    return state
+    return Checkpoint(base_dir).read_stage(*plan.layers, is_first=plan.is_first, is_last=plan.is_last)
 
 
 def hf_config(manifest: Manifest):

@@ -76,8 +76,9 @@ def _summed(replicas: list[dict]) -> dict:
     """The load's metrics over its replicas: rates, counts and memory add up; idle is the least idle's."""
     if not replicas:
         return {}
-    out = {k: round(sum(m.get(k) or 0 for m in replicas), 3) if k == "tokens_per_s" else sum(m.get(k) or 0 for m in replicas)
-           for k in ("tokens_per_s", "requests", "vram_bytes", "in_flight", "waiting")}
+    out = {k: sum(m.get(k) or 0 for m in replicas) for k in ("tokens_per_s", "requests", "vram_bytes", "in_flight",
+                                                               "waiting")}
+    out["tokens_per_s"] = round(out["tokens_per_s"], 3)
     out["idle_s"] = min(m.get("idle_s", 0.0) for m in replicas)
     ttfts = [m["last_ttft_s"] for m in replicas if m.get("last_ttft_s") is not None]
     out["last_ttft_s"] = ttfts[0] if ttfts else None

@@ -115,12 +115,7 @@ class RingHead:
                 self._fail(self.waiting.popleft(), self.broken, result)
 
     def _accept(self, session: RingSession, token: int, now: float, result: StepResult) -> None:
-        ended = session.accept(token, now)
-        if session.finish_reason != "stop":  # an end-of-turn id is not part of the reply
-            result.emit(session, token)
-        if ended:
-            self._finish(session, None, result)
-        else:
+        if not Engine._accept(self, session, token, now, result):  # still going: ready for its next position
             session.ready = True
             self.ready.append(session)
 
