@@ -7,6 +7,14 @@ import msgspec
 from events.base import Event, now
 
 
+# What a fellow can do, declared in its heartbeats; placement asks for them by these names.
+CAP_ONE_STAGE = "serve-one-stage"
+CAP_N_STAGE = "serve-n-stage"
+CAP_CONCURRENT = "serve-concurrent"
+CAP_KV_BUDGET = "serve-kv-budget"
+CAP_QUANTIZED = "serve-quantized"
+
+
 class Gpu(msgspec.Struct, frozen=True, kw_only=True):
     index: int
     name: str

@@ -72,6 +72,11 @@ def replica_part(replica: int) -> str:
     return f"-r{replica}" if replica else ""
 
 
+def load_failed_id(load_id: str) -> str:
+    """One LoadFailed per load, whoever reports it (the fellow, the leader): JetStream keeps the first."""
+    return f"failed-{load_id}"
+
+
 def replica_lost_id(load_id: str, replica: int) -> str:
     """One id whoever reports the loss (the fellow, or the leader on FellowLost): JetStream keeps one."""
     return f"lost-{load_id}-r{replica}"

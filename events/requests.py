@@ -69,3 +69,12 @@ class RequestFailed(Event, frozen=True, tag="request.failed"):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     fellow_id: str = ""
+
+
+def request_failed_id(request_id: str) -> str:
+    """One RequestFailed per request, whoever reports it (stage or gateway): JetStream keeps the first."""
+    return f"fail-{request_id}"
+
+
+def request_finished_id(request_id: str) -> str:
+    return f"fin-{request_id}"

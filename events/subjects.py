@@ -49,8 +49,24 @@ def tokens(request_id: str) -> str:
     return "swarm.tok." + _token(request_id)
 
 
-def cancel(request_id: str) -> str:
-    return "swarm.cancel." + _token(request_id)
+def cancel(load_id: str, request_id: str) -> str:
+    """``swarm.cancel.<load>.<request>``: the gateway's hard cancel of one request of a load."""
+    return f"swarm.cancel.{_token(load_id)}.{_token(request_id)}"
+
+
+def cancels_of(load_id: str) -> str:
+    """What a stage of ``load_id`` subscribes to: the cancels of its own load, no other."""
+    return f"swarm.cancel.{_token(load_id)}.*"
+
+
+def request_consumer(load_id: str) -> str:
+    """The durable pull consumer on SWARM_REQUESTS that every replica of a load shares."""
+    return "load-" + _token(load_id)
+
+
+def command_consumer(fellow_id: str) -> str:
+    """The durable pull consumer on SWARM_COMMANDS through which a fellow takes its commands."""
+    return "fellow-" + _token(fellow_id)
 
 
 def ring(load_id: str, lane: str) -> str:

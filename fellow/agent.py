@@ -83,7 +83,7 @@ class FellowAgent:
                 log.warning("heartbeat not published: %s", exc)
 
     async def _commands(self) -> None:
-        durable = f"fellow-{self.fellow_id}"
+        durable = subjects.command_consumer(self.fellow_id)
         sub = await self.js.pull_subscribe(
             subjects.commands_for(self.fellow_id), durable=durable, stream=COMMANDS_STREAM,
             config=ConsumerConfig(durable_name=durable, deliver_policy=DeliverPolicy.ALL,

@@ -7,6 +7,7 @@ import importlib.util
 import signal
 
 from core.settings import Settings
+from events.fellow import CAP_CONCURRENT, CAP_KV_BUDGET, CAP_N_STAGE, CAP_ONE_STAGE
 from fellow.agent import FellowAgent
 from fellow.manager import ModelManager
 
@@ -15,7 +16,7 @@ def capabilities() -> list[str]:
     """What this fellow can do: serving needs the torch side installed."""
     if importlib.util.find_spec("torch") is None:
         return []
-    return ["serve-one-stage", "serve-n-stage", "serve-concurrent", "serve-kv-budget"]
+    return [CAP_ONE_STAGE, CAP_N_STAGE, CAP_CONCURRENT, CAP_KV_BUDGET]
 
 
 async def run_fellow(settings: Settings, fellow_id: str | None = None) -> None:

@@ -12,7 +12,8 @@ import tarfile
 from core.bus import publish_event
 from events.commands import LoadStage, StopFellow, UnloadStage, UpdateFellow
 from events.fellow import LoadedModel
-from events.loads import LoadFailed, ModelUnloaded, ReplicaLost, StageReady, replica_lost_id, replica_part
+from events.loads import (LoadFailed, ModelUnloaded, ReplicaLost, StageReady, load_failed_id, replica_lost_id,
+                          replica_part)
 from fellow.fetch import FetchError, fetch_model, local_model_dir
 from fellow.stage_process import StageProcess
 
@@ -126,7 +127,7 @@ class ModelManager:
                 id=replica_lost_id(load_id, replica), load_id=load_id, model_id=model_id, replica=replica,
                 fellow_id=self.agent.fellow_id, reason=reason, code="load_failed"))
             return
-        await publish_event(self.agent.js, LoadFailed(id=f"failed-{load_id}", load_id=load_id, model_id=model_id,
+        await publish_event(self.agent.js, LoadFailed(id=load_failed_id(load_id), load_id=load_id, model_id=model_id,
                                                       reason=reason, fellow_id=self.agent.fellow_id))
 
     async def _stop(self, proc: StageProcess, reason: str) -> None:

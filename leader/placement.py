@@ -6,11 +6,10 @@ from dataclasses import dataclass
 
 from msgspec import structs
 
-from events.fellow import Heartbeat
+from events.fellow import CAP_CONCURRENT, CAP_N_STAGE, CAP_ONE_STAGE, Heartbeat
 from events.loads import StageAssignment, TransportPlan
 
-ONE_STAGE = "serve-one-stage"
-QUANTIZED = "serve-quantized"
+ONE_STAGE = CAP_ONE_STAGE
 
 # Bytes per parameter of the base checkpoint, as the spec prices them.
 PRICE_4BIT = 0.55
@@ -103,8 +102,8 @@ def place_replicas(parameters: int, num_layers: int, replicas: int, fellows: dic
 
 # --- rings -----------------------------------------------------------------------------------
 
-N_STAGE = "serve-n-stage"
-CONCURRENT = "serve-concurrent"
+N_STAGE = CAP_N_STAGE
+CONCURRENT = CAP_CONCURRENT
 
 
 def ring_needs(max_in_flight: int) -> tuple[str, ...]:

@@ -16,7 +16,8 @@ from events import subjects
 from events.commands import LoadStage, UnloadStage
 from events.fellow import FellowLost
 from events.loads import (LoadFailed, LoadPlaced, LoadRequested, ModelLoaded, ModelUnloaded, ReplicaLost,
-                          StageReady, TransportPlan, UnloadRequested, replica_lost_id, replica_part)
+                          StageReady, TransportPlan, UnloadRequested, load_failed_id, replica_lost_id,
+                          replica_part)
 from leader.db.tables import Load, LoadStage as LoadStageRow, Model
 from leader.errors import ApiError
 from leader.placement import PlacementError, place_replicas, place_ring, ring_needs, ring_plan, ring_stage_count
@@ -119,7 +120,7 @@ class Serving:
                     reason=f"fellow {evt.fellow_id} was lost ({evt.reason})"))
                 continue
             await self.leader.publish(LoadFailed(
-                id=f"failed-{load_id}", load_id=load_id, model_id=model_id, code="fellow_lost",
+                id=load_failed_id(load_id), load_id=load_id, model_id=model_id, code="fellow_lost",
                 fellow_id=evt.fellow_id, reason=f"fellow {evt.fellow_id} was lost ({evt.reason})"))
 
     async def _release_stages(self, load_id: str, reason: str) -> None:
@@ -146,7 +147,7 @@ class Serving:
                                                     model_id=evt.model_id, reason=evt.code, fellow_id=evt.fellow_id))
         else:
             await self.leader.publish(LoadFailed(
-                id=f"failed-{evt.load_id}", load_id=evt.load_id, model_id=evt.model_id, code=evt.code,
+                id=load_failed_id(evt.load_id), load_id=evt.load_id, model_id=evt.model_id, code=evt.code,
                 fellow_id=evt.fellow_id, reason=f"no replica is left; the last: {evt.reason}"))
 
     async def _check_loaded(self, load_id: str) -> None:
@@ -244,7 +245,7 @@ class Serving:
             assignments = place_replicas(model.parameters, model.num_layers, replicas, monitor.latest,
                                          set(monitor.online), pinned or None, quantization)
         except PlacementError as exc:
-            await self.leader.publish(LoadFailed(id=f"failed-{load_id}", load_id=load_id, model_id=model_id,
+            await self.leader.publish(LoadFailed(id=load_failed_id(load_id), load_id=load_id, model_id=model_id,
                                                  reason=str(exc), code="placement_failed"), wait=["loads"])
             raise ApiError(409, f"Cannot load '{model_id}': {exc}", code="placement_failed") from None
         transport = one_stage_plan(self.leader.settings)
@@ -278,7 +279,7 @@ class Serving:
             assignments = place_ring(model.parameters, ranges, shards, monitor.latest, set(monitor.online),
                                      pinned or None, quantization, ring_needs(transport.max_in_flight))
         except PlacementError as exc:
-            await self.leader.publish(LoadFailed(id=f"failed-{load_id}", load_id=load_id, model_id=model.model_id,
+            await self.leader.publish(LoadFailed(id=load_failed_id(load_id), load_id=load_id, model_id=model.model_id,
                                                  reason=str(exc), code="placement_failed"), wait=["loads"])
             raise ApiError(409, f"Cannot load '{model.model_id}': {exc}", code="placement_failed") from None
         await self.leader.publish(LoadPlaced(load_id=load_id, model_id=model.model_id, stages=assignments,

@@ -151,7 +151,7 @@ class TokenStream:
 
     async def _close(self, cancel: bool) -> None:
         if cancel:
-            await self.hub.nc.publish(subjects.cancel(self.request_id), b"")
+            await self.hub.nc.publish(subjects.cancel(self.load_id, self.request_id), b"")
         if self._sub is not None:
             await self._sub.unsubscribe()
 

@@ -89,13 +89,13 @@ class ServingPeer:
 
 
 async def wait_cancel(nc, rid: str = "*") -> asyncio.Future:
-    """The subject of the first ``swarm.cancel.<rid>`` published (`*`: any request) after this returns."""
+    """The subject of the first ``swarm.cancel.<load>.<rid>`` published (`*`: any request) after this returns."""
     fut = asyncio.get_running_loop().create_future()
 
     async def _cb(msg):
         if not fut.done():
             fut.set_result(msg.subject)
 
-    sub = await nc.subscribe("swarm.cancel." + rid, cb=_cb)
+    sub = await nc.subscribe("swarm.cancel.*." + rid, cb=_cb)
     fut.add_done_callback(lambda _: asyncio.ensure_future(sub.unsubscribe()))
     return fut

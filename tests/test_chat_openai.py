@@ -16,6 +16,7 @@ import pytest
 import uvicorn
 
 from core.bus import publish_event
+from events import subjects
 from events.frames import TokenFrame
 from events.loads import LoadFailed
 from leader.app import create_app
@@ -163,11 +164,11 @@ async def test_a_client_that_hangs_up_cancels_its_request(gateway, nc, js):
             rid = (await peer.next_request()).request_id
             first = await r.aiter_lines().__anext__()
             assert first.startswith("data: ") and '"role":"assistant"' in first
-    assert await asyncio.wait_for(cancelled, 10) == f"swarm.cancel.{rid}"
+    assert await asyncio.wait_for(cancelled, 10) == subjects.cancel(READY.load_id, rid)
 
     cancelled = await wait_cancel(nc)
     async with httpx.AsyncClient(base_url=gateway.state.url, timeout=httpx.Timeout(5.0, read=1.0)) as http:
         with pytest.raises(httpx.ReadTimeout):
             await http.post("/v1/chat/completions", json={"model": READY.model_id, "messages": MSGS})
     rid = (await peer.next_request()).request_id
-    assert await asyncio.wait_for(cancelled, 10) == f"swarm.cancel.{rid}"
+    assert await asyncio.wait_for(cancelled, 10) == subjects.cancel(READY.load_id, rid)

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from core.bus import publish_event
+from events import subjects
 from events.base import new_id
 from events.frames import DoneFrame, ErrorFrame, TokenFrame
 from events.loads import LoadFailed
@@ -112,7 +113,7 @@ async def test_closing_before_the_end_publishes_a_cancel_and_after_it_does_not(h
     unfinished = await hub.open(new_id(), "ld-a")
     cancelled = await wait_cancel(nc, unfinished.request_id)
     unfinished.close(cancel=True)
-    assert await asyncio.wait_for(cancelled, 5) == f"swarm.cancel.{unfinished.request_id}"
+    assert await asyncio.wait_for(cancelled, 5) == subjects.cancel("ld-a", unfinished.request_id)
 
     finished = await hub.open(new_id(), "ld-a")
     await peer.publish(done(finished.request_id, 0))
@@ -120,7 +121,7 @@ async def test_closing_before_the_end_publishes_a_cancel_and_after_it_does_not(h
     not_cancelled = await wait_cancel(nc, finished.request_id)
     finished.close(cancel=True)
     marker = await wait_cancel(nc, "marker")
-    await nc.publish("swarm.cancel.marker", b"")  # after close's own publish would have gone out
+    await nc.publish(subjects.cancel("ld-a", "marker"), b"")  # after close's own publish would have gone out
     await asyncio.wait_for(marker, 5)
     await nc.flush()
     assert not not_cancelled.done()

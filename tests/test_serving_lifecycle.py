@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from core.bus import publish_struct
+from events import subjects
 from events.commands import StopFellow, UpdateFellow
 from events.frames import DoneFrame
 from tests.processes import pid_alive, wait_until
@@ -80,7 +81,7 @@ async def test_cancel_frees_the_session_and_its_tokens(tmp_path, nats_server, nc
         async def cancel_after_first_token(msg):
             if b'"tokens"' in msg.data and not seen.is_set():
                 seen.set()
-                await nc.publish(f"swarm.cancel.{rid}", b"")
+                await nc.publish(subjects.cancel(load["load_id"], rid), b"")
 
         watcher = await nc.subscribe(f"swarm.tok.{rid}", cb=cancel_after_first_token)
         _, frames, tokens, _ = await chat_over_bus(nc, js, load["load_id"], "tiny-b", "Tell me everything.",

@@ -109,7 +109,7 @@ async def frames_of(js, rid: str) -> list:
 
 async def ghost_takes(js, load_id: str) -> tuple[ChatRequest, object]:
     """A replica stand-in: fetch the next request from the load's queue and never ack it."""
-    psub = await js.pull_subscribe_bind(durable=f"load-{load_id}", stream=subjects.REQUESTS_STREAM)
+    psub = await js.pull_subscribe_bind(durable=subjects.request_consumer(load_id), stream=subjects.REQUESTS_STREAM)
     msg = (await psub.fetch(1, timeout=10))[0]
     return msgspec.json.decode(msg.data, type=ChatRequest), psub
 
@@ -122,7 +122,7 @@ async def freeze_every_replica(s: Stack, js, load_id: str) -> list[int]:
         os.kill(pid, signal.SIGSTOP)
 
     async def drained():
-        while (await js.consumer_info(subjects.REQUESTS_STREAM, f"load-{load_id}")).num_waiting:
+        while (await js.consumer_info(subjects.REQUESTS_STREAM, subjects.request_consumer(load_id))).num_waiting:
             await asyncio.sleep(0.05)
     await asyncio.wait_for(drained(), 10)
     return pids
@@ -176,7 +176,7 @@ async def test_a_request_started_by_a_replica_that_died_is_not_served_again(stac
 
     async def settled():
         while True:
-            info = await js.consumer_info(subjects.REQUESTS_STREAM, f"load-{load_id}")
+            info = await js.consumer_info(subjects.REQUESTS_STREAM, subjects.request_consumer(load_id))
             if not info.num_pending and not info.num_ack_pending:
                 return info
             await asyncio.sleep(0.2)

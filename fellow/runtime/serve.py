@@ -20,7 +20,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from core.bus import close_quietly, connect, publish_event
 from events import subjects
-from events.requests import ChatRequest, RequestFailed, RequestFinished
+from events.requests import ChatRequest, RequestFailed, RequestFinished, request_failed_id, request_finished_id
 from events.subjects import REQUESTS_STREAM, TOKENS_STREAM
 from fellow.runtime.engine import Engine
 from fellow.runtime.kv_budget import measured_kv_tokens
@@ -133,7 +133,7 @@ class StageServer:
     async def run(self) -> None:
         self.nc = await connect(self.cfg["nats_url"], name=f"swarm-stage-{self.load_id}")
         self.js = self.nc.jetstream()
-        await self.nc.subscribe("swarm.cancel.*", cb=self._on_cancel)
+        await self.nc.subscribe(subjects.cancels_of(self.load_id), cb=self._on_cancel)
         await self.before_ready()
         report(event="ready", kv_tokens=self.kv_tokens, kv_tokens_planned=self.kv_planned,
                max_in_flight=self.max_in_flight, vram_bytes=self.vram_bytes(), load_s=round(self.load_s, 3),
@@ -162,7 +162,7 @@ class StageServer:
             self.serving.cancel(rid)
 
     async def _intake(self) -> None:
-        durable = f"load-{self.load_id}"
+        durable = subjects.request_consumer(self.load_id)
         sub = await self.js.pull_subscribe(
             subjects.request(self.load_id), durable=durable, stream=REQUESTS_STREAM,
             config=ConsumerConfig(durable_name=durable, deliver_policy=DeliverPolicy.ALL,
@@ -253,7 +253,7 @@ class StageServer:
         batcher = TokenBatcher(self.js, req.request_id)
         batcher.error(message, code, data)
         await batcher.closed.wait()
-        await publish_event(self.js, RequestFailed(id=f"fail-{req.request_id}", request_id=req.request_id,
+        await publish_event(self.js, RequestFailed(id=request_failed_id(req.request_id), request_id=req.request_id,
                                                    model_id=self.model_id, load_id=self.load_id, code=code,
                                                    message=message, prompt_tokens=prompt_tokens,
                                                    fellow_id=self.fellow_id))
@@ -288,13 +288,13 @@ class StageServer:
     async def _record(self, out: Output, failed: bool, duration: float) -> None:
         try:
             if failed:
-                evt = RequestFailed(id=f"fail-{out.request_id}", request_id=out.request_id, model_id=self.model_id,
+                evt = RequestFailed(id=request_failed_id(out.request_id), request_id=out.request_id, model_id=self.model_id,
                                     load_id=self.load_id, code=getattr(out.error, "code", "internal_error"),
                                     message=str(out.error), prompt_tokens=out.prompt_tokens,
                                     completion_tokens=out.completion_tokens, fellow_id=self.fellow_id)
             else:
                 t = out.timing
-                evt = RequestFinished(id=f"fin-{out.request_id}", request_id=out.request_id, model_id=self.model_id,
+                evt = RequestFinished(id=request_finished_id(out.request_id), request_id=out.request_id, model_id=self.model_id,
                                       load_id=self.load_id, prompt_tokens=out.prompt_tokens,
                                       completion_tokens=out.completion_tokens, finish_reason=out.finish_reason,
                                       ttft_s=t["ttft_ms"] / 1e3 if "ttft_ms" in t else None,

@@ -17,7 +17,7 @@ from core.bus import publish_struct
 from events import subjects
 from events.base import new_id
 from events.frames import DoneFrame, ErrorFrame, TokenFrame
-from events.requests import ChatRequest, RequestAccepted, RequestFailed
+from events.requests import ChatRequest, RequestAccepted, RequestFailed, request_failed_id
 from leader.errors import ApiError
 from leader.openai.replies import DONE, ChunkEncoder, completion, error_event, frame_error
 from leader.openai.schema import decode_body
@@ -66,7 +66,7 @@ class Relay:
         """Record a failure only the gateway saw; the id matches the serving stage's, so one wins."""
         rid = self.chat.request_id
         try:
-            await self.leader.publish(RequestFailed(id=f"fail-{rid}", request_id=rid, model_id=self.chat.model_id,
+            await self.leader.publish(RequestFailed(id=request_failed_id(rid), request_id=rid, model_id=self.chat.model_id,
                                                     load_id=self.chat.load_id, code=code, message=message))
         except (NatsError, asyncio.TimeoutError) as exc:
             log.warning("recording request %s as failed did not reach the bus: %s", rid, exc)

@@ -10,6 +10,7 @@ from litestar import Request, Response, get, post
 from litestar.response import Stream
 from litestar.status_codes import HTTP_200_OK
 
+from events import subjects
 from leader.db.tables import Load, Model
 from leader.errors import ApiError
 from leader.serving import model_not_found
@@ -42,7 +43,7 @@ async def queued_requests(js, load_id: str) -> int:
     from events.subjects import REQUESTS_STREAM
 
     try:
-        info = await js.consumer_info(REQUESTS_STREAM, f"load-{load_id}")
+        info = await js.consumer_info(REQUESTS_STREAM, subjects.request_consumer(load_id))
     except NotFoundError:
         return 0
     return int(info.num_pending or 0)
