@@ -3,17 +3,25 @@ reports each projector's lag and whether it is stuck. Real nats-server, SQLite a
 
 from __future__ import annotations
 
+import asyncio
+import importlib
 import json
+import pkgutil
+import sqlite3
 import subprocess
 import sys
+import time
 
 import sqlalchemy as sa
 from litestar.testing import AsyncTestClient
 
 import events
 from core.bus import publish_event
+from events.api_tokens import ApiTokenRevoked
 from events.base import Event, encode
+from events.catalog import ModelUncataloged
 from events.fellow import FellowJoined
+from events.loads import ModelUnloaded
 from events.requests import RequestAccepted
 from events.union import EVENT_TYPES
 from leader.app import create_app
@@ -32,8 +40,6 @@ POISON = {
 
 
 def test_the_union_lists_every_event_type():
-    import pkgutil, importlib  # noqa: E401
-
     for mod in pkgutil.iter_modules(events.__path__):
         importlib.import_module(f"events.{mod.name}")
     found, todo = set(), list(Event.__subclasses__())
@@ -46,12 +52,8 @@ def test_the_union_lists_every_event_type():
 
 def test_decoding_needs_only_the_decoder_module():
     """A fresh interpreter that imports events.union alone decodes every kind of event on the log."""
-    samples = [FellowJoined(fellow_id="f1"), RequestAccepted(request_id="r", model_id="m", load_id="L")]
-    from events.api_tokens import ApiTokenRevoked
-    from events.catalog import ModelUncataloged
-    from events.loads import ModelUnloaded
-
-    samples += [ApiTokenRevoked(token_id="t"), ModelUncataloged(model_id="m"), ModelUnloaded(load_id="L", model_id="m")]
+    samples = [FellowJoined(fellow_id="f1"), RequestAccepted(request_id="r", model_id="m", load_id="L"),
+               ApiTokenRevoked(token_id="t"), ModelUncataloged(model_id="m"), ModelUnloaded(load_id="L", model_id="m")]
     code = ("import sys, json; from events.union import decode_event; "
             "print(json.dumps([type(decode_event(l.encode())).__name__ for l in json.load(sys.stdin)]))")
     out = subprocess.run([sys.executable, "-c", code], input=json.dumps([encode(e).decode() for e in samples]),
@@ -105,9 +107,6 @@ async def _health(client) -> dict:
 
 
 async def _until(client, test, what: str, timeout: float = 30.0) -> dict:
-    import asyncio
-    import time
-
     deadline = time.monotonic() + timeout
     while True:
         body = await _health(client)
@@ -145,3 +144,36 @@ async def test_healthz_reports_lag_and_a_stuck_projector(tmp_path, nats_server, 
         assert body["projectors"]["requests"]["lag"] == 0
         async with leader.sessions() as session:
             assert (await session.get(Request, "r2")) is not None
+
+
+async def test_a_projector_held_behind_is_stuck_until_it_advances(js, tmp_path):
+    """SQLite's write lock held by another connection: the requests projector cannot commit, has not
+    advanced while behind for longer than the threshold, and is reported stuck."""
+    path = tmp_path / "swarm.db"
+    url = f"sqlite+aiosqlite:///{path}"
+    await upgrade(url)
+    engine = make_engine(url)
+    runner = ProjectionRunner(js, session_factory(engine), all_projectors(), stuck_after_s=0.5)
+    await runner.start()
+    holder = sqlite3.connect(path, isolation_level=None)
+    try:
+        first = await publish_event(js, RequestAccepted(request_id="r1", model_id="m", load_id="L"))
+        await runner.wait_for(first.seq, timeout=20)
+        assert not any(p["stuck"] for p in runner.health(first.seq).values())
+        holder.execute("BEGIN IMMEDIATE")
+        ack = await publish_event(js, RequestAccepted(request_id="r2", model_id="m", load_id="L"))
+        await runner.wait_for(ack.seq, ["fellows"], timeout=20)  # nothing to write there: it advances
+        deadline = time.monotonic() + 20
+        while not runner.health(ack.seq)["requests"]["stuck"]:
+            assert time.monotonic() < deadline, runner.health(ack.seq)
+            await asyncio.sleep(0.05)
+        health = runner.health(ack.seq)
+        assert health["requests"]["lag"] == 1 and health["requests"]["failures"] == 0
+        assert not health["fellows"]["stuck"] and health["fellows"]["lag"] == 0
+        holder.execute("ROLLBACK")
+        await runner.wait_for(ack.seq, timeout=20)
+        assert not any(p["stuck"] for p in runner.health(ack.seq).values())
+    finally:
+        holder.close()
+        await runner.stop()
+        await engine.dispose()
