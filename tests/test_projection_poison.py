@@ -177,3 +177,24 @@ async def test_a_projector_held_behind_is_stuck_until_it_advances(js, tmp_path):
         holder.close()
         await runner.stop()
         await engine.dispose()
+
+
+async def test_an_idle_reader_takes_empty_fetches_quietly(js, sqlite_url, caplog):
+    """An idle stream sometimes answers a pull with no message at all; that is no error, and the
+    runner goes on projecting without recreating anything."""
+    await upgrade(sqlite_url)
+    engine = make_engine(sqlite_url)
+    runner = ProjectionRunner(js, session_factory(engine), all_projectors(), fetch_timeout_s=0.05)
+    caplog.set_level("WARNING", logger="leader.projectors")
+    await runner.start()
+    try:
+        deadline = time.monotonic() + 60
+        while runner.empty_fetches < 3:
+            assert time.monotonic() < deadline, "no empty fetch came back"
+            await asyncio.sleep(0.05)
+        ack = await publish_event(js, FellowJoined(fellow_id="f1"))
+        await runner.wait_for(ack.seq, timeout=20)
+        assert [r.getMessage() for r in caplog.records if r.name.startswith("leader.projectors")] == []
+    finally:
+        await runner.stop()
+        await engine.dispose()

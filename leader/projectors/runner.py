@@ -24,6 +24,7 @@ QUEUED_BATCHES = 8  # per projector: the reader waits when one is this far behin
 FAILURE_LOOP = 3  # consecutive failed tries of one batch: the projector is stuck
 STUCK_AFTER_S = 10.0  # holding one batch this long: the projector is stuck
 RETRY_S = 0.2
+FETCH_TIMEOUT_S = 5.0
 
 
 class ProjectionLagging(TimeoutError):
@@ -49,13 +50,15 @@ class ProjectionRunner:
     """
 
     def __init__(self, js: JetStreamContext, sessions: async_sessionmaker, projectors: list[Projector],
-                 stuck_after_s: float = STUCK_AFTER_S):
+                 stuck_after_s: float = STUCK_AFTER_S, fetch_timeout_s: float = FETCH_TIMEOUT_S):
         self.js = js
         self.sessions = sessions
         self.projectors = {p.name: p for p in projectors}
         self.positions: dict[str, int] = {}
         self.states = {name: ProjectorState() for name in self.projectors}
         self.stuck_after_s = stuck_after_s
+        self.fetch_timeout_s = fetch_timeout_s
+        self.empty_fetches = 0  # a normal answer of an idle stream, counted, not an error
         self.reader_blocked_since: float | None = None  # a projector's queue is full
         self._queues = {name: asyncio.Queue(QUEUED_BATCHES) for name in self.projectors}
         self._changed = asyncio.Condition()
@@ -95,11 +98,12 @@ class ProjectionRunner:
                     if sub is None:
                         sub = await self._subscribe(read_to + 1)
                     try:
-                        msgs = await sub.fetch(FETCH_BATCH, timeout=5)
+                        msgs = await sub.fetch(FETCH_BATCH, timeout=self.fetch_timeout_s)
                     except (NatsTimeout, asyncio.TimeoutError):
                         continue
-                    if not msgs:
-                        continue  # an empty fetch is normal when idle
+                    if not msgs:  # the server's answer to a pull that expired: normal when idle
+                        self.empty_fetches += 1
+                        continue
                     batch = decode_batch(msgs)
                     if any(e.poison for e in batch):
                         async with self.sessions() as session, session.begin():
