@@ -32,7 +32,7 @@ class ProjectionLagging(TimeoutError):
 
 
 class ProjectorState:
-    """What /healthz reports of one projector besides its position."""
+    """Whether a projector (or the reader) is stuck: what /healthz reports besides the position."""
 
     def __init__(self) -> None:
         self.failures = 0  # consecutive failed tries of its current batch
@@ -59,7 +59,7 @@ class ProjectionRunner:
         self.stuck_after_s = stuck_after_s
         self.fetch_timeout_s = fetch_timeout_s
         self.empty_fetches = 0  # a normal answer of an idle stream, counted, not an error
-        self.reader_blocked_since: float | None = None  # a projector's queue is full
+        self.reader = ProjectorState()  # busy: waiting on a full queue; failures: reads that failed
         self._queues = {name: asyncio.Queue(QUEUED_BATCHES) for name in self.projectors}
         self._changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
@@ -100,7 +100,9 @@ class ProjectionRunner:
                     try:
                         msgs = await sub.fetch(FETCH_BATCH, timeout=self.fetch_timeout_s)
                     except (NatsTimeout, asyncio.TimeoutError):
-                        continue
+                        self.reader.failures = 0
+                        continue  # nothing new within the timeout
+                    self.reader.failures = 0
                     if not msgs:  # the server's answer to a pull that expired: normal when idle
                         self.empty_fetches += 1
                         continue
@@ -111,6 +113,7 @@ class ProjectionRunner:
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # resume after what was handed on
+                    self.reader.failures += 1
                     log.warning("projections: reading the log failed (%s); resuming after %d", exc, read_to)
                     sub = await _drop(sub)
                     await asyncio.sleep(RETRY_S)
@@ -123,9 +126,9 @@ class ProjectionRunner:
     async def _hand(self, batch: list[Entry]) -> None:
         for queue in self._queues.values():
             if queue.full():
-                self.reader_blocked_since = self.reader_blocked_since or time.monotonic()
+                self.reader.busy_since = self.reader.busy_since or time.monotonic()
             await queue.put(batch)
-        self.reader_blocked_since = None
+        self.reader.busy_since = None
 
     # --- one projector -----------------------------------------------------------------------
 
@@ -178,13 +181,13 @@ class ProjectionRunner:
     def health(self, last_seq: int) -> dict[str, dict]:
         """Per projector: its checkpoint, the stream's last sequence, the lag, and whether it is stuck."""
         now = time.monotonic()
-        blocked = self.reader_blocked_since is not None and now - self.reader_blocked_since > self.stuck_after_s
+        reader_stuck = self.reader.stuck(now, self.stuck_after_s)  # then every projector behind is
         out = {}
         for name, state in self.states.items():
             seq = self.positions.get(name, 0)
             lag = max(0, last_seq - seq)
             out[name] = {"checkpoint": seq, "last_seq": last_seq, "lag": lag,
-                         "stuck": state.stuck(now, self.stuck_after_s) or (blocked and lag > 0),
+                         "stuck": state.stuck(now, self.stuck_after_s) or (reader_stuck and lag > 0),
                          "failures": state.failures}
         return out
 

@@ -50,7 +50,8 @@ class Reactions:
             self._task = None
 
     async def _queue_loads(self, events: list[Event]) -> None:
-        self._queue.put_nowait(events)
+        if events:
+            self._queue.put_nowait(events)
 
     async def _queue_fellow(self, evt: Event) -> None:
         if isinstance(evt, FellowLost):
