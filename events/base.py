@@ -20,7 +20,8 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     """Base of every past-tense event on SWARM_EVENTS.
 
     The tag (``type``) doubles as the subject suffix: ``swarm.evt.<type>``. Unknown fields are
-    ignored on decode, so an older reader keeps working when a newer writer adds fields.
+    ignored on decode, so an older reader keeps working when a newer writer adds fields. Every
+    concrete type is listed in `events.union`, which decodes them.
     """
 
     id: str = msgspec.field(default_factory=new_id)
