@@ -9,8 +9,6 @@ from msgspec import structs
 from events.fellow import CAP_CONCURRENT, CAP_N_STAGE, CAP_ONE_STAGE, Heartbeat
 from events.loads import StageAssignment, TransportPlan
 
-ONE_STAGE = CAP_ONE_STAGE
-
 # Bytes per parameter of the base checkpoint, as the spec prices them.
 PRICE_4BIT = 0.55
 PRICE_8BIT = 1.05
@@ -27,6 +25,22 @@ class Candidate:
     free_bytes: int
     loaded: int
     has_gpu: bool
+
+
+def transport_plan(settings, num_stages: int) -> TransportPlan:
+    """How a load's stages run, for one stage or a ring of ``num_stages``.
+
+    In flight: SWARM_SERVE_IN_FLIGHT, else what a fellow holds (SWARM_SERVE_MAX_IN_FLIGHT) for one stage,
+    else 4 per stage of a ring, so every stage has work while the others run theirs. KV tokens: a typical
+    chat per request in flight, never below one whole SWARM_SERVE_CONTEXT_TOKENS conversation; each stage
+    lowers it to what it measures it can hold. Speculative decoding is for one stage only.
+    """
+    one = num_stages == 1
+    in_flight = settings.serve_in_flight or (settings.serve_max_in_flight if one else 4 * num_stages)
+    return TransportPlan(max_in_flight=in_flight,
+                         kv_tokens=max(settings.serve_context_tokens, in_flight * settings.serve_typical_tokens),
+                         max_batch=settings.serve_max_batch or 0, speculative=settings.serve_speculative if one else 0,
+                         prefill_chunk=settings.serve_prefill_chunk)
 
 
 def bytes_per_param(quantization: dict | None, has_gpu: bool) -> float:
@@ -50,7 +64,7 @@ def candidate(hb: Heartbeat) -> Candidate:
 
 def place_one_stage(parameters: int, num_layers: int, fellows: dict[str, Heartbeat], online: set[str],
                     pinned: str | None = None, quantization: dict | None = None) -> StageAssignment:
-    """The fellow with the most free memory among those that declare serve-one-stage and fit it."""
+    """The fellow with the most free memory among those that declare CAP_ONE_STAGE and fit it."""
     if pinned is not None:
         if pinned not in online or pinned not in fellows:
             raise PlacementError(f"fellow {pinned!r} is not online")
@@ -59,10 +73,10 @@ def place_one_stage(parameters: int, num_layers: int, fellows: dict[str, Heartbe
         pool = {fid: hb for fid, hb in fellows.items() if fid in online}
     if not pool:
         raise PlacementError("no fellow is online")
-    lacking = sorted(fid for fid, hb in pool.items() if ONE_STAGE not in hb.capabilities)
+    lacking = sorted(fid for fid, hb in pool.items() if CAP_ONE_STAGE not in hb.capabilities)
     able = [candidate(hb) for fid, hb in pool.items() if fid not in lacking]
     if not able:
-        raise PlacementError(f"fellow(s) {', '.join(lacking)} do not declare {ONE_STAGE}")
+        raise PlacementError(f"fellow(s) {', '.join(lacking)} do not declare {CAP_ONE_STAGE}")
     fitting = [c for c in able
                if c.free_bytes >= parameters * bytes_per_param(quantization, c.has_gpu) * HEADROOM]
     if not fitting:
@@ -102,29 +116,14 @@ def place_replicas(parameters: int, num_layers: int, replicas: int, fellows: dic
 
 # --- rings -----------------------------------------------------------------------------------
 
-N_STAGE = CAP_N_STAGE
-CONCURRENT = CAP_CONCURRENT
-
-
 def ring_needs(max_in_flight: int) -> tuple[str, ...]:
     """The capabilities every fellow of a ring must declare."""
-    return (N_STAGE, CONCURRENT) if max_in_flight > 1 else (N_STAGE,)
-
-
-def ring_plan(settings, num_stages: int) -> TransportPlan:
-    """In flight: SWARM_SERVE_IN_FLIGHT, else 4 per stage, so every stage has work while the others
-    run theirs. KV tokens: a typical chat per request in flight, never below one whole conversation;
-    each stage lowers it to what it measures it can hold."""
-    in_flight = settings.serve_in_flight or 4 * num_stages
-    return TransportPlan(max_in_flight=in_flight,
-                         kv_tokens=max(settings.serve_context_tokens, in_flight * settings.serve_typical_tokens),
-                         max_batch=settings.serve_max_batch or 0, speculative=0,
-                         prefill_chunk=settings.serve_prefill_chunk)
+    return (CAP_N_STAGE, CAP_CONCURRENT) if max_in_flight > 1 else (CAP_N_STAGE,)
 
 
 def ring_stage_count(manifest_stages: int, fellows: dict[str, Heartbeat], online: set[str]) -> int:
     """The servable's own count when that many online fellows can form a ring, else one stage."""
-    able = sum(1 for fid, hb in fellows.items() if fid in online and N_STAGE in hb.capabilities)
+    able = sum(1 for fid, hb in fellows.items() if fid in online and CAP_N_STAGE in hb.capabilities)
     return manifest_stages if manifest_stages > 1 and able >= manifest_stages else 1
 
 
@@ -134,7 +133,7 @@ def _lacks(hb: Heartbeat, needs: tuple[str, ...]) -> list[str]:
 
 def place_ring(parameters: int, ranges: list[tuple[int, int]], shards: list[list[int]],
                fellows: dict[str, Heartbeat], online: set[str], pinned: list[str] | None = None,
-               quantization: dict | None = None, needs: tuple[str, ...] = (N_STAGE,)) -> list[StageAssignment]:
+               quantization: dict | None = None, needs: tuple[str, ...] = (CAP_N_STAGE,)) -> list[StageAssignment]:
     """One fellow per stage: pinned in order, else the heaviest stage on the fellow with the most room.
 
     Every fellow must declare ``needs``; a refusal names the fellow that lacks one.

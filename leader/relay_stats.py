@@ -25,6 +25,14 @@ class RelayStats:
     async def start(self, nc: Client) -> None:
         self._sub = await nc.subscribe(STATS_ALL, cb=self._on_stats)
 
+    async def stop(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:  # the connection is already closed
+                pass
+            self._sub = None
+
     async def _on_stats(self, msg) -> None:
         try:
             frame = decode_frame(msg.data)

@@ -12,7 +12,8 @@ from leader.db.engine import make_engine, session_factory, upgrade
 from leader.db.tables import Fellow, Load, LoadStage, ProjectorCheckpoint, Request
 from leader.projectors.all import all_projectors
 from leader.projectors.replay import replay
-from leader.projectors.runner import ProjectionRunner, apply_batch
+from leader.projectors.batch import apply_batch, decode_batch
+from leader.projectors.runner import ProjectionRunner
 from tests.dbutil import dump
 
 TABLES = (Fellow, Load, LoadStage, Request)
@@ -76,10 +77,10 @@ async def test_redelivered_events_are_no_ops(js, sessions):
     msgs = await sub.fetch(len(acks), timeout=5)
     projector = next(p for p in all_projectors() if p.name == "requests")
     async with sessions() as s, s.begin():
-        assert await apply_batch(s, projector, msgs) == acks[-1].seq
+        assert await apply_batch(s, projector, decode_batch(msgs)) == acks[-1].seq
     first = await dump(sessions, Request)
     async with sessions() as s, s.begin():  # the same batch again, as after a crash before ack
-        assert await apply_batch(s, projector, msgs) == acks[-1].seq
+        assert await apply_batch(s, projector, decode_batch(msgs)) == acks[-1].seq
     assert await dump(sessions, Request) == first
     async with sessions() as s:
         assert (await s.get(ProjectorCheckpoint, "requests")).seq == acks[-1].seq

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from core.settings import Settings
-from events.fellow import Gpu, Heartbeat
-from leader.placement import (CONCURRENT, N_STAGE, PlacementError, place_ring, ring_needs, ring_plan,
-                              ring_stage_count)
+from events.fellow import CAP_CONCURRENT as CONCURRENT, CAP_N_STAGE as N_STAGE, Gpu, Heartbeat
+from leader.placement import PlacementError, place_ring, ring_needs, ring_stage_count, transport_plan
 
 GIB = 1 << 30
 RANGES = [(0, 3), (3, 4)]
@@ -65,6 +64,8 @@ def test_default_stage_count_and_transport():
     assert ring_stage_count(2, fellows, set(fellows)) == 2
     assert ring_stage_count(3, fellows, set(fellows)) == 1  # only two fellows can form a ring
     assert ring_stage_count(2, fellows, {"a", "old"}) == 1
-    plan = ring_plan(Settings.from_env({"SWARM_SERVE_PREFILL_CHUNK": "64"}), 2)
+    plan = transport_plan(Settings.from_env({"SWARM_SERVE_PREFILL_CHUNK": "64"}), 2)
     assert plan.max_in_flight == 8 and plan.kv_tokens == 8 * 1024 and plan.prefill_chunk == 64
-    assert ring_plan(Settings.from_env({"SWARM_SERVE_IN_FLIGHT": "3"}), 2).max_in_flight == 3
+    assert transport_plan(Settings.from_env({"SWARM_SERVE_IN_FLIGHT": "3"}), 2).max_in_flight == 3
+    one = transport_plan(Settings.from_env({"SWARM_SERVE_MAX_IN_FLIGHT": "5"}), 1)  # one stage: what a fellow holds
+    assert one.max_in_flight == 5 and one.kv_tokens == max(Settings.from_env({}).serve_context_tokens, 5 * 1024)

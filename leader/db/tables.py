@@ -117,3 +117,13 @@ class ApiToken(Base):
     created_at: Mapped[float] = mapped_column(Float, default=0.0)
     expires_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class DeadLetter(Base):
+    """A message on SWARM_EVENTS that could not be decoded: recorded once, then skipped by every projector."""
+
+    __tablename__ = "dead_letters"
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # its stream sequence
+    subject: Mapped[str] = mapped_column(String(255), default="")
+    reason: Mapped[str] = mapped_column(Text, default="")
+    recorded_at: Mapped[float] = mapped_column(Float, default=0.0)

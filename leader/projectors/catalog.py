@@ -1,4 +1,4 @@
-"""Catalog projection: the servable models the registry found, available or not (with why)."""
+"""Catalog projection: the servable models the catalog found, available or not (with why)."""
 
 from __future__ import annotations
 

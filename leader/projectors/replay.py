@@ -10,7 +10,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 from events.subjects import EVENTS_ALL, EVENTS_STREAM
 from leader.db.tables import ProjectorCheckpoint
 from leader.projectors.projector import Projector
-from leader.projectors.runner import apply_batch
+from leader.projectors.batch import apply_batch, decode_batch
 
 
 async def replay(js: JetStreamContext, sessions: async_sessionmaker, projector: Projector) -> int:
@@ -39,7 +39,9 @@ async def replay(js: JetStreamContext, sessions: async_sessionmaker, projector: 
                     msgs = await sub.fetch(1024, timeout=5)
                 except NatsTimeout:
                     break  # the stream's head was trimmed below `last`; nothing more to read
-                seq = await apply_batch(session, projector, msgs)
+                if not msgs:
+                    continue  # an empty fetch: ask again
+                seq = await apply_batch(session, projector, decode_batch(msgs))
         return seq
     finally:
         await sub.unsubscribe()

@@ -1,4 +1,5 @@
-"""Runs projectors on durable pull consumers: apply + checkpoint in one transaction, then ack."""
+"""Runs the projectors: one reader fetches and decodes each batch once, every projector applies it
+(apply + checkpoint in one transaction) in its own task."""
 
 from __future__ import annotations
 
@@ -7,143 +8,160 @@ import logging
 import time
 
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js.errors import NotFoundError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from sqlalchemy.exc import OperationalError
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from events.base import decode_event
 from events.subjects import EVENTS_ALL, EVENTS_STREAM
-from leader.db.tables import ProjectorCheckpoint
+from leader.projectors.batch import Entry, apply_batch, decode_batch, read_checkpoint, record_dead_letters
 from leader.projectors.projector import Projector
 
 log = logging.getLogger(__name__)
 
 FETCH_BATCH = 256
+QUEUED_BATCHES = 8  # per projector: the reader waits when one is this far behind
+FAILURE_LOOP = 3  # consecutive failed tries of one batch: the projector is stuck
+STUCK_AFTER_S = 10.0  # holding one batch this long: the projector is stuck
+RETRY_S = 0.2
+FETCH_TIMEOUT_S = 5.0
 
 
 class ProjectionLagging(TimeoutError):
     """A projection did not reach a sequence within the bounded wait."""
 
 
-async def read_checkpoint(session: AsyncSession, name: str) -> int:
-    row = await session.get(ProjectorCheckpoint, name)
-    return row.seq if row else 0
+class ProjectorState:
+    """Whether a projector (or the reader) is stuck: what /healthz reports besides the position."""
 
+    def __init__(self) -> None:
+        self.failures = 0  # consecutive failed tries of its current batch
+        self.busy_since: float | None = None  # monotonic time it took its current batch
 
-async def apply_batch(session: AsyncSession, projector: Projector, msgs: list,
-                      applied: list | None = None) -> int:
-    """Apply every message above the checkpoint and advance it; returns the new checkpoint.
-
-    Events applied are appended to `applied` when given (for reactions after the commit).
-    """
-    row = await session.get(ProjectorCheckpoint, projector.name)
-    if row is None:
-        row = ProjectorCheckpoint(name=projector.name, seq=0)
-        session.add(row)
-    checkpoint = row.seq
-    for msg in msgs:
-        seq = msg.metadata.sequence.stream
-        if seq <= checkpoint:
-            continue  # a redelivery or an overlap with a replay: already applied
-        evt = decode_event(msg.data)
-        if evt is not None:
-            await projector.apply(session, evt, seq)
-            if applied is not None:
-                applied.append(evt)
-        checkpoint = seq
-    row.seq = checkpoint
-    return checkpoint
+    def stuck(self, now: float, after_s: float) -> bool:
+        return self.failures >= FAILURE_LOOP or (self.busy_since is not None and now - self.busy_since > after_s)
 
 
 class ProjectionRunner:
-    """One task per projector; `wait_for` lets an endpoint read its own writes."""
+    """The reader and one task per projector; `wait_for` lets an endpoint read its own writes.
 
-    def __init__(self, js: JetStreamContext, sessions: async_sessionmaker, projectors: list[Projector]):
+    The checkpoint in SQL is the truth: the reader starts from the lowest one + 1 on an ephemeral
+    consumer, and each projector skips what is at or below its own.
+    """
+
+    def __init__(self, js: JetStreamContext, sessions: async_sessionmaker, projectors: list[Projector],
+                 stuck_after_s: float = STUCK_AFTER_S, fetch_timeout_s: float = FETCH_TIMEOUT_S):
         self.js = js
         self.sessions = sessions
         self.projectors = {p.name: p for p in projectors}
         self.positions: dict[str, int] = {}
+        self.states = {name: ProjectorState() for name in self.projectors}
+        self.stuck_after_s = stuck_after_s
+        self.fetch_timeout_s = fetch_timeout_s
+        self.empty_fetches = 0  # a normal answer of an idle stream, counted, not an error
+        self.reader = ProjectorState()  # busy: waiting on a full queue; failures: reads that failed
+        self._queues = {name: asyncio.Queue(QUEUED_BATCHES) for name in self.projectors}
         self._changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
-        self._stopping = False
-        # name -> async callables(events) run after a batch is committed: reactions that publish
-        # further events (ids derived from the cause, so a repeat after a crash is deduplicated)
+        # name -> callables(events) told after a batch is committed. They run in the projector's task:
+        # one that publishes must hand the events to a task of its own.
         self.listeners: dict[str, list] = {}
 
     async def start(self) -> None:
         async with self.sessions() as session:
             for name in self.projectors:
                 self.positions[name] = await read_checkpoint(session, name)
+        self._tasks.append(asyncio.create_task(self._read(min(self.positions.values(), default=0)),
+                                               name="projections-reader"))
         for p in self.projectors.values():
             self._tasks.append(asyncio.create_task(self._run(p), name=f"projector-{p.name}"))
 
     async def stop(self) -> None:
-        self._stopping = True
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
 
-    async def _subscribe(self, p: Projector):
-        """A durable consumer positioned at the SQL checkpoint + 1.
+    # --- the reader --------------------------------------------------------------------------
 
-        The checkpoint in SQL is the truth. A consumer left from before a crash would redeliver its
-        unacked messages only after ack_wait, behind newer ones, and skipping "at or below the
-        checkpoint" would then lose them; so it is recreated from the checkpoint on every (re)start.
-        """
-        durable = f"proj-{p.name}"
-        async with self.sessions() as session:
-            start = await read_checkpoint(session, p.name) + 1
+    async def _subscribe(self, start: int):
+        cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start,
+                             ack_policy=AckPolicy.NONE, inactive_threshold=60.0)
+        return await self.js.pull_subscribe(EVENTS_ALL, stream=EVENTS_STREAM, config=cfg)
+
+    async def _read(self, read_to: int) -> None:
+        """Fetch, decode once, record dead letters, hand the batch to every projector."""
+        sub = None
         try:
-            await self.js.delete_consumer(EVENTS_STREAM, durable)
-        except NotFoundError:
-            pass
-        cfg = ConsumerConfig(
-            durable_name=durable, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start,
-            ack_policy=AckPolicy.EXPLICIT, ack_wait=60, max_ack_pending=FETCH_BATCH * 4,
-        )
-        return await self.js.pull_subscribe(EVENTS_ALL, durable=durable, stream=EVENTS_STREAM, config=cfg)
+            while True:
+                try:
+                    if sub is None:
+                        sub = await self._subscribe(read_to + 1)
+                    try:
+                        msgs = await sub.fetch(FETCH_BATCH, timeout=self.fetch_timeout_s)
+                    except (NatsTimeout, asyncio.TimeoutError):
+                        self.reader.failures = 0
+                        continue  # nothing new within the timeout
+                    self.reader.failures = 0
+                    if not msgs:  # the server's answer to a pull that expired: normal when idle
+                        self.empty_fetches += 1
+                        continue
+                    batch = decode_batch(msgs)
+                    if any(e.poison for e in batch):
+                        async with self.sessions() as session, session.begin():
+                            await record_dead_letters(session, batch)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # resume after what was handed on
+                    self.reader.failures += 1
+                    log.warning("projections: reading the log failed (%s); resuming after %d", exc, read_to)
+                    sub = await _drop(sub)
+                    await asyncio.sleep(RETRY_S)
+                    continue
+                await self._hand(batch)
+                read_to = batch[-1].seq
+        finally:
+            await _drop(sub)
+
+    async def _hand(self, batch: list[Entry]) -> None:
+        for queue in self._queues.values():
+            if queue.full():
+                self.reader.busy_since = self.reader.busy_since or time.monotonic()
+            await queue.put(batch)
+        self.reader.busy_since = None
+
+    # --- one projector -----------------------------------------------------------------------
 
     async def _run(self, p: Projector) -> None:
-        sub = None
-        while not self._stopping:
-            try:
-                if sub is None:
-                    sub = await self._subscribe(p)
+        queue, state = self._queues[p.name], self.states[p.name]
+        while True:
+            batch = await queue.get()
+            state.busy_since = time.monotonic()
+            while True:
                 try:
-                    msgs = await sub.fetch(FETCH_BATCH, timeout=5)
-                except (NatsTimeout, asyncio.TimeoutError):
-                    continue
-                applied: list = []
-                if any(p.wants(decode_event(m.data)) for m in msgs):
-                    async with self.sessions() as session, session.begin():
-                        seq = await apply_batch(session, p, msgs, applied)
-                else:
-                    # Nothing here for this projector: no SQL write. Its stored checkpoint lags until
-                    # its next own event, and a restart re-reads these as the no-ops they are.
-                    seq = max(self.positions.get(p.name, 0), msgs[-1].metadata.sequence.stream)
-                for msg in msgs:
-                    await msg.ack()
-                await self._advance(p.name, seq)
-                await self._tell(p.name, applied)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # not applied, not acked: resume from the checkpoint
-                level = logging.WARNING if isinstance(exc, OperationalError) else logging.ERROR
-                log.log(level, "projector %s: batch not applied (%s); resuming from checkpoint",
-                        p.name, exc, exc_info=level == logging.ERROR)
-                sub = await self._drop(sub)
-                await asyncio.sleep(0.2)
+                    applied = await self._apply(p, batch)
+                    break
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # not applied: try the same batch again
+                    state.failures += 1
+                    level = logging.WARNING if isinstance(exc, OperationalError) else logging.ERROR
+                    log.log(level, "projector %s: batch not applied (%s); trying again", p.name, exc,
+                            exc_info=level == logging.ERROR and state.failures == 1)
+                    await asyncio.sleep(RETRY_S)
+            state.failures, state.busy_since = 0, None
+            await self._advance(p.name, batch[-1].seq)
+            await self._tell(p.name, applied)
 
-    async def _drop(self, sub) -> None:
-        if sub is not None:
-            try:
-                await sub.unsubscribe()
-            except Exception:
-                pass
-        return None
+    async def _apply(self, p: Projector, batch: list[Entry]) -> list:
+        applied: list = []
+        position = self.positions.get(p.name, 0)
+        if any(e.seq > position and p.wants(e.event) for e in batch):
+            async with self.sessions() as session, session.begin():
+                await apply_batch(session, p, batch, applied)
+        # else nothing here for this projector: no SQL write. Its stored checkpoint lags until its
+        # next own event, and a restart re-reads these as the no-ops they are.
+        return applied
 
     async def _tell(self, name: str, applied: list) -> None:
         for listener in self.listeners.get(name, ()):
@@ -157,6 +175,21 @@ class ProjectionRunner:
             if seq > self.positions.get(name, 0):
                 self.positions[name] = seq
             self._changed.notify_all()
+
+    # --- readers of the positions ------------------------------------------------------------
+
+    def health(self, last_seq: int) -> dict[str, dict]:
+        """Per projector: its checkpoint, the stream's last sequence, the lag, and whether it is stuck."""
+        now = time.monotonic()
+        reader_stuck = self.reader.stuck(now, self.stuck_after_s)  # then every projector behind is
+        out = {}
+        for name, state in self.states.items():
+            seq = self.positions.get(name, 0)
+            lag = max(0, last_seq - seq)
+            out[name] = {"checkpoint": seq, "last_seq": last_seq, "lag": lag,
+                         "stuck": state.stuck(now, self.stuck_after_s) or (reader_stuck and lag > 0),
+                         "failures": state.failures}
+        return out
 
     async def wait_for(self, seq: int, names: list[str] | None = None, timeout: float = 5.0) -> None:
         """Wait until every named projection (all by default) has applied stream sequence `seq`."""
@@ -176,3 +209,12 @@ class ProjectionRunner:
                     await asyncio.wait_for(self._changed.wait(), left)
                 except asyncio.TimeoutError:
                     pass
+
+
+async def _drop(sub) -> None:
+    if sub is not None:
+        try:
+            await sub.unsubscribe()
+        except Exception:
+            pass
+    return None

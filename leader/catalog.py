@@ -1,4 +1,4 @@
-"""Discovers servables under SWARM_SERVABLE_MODELS_ROOT and publishes what changed to the catalog."""
+"""The catalog: discovers servables under SWARM_SERVABLE_MODELS_ROOT and publishes what changed."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def _row_entry(row: Model) -> CatalogEntry:
     return CatalogEntry(**fields)
 
 
-class Registry:
+class Catalog:
     """Rescans on demand (at most every `min_interval_s`) and publishes only differences."""
 
     def __init__(self, leader, min_interval_s: float = 2.0):

@@ -1,0 +1,73 @@
+"""A fetched batch of SWARM_EVENTS, decoded once and shared by every projector; dead letters."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import NamedTuple
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from events.base import Event
+from events.union import PoisonEvent, decode_event
+from leader.db.tables import DeadLetter, ProjectorCheckpoint
+from leader.projectors.projector import Projector
+
+log = logging.getLogger(__name__)
+
+
+class Entry(NamedTuple):
+    """One message of a batch: its stream position, and its event (None: unknown type or poison)."""
+
+    seq: int
+    subject: str
+    event: Event | None
+    poison: str = ""  # why it could not be decoded; "" when it could
+
+
+def decode_batch(msgs: list) -> list[Entry]:
+    out = []
+    for msg in msgs:
+        seq = msg.metadata.sequence.stream
+        try:
+            out.append(Entry(seq, msg.subject, decode_event(msg.data)))
+        except PoisonEvent as exc:
+            out.append(Entry(seq, msg.subject, None, str(exc) or type(exc).__name__))
+    return out
+
+
+async def record_dead_letters(session: AsyncSession, batch: list[Entry]) -> int:
+    """Record each poison message of the batch once; returns how many were new."""
+    new = 0
+    for e in batch:
+        if e.poison and await session.get(DeadLetter, e.seq) is None:
+            session.add(DeadLetter(seq=e.seq, subject=e.subject[:255], reason=e.poison, recorded_at=time.time()))
+            log.warning("dead letter at stream sequence %d on %s: %s", e.seq, e.subject, e.poison)
+            new += 1
+    return new
+
+
+async def read_checkpoint(session: AsyncSession, name: str) -> int:
+    row = await session.get(ProjectorCheckpoint, name)
+    return row.seq if row else 0
+
+
+async def apply_batch(session: AsyncSession, projector: Projector, batch: list[Entry],
+                      applied: list | None = None) -> int:
+    """Apply every event above the checkpoint and advance it past the whole batch; returns the new
+    checkpoint. Events applied are appended to `applied` when given (for reactions after the commit)."""
+    row = await session.get(ProjectorCheckpoint, projector.name)
+    if row is None:
+        row = ProjectorCheckpoint(name=projector.name, seq=0)
+        session.add(row)
+    checkpoint = row.seq
+    for e in batch:
+        if e.seq <= checkpoint:
+            continue  # a redelivery or an overlap with a replay: already applied
+        if e.event is not None:
+            await projector.apply(session, e.event, e.seq)
+            if applied is not None:
+                applied.append(e.event)
+        checkpoint = e.seq
+    row.seq = checkpoint
+    return checkpoint

@@ -1,0 +1,144 @@
+"""Load commands: request a load, place it, command its stages' fellows; unload.
+
+One path serves every shape: one stage, a ring of several, or replicas of one stage each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+from core.bus import publish_struct
+from core.servable import ServableError, load_manifest
+from core.servable_plan import plan_stage, serving_ranges
+from events import subjects
+from events.commands import LoadStage, UnloadStage
+from events.loads import (LoadFailed, LoadPlaced, LoadRequested, StageAssignment, TransportPlan,
+                          UnloadRequested, load_failed_id, replica_part)
+from leader.catalog import Catalog
+from leader.db.tables import Load, LoadStage as LoadStageRow, Model
+from leader.errors import ApiError
+from leader.placement import (PlacementError, place_replicas, place_ring, ring_needs, ring_stage_count,
+                              transport_plan)
+from leader.serving.rows import active_load, get_load, load_stages, model_not_found
+
+
+def load_msg_id(load_id: str, a: StageAssignment) -> str:
+    return f"{load_id}-{a.stage}-load{replica_part(a.replica)}"
+
+
+def unload_msg_id(stage: LoadStageRow) -> str:
+    return f"{stage.load_id}-{stage.stage}-unload{replica_part(stage.replica)}"
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """A load's shape before placement: how many stages and replicas, pinned fellows, its transport."""
+
+    num_stages: int
+    replicas: int
+    pinned: list[str]
+    transport: TransportPlan
+    place: Callable[[], list[StageAssignment]]  # from the fellows' heartbeats at the time it is called
+
+
+class LoadCommands:
+    def __init__(self, leader, catalog: Catalog):
+        self.leader = leader
+        self.catalog = catalog
+        self._loading: dict[str, asyncio.Lock] = {}
+
+    async def load(self, model_id: str, num_stages: int | None = None, fellow_id: str | None = None,
+                   quantization: dict | None = None, requested_by: str = "",
+                   fellow_ids: list[str] | None = None, replicas: int = 1) -> Load:
+        # One load at a time per model: concurrent first requests (autoload) share the load the
+        # first one placed instead of each placing its own.
+        async with self._loading.setdefault(model_id, asyncio.Lock()):
+            model = await self.catalog.get(model_id)
+            if model is None:
+                raise model_not_found(model_id)
+            if not model.available:
+                raise ApiError(409, f"The model '{model_id}' is not servable: {model.reason}",
+                               code="model_unavailable")
+            existing = await active_load(self.leader.sessions, model_id)
+            if existing is not None:
+                return existing
+            plan = self._plan(model, num_stages, fellow_id, fellow_ids, replicas, quantization)
+            return await self._place_and_command(model, plan, quantization, requested_by)
+
+    def _plan(self, model: Model, num_stages: int | None, fellow_id: str | None, fellow_ids: list[str] | None,
+              replicas: int, quantization: dict | None) -> LoadPlan:
+        monitor = self.leader.fellows
+        if replicas > 1:
+            if num_stages is not None and num_stages > 1:
+                raise ApiError(400, "replicas are served on one stage each; a ring of several stages has one "
+                                    "replica", code="unsupported_replicas", param="replicas")
+            num_stages = 1
+        if num_stages is None:
+            num_stages = (len(fellow_ids) if fellow_ids else 1 if fellow_id else
+                          ring_stage_count(model.num_stages, monitor.latest, set(monitor.online)))
+        transport = transport_plan(self.leader.settings, num_stages)
+        if num_stages == 1:
+            if replicas > 1:
+                pinned = fellow_ids or ([fellow_id] if fellow_id else [])
+            else:
+                pinned = [fellow_id] if fellow_id else (fellow_ids or [])[:1]
+            return LoadPlan(1, replicas, pinned, transport, lambda: place_replicas(
+                model.parameters, model.num_layers, replicas, monitor.latest, set(monitor.online), pinned or None,
+                quantization))
+        try:
+            manifest = load_manifest(model.path)
+            ranges = serving_ranges(manifest, num_stages)
+            shards = [plan_stage(manifest, i, num_stages).shards for i in range(num_stages)]
+        except ServableError as exc:
+            raise ApiError(409, f"Cannot serve '{model.model_id}' over {num_stages} stages: {exc}",
+                           code="unsupported_num_stages", param="num_stages") from None
+        pinned = fellow_ids or ([fellow_id] if fellow_id else [])
+        return LoadPlan(num_stages, 1, pinned, transport, lambda: place_ring(
+            model.parameters, ranges, shards, monitor.latest, set(monitor.online), pinned or None, quantization,
+            ring_needs(transport.max_in_flight)))
+
+    async def _place_and_command(self, model: Model, plan: LoadPlan, quantization: dict | None,
+                                 requested_by: str) -> Load:
+        """Request, place, record the placement, and send each stage's fellow its load command."""
+        model_id = model.model_id
+        load_id = "ld-" + uuid.uuid4().hex[:16]
+        await self.leader.publish(LoadRequested(load_id=load_id, model_id=model_id, num_stages=plan.num_stages,
+                                                fellow_ids=plan.pinned, quantization=quantization,
+                                                requested_by=requested_by, replicas=plan.replicas),
+                                  wait=["loads"])
+        try:
+            assignments = plan.place()
+        except PlacementError as exc:
+            await self.leader.publish(LoadFailed(id=load_failed_id(load_id), load_id=load_id, model_id=model_id,
+                                                 reason=str(exc), code="placement_failed"), wait=["loads"])
+            raise ApiError(409, f"Cannot load '{model_id}': {exc}", code="placement_failed") from None
+        await self.leader.publish(LoadPlaced(load_id=load_id, model_id=model_id, stages=assignments,
+                                             transport=plan.transport, quantization=quantization), wait=["loads"])
+        for a in assignments:
+            cmd = LoadStage(load_id=load_id, model_id=model_id, assignment=a, num_stages=plan.num_stages,
+                            stage_fellows=[x.fellow_id for x in assignments if x.replica == a.replica],
+                            transport=plan.transport, quantization=quantization, model_path=model.path,
+                            manifest_sha256=model.manifest_sha256, replicas=plan.replicas)
+            await publish_struct(self.leader.js, subjects.command(a.fellow_id, "load"), cmd,
+                                 msg_id=load_msg_id(load_id, a))
+        return await get_load(self.leader.sessions, load_id)
+
+    async def unload(self, model_id: str, requested_by: str = "") -> Load:
+        load = await active_load(self.leader.sessions, model_id)
+        if load is None:
+            if await self.catalog.get(model_id) is None:
+                raise model_not_found(model_id)
+            raise ApiError(409, f"The model '{model_id}' is not loaded", code="model_not_loaded")
+        await self.leader.publish(UnloadRequested(load_id=load.load_id, model_id=model_id,
+                                                  requested_by=requested_by), wait=["loads"])
+        await self.unload_stages(await load_stages(self.leader.sessions, load.load_id))
+        return await get_load(self.leader.sessions, load.load_id)
+
+    async def unload_stages(self, stages: list[LoadStageRow], reason: str = "requested") -> None:
+        """Tell each of these stages' fellows to stop it and free its memory."""
+        for stage in stages:
+            await publish_struct(self.leader.js, subjects.command(stage.fellow_id, "unload"),
+                                 UnloadStage(load_id=stage.load_id, reason=reason), msg_id=unload_msg_id(stage))

@@ -1,0 +1,143 @@
+"""Reactions to load events: a stage ready, a replica lost, a load ended, a fellow lost.
+
+The projectors and the fellow monitor only queue what they saw; the reactions run in a task of
+their own, so that what they publish never runs inside a projector's task. Every id they publish is
+derived from the cause, so a repeat after a crash is deduplicated by JetStream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from sqlalchemy import select
+
+from events.base import Event
+from events.fellow import FellowLost
+from events.loads import (LoadFailed, ModelLoaded, ModelUnloaded, ReplicaLost, StageReady, load_failed_id,
+                          replica_lost_id)
+from leader.db.tables import Load, LoadStage
+from leader.relay_stats import RelayStats
+from leader.serving.commands import LoadCommands
+from leader.serving.ready import ReadyView
+from leader.serving.rows import ACTIVE, SERVING, UNLOADED_CODES, get_load, load_stages
+
+log = logging.getLogger(__name__)
+
+ENDS_READY = (ModelLoaded, LoadFailed, ModelUnloaded, ReplicaLost)  # events that change the ready view
+
+
+class Reactions:
+    def __init__(self, leader, commands: LoadCommands, view: ReadyView, relay: RelayStats):
+        self.leader = leader
+        self.commands = commands
+        self.view = view
+        self.relay = relay
+        self.changed = asyncio.Condition()  # notified after each batch of events was reacted to
+        self._queue: asyncio.Queue[list[Event]] = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.leader.projections.listeners.setdefault("loads", []).append(self._queue_loads)
+        self.leader.fellows.listeners.append(self._queue_fellow)
+        self._task = asyncio.create_task(self._serve(), name="serving-reactions")
+        await self._sweep()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _queue_loads(self, events: list[Event]) -> None:
+        if events:
+            self._queue.put_nowait(events)
+
+    async def _queue_fellow(self, evt: Event) -> None:
+        if isinstance(evt, FellowLost):
+            self._queue.put_nowait([evt])
+
+    async def _serve(self) -> None:
+        while True:
+            events = await self._queue.get()
+            try:
+                await self._react(events)
+            except Exception:
+                log.exception("serving: reacting to %s failed", ", ".join(e.type for e in events))
+
+    async def _sweep(self) -> None:
+        """After a restart: finish what a crash interrupted, and rebuild the ready view."""
+        async with self.leader.sessions() as session:
+            loads = list(await session.scalars(select(Load).where(Load.state.in_(ACTIVE))))
+        for load in loads:
+            await self._check_loaded(load.load_id)
+        await self.view.refresh()
+
+    async def _react(self, events: list[Event]) -> None:
+        for evt in events:
+            if isinstance(evt, StageReady):
+                await self._check_loaded(evt.load_id)
+            elif isinstance(evt, ReplicaLost):
+                await self._replica_lost(evt)
+            elif isinstance(evt, (LoadFailed, ModelUnloaded)):
+                await self._release_stages(evt.load_id, "failed" if isinstance(evt, LoadFailed) else evt.reason)
+            elif isinstance(evt, FellowLost):
+                await self._fellow_lost(evt)
+        if any(isinstance(e, ENDS_READY) for e in events):
+            await self.view.refresh()
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def _fellow_lost(self, evt: FellowLost) -> None:
+        async with self.leader.sessions() as session:
+            rows = await session.execute(
+                select(Load.load_id, Load.model_id, LoadStage.replica)
+                .join(LoadStage, LoadStage.load_id == Load.load_id)
+                .where(LoadStage.fellow_id == evt.fellow_id, Load.state.in_(ACTIVE)))
+            hit = sorted(set(rows.all()))
+        for load_id, model_id, replica in hit:
+            reason = f"fellow {evt.fellow_id} was lost ({evt.reason})"
+            if len({s.replica for s in await load_stages(self.leader.sessions, load_id)}) > 1:  # the others serve on
+                await self.leader.publish(ReplicaLost(
+                    id=replica_lost_id(load_id, replica), load_id=load_id, model_id=model_id, replica=replica,
+                    fellow_id=evt.fellow_id, code="fellow_lost", reason=reason))
+                continue
+            await self.leader.publish(LoadFailed(id=load_failed_id(load_id), load_id=load_id, model_id=model_id,
+                                                 code="fellow_lost", fellow_id=evt.fellow_id, reason=reason))
+
+    async def _release_stages(self, load_id: str, reason: str) -> None:
+        """A load that ended on one stage or replica cannot serve: every other one is told to stop and
+        free its memory."""
+        stages = await load_stages(self.leader.sessions, load_id)
+        if len(stages) < 2:
+            return
+        await self.commands.unload_stages(stages, reason)
+        self.relay.forget(load_id)
+
+    async def _replica_lost(self, evt: ReplicaLost) -> None:
+        """One replica went away: the load serves on with the others, or ends with the last one."""
+        load = await get_load(self.leader.sessions, evt.load_id)
+        if load is None or load.state not in ACTIVE:
+            return
+        if any(s.state in SERVING for s in await load_stages(self.leader.sessions, evt.load_id)):
+            await self._check_loaded(evt.load_id)  # the replicas still loading may be all it waits for
+            return
+        if evt.code in UNLOADED_CODES:
+            await self.leader.publish(ModelUnloaded(id=f"unloaded-{evt.load_id}", load_id=evt.load_id,
+                                                    model_id=evt.model_id, reason=evt.code, fellow_id=evt.fellow_id))
+        else:
+            await self.leader.publish(LoadFailed(
+                id=load_failed_id(evt.load_id), load_id=evt.load_id, model_id=evt.model_id, code=evt.code,
+                fellow_id=evt.fellow_id, reason=f"no replica is left; the last: {evt.reason}"))
+
+    async def _check_loaded(self, load_id: str) -> None:
+        async with self.leader.sessions() as session:  # one read of the load and its stages
+            load = await session.get(Load, load_id)
+            stages = list(await session.scalars(select(LoadStage).where(LoadStage.load_id == load_id)))
+        if load is None or load.state != "loading" or not stages:
+            return
+        live = [s for s in stages if s.state in SERVING]
+        replicas = {s.replica for s in live}
+        whole = all(sum(s.replica == r for s in live) == load.num_stages for r in replicas)
+        if live and whole and all(s.state == "ready" for s in live):
+            await self.leader.publish(ModelLoaded(id=f"loaded-{load_id}", load_id=load_id, model_id=load.model_id))
