@@ -7,11 +7,10 @@ import asyncio
 import logging
 import sys
 
+from core.cli_errors import CliError
 from core.settings import Settings, SettingsError
 
-
-class CliError(Exception):
-    """A one-line reason printed as `swarm: error: ...` with exit code 2."""
+__all__ = ["CliError", "build_parser", "main"]
 
 
 def _settings() -> Settings:
@@ -159,8 +158,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Under `python -m`, this file runs as __main__; take main from the module the other parts
-    # import, so their CliError is the one caught.
-    from core.cli import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())
