@@ -8,6 +8,7 @@ import logging
 import sys
 
 from core.cli_errors import CliError
+from core.procs import follow_parent
 from core.settings import Settings, SettingsError
 
 __all__ = ["CliError", "build_parser", "main"]
@@ -146,6 +147,7 @@ def _extensions():
 
 
 def main(argv: list[str] | None = None) -> int:
+    follow_parent()  # under `swarm up`: go when it goes, however it goes
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
