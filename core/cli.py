@@ -74,8 +74,7 @@ def cmd_fellow(args) -> int:
     s = _settings()
     _check_nats(s.nats_url or "nats://127.0.0.1:4222")
     _logging(args.verbose)
-    asyncio.run(run_fellow(s, fellow_id=args.id))
-    return 0
+    return asyncio.run(run_fellow(s, fellow_id=args.id))
 
 
 def cmd_up(args) -> int:
