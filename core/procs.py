@@ -34,14 +34,17 @@ def follow_parent(sig: int = signal.SIGTERM) -> None:
         os.kill(os.getpid(), sig)
 
 
+def parent_env(env: dict | None = None) -> dict:
+    """`env` (default: ours) naming this process as the parent that the child's follow_parent watches."""
+    return {**(os.environ if env is None else env), PARENT_PID_ENV: str(os.getpid())}
+
+
 def spawn_child(args: list[str], env: dict | None = None, **kwargs) -> subprocess.Popen:
     """Start a child in its own process group that dies with us: it calls follow_parent at its start.
 
     No code runs between fork and exec (no `preexec_fn`, which is unsafe in a threaded parent).
     """
-    env = dict(os.environ if env is None else env)
-    env[PARENT_PID_ENV] = str(os.getpid())
-    return subprocess.Popen(args, env=env, process_group=0, **kwargs)
+    return subprocess.Popen(args, env=parent_env(env), process_group=0, **kwargs)
 
 
 def stop_child(proc: subprocess.Popen, timeout: float = 10.0) -> int | None:
