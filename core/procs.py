@@ -26,8 +26,8 @@ def follow_parent(sig: int = signal.SIGTERM) -> None:
     The parent may already be gone when the child gets here; then `sig` comes at once. The variable is
     taken out of the environment, so this process's own children do not inherit it.
     """
-    raw = os.environ.pop(PARENT_PID_ENV, None)
-    if not raw:
+    raw = os.environ.pop(PARENT_PID_ENV, "")
+    if not raw.isdigit():
         return
     die_with_parent(sig)
     if os.getppid() != int(raw):
