@@ -7,11 +7,11 @@ import asyncio
 import logging
 import sys
 
+from core.cli_errors import CliError
+from core.procs import follow_parent
 from core.settings import Settings, SettingsError
 
-
-class CliError(Exception):
-    """A one-line reason printed as `swarm: error: ...` with exit code 2."""
+__all__ = ["CliError", "build_parser", "main"]
 
 
 def _settings() -> Settings:
@@ -74,8 +74,7 @@ def cmd_fellow(args) -> int:
     s = _settings()
     _check_nats(s.nats_url or "nats://127.0.0.1:4222")
     _logging(args.verbose)
-    asyncio.run(run_fellow(s, fellow_id=args.id))
-    return 0
+    return asyncio.run(run_fellow(s, fellow_id=args.id))
 
 
 def cmd_up(args) -> int:
@@ -147,6 +146,7 @@ def _extensions():
 
 
 def main(argv: list[str] | None = None) -> int:
+    follow_parent()  # under `swarm up`: go when it goes, however it goes
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -159,8 +159,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Under `python -m`, this file runs as __main__; take main from the module the other parts
-    # import, so their CliError is the one caught.
-    from core.cli import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 
-from core.cli import CliError
+from core.cli_errors import CliError
 from core.cli_tokens import call_leader
 from core.settings import Settings
 

@@ -9,30 +9,42 @@ import subprocess
 import sys
 
 PR_SET_PDEATHSIG = 1
+PARENT_PID_ENV = "SWARM_PARENT_PID"  # set by spawn_child for the child's follow_parent
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """Ask the kernel to send `sig` to this process when its parent dies (Linux; else no-op).
-
-    Called in a child before exec (`preexec_fn`), so even a SIGKILL of the parent takes the child.
-    """
+    """Ask the kernel to send `sig` to this process when its parent dies (Linux; else no-op)."""
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
-def spawn_child(args: list[str], env: dict | None = None, sig: int = signal.SIGTERM,
-                **kwargs) -> subprocess.Popen:
-    """Start a child that gets `sig` when we die; the pdeathsig is set between fork and exec."""
-    parent = os.getpid()
+def follow_parent(sig: int = signal.SIGTERM) -> None:
+    """At a child's entry point: get `sig` when the parent that spawn_child gave us dies.
 
-    def _pre() -> None:
-        die_with_parent(sig)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os.kill(os.getpid(), sig)
+    The parent may already be gone when the child gets here; then `sig` comes at once. The variable is
+    taken out of the environment, so this process's own children do not inherit it.
+    """
+    raw = os.environ.pop(PARENT_PID_ENV, "")
+    if not raw.isdigit():
+        return
+    die_with_parent(sig)
+    if os.getppid() != int(raw):
+        os.kill(os.getpid(), sig)
 
-    return subprocess.Popen(args, env=env, preexec_fn=_pre, **kwargs)
+
+def parent_env(env: dict | None = None) -> dict:
+    """`env` (default: ours) naming this process as the parent that the child's follow_parent watches."""
+    return {**(os.environ if env is None else env), PARENT_PID_ENV: str(os.getpid())}
+
+
+def spawn_child(args: list[str], env: dict | None = None, **kwargs) -> subprocess.Popen:
+    """Start a child in its own process group that dies with us: it calls follow_parent at its start.
+
+    No code runs between fork and exec (no `preexec_fn`, which is unsafe in a threaded parent).
+    """
+    return subprocess.Popen(args, env=parent_env(env), process_group=0, **kwargs)
 
 
 def stop_child(proc: subprocess.Popen, timeout: float = 10.0) -> int | None:

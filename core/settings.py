@@ -63,19 +63,24 @@ def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str,
     return v
 
 
-def _auto_or_int(env: Mapping[str, str], name: str, words: tuple[str, ...]) -> str:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return words[0]
-    v = raw.strip().lower()
-    if v in words:
-        return v
-    try:
-        if int(v) < 1:
-            raise ValueError
-    except ValueError:
-        raise SettingsError(f"{name}={raw!r} must be {', '.join(words)} or a positive whole number") from None
-    return v
+# Variables the spec names whose feature is not built yet, and the issue that builds it. Setting one is
+# refused at start rather than validated and ignored.
+NOT_IMPLEMENTED = {
+    "SWARM_SERVE_SPECULATIVE": "speculative decoding, issue 15",
+    "SWARM_SERVE_DRAFT_MODEL": "speculative decoding, issue 15",
+    "SWARM_SERVE_LORA": "lean LoRA, issue 14",
+    "SWARM_SERVE_4BIT_ROWS": "quantized serving, issue 14",
+    "SWARM_SERVE_4BIT_FLOAT32": "quantized serving, issue 14",
+    "SWARM_SERVE_ATTENTION": "kernels chosen by measurement, issue 13",
+    "SWARM_SERVE_STEP_COSTS": "step costs at load, issue 13",
+    "SWARM_API_TOKENS_FILE": "no issue: API tokens are kept in the database",
+}
+
+
+def _refuse_not_implemented(env: Mapping[str, str]) -> None:
+    for name, by in NOT_IMPLEMENTED.items():
+        if (env.get(name) or "").strip():
+            raise SettingsError(f"{name} is not implemented yet ({by}); unset it")
 
 
 @dataclass(frozen=True)
@@ -88,7 +93,6 @@ class Settings:
     leader_url: str
     api_token: str | None
     require_api_token: bool
-    api_tokens_file: Path
     autoload: bool
     servable_models_root: Path
     fellow_model_cache: Path
@@ -100,20 +104,15 @@ class Settings:
     serve_typical_tokens: int
     serve_context_tokens: int
     serve_max_batch: int | None
-    serve_speculative: int
-    serve_lora: str
-    serve_attention: str
-    serve_draft_model: str | None
-    serve_4bit_rows: str
-    serve_4bit_float32: str
-    serve_step_costs: str
     serve_prefill_chunk: int
     serve_max_in_flight: int
     serve_packed_linear: str
+    serve_speculative: int = 0  # refused while not implemented (NOT_IMPLEMENTED); always 0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
         env = os.environ if env is None else env
+        _refuse_not_implemented(env)
         data_dir = Path(env.get("SWARM_DATA_DIR") or "~/.silent-swarm").expanduser()
         database_url = env.get("SWARM_DATABASE_URL") or f"sqlite+aiosqlite:///{data_dir / 'swarm.db'}"
         scheme = database_url.split("://", 1)[0] if "://" in database_url else ""
@@ -133,9 +132,6 @@ class Settings:
             raise SettingsError(f"SWARM_LEADER_PORT={port} is not a TCP port")
         max_batch_raw = env.get("SWARM_SERVE_MAX_BATCH")
         in_flight_raw = env.get("SWARM_SERVE_IN_FLIGHT")
-        speculative = _int(env, "SWARM_SERVE_SPECULATIVE", 0)
-        if speculative > 8:
-            raise SettingsError(f"SWARM_SERVE_SPECULATIVE={speculative} must be at most 8")
         return cls(
             data_dir=data_dir,
             nats_url=nats_url,
@@ -145,7 +141,6 @@ class Settings:
             leader_url=(env.get("SWARM_LEADER_URL") or f"http://127.0.0.1:{port}").rstrip("/"),
             api_token=env.get("SWARM_API_TOKEN") or None,
             require_api_token=_bool(env, "SWARM_REQUIRE_API_TOKEN", False),
-            api_tokens_file=Path(env.get("SWARM_API_TOKENS_FILE") or data_dir / "api_tokens.json"),
             autoload=_bool(env, "SWARM_AUTOLOAD", False),
             servable_models_root=Path(
                 env.get("SWARM_SERVABLE_MODELS_ROOT") or data_dir / "servable_models"
@@ -159,14 +154,6 @@ class Settings:
             serve_typical_tokens=_int(env, "SWARM_SERVE_TYPICAL_TOKENS", 1024, minimum=1),
             serve_context_tokens=_int(env, "SWARM_SERVE_CONTEXT_TOKENS", 4096, minimum=1),
             serve_max_batch=None if not max_batch_raw else _int(env, "SWARM_SERVE_MAX_BATCH", 0),
-            serve_speculative=speculative,
-            serve_lora=_choice(env, "SWARM_SERVE_LORA", "lean", ("lean", "lean16", "peft")),
-            serve_attention=_choice(env, "SWARM_SERVE_ATTENTION", "auto", ("auto", "grouped", "sdpa")),
-            serve_draft_model=env.get("SWARM_SERVE_DRAFT_MODEL") or None,
-            serve_4bit_rows=_auto_or_int(env, "SWARM_SERVE_4BIT_ROWS", ("auto", "off")),
-            serve_4bit_float32=_choice(env, "SWARM_SERVE_4BIT_FLOAT32", "auto", ("auto", "off")),
-            serve_step_costs=_choice(env, "SWARM_SERVE_STEP_COSTS", "off",
-                                     ("off", "0", "1", "on", "profile")),
             serve_prefill_chunk=_int(env, "SWARM_SERVE_PREFILL_CHUNK", 256),
             serve_max_in_flight=_int(env, "SWARM_SERVE_MAX_IN_FLIGHT", 8, minimum=1),
             serve_packed_linear=_choice(env, "SWARM_SERVE_PACKED_LINEAR", "auto", ("auto", "off")),

@@ -9,7 +9,6 @@ import socket
 import time
 from typing import Awaitable, Callable
 
-import msgspec
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
@@ -47,8 +46,12 @@ class FellowAgent:
         self.handlers: dict[type, Handler] = {StopFellow: self._on_stop}
         self.loaded_models: Callable[[], list[LoadedModel]] = lambda: []
         self.stopped = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
+        self.failure: str | None = None  # why the agent stopped on its own, if a loop of it ended
         self.on_stop: list[Callable[[], Awaitable[None]]] = []
+        self._loops: list[asyncio.Task] = []  # heartbeats and commands: while the fellow lives, they run
+        self._running: set[asyncio.Task] = set()  # commands being applied
+        self._latest: dict[str, asyncio.Task] = {}  # load id -> its newest command, which runs after the one before
+        self._stopping = False
 
     async def start(self) -> None:
         self.nc = await connect(self.settings.nats_url or "nats://127.0.0.1:4222",
@@ -56,8 +59,8 @@ class FellowAgent:
         self.js = self.nc.jetstream()
         await ensure_streams(self.js)
         await self.beat()
-        self._tasks = [asyncio.create_task(self._heartbeats(), name="heartbeats"),
-                       asyncio.create_task(self._commands(), name="commands")]
+        self._loops = [self._supervised(self._heartbeats(), "heartbeats"),
+                       self._supervised(self._commands(), "commands")]
         log.info("fellow %s up, capabilities %s", self.fellow_id, ",".join(self.capabilities) or "-")
 
     def heartbeat(self) -> Heartbeat:
@@ -73,6 +76,20 @@ class FellowAgent:
         hb = self.heartbeat()
         await publish_struct(self.js, subjects.heartbeat(self.fellow_id), hb,
                              msg_id=f"hb-{self.fellow_id}-{self.started_at!r}-{hb.seq}")
+
+    def _supervised(self, coro, name: str) -> asyncio.Task:
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(self._loop_ended)
+        return task
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """A loop that ends before stop is a dead fellow, not a zombie: stop it, with a non-zero exit."""
+        if self._stopping:
+            return
+        how = "cancelled" if task.cancelled() else f"raised {task.exception()!r}" if task.exception() else "returned"
+        self.failure = f"the {task.get_name()} loop ended ({how})"
+        log.error("%s; the fellow stops", self.failure)
+        self.stopped.set()
 
     async def _heartbeats(self) -> None:
         while True:
@@ -100,38 +117,56 @@ class FellowAgent:
                 await asyncio.sleep(1.0)
                 continue
             for msg in msgs:
-                await msg.ack()  # a command runs at most once; its outcome is reported as events
                 try:
-                    cmd = command_decoder.decode(msg.data)
-                except msgspec.DecodeError as exc:
-                    log.warning("dropped a malformed command on %s: %s", msg.subject, exc)
-                    continue
-                handler = self.handlers.get(type(cmd))
-                if handler is None:
-                    log.warning("no handler for command %s", type(cmd).__name__)
-                    continue
-                asyncio.create_task(self._run(handler, cmd))
+                    await self._take(msg)
+                except Exception as exc:  # whatever the message: one line, and on to the next
+                    log.warning("dropped a command on %s: %s", msg.subject, _one_line(exc))
 
-    async def _run(self, handler: Handler, cmd: Command) -> None:
+    async def _take(self, msg) -> None:
+        await msg.ack()  # a command runs at most once; its outcome is reported as events
+        cmd = command_decoder.decode(msg.data)
+        handler = self.handlers.get(type(cmd))
+        if handler is None:
+            log.warning("no handler for command %s", type(cmd).__name__)
+            return
+        load_id = getattr(cmd, "load_id", None)
+        before = self._latest.get(load_id) if load_id else None
+        task = asyncio.create_task(self._run(handler, cmd, before), name=f"command-{type(cmd).__name__}")
+        self._running.add(task)
+        task.add_done_callback(self._done)
+        if load_id:
+            self._latest[load_id] = task
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._running.discard(task)
+        for load_id in [k for k, t in self._latest.items() if t is task]:
+            del self._latest[load_id]
+
+    async def _run(self, handler: Handler, cmd: Command, before: asyncio.Task | None) -> None:
+        if before is not None:  # one load's commands apply in the order they came
+            await asyncio.wait([before])
         try:
             await handler(cmd)
-        except Exception:
-            log.exception("command %s failed", type(cmd).__name__)
+        except Exception as exc:
+            log.error("command %s failed: %s", type(cmd).__name__, _one_line(exc))
+            log.debug("command %s failed", type(cmd).__name__, exc_info=True)
 
     async def _on_stop(self, cmd: StopFellow) -> None:
         self.stopped.set()
 
     async def stop(self) -> None:
-        await run_hooks(self.on_stop, log)
-        for t in self._tasks:
+        """The loops and the commands still running end first, then the stop hooks run, then NATS closes."""
+        self._stopping = True
+        here = asyncio.current_task()  # stop may be called from a command (update): not cancelled
+        tasks = [t for t in [*self._loops, *self._running] if t is not here]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await run_hooks(self.on_stop, log)
         if self.nc is not None and not self.nc.is_closed:
             await close_quietly(self.nc)
 
-    async def run_until_stopped(self) -> None:
-        await self.start()
-        try:
-            await self.stopped.wait()
-        finally:
-            await self.stop()
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__

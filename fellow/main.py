@@ -19,7 +19,8 @@ def capabilities() -> list[str]:
     return [CAP_ONE_STAGE, CAP_N_STAGE, CAP_CONCURRENT, CAP_KV_BUDGET]
 
 
-async def run_fellow(settings: Settings, fellow_id: str | None = None) -> None:
+async def run_fellow(settings: Settings, fellow_id: str | None = None) -> int:
+    """0 once stopped as asked; 1 when a loop of the agent ended on its own (it stopped rather than linger)."""
     agent = FellowAgent(settings, fellow_id=fellow_id, capabilities=capabilities())
     manager = ModelManager(agent)
     loop = asyncio.get_running_loop()
@@ -31,3 +32,4 @@ async def run_fellow(settings: Settings, fellow_id: str | None = None) -> None:
         await agent.stopped.wait()
     finally:
         await agent.stop()
+    return 1 if agent.failure else 0

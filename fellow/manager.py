@@ -81,7 +81,13 @@ class ModelManager:
             proc = StageProcess(cmd.load_id, cmd.model_id, cmd.assignment.stage, cfg, self._on_report,
                                 log_path=logs / f"{cmd.load_id}-stage{cmd.assignment.stage}.log")
             self.procs[cmd.load_id] = proc
-            await proc.start()
+            try:
+                await proc.start()
+            except Exception as exc:  # nothing started: no entry left behind, and the leader hears of it
+                self.procs.pop(cmd.load_id, None)
+                await self._fail(cmd.load_id, cmd.model_id, f"the stage process did not start: {exc}",
+                                 cmd.assignment.replica, cmd.replicas)
+                raise
             log.info("loading %s as %s (pid %d)", cmd.model_id, cmd.load_id, proc.pid)
 
     async def _on_report(self, proc: StageProcess, msg: dict) -> None:
@@ -135,6 +141,7 @@ class ModelManager:
         self.procs.pop(proc.load_id, None)
 
     async def on_unload(self, cmd: UnloadStage) -> None:
+        """The agent applies one load's commands in order, so an unload after a load finds its process."""
         proc = self.procs.get(cmd.load_id)
         if proc is not None:
             await self._stop(proc, cmd.reason or "requested")

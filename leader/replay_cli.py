@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from core.bus import connect, ensure_streams
+from core.cli_errors import CliError
 from core.settings import Settings
 from leader.db.engine import make_engine, session_factory, upgrade
 from leader.projectors.all import all_projectors
@@ -12,8 +13,6 @@ from leader.projectors.replay import replay
 async def replay_projections(settings: Settings, name: str | None = None) -> dict[str, int]:
     projectors = [p for p in all_projectors() if name in (None, p.name)]
     if not projectors:
-        from core.cli import CliError
-
         known = ", ".join(p.name for p in all_projectors())
         raise CliError(f"no projection named {name!r} (known: {known})")
     await upgrade(settings.database_url)

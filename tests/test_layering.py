@@ -1,0 +1,130 @@
+"""The layers import only downwards. Read from the syntax tree, so an import inside a function counts too.
+
+- events/ imports nothing of ours;
+- core/ imports no leader/ or fellow/, except the CLI entry point (core/cli.py, core/cli_*.py), lazily;
+- leader/ imports no fellow/, and fellow/ imports no leader/;
+- torch and transformers are imported only under fellow/runtime/.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Iterator, NamedTuple
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = ("events", "core", "leader", "fellow")
+OURS = set(LAYERS)
+TORCH = {"torch", "transformers"}
+
+
+class Import(NamedTuple):
+    module: str  # dotted name as imported
+    line: int
+    lazy: bool  # inside a function
+
+
+class Violation(NamedTuple):
+    path: str
+    line: int
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.why}"
+
+
+def imports(tree: ast.AST, package: str) -> Iterator[Import]:
+    """Every import statement, `__import__("x")` and `importlib.import_module("x")`, with whether it is lazy."""
+
+    def walk(node: ast.AST, lazy: bool) -> Iterator[Import]:
+        for child in ast.iter_child_nodes(node):
+            inner = lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                yield from (Import(a.name, child.lineno, lazy) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:  # relative: resolve against this file's package
+                    parts = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    base = ".".join(p for p in [*parts, base] if p)
+                yield Import(base, child.lineno, lazy)
+            elif isinstance(child, ast.Call) and _dynamic_name(child):
+                yield Import(_dynamic_name(child), child.lineno, lazy)
+            yield from walk(child, inner)
+
+    yield from walk(tree, False)
+
+
+def _dynamic_name(call: ast.Call) -> str | None:
+    f = call.func
+    name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+    if name in ("__import__", "import_module") and call.args and isinstance(call.args[0], ast.Constant) \
+            and isinstance(call.args[0].value, str):
+        return call.args[0].value
+    return None
+
+
+def _is_cli(rel: Path) -> bool:
+    return rel.parts[0] == "core" and len(rel.parts) == 2 and (rel.name == "cli.py" or rel.name.startswith("cli_"))
+
+
+def check_file(root: Path, path: Path) -> list[Violation]:
+    rel = path.relative_to(root)
+    layer = rel.parts[0]
+    package = ".".join(rel.with_suffix("").parts[:-1] if rel.name != "__init__.py" else rel.parts[:-1])
+    found = []
+    for imp in imports(ast.parse(path.read_text(), str(path)), package):
+        top = imp.module.split(".")[0]
+        why = None
+        if top in TORCH and rel.parts[:2] != ("fellow", "runtime"):
+            why = f"imports {imp.module}: torch and transformers belong under fellow/runtime/ only"
+        elif layer == "events" and top in OURS - {"events"}:
+            why = f"imports {imp.module}: events/ imports nothing of ours"
+        elif layer == "core" and top in ("leader", "fellow"):
+            if not _is_cli(rel):
+                why = f"imports {imp.module}: core/ imports no {top}/"
+            elif not imp.lazy:
+                why = f"imports {imp.module} at module level: the CLI imports {top}/ only inside a function"
+        elif layer == "leader" and top == "fellow":
+            why = f"imports {imp.module}: leader/ imports no fellow/"
+        elif layer == "fellow" and top == "leader":
+            why = f"imports {imp.module}: fellow/ imports no leader/"
+        if why:
+            found.append(Violation(str(rel), imp.line, why))
+    return found
+
+
+def check_tree(root: Path) -> list[Violation]:
+    found = []
+    for layer in LAYERS:
+        for path in sorted((root / layer).rglob("*.py")):
+            found += check_file(root, path)
+    return found
+
+
+def test_the_tree_keeps_its_layers():
+    runtime = [imp.module for path in (ROOT / "fellow" / "runtime").rglob("*.py")
+               for imp in imports(ast.parse(path.read_text()), "fellow.runtime")]
+    assert "torch" in runtime  # the walk reads the real tree
+    violations = check_tree(ROOT)
+    assert not violations, "layering violations:\n" + "\n".join(map(str, violations))
+
+
+def test_the_checker_sees_each_kind_of_violation(tmp_path):
+    files = {
+        "events/bad.py": "from core.settings import Settings\n",
+        "core/bad.py": "def f():\n    import leader.app\n",
+        "core/cli_bad.py": "from fellow.main import run_fellow\n",
+        "core/cli.py": "def ok():\n    from fellow.main import run_fellow\n",  # lazy in the CLI: allowed
+        "leader/bad.py": "import os\n\n\nclass A:\n    def f(self):\n        return __import__('fellow.agent')\n",
+        "fellow/bad.py": "from leader import serving\n",
+        "fellow/sub/rel.py": "from ...leader import app\n",
+        "fellow/cpu.py": "import importlib\nimportlib.import_module('transformers')\n",
+        "leader/t.py": "async def f():\n    import torch.nn\n",
+        "fellow/runtime/fine.py": "import torch\nfrom transformers import AutoConfig\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    found = {(v.path, v.line) for v in check_tree(tmp_path)}
+    assert found == {("events/bad.py", 1), ("core/bad.py", 2), ("core/cli_bad.py", 1), ("leader/bad.py", 6),
+                     ("fellow/bad.py", 1), ("fellow/sub/rel.py", 1), ("fellow/cpu.py", 2), ("leader/t.py", 2)}
