@@ -7,6 +7,7 @@ import time
 
 import msgspec
 from litestar import Request, Response, get, post
+from litestar.params import FromPath
 from litestar.response import Stream
 from litestar.status_codes import HTTP_200_OK
 
@@ -109,20 +110,20 @@ async def _model(request: Request, model_id: str) -> Model:
 
 
 @get("/v1/models/{model_id:str}", opt={"scope": "read"}, tags=["openai"], summary="OpenAI: one model")
-async def get_model_openai(request: Request, model_id: str) -> dict:
+async def get_model_openai(request: Request, model_id: FromPath[str]) -> dict:
     m = await _model(request, model_id)
     return {"id": m.model_id, "object": "model", "created": int(m.cataloged_at), "owned_by": "swarm"}
 
 
 @get("/api/v1/models/{model_id:str}", opt={"scope": "read"}, tags=["models"], summary="One model")
-async def get_model(request: Request, model_id: str) -> dict:
+async def get_model(request: Request, model_id: FromPath[str]) -> dict:
     m = await _model(request, model_id)
     return model_view(m, await request.app.state.leader.serving.active_load(model_id))
 
 
 @get("/api/v1/models/{model_id:str}/status", opt={"scope": "read"}, tags=["models"],
      summary="Load state, stages and serving metrics (tokens_per_s, last_ttft_s, requests, idle_s, vram_bytes)")
-async def model_status(request: Request, model_id: str) -> dict:
+async def model_status(request: Request, model_id: FromPath[str]) -> dict:
     leader = request.app.state.leader
     m = await _model(request, model_id)
     load = await leader.serving.active_load(model_id)
@@ -150,7 +151,7 @@ def _body(raw: bytes, cls):
       summary="Load a model on one stage, a ring of num_stages or as replicas one-stage copies (fellow_ids "
               "pins them); with wait, "
               "answer once it is ready or failed")
-async def load_model(request: Request, model_id: str) -> dict:
+async def load_model(request: Request, model_id: FromPath[str]) -> dict:
     leader = request.app.state.leader
     body = _body(await request.body(), LoadBody)
     if body.num_stages is not None and body.num_stages < 1:
@@ -171,7 +172,7 @@ async def load_model(request: Request, model_id: str) -> dict:
 
 @post("/api/v1/models/{model_id:str}/unload", opt={"scope": "operate"}, tags=["models"], status_code=HTTP_200_OK,
       summary="Unload a model: its stage processes stop and give their memory back")
-async def unload_model(request: Request, model_id: str) -> dict:
+async def unload_model(request: Request, model_id: FromPath[str]) -> dict:
     leader = request.app.state.leader
     load = await leader.serving.unload(model_id, requested_by=request.scope.get("swarm_token_id", ""))
     return load_view(load, await leader.serving.stages(load.load_id), leader.fellows.latest)
@@ -182,7 +183,7 @@ ROUTES = [list_models, list_models_openai, get_model_openai, get_model, model_st
 
 @get("/api/v1/models/{model_id:str}/archive", opt={"scope": "read"}, tags=["models"],
      summary="The servable as a tar: sha256 in X-Swarm-Sha256, resumable with Range")
-async def model_archive(request: Request, model_id: str) -> Response:
+async def model_archive(request: Request, model_id: FromPath[str]) -> Response:
     from pathlib import Path
 
     from leader.archive import archive_for, parse_range, read_range
