@@ -6,6 +6,7 @@ import pytest
 from litestar.testing import AsyncTestClient
 
 from leader.app import create_app
+from leader.context import Leader
 from leader.db.tables import Request as RequestRow
 from tests.chat_fixtures import READY, ServingPeer, StandInServing, cataloged_servable
 from tests.conftest import make_settings
@@ -17,11 +18,9 @@ MSGS = [{"role": "user", "content": "hi"}]
 async def client(tmp_path, nats_server, sqlite_url):
     root = tmp_path / "servables"
     cataloged_servable(root, "cataloged")
-    app = create_app(make_settings(tmp_path, nats_server.url, sqlite_url, SWARM_SERVABLE_MODELS_ROOT=root))
-    app.state.chat_timeout_s = 1.0
+    settings = make_settings(tmp_path, nats_server.url, sqlite_url, SWARM_SERVABLE_MODELS_ROOT=root)
+    app = create_app(settings, Leader(settings, serving=StandInServing), chat_timeout_s=1.0)
     async with AsyncTestClient(app) as c:
-        leader = app.state.leader
-        leader.serving = StandInServing(leader.serving)
         yield c
 
 

@@ -12,9 +12,10 @@ from litestar.response import Stream
 from litestar.status_codes import HTTP_200_OK
 
 from events import subjects
+from leader.api.deps import Caller, FellowsDep, LeaderDep, ServingDep, SettingsDep, requested_by
 from leader.db.tables import Load, Model
 from leader.errors import ApiError
-from leader.serving import model_not_found
+from leader.serving import Serving, model_not_found
 
 
 class LoadBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -88,50 +89,48 @@ def _summed(replicas: list[dict]) -> dict:
 
 
 @get("/api/v1/models", opt={"scope": "read"}, tags=["models"], summary="Servable models and their load state")
-async def list_models(request: Request) -> dict:
-    serving = request.app.state.leader.serving
+async def list_models(serving: ServingDep) -> dict:
     models = await serving.registry.all()
     loads = {m.model_id: await serving.active_load(m.model_id) for m in models}
     return {"object": "list", "data": [model_view(m, loads[m.model_id]) for m in models]}
 
 
 @get("/v1/models", opt={"scope": "read"}, tags=["openai"], summary="OpenAI: the models available to chat")
-async def list_models_openai(request: Request) -> dict:
-    models = await request.app.state.leader.serving.registry.all()
+async def list_models_openai(serving: ServingDep) -> dict:
+    models = await serving.registry.all()
     return {"object": "list", "data": [{"id": m.model_id, "object": "model", "created": int(m.cataloged_at),
                                         "owned_by": "swarm"} for m in models if m.available]}
 
 
-async def _model(request: Request, model_id: str) -> Model:
-    model = await request.app.state.leader.serving.registry.get(model_id)
+async def _model(serving: Serving, model_id: str) -> Model:
+    model = await serving.registry.get(model_id)
     if model is None:
         raise model_not_found(model_id)
     return model
 
 
 @get("/v1/models/{model_id:str}", opt={"scope": "read"}, tags=["openai"], summary="OpenAI: one model")
-async def get_model_openai(request: Request, model_id: FromPath[str]) -> dict:
-    m = await _model(request, model_id)
+async def get_model_openai(serving: ServingDep, model_id: FromPath[str]) -> dict:
+    m = await _model(serving, model_id)
     return {"id": m.model_id, "object": "model", "created": int(m.cataloged_at), "owned_by": "swarm"}
 
 
 @get("/api/v1/models/{model_id:str}", opt={"scope": "read"}, tags=["models"], summary="One model")
-async def get_model(request: Request, model_id: FromPath[str]) -> dict:
-    m = await _model(request, model_id)
-    return model_view(m, await request.app.state.leader.serving.active_load(model_id))
+async def get_model(serving: ServingDep, model_id: FromPath[str]) -> dict:
+    m = await _model(serving, model_id)
+    return model_view(m, await serving.active_load(model_id))
 
 
 @get("/api/v1/models/{model_id:str}/status", opt={"scope": "read"}, tags=["models"],
      summary="Load state, stages and serving metrics (tokens_per_s, last_ttft_s, requests, idle_s, vram_bytes)")
-async def model_status(request: Request, model_id: FromPath[str]) -> dict:
-    leader = request.app.state.leader
-    m = await _model(request, model_id)
-    load = await leader.serving.active_load(model_id)
+async def model_status(leader: LeaderDep, serving: ServingDep, fellows: FellowsDep, model_id: FromPath[str]) -> dict:
+    m = await _model(serving, model_id)
+    load = await serving.active_load(model_id)
     view = model_view(m, load)
-    view["load"] = load_view(load, await leader.serving.stages(load.load_id), leader.fellows.latest) if load else None
+    view["load"] = load_view(load, await serving.stages(load.load_id), fellows.latest) if load else None
     if load is not None:
         view["load"]["queued"] = await queued_requests(leader.js, load.load_id)
-        view["load"]["relay"] = leader.serving.relay.lanes(load.load_id)  # a ring's bytes and frames per lane
+        view["load"]["relay"] = serving.relay.lanes(load.load_id)  # a ring's bytes and frames per lane
     view["checked_at"] = time.time()
     return view
 
@@ -151,31 +150,30 @@ def _body(raw: bytes, cls):
       summary="Load a model on one stage, a ring of num_stages or as replicas one-stage copies (fellow_ids "
               "pins them); with wait, "
               "answer once it is ready or failed")
-async def load_model(request: Request, model_id: FromPath[str]) -> dict:
-    leader = request.app.state.leader
+async def load_model(request: Request, serving: ServingDep, fellows: FellowsDep, caller: Caller,
+                     model_id: FromPath[str]) -> dict:
     body = _body(await request.body(), LoadBody)
     if body.num_stages is not None and body.num_stages < 1:
         raise ApiError(400, "num_stages must be at least 1", code="invalid_value", param="num_stages")
     if body.replicas < 1:
         raise ApiError(400, "replicas must be at least 1", code="invalid_value", param="replicas")
-    load = await leader.serving.load(model_id, body.num_stages, body.fellow_id, body.quantization,
-                                     requested_by=request.scope.get("swarm_token_id", ""), fellow_ids=body.fellow_ids,
-                                     replicas=body.replicas)
+    load = await serving.load(model_id, body.num_stages, body.fellow_id, body.quantization,
+                              requested_by=requested_by(caller), fellow_ids=body.fellow_ids, replicas=body.replicas)
     if body.wait:
         try:
-            load = await leader.serving.wait_settled(load.load_id, body.timeout_s)
+            load = await serving.wait_settled(load.load_id, body.timeout_s)
         except asyncio.TimeoutError:
             raise ApiError(504, f"'{model_id}' is still loading after {body.timeout_s:.0f}s",
                            code="load_timeout") from None
-    return load_view(load, await leader.serving.stages(load.load_id), leader.fellows.latest)
+    return load_view(load, await serving.stages(load.load_id), fellows.latest)
 
 
 @post("/api/v1/models/{model_id:str}/unload", opt={"scope": "operate"}, tags=["models"], status_code=HTTP_200_OK,
       summary="Unload a model: its stage processes stop and give their memory back")
-async def unload_model(request: Request, model_id: FromPath[str]) -> dict:
-    leader = request.app.state.leader
-    load = await leader.serving.unload(model_id, requested_by=request.scope.get("swarm_token_id", ""))
-    return load_view(load, await leader.serving.stages(load.load_id), leader.fellows.latest)
+async def unload_model(serving: ServingDep, fellows: FellowsDep, caller: Caller,
+                       model_id: FromPath[str]) -> dict:
+    load = await serving.unload(model_id, requested_by=requested_by(caller))
+    return load_view(load, await serving.stages(load.load_id), fellows.latest)
 
 
 ROUTES = [list_models, list_models_openai, get_model_openai, get_model, model_status, load_model, unload_model]
@@ -183,15 +181,15 @@ ROUTES = [list_models, list_models_openai, get_model_openai, get_model, model_st
 
 @get("/api/v1/models/{model_id:str}/archive", opt={"scope": "read"}, tags=["models"],
      summary="The servable as a tar: sha256 in X-Swarm-Sha256, resumable with Range")
-async def model_archive(request: Request, model_id: FromPath[str]) -> Response:
+async def model_archive(request: Request, serving: ServingDep, settings: SettingsDep,
+                        model_id: FromPath[str]) -> Response:
     from pathlib import Path
 
     from leader.archive import archive_for, parse_range, read_range
 
-    m = await _model(request, model_id)
+    m = await _model(serving, model_id)
     if not m.available:
         raise ApiError(409, f"The model '{model_id}' is not servable: {m.reason}", code="model_unavailable")
-    settings = request.app.state.leader.settings
     path, digest = await archive_for(Path(m.path), settings.data_dir / "archives", m.manifest_sha256)
     size = path.stat().st_size
     headers = {"Accept-Ranges": "bytes", "X-Swarm-Sha256": digest, "ETag": f'"{digest}"',

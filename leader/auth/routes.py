@@ -8,7 +8,7 @@ import msgspec
 from litestar import Request, delete, get, post
 from litestar.params import FromPath
 
-from leader.auth.guard import auth_service, token_of
+from leader.api.deps import AuthDep, Caller
 from leader.auth.scopes import SCOPES, canonical
 from leader.errors import ApiError
 
@@ -52,22 +52,22 @@ def parse_mint(body: bytes) -> tuple[str, list[str], float | None]:
 
 @post("/api/v1/api-tokens", tags=["api-tokens"], status_code=201, opt={**ADMIN, "first_run_open": True},
       summary="Mint an API token; the secret is in this response only")
-async def create_api_token(request: Request) -> dict:
+async def create_api_token(request: Request, auth: AuthDep, caller: Caller) -> dict:
     label, scopes, expires_in = parse_mint(await request.body())
-    record, secret = await auth_service(request.app).mint(label, scopes, expires_in, token_of(request))
+    record, secret = await auth.mint(label, scopes, expires_in, caller)
     return {**record.view(), "token": secret}
 
 
 @get("/api/v1/api-tokens", tags=["api-tokens"], opt=ADMIN, summary="API tokens (never their secrets)")
-async def list_api_tokens(request: Request) -> dict:
-    table = await auth_service(request.app).table()
+async def list_api_tokens(auth: AuthDep) -> dict:
+    table = await auth.table()
     return {"object": "list", "data": [r.view() for r in table.records]}
 
 
 @delete("/api/v1/api-tokens/{token_id:str}", tags=["api-tokens"], status_code=200, opt=ADMIN,
         summary="Revoke an API token")
-async def revoke_api_token(request: Request, token_id: FromPath[str]) -> dict:
-    record = await auth_service(request.app).revoke(token_id)
+async def revoke_api_token(auth: AuthDep, token_id: FromPath[str]) -> dict:
+    record = await auth.revoke(token_id)
     return record.view()
 
 
