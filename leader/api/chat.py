@@ -10,6 +10,7 @@ import asyncio
 import logging
 
 from litestar import Request, Response, post
+from litestar.params import JSONBody
 from litestar.response import Stream
 from nats.errors import Error as NatsError
 
@@ -18,10 +19,11 @@ from events import subjects
 from events.base import new_id
 from events.frames import DoneFrame, ErrorFrame, TokenFrame
 from events.requests import ChatRequest, RequestAccepted, RequestFailed, request_failed_id
+from leader.api.body import StructBody
 from leader.api.deps import Caller, ChatTimeout, LeaderDep, ServingDep, StreamsDep
 from leader.errors import ApiError
-from leader.openai.replies import DONE, ChunkEncoder, completion, error_event, frame_error
-from leader.openai.schema import decode_body
+from leader.openai.replies import DONE, ChatCompletion, ChunkEncoder, completion, error_event, frame_error
+from leader.openai.schema import ChatBody, decode_body, empty_body
 from leader.openai.validate import chat_request, check_body
 from leader.token_stream import FrameTimeout, TokenStream
 
@@ -129,11 +131,20 @@ async def submit(leader, chat: ChatRequest, stream: bool, token_id: str) -> None
                        code="bus_unavailable") from None
 
 
+class ChatBodyDTO(StructBody[ChatBody]):
+    decode = staticmethod(decode_body)
+
+
 @post(["/v1/chat/completions", "/api/v1/chat/completions"], opt={"scope": "operate"}, status_code=200,
+      dto=ChatBodyDTO, return_dto=None,
       tags=["chat"], summary="OpenAI chat completions, streamed as SSE chunks or in one reply")
 async def chat_completions(request: Request, leader: LeaderDep, serving: ServingDep, streams: StreamsDep,
-                           caller: Caller, chat_timeout_s: ChatTimeout) -> Response:
-    body = decode_body(await request.body())
+                           caller: Caller, chat_timeout_s: ChatTimeout,
+                           data: JSONBody[ChatBody | None] = None) -> Response[ChatCompletion]:
+    """The reply is a ChatCompletion, or with ``stream`` its chunks as server-sent events."""
+    if data is None:
+        raise empty_body()
+    body = data
     messages = check_body(body)
     ready = await serving.ready_load(body.model, leader.settings.autoload)
     chat = chat_request(body, messages, new_id(), ready.load_id, ready.generation, ready.context_tokens)

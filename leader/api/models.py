@@ -7,14 +7,17 @@ import time
 
 import msgspec
 from litestar import Request, Response, get, post
-from litestar.params import FromPath
+from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 from litestar.status_codes import HTTP_200_OK
 
 from events import subjects
+from leader.api.body import StructBody
 from leader.api.deps import Caller, FellowsDep, LeaderDep, ServingDep, SettingsDep, requested_by
+from leader.api.views import LoadView, load_view
 from leader.db.tables import Load, Model
 from leader.errors import ApiError
+from leader.openai.schema import decode_struct
 from leader.serving import Serving, model_not_found
 
 
@@ -26,6 +29,9 @@ class LoadBody(msgspec.Struct, forbid_unknown_fields=True):
     replicas: int = 1  # one-stage copies on as many fellows, sharing the request queue
     wait: bool = False
     timeout_s: float = 600.0
+
+
+_load_decoder = msgspec.json.Decoder(LoadBody)
 
 
 def model_view(m: Model, load: Load | None) -> dict:
@@ -49,43 +55,6 @@ async def queued_requests(js, load_id: str) -> int:
     except NotFoundError:
         return 0
     return int(info.num_pending or 0)
-
-
-def load_view(load: Load, stages, latest: dict) -> dict:
-    view = {"load_id": load.load_id, "model_id": load.model_id, "state": load.state, "reason": load.reason or None,
-            "num_stages": load.num_stages, "requested_at": load.requested_at, "ready_at": load.ready_at,
-            "ended_at": load.ended_at, "transport": load.transport, "replicas": len({s.replica for s in stages}) or 1,
-            "stages": []}
-    admitting = []  # stage 0 of every replica
-    for s in stages:
-        stage = {"stage": s.stage, "replica": s.replica or 0, "fellow_id": s.fellow_id, "layers": [s.layer_first, s.layer_last],
-                 "state": s.state, "pid": s.pid, "kv_tokens": s.kv_tokens, "kv_tokens_planned": s.kv_tokens_planned,
-                 "max_in_flight": s.max_in_flight, "vram_bytes": s.vram_bytes}
-        hb = latest.get(s.fellow_id)
-        for lm in (hb.loaded_models if hb else []):
-            if lm.load_id == load.load_id and lm.stage == s.stage and lm.replica == (s.replica or 0):
-                live = msgspec.to_builtins(lm)
-                stage["metrics"] = {k: live[k] for k in ("tokens_per_s", "last_ttft_s", "requests", "idle_s",
-                                                         "vram_bytes", "in_flight", "waiting")
-                                    if k in live}
-                if s.stage == 0:
-                    admitting.append(stage["metrics"])
-        view["stages"].append(stage)
-    view["metrics"] = admitting[0] if len(admitting) == 1 else _summed(admitting)
-    return view
-
-
-def _summed(replicas: list[dict]) -> dict:
-    """The load's metrics over its replicas: rates, counts and memory add up; idle is the least idle's."""
-    if not replicas:
-        return {}
-    out = {k: sum(m.get(k) or 0 for m in replicas) for k in ("tokens_per_s", "requests", "vram_bytes", "in_flight",
-                                                               "waiting")}
-    out["tokens_per_s"] = round(out["tokens_per_s"], 3)
-    out["idle_s"] = min(m.get("idle_s", 0.0) for m in replicas)
-    ttfts = [m["last_ttft_s"] for m in replicas if m.get("last_ttft_s") is not None]
-    out["last_ttft_s"] = ttfts[0] if ttfts else None
-    return out
 
 
 @get("/api/v1/models", opt={"scope": "read"}, tags=["models"], summary="Servable models and their load state")
@@ -129,30 +98,28 @@ async def model_status(leader: LeaderDep, serving: ServingDep, fellows: FellowsD
     view = model_view(m, load)
     view["load"] = load_view(load, await serving.stages(load.load_id), fellows.latest) if load else None
     if load is not None:
-        view["load"]["queued"] = await queued_requests(leader.js, load.load_id)
-        view["load"]["relay"] = serving.relay.lanes(load.load_id)  # a ring's bytes and frames per lane
+        view["load"].queued = await queued_requests(leader.js, load.load_id)
+        view["load"].relay = serving.relay.lanes(load.load_id)  # a ring's bytes and frames per lane
     view["checked_at"] = time.time()
     return view
 
 
-def _body(raw: bytes, cls):
-    if not raw.strip():
-        return cls()
-    try:
-        return msgspec.json.decode(raw, type=cls)
-    except msgspec.ValidationError as exc:
-        raise ApiError(400, f"Invalid request body: {exc}", code="invalid_request") from None
-    except msgspec.DecodeError:
-        raise ApiError(400, "The request body is not valid JSON", code="invalid_json") from None
+def decode_load(raw: bytes) -> LoadBody:
+    return decode_struct(raw, _load_decoder) if raw.strip() else LoadBody()
+
+
+class LoadBodyDTO(StructBody[LoadBody]):
+    decode = staticmethod(decode_load)
 
 
 @post("/api/v1/models/{model_id:str}/load", opt={"scope": "operate"}, tags=["models"], status_code=HTTP_200_OK,
+      dto=LoadBodyDTO, return_dto=None,
       summary="Load a model on one stage, a ring of num_stages or as replicas one-stage copies (fellow_ids "
               "pins them); with wait, "
               "answer once it is ready or failed")
-async def load_model(request: Request, serving: ServingDep, fellows: FellowsDep, caller: Caller,
-                     model_id: FromPath[str]) -> dict:
-    body = _body(await request.body(), LoadBody)
+async def load_model(serving: ServingDep, fellows: FellowsDep, caller: Caller, model_id: FromPath[str],
+                     data: JSONBody[LoadBody | None] = None) -> LoadView:
+    body = data or LoadBody()
     if body.num_stages is not None and body.num_stages < 1:
         raise ApiError(400, "num_stages must be at least 1", code="invalid_value", param="num_stages")
     if body.replicas < 1:
@@ -171,7 +138,7 @@ async def load_model(request: Request, serving: ServingDep, fellows: FellowsDep,
 @post("/api/v1/models/{model_id:str}/unload", opt={"scope": "operate"}, tags=["models"], status_code=HTTP_200_OK,
       summary="Unload a model: its stage processes stop and give their memory back")
 async def unload_model(serving: ServingDep, fellows: FellowsDep, caller: Caller,
-                       model_id: FromPath[str]) -> dict:
+                       model_id: FromPath[str]) -> LoadView:
     load = await serving.unload(model_id, requested_by=requested_by(caller))
     return load_view(load, await serving.stages(load.load_id), fellows.latest)
 

@@ -7,6 +7,7 @@ head once and a frame costs one msgspec encode of its text.
 from __future__ import annotations
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from events.frames import DoneFrame, ErrorFrame
 from leader.errors import ApiError, error_body
@@ -31,21 +32,48 @@ def frame_error(frame: ErrorFrame) -> ApiError:
     return ApiError(status, frame.message or "the model failed to answer", code=code, param=param)
 
 
-def usage(done: DoneFrame) -> dict:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens}
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(msgspec.Struct, kw_only=True):
+    role: str = "assistant"
+    content: str
+    refusal: str | None = None
+
+
+class Choice(msgspec.Struct, kw_only=True):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    """OpenAI's ``chat.completion``; ``swarm.timing`` holds the spec's per-token time split."""
+
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    system_fingerprint: str | None = None
+    swarm: dict | UnsetType = UNSET
+
+
+def usage(done: DoneFrame) -> Usage:
+    return Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
+                 total_tokens=done.prompt_tokens + done.completion_tokens)
 
 
 def completion(completion_id: str, created: int, model: str, text: str, done: DoneFrame) -> bytes:
-    reply = {
-        "id": completion_id, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                     "logprobs": None, "finish_reason": done.finish_reason}],
-        "usage": usage(done), "system_fingerprint": None,
-    }
-    if done.timing:
-        reply["swarm"] = {"timing": done.timing}
-    return _enc.encode(reply)
+    return _enc.encode(ChatCompletion(
+        id=completion_id, created=created, model=model, usage=usage(done),
+        choices=[Choice(message=AssistantMessage(content=text), finish_reason=done.finish_reason)],
+        swarm={"timing": done.timing} if done.timing else UNSET))
 
 
 class ChunkEncoder:

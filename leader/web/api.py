@@ -9,7 +9,7 @@ from litestar.params import FromPath, FromQuery
 from sqlalchemy import func, select
 
 from leader.api.deps import Db, FellowsDep, ServingDep
-from leader.api.models import load_view
+from leader.api.views import load_view
 from leader.db.tables import Load, Request as RequestRow
 from leader.errors import ApiError
 from leader.serving import ACTIVE, model_not_found
