@@ -5,33 +5,18 @@ from __future__ import annotations
 import asyncio
 import time
 
-import msgspec
 from litestar import Request, Response, get, post
 from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 from litestar.status_codes import HTTP_200_OK
 
 from events import subjects
-from leader.api.body import StructBody
 from leader.api.deps import Caller, FellowsDep, LeaderDep, ServingDep, SettingsDep, requested_by
+from leader.api.loading import LoadBody, LoadBodyDTO, check_load, conflict
 from leader.api.views import LoadView, load_view
 from leader.db.tables import Load, Model
 from leader.errors import ApiError
-from leader.openai.schema import decode_struct
 from leader.serving import Serving, model_not_found
-
-
-class LoadBody(msgspec.Struct, forbid_unknown_fields=True):
-    num_stages: int | None = None
-    fellow_id: str | None = None
-    fellow_ids: list[str] | None = None  # one per stage of a ring, in ring order
-    quantization: dict | None = None
-    replicas: int = 1  # one-stage copies on as many fellows, sharing the request queue
-    wait: bool = False
-    timeout_s: float = 600.0
-
-
-_load_decoder = msgspec.json.Decoder(LoadBody)
 
 
 def model_view(m: Model, load: Load | None) -> dict:
@@ -104,28 +89,20 @@ async def model_status(leader: LeaderDep, serving: ServingDep, fellows: FellowsD
     return view
 
 
-def decode_load(raw: bytes) -> LoadBody:
-    return decode_struct(raw, _load_decoder) if raw.strip() else LoadBody()
-
-
-class LoadBodyDTO(StructBody[LoadBody]):
-    decode = staticmethod(decode_load)
-
-
 @post("/api/v1/models/{model_id:str}/load", opt={"scope": "operate"}, tags=["models"], status_code=HTTP_200_OK,
       dto=LoadBodyDTO, return_dto=None,
       summary="Load a model on one stage, a ring of num_stages or as replicas one-stage copies (fellow_ids "
-              "pins them); with wait, "
-              "answer once it is ready or failed")
+              "pins them); with wait, answer once it is ready or failed. A model already loaded otherwise: 409")
 async def load_model(serving: ServingDep, fellows: FellowsDep, caller: Caller, model_id: FromPath[str],
                      data: JSONBody[LoadBody | None] = None) -> LoadView:
     body = data or LoadBody()
-    if body.num_stages is not None and body.num_stages < 1:
-        raise ApiError(400, "num_stages must be at least 1", code="invalid_value", param="num_stages")
-    if body.replicas < 1:
-        raise ApiError(400, "replicas must be at least 1", code="invalid_value", param="replicas")
+    check_load(body)
+    active = await serving.active_load(model_id)
+    if active is not None and (refused := conflict(body, active, await serving.stages(active.load_id))):
+        raise refused
     load = await serving.load(model_id, body.num_stages, body.fellow_id, body.quantization,
-                              requested_by=requested_by(caller), fellow_ids=body.fellow_ids, replicas=body.replicas)
+                              requested_by=requested_by(caller), fellow_ids=body.fellow_ids,
+                              replicas=body.replicas or 1)
     if body.wait:
         try:
             load = await serving.wait_settled(load.load_id, body.timeout_s)
