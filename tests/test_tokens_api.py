@@ -111,6 +111,9 @@ BAD_BODIES = [
     (b'{"label": "l", "scopes": ["read"], "expires_in": "1h"}', "expires_in"),
     (b'{"label": "l", "scopes": ["read"], "expires_in": true}', "expires_in"),
     (b'{"label": "l", "scopes": ["read"], "expires_in": 1e300}', "expires_in"),
+    (b'{"label": "l", "scopes": ["read"], "expires_in": 1' + b"0" * 399 + b"}", "expires_in"),  # 400 digits
+    (b'{"label": "l", "scopes": ["read"], "extra": ' + b"[" * 1200 + b"]" * 1200 + b"}", None),  # nested too deep
+    (b'{"label": ' + b'{"a": ' * 1200 + b"1" + b"}" * 1200 + b', "scopes": ["read"]}', None),
 ]
 
 
