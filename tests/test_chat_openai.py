@@ -123,6 +123,19 @@ async def test_context_too_long_is_413_or_an_error_event(client, js):
     assert too_long in exc.value.message and exc.value.code == "context_length_exceeded"
 
 
+async def test_a_stage_exception_text_is_logged_not_returned(client, js, caplog):
+    peer = ServingPeer(js)
+    raw = "ValueError: Seed must be between 0 and 2**64 - 1"
+    reply = asyncio.ensure_future(client.chat.completions.create(model=READY.model_id, messages=MSGS))
+    rid = (await peer.next_request()).request_id
+    await peer.fail(rid, 0, raw, "internal_error")
+    with pytest.raises(openai.InternalServerError) as exc:
+        await reply
+    assert exc.value.code == "internal_error" and "log" in exc.value.message
+    assert raw not in exc.value.message and "Seed" not in exc.value.message
+    assert any(raw in r.getMessage() and rid in r.getMessage() for r in caplog.records)  # the leader's log has it
+
+
 async def test_a_load_lost_mid_stream_ends_the_reply_and_is_recorded(gateway, client, js):
     peer = ServingPeer(js)
     stream = await client.chat.completions.create(model=READY.model_id, messages=MSGS, stream=True)

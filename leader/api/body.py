@@ -1,4 +1,4 @@
-"""Request bodies as msgspec Structs, decoded by the route's own decoder.
+"""Request bodies: read with a bound on each wait, and decoded into msgspec Structs by the route's own decoder.
 
 Litestar's own decoding would answer a bad body with its generic validation error; ours names
 the offending param in OpenAI's error object. `StructBody[T]` keeps that decoder and still lets
@@ -13,13 +13,17 @@ Litestar describe the body in the OpenAPI schema as the Struct ``T`` itself::
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Generator
 from typing import Any, Callable, ClassVar, TypeVar
 
 from litestar.dto import AbstractDTO
 from litestar.dto.data_structures import DTOFieldDefinition
 from litestar.openapi.spec import Reference, Schema
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from litestar.typing import FieldDefinition
+
+from leader.errors import ApiError
 
 T = TypeVar("T")
 
@@ -48,3 +52,34 @@ class StructBody(AbstractDTO[T]):
                               schema_creator: Any) -> Reference | Schema:
         return schema_creator.for_field_definition(
             FieldDefinition.from_annotation(cls.model_type, kwarg_definition=field_definition.kwarg_definition))
+
+
+def body_read_timeout(timeout_s: float) -> Callable[[ASGIApp], ASGIApp]:
+    """Middleware: a request whose body stops arriving for `timeout_s` (shorter than its Content-Length,
+    say) is answered 408 instead of holding the connection; once the body is in, reads are not bounded
+    (the chat route waits on them for a client's hang-up)."""
+
+    def middleware(app: ASGIApp) -> ASGIApp:
+        async def bounded(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            body_in = False
+
+            async def receive_body() -> Message:
+                nonlocal body_in
+                if body_in:
+                    return await receive()
+                try:
+                    message = await asyncio.wait_for(receive(), timeout_s)
+                except asyncio.TimeoutError:
+                    raise ApiError(408, f"The request body did not arrive within {timeout_s:g}s",
+                                   code="request_timeout") from None
+                body_in = message["type"] != "http.request" or not message.get("more_body", False)
+                return message
+
+            await app(scope, receive_body, send)
+
+        return bounded
+
+    return middleware

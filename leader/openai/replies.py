@@ -6,12 +6,15 @@ head once and a frame costs one msgspec encode of its text.
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 from msgspec import UNSET, UnsetType
 
 from events.frames import DoneFrame, ErrorFrame
 from leader.errors import ApiError, error_body
 
+log = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
 
@@ -28,7 +31,14 @@ _FRAME_ERRORS = {
 
 
 def frame_error(frame: ErrorFrame) -> ApiError:
-    status, code, param = _FRAME_ERRORS.get(frame.code, (500, frame.code or "internal_error", None))
+    """The client's error for a frame; a code not listed above carries a stage's own exception text,
+    which goes to the leader's log, never to the client."""
+    known = _FRAME_ERRORS.get(frame.code)
+    if known is None:
+        log.warning("request %s failed in its stage (%s): %s", frame.request_id, frame.code, frame.message)
+        return ApiError(500, "The model failed while serving this request; the leader's log has the details",
+                        code=frame.code or "internal_error")
+    status, code, param = known
     return ApiError(status, frame.message or "the model failed to answer", code=code, param=param)
 
 
