@@ -41,6 +41,11 @@ class ApiTokenCreated(ApiTokenView, kw_only=True):
     token: str  # the secret, shown in this answer only
 
 
+class ApiTokenRevokedView(ApiTokenView, kw_only=True):
+    api_open: bool  # true: no live token is left, so the API is open to anyone again (first-run mode)
+    message: str | None = None  # says so when it is
+
+
 class ApiTokenList(msgspec.Struct):
     data: list[ApiTokenView]
     object: str = "list"
@@ -98,10 +103,18 @@ async def list_api_tokens(auth: AuthDep) -> ApiTokenList:
 
 
 @delete("/api/v1/api-tokens/{token_id:str}", tags=["api-tokens"], status_code=200, opt=ADMIN,
-        summary="Revoke an API token")
-async def revoke_api_token(auth: AuthDep, token_id: FromPath[str]) -> ApiTokenView:
+        summary="Revoke an API token; api_open says whether that left the API open (no live token)")
+async def revoke_api_token(auth: AuthDep, token_id: FromPath[str]) -> ApiTokenRevokedView:
     record = await auth.revoke(token_id)
-    return ApiTokenView(**record.fields())
+    table = await auth.table()
+    api_open = not auth.enforced(table)
+    message = None
+    if api_open:
+        message = "No live API token is left: the API is open to anyone again (first-run mode)."
+    elif table.live == 0:
+        message = "No live API token is left: SWARM_REQUIRE_API_TOKEN keeps the API closed, but anyone may mint the " \
+                  "first token."
+    return ApiTokenRevokedView(**record.fields(), api_open=api_open, message=message)
 
 
 TOKEN_ROUTES = [create_api_token, list_api_tokens, revoke_api_token]
