@@ -1,10 +1,10 @@
 """The app-wide Litestar guard: every route handler declares `opt={"scope": ...}` or is refused.
 
-A handler declares one of `public`, `read`, `operate`, `admin`. The guard, bound to the leader by
-`scope_guard(leader)`, authenticates the bearer
-token (when enforcement is on), checks the scope, and leaves the identity in the ASGI scope, where
-`token_of(request)` finds it (None in open first-run mode). A handler that declares nothing answers
-500, and `undeclared_handlers(app)` lists such handlers so a test catches them before a request does.
+A handler declares one of `public`, `read`, `operate`, `admin`. The guard (`scope_guard(leader)`)
+authenticates the bearer token (when enforcement is on), checks the scope, and leaves the identity in
+the ASGI scope, where `token_of(request)` (or the injected `caller`) finds it (None in open first-run
+mode). A handler that declares nothing answers 500, and `undeclared_handlers(app)` lists such handlers
+so a test catches them before a request does.
 `opt={"first_run_open": True}` lets a handler through while no unrevoked token exists (minting the
 first token), even under SWARM_REQUIRE_API_TOKEN=1.
 """
@@ -12,6 +12,7 @@ first token), even under SWARM_REQUIRE_API_TOKEN=1.
 from __future__ import annotations
 
 import logging
+
 from litestar import Litestar
 from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
