@@ -71,9 +71,23 @@ def cmd_list(args) -> int:
     return 0
 
 
+def _live(token: dict) -> bool:
+    """Unrevoked, expired or not: the leader counts it as keeping auth on (leader.auth.registry)."""
+    return token.get("revoked_at") is None
+
+
 def cmd_revoke(args) -> int:
-    token = call_leader(Settings.from_env(), "DELETE", f"/api/v1/api-tokens/{args.token_id}")
+    settings = Settings.from_env()
+    if not args.force:
+        tokens = call_leader(settings, "GET", "/api/v1/api-tokens")["data"]
+        others = [t for t in tokens if _live(t) and t["id"] != args.token_id]
+        if any(t["id"] == args.token_id and _live(t) for t in tokens) and not others:
+            raise CliError(f"{args.token_id} is the last live token: revoking it opens the API to anyone; "
+                           "pass --force to revoke it anyway")
+    token = call_leader(settings, "DELETE", f"/api/v1/api-tokens/{args.token_id}")
     print(f"revoked {token['id']} ({token['label']}, {token['prefix']}...)")
+    if token.get("message"):
+        print(token["message"], file=sys.stderr)
     return 0
 
 
@@ -88,4 +102,5 @@ def add_commands(sub) -> None:
     verbs.add_parser("list", help="list tokens (never their secrets)").set_defaults(func=cmd_list)
     revoke = verbs.add_parser("revoke", help="revoke a token by id")
     revoke.add_argument("token_id", metavar="ID")
+    revoke.add_argument("--force", action="store_true", help="revoke even the last live token (reopens the API)")
     revoke.set_defaults(func=cmd_revoke)

@@ -1,4 +1,4 @@
-"""The Litestar application factory: routes, error shape, and the leader's lifespan."""
+"""The Litestar application factory: routes, error shape, injected services and the leader's lifespan."""
 
 from __future__ import annotations
 
@@ -8,20 +8,26 @@ from litestar import Litestar
 from litestar.openapi import OpenAPIConfig
 
 from core.settings import Settings
-from leader.api.chat import chat_completions
+from leader.api.body import body_read_timeout
+from leader.api.chat import FRAME_TIMEOUT_S, chat_completions
+from leader.api.deps import dependencies
 from leader.api.fellows import list_fellows
 from leader.api.health import healthz
 from leader.api.models import ROUTES as MODEL_ROUTES
-from leader.auth.guard import require_scope
+from leader.auth.guard import scope_guard
 from leader.auth.routes import TOKEN_ROUTES
 from leader.context import Leader
 from leader.errors import exception_handlers
 from leader.web import ROUTES as WEB_ROUTES
 
+BODY_TIMEOUT_S = 30.0
 ROUTES = [healthz, list_fellows, *MODEL_ROUTES, *TOKEN_ROUTES, chat_completions, *WEB_ROUTES]
 
 
-def create_app(settings: Settings | None = None, leader: Leader | None = None) -> Litestar:
+def create_app(settings: Settings | None = None, leader: Leader | None = None,
+               chat_timeout_s: float = FRAME_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S) -> Litestar:
+    """`leader` replaces the leader (tests pass one with a stand-in service); `chat_timeout_s` is the
+    longest wait for a chat's first (or next) frame, `body_timeout_s` for the next part of a request body."""
     settings = settings or Settings.from_env()
     leader = leader or Leader(settings)
 
@@ -36,11 +42,12 @@ def create_app(settings: Settings | None = None, leader: Leader | None = None) -
     app = Litestar(
         route_handlers=list(ROUTES),
         lifespan=[lifespan],
+        dependencies=dependencies(leader, chat_timeout_s),
+        middleware=[body_read_timeout(body_timeout_s)],
         exception_handlers=exception_handlers,
-        guards=[require_scope],
+        guards=[scope_guard(leader)],
         openapi_config=OpenAPIConfig(title="Swarm", version="0.1.0", path="/schema"),
         debug=False,
     )
-    app.state.leader = leader
-    app.state.settings = settings
+    app.state.leader = leader  # read by /healthz
     return app

@@ -1,8 +1,11 @@
-"""The leader's running parts in one object: bus, SQL, projectors, fellow monitor."""
+"""The leader's running parts in one object: bus, SQL, projectors, fellow monitor, and the services the
+HTTP handlers get injected (serving, token authority, token streams), all built in `start`."""
 
 from __future__ import annotations
 
 import logging
+import time
+from typing import Callable
 
 from nats.aio.client import Client
 from nats.js import JetStreamContext
@@ -13,20 +16,30 @@ from core.bus import close_quietly, connect, ensure_streams, publish_event
 from core.procs import run_hooks
 from core.settings import Settings
 from events.base import Event
+from leader.auth.service import AuthService
 from leader.db.engine import make_engine, session_factory, upgrade
 from leader.fellow_monitor import FellowMonitor
 from leader.projectors.all import all_projectors
 from leader.projectors.runner import ProjectionRunner
 from leader.serving import Serving
+from leader.token_stream import TokenStreams
 
 log = logging.getLogger(__name__)
 
 
 class Leader:
-    """Started by the app's lifespan; endpoints reach it as ``request.app.state.leader``."""
+    """Started by the app's lifespan; handlers get its services injected (leader.api.deps).
 
-    def __init__(self, settings: Settings):
+    Tests replace a service here: `serving` builds the serving (a subclass of Serving), `clock` and
+    `prune_interval_s` drive the token authority.
+    """
+
+    def __init__(self, settings: Settings, serving: Callable[["Leader"], Serving] = Serving,
+                 clock: Callable[[], float] = time.time, prune_interval_s: float = 600.0):
         self.settings = settings
+        self._make_serving = serving
+        self._clock = clock
+        self._prune_interval_s = prune_interval_s
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
         self.engine: AsyncEngine | None = None
@@ -34,6 +47,8 @@ class Leader:
         self.projections: ProjectionRunner | None = None
         self.fellows: FellowMonitor | None = None
         self.serving: Serving | None = None
+        self.auth: AuthService | None = None
+        self.token_streams: TokenStreams | None = None
         self.on_stop: list = []  # async callables run first at stop (services added by features)
 
     async def start(self) -> None:
@@ -48,12 +63,19 @@ class Leader:
         await self.projections.start()
         self.fellows = FellowMonitor(self.js, self.sessions)
         await self.fellows.start()
-        self.serving = Serving(self)
+        self.auth = AuthService(self, s, clock=self._clock, prune_interval_s=self._prune_interval_s)
+        self.auth.start()
+        self.serving = self._make_serving(self)
         await self.serving.start()
+        self.token_streams = await TokenStreams(self.nc, self.js).start()
         log.info("leader started (database %s)", s.database_url.split("://", 1)[0])
 
     async def stop(self) -> None:
         await run_hooks(self.on_stop, log)
+        if self.token_streams:
+            await self.token_streams.stop()
+        if self.auth:
+            await self.auth.stop()
         if self.fellows:
             await self.fellows.stop()
         if self.projections:

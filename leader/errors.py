@@ -7,8 +7,8 @@ from litestar.exceptions import HTTPException, NotFoundException, ValidationExce
 from litestar.status_codes import HTTP_500_INTERNAL_SERVER_ERROR
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
-          429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+          404: "invalid_request_error", 408: "timeout", 409: "invalid_request_error",
+          413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 
 
 class ApiError(HTTPException):

@@ -10,16 +10,20 @@ under test is the gateway's relay, not a model.
 from __future__ import annotations
 
 import asyncio
+import socket
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+import uvicorn
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from core.servable import Manifest, Shard, ShardFile, save_manifest
 from events import subjects
 from events.frames import DoneFrame, ErrorFrame, TokenFrame, frame_msg_id
 from events.requests import ChatRequest
-from leader.serving import ReadyLoad
+from leader.serving import ReadyLoad, Serving
 
 GENERATION = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "max_new_tokens": 64}
 READY = ReadyLoad(load_id="ld-standin", model_id="standin", generation=GENERATION, context_tokens=256)
@@ -39,17 +43,20 @@ def cataloged_servable(root: Path, model_id: str) -> Path:
     return folder
 
 
-class StandInServing:
-    """`leader.serving` with one extra model resolved to READY (validation tests only)."""
+class StandInServing(Serving):
+    """The leader's serving with one extra model resolved to READY (validation tests only).
 
-    def __init__(self, real, ready: ReadyLoad = READY):
-        self.real = real
-        self.ready = ready
+    Passed to ``Leader(settings, serving=StandInServing)``.
+    """
+
+    def __init__(self, leader, ready: ReadyLoad = READY):
+        super().__init__(leader)
+        self.stand_in = ready
 
     async def ready_load(self, model_id: str, autoload: bool | None = None) -> ReadyLoad:
-        if model_id == self.ready.model_id:
-            return self.ready
-        return await self.real.ready_load(model_id, autoload)
+        if model_id == self.stand_in.model_id:
+            return self.stand_in
+        return await super().ready_load(model_id, autoload)
 
 
 class ServingPeer:
@@ -99,3 +106,26 @@ async def wait_cancel(nc, rid: str = "*") -> asyncio.Future:
     sub = await nc.subscribe("swarm.cancel.*." + rid, cb=_cb)
     fut.add_done_callback(lambda _: asyncio.ensure_future(sub.unsubscribe()))
     return fut
+
+
+@dataclass
+class Gateway:
+    url: str  # http://127.0.0.1:<port>
+    leader: object
+
+
+@asynccontextmanager
+async def served(app):
+    """The app on a real uvicorn server on a free port; yields its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning"))
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started:  # uvicorn sets it once the lifespan started and the socket listens
+        assert not task.done(), task.exception()
+        await asyncio.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await task

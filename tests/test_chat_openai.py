@@ -8,20 +8,20 @@ turns requests into ChatRequests and frames into OpenAI replies, errors and canc
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from core.bus import publish_event
 from events import subjects
 from events.frames import TokenFrame
 from events.loads import LoadFailed
 from leader.app import create_app
+from leader.context import Leader
 from leader.db.tables import Request as RequestRow
-from tests.chat_fixtures import GENERATION, READY, ServingPeer, StandInServing, cataloged_servable, wait_cancel
+from tests.chat_fixtures import (GENERATION, READY, Gateway, ServingPeer, StandInServing, cataloged_servable, served,
+                                 wait_cancel)
 from tests.conftest import make_settings
 
 TIMING = {"stage0_ms": 1.5, "link_ms": 0.0, "stage1_ms": 0.0, "prefill_ms": 3.0, "bytes_per_token": 0,
@@ -33,25 +33,15 @@ MSGS = [{"role": "user", "content": "hi"}]
 async def gateway(tmp_path, nats_server, sqlite_url):
     root = tmp_path / "servables"
     cataloged_servable(root, "cataloged")
-    app = create_app(make_settings(tmp_path, nats_server.url, sqlite_url, SWARM_SERVABLE_MODELS_ROOT=root))
-    app.state.chat_timeout_s = 20.0
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning"))
-    task = asyncio.ensure_future(server.serve(sockets=[sock]))
-    while not server.started:  # uvicorn sets it once the lifespan started and the socket listens
-        assert not task.done(), task.exception()
-        await asyncio.sleep(0.02)
-    app.state.leader.serving = StandInServing(app.state.leader.serving)
-    app.state.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    yield app
-    server.should_exit = True
-    await task
+    settings = make_settings(tmp_path, nats_server.url, sqlite_url, SWARM_SERVABLE_MODELS_ROOT=root)
+    leader = Leader(settings, serving=StandInServing)
+    async with served(create_app(settings, leader, chat_timeout_s=20.0)) as url:
+        yield Gateway(url, leader)
 
 
 @pytest.fixture
 async def client(gateway):
-    async with openai.AsyncOpenAI(base_url=gateway.state.url + "/v1", api_key="unused", max_retries=0) as c:
+    async with openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0) as c:
         yield c
 
 
@@ -133,6 +123,19 @@ async def test_context_too_long_is_413_or_an_error_event(client, js):
     assert too_long in exc.value.message and exc.value.code == "context_length_exceeded"
 
 
+async def test_a_stage_exception_text_is_logged_not_returned(client, js, caplog):
+    peer = ServingPeer(js)
+    raw = "ValueError: Seed must be between 0 and 2**64 - 1"
+    reply = asyncio.ensure_future(client.chat.completions.create(model=READY.model_id, messages=MSGS))
+    rid = (await peer.next_request()).request_id
+    await peer.fail(rid, 0, raw, "internal_error")
+    with pytest.raises(openai.InternalServerError) as exc:
+        await reply
+    assert exc.value.code == "internal_error" and "log" in exc.value.message
+    assert raw not in exc.value.message and "Seed" not in exc.value.message
+    assert any(raw in r.getMessage() and rid in r.getMessage() for r in caplog.records)  # the leader's log has it
+
+
 async def test_a_load_lost_mid_stream_ends_the_reply_and_is_recorded(gateway, client, js):
     peer = ServingPeer(js)
     stream = await client.chat.completions.create(model=READY.model_id, messages=MSGS, stream=True)
@@ -147,7 +150,7 @@ async def test_a_load_lost_mid_stream_ends_the_reply_and_is_recorded(gateway, cl
                                                    reason="fellow f0 was lost", code="fellow_lost"))
     assert "fellow f0 was lost" in exc.value.message and exc.value.code == "load_failed"
     last = await js.get_last_msg("SWARM_EVENTS", "swarm.evt.request.failed")
-    leader = gateway.state.leader
+    leader = gateway.leader
     await leader.projections.wait_for(last.seq, ["requests"], timeout=10)
     async with leader.sessions() as session:
         row = await session.get(RequestRow, rid)
@@ -157,7 +160,7 @@ async def test_a_load_lost_mid_stream_ends_the_reply_and_is_recorded(gateway, cl
 async def test_a_client_that_hangs_up_cancels_its_request(gateway, nc, js):
     peer = ServingPeer(js)
     cancelled = await wait_cancel(nc)
-    async with httpx.AsyncClient(base_url=gateway.state.url) as http:
+    async with httpx.AsyncClient(base_url=gateway.url) as http:
         async with http.stream("POST", "/v1/chat/completions",
                                json={"model": READY.model_id, "messages": MSGS, "stream": True}) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -167,7 +170,7 @@ async def test_a_client_that_hangs_up_cancels_its_request(gateway, nc, js):
     assert await asyncio.wait_for(cancelled, 10) == subjects.cancel(READY.load_id, rid)
 
     cancelled = await wait_cancel(nc)
-    async with httpx.AsyncClient(base_url=gateway.state.url, timeout=httpx.Timeout(5.0, read=1.0)) as http:
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=httpx.Timeout(5.0, read=1.0)) as http:
         with pytest.raises(httpx.ReadTimeout):
             await http.post("/v1/chat/completions", json={"model": READY.model_id, "messages": MSGS})
     rid = (await peer.next_request()).request_id

@@ -6,6 +6,7 @@ import pytest
 from litestar.testing import AsyncTestClient
 
 from leader.app import create_app
+from leader.context import Leader
 from leader.db.tables import Request as RequestRow
 from tests.chat_fixtures import READY, ServingPeer, StandInServing, cataloged_servable
 from tests.conftest import make_settings
@@ -17,11 +18,9 @@ MSGS = [{"role": "user", "content": "hi"}]
 async def client(tmp_path, nats_server, sqlite_url):
     root = tmp_path / "servables"
     cataloged_servable(root, "cataloged")
-    app = create_app(make_settings(tmp_path, nats_server.url, sqlite_url, SWARM_SERVABLE_MODELS_ROOT=root))
-    app.state.chat_timeout_s = 1.0
+    settings = make_settings(tmp_path, nats_server.url, sqlite_url, SWARM_SERVABLE_MODELS_ROOT=root)
+    app = create_app(settings, Leader(settings, serving=StandInServing), chat_timeout_s=1.0)
     async with AsyncTestClient(app) as c:
-        leader = app.state.leader
-        leader.serving = StandInServing(leader.serving)
         yield c
 
 
@@ -72,7 +71,17 @@ BAD = [
     (body(response_format={"type": "json_object"}), "response_format"),
     (body(chat_template_kwargs={"enable_thinking": "no"}), "chat_template_kwargs.enable_thinking"),
     (body(stream="yes"), "stream"),
+    (body(seed=2**64), "seed"),
+    (body(seed=2**63), "seed"),
+    (body(seed=-(2**63) - 1), "seed"),
+    (body(seed="7"), "seed"),
 ]
+
+DEEP = 1200  # levels of nesting, past msgspec's (and Python's) recursion limit
+
+
+def nested(depth: int = DEEP) -> str:
+    return "[" * depth + "]" * depth
 
 
 async def test_bad_requests_get_a_400_naming_the_parameter(client):
@@ -87,6 +96,25 @@ async def test_body_that_is_not_json_or_not_an_object_is_a_400(client):
     assert "JSON" in err["message"]
     assert_error(await client.post("/v1/chat/completions", content=b"[1]"), 400, None)
     assert_error(await client.post("/v1/chat/completions", content=b""), 400, None, "invalid_json")
+
+
+async def test_json_nested_past_the_recursion_limit_is_a_400(client):
+    for field in ("chat_template_kwargs", "an_unknown_field"):
+        inner = '{"a": ' + nested() + "}" if field == "chat_template_kwargs" else nested()
+        raw = '{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "%s": %s}' % (
+            READY.model_id, field, inner)
+        err = assert_error(await client.post("/v1/chat/completions", content=raw.encode()), 400, None,
+                           "invalid_json")
+        assert "nests too deeply" in err["message"]
+
+
+async def test_seeds_at_the_ends_of_the_signed_64_bit_range_reach_the_stage(client, js):
+    peer = ServingPeer(js)
+    for seed in (-(2**63), 2**63 - 1):
+        assert_error(await client.post("/v1/chat/completions", json=body(seed=seed)), 504, None, "timeout")
+        assert (await peer.next_request()).sampling.seed == seed  # no stage answers here: the 504 is expected
+    err = assert_error(await client.post("/v1/chat/completions", json=body(seed=2**64)), 400, "seed")
+    assert "signed 64-bit" in err["message"]
 
 
 async def test_unknown_model_is_404_and_a_model_not_loaded_is_409(client):

@@ -69,8 +69,10 @@ async def test_tokens_lifecycle_enforced_by_existence(tmp_path, nats_server, dat
         assert op["token"] not in err["message"]
 
         # Revoking every token returns to open mode; the next mint is the first again.
-        for t in (ro, first):
-            assert (await c.delete(f"{TOKENS}/{t['id']}", headers=bearer(admin))).status_code == 200
+        answers = [await c.delete(f"{TOKENS}/{t['id']}", headers=bearer(admin)) for t in (ro, first)]
+        assert [a.status_code for a in answers] == [200, 200]
+        assert answers[0].json()["api_open"] is False and answers[0].json()["message"] is None
+        assert answers[1].json()["api_open"] is True and "open to anyone" in answers[1].json()["message"]
         assert (await c.get(READ_ROUTE)).status_code == 200
         again = await mint(c, "fresh start", ["operate"])
         assert again["scopes"] == ["operate", "admin"]
@@ -93,7 +95,9 @@ async def test_required_token_without_any_only_allows_bootstrap(tmp_path, nats_s
         boot = await mint(c, "bootstrap", ["read"])  # nothing to authenticate with yet
         assert "admin" in boot["scopes"]
         assert (await c.get(READ_ROUTE, headers=bearer(boot["token"]))).status_code == 200
-        assert (await c.delete(f"{TOKENS}/{boot['id']}", headers=bearer(boot["token"]))).status_code == 200
+        last = await c.delete(f"{TOKENS}/{boot['id']}", headers=bearer(boot["token"]))
+        assert last.status_code == 200 and last.json()["api_open"] is False
+        assert "SWARM_REQUIRE_API_TOKEN" in last.json()["message"]
         # Every token revoked, but SWARM_REQUIRE_API_TOKEN=1 keeps auth on.
         error_of(await c.get(READ_ROUTE), 401, "invalid_api_key")
         error_of(await c.get(READ_ROUTE, headers=bearer(boot["token"])), 401, "invalid_api_key")
@@ -111,6 +115,9 @@ BAD_BODIES = [
     (b'{"label": "l", "scopes": ["read"], "expires_in": "1h"}', "expires_in"),
     (b'{"label": "l", "scopes": ["read"], "expires_in": true}', "expires_in"),
     (b'{"label": "l", "scopes": ["read"], "expires_in": 1e300}', "expires_in"),
+    (b'{"label": "l", "scopes": ["read"], "expires_in": 1' + b"0" * 399 + b"}", "expires_in"),  # 400 digits
+    (b'{"label": "l", "scopes": ["read"], "extra": ' + b"[" * 1200 + b"]" * 1200 + b"}", None),  # nested too deep
+    (b'{"label": ' + b'{"a": ' * 1200 + b"1" + b"}" * 1200 + b', "scopes": ["read"]}', None),
 ]
 
 

@@ -73,6 +73,16 @@ def test_tokens_create_list_revoke(leader):
     assert "404" in one_line_error(swarm(env, "tokens", "revoke", "tok_nope", token=secret))
     assert "scopes" in one_line_error(swarm(env, "tokens", "create", "--label", "x", "--scope", "root", token=secret))
 
+    # The last live token: the CLI refuses without --force; with it, the answer says the API is open.
+    laptop_id = rows["laptop"][0]
+    refused = one_line_error(swarm(env, "tokens", "revoke", laptop_id, token=secret))
+    assert "last live token" in refused and "--force" in refused
+    assert swarm(env, "tokens", "list", token=secret).returncode == 0  # still in force
+    forced = swarm(env, "tokens", "revoke", laptop_id, "--force", token=secret)
+    assert forced.returncode == 0 and laptop_id in forced.stdout, forced.stderr
+    assert "open to anyone" in forced.stderr
+    assert swarm(env, "tokens", "list").returncode == 0  # open: no token needed
+
 
 def test_tokens_cli_without_a_leader(tmp_path):
     env = swarm_env(tmp_path, None, SWARM_LEADER_URL=f"http://127.0.0.1:{free_port()}")

@@ -33,7 +33,7 @@ async def test_expired_token_keeps_auth_on_until_pruned_31_days_later(tmp_path, 
         assert (await c.get(READ_ROUTE)).status_code == 401
         assert (await c.post(TOKENS, json={"label": "grab", "scopes": ["admin"]})).status_code == 401
 
-        service = app.state.auth
+        service = app.state.leader.auth
         clock.advance(PRUNE_AFTER_S - 1)
         assert await on_app(c, service.pruner.sweep) == []  # a second short of 31 days: kept
         assert (await c.get(READ_ROUTE)).status_code == 401

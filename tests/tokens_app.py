@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import asynccontextmanager
 
 from litestar.testing import AsyncTestClient
 
 from leader.app import create_app
-from leader.auth.guard import install_auth
+from leader.context import Leader
 from tests.conftest import make_settings
 
 TOKENS = "/api/v1/api-tokens"
@@ -35,9 +36,9 @@ def bearer(secret: str) -> dict:
 @asynccontextmanager
 async def leader_client(tmp_path, nats_url: str, database_url: str | None = None, clock=None,
                         prune_interval_s: float = 600.0, **env):
-    app = create_app(make_settings(tmp_path, nats_url, database_url, **env))
-    if clock is not None:
-        install_auth(app, clock=clock, prune_interval_s=prune_interval_s)
+    settings = make_settings(tmp_path, nats_url, database_url, **env)
+    leader = Leader(settings, clock=clock or time.time, prune_interval_s=prune_interval_s)
+    app = create_app(settings, leader)
     async with AsyncTestClient(app) as client:
         yield app, client
 

@@ -10,6 +10,7 @@ import asyncio
 import logging
 
 from litestar import Request, Response, post
+from litestar.params import JSONBody
 from litestar.response import Stream
 from nats.errors import Error as NatsError
 
@@ -18,26 +19,18 @@ from events import subjects
 from events.base import new_id
 from events.frames import DoneFrame, ErrorFrame, TokenFrame
 from events.requests import ChatRequest, RequestAccepted, RequestFailed, request_failed_id
+from leader.api.body import StructBody
+from leader.api.deps import Caller, ChatTimeout, LeaderDep, ServingDep, StreamsDep
 from leader.errors import ApiError
-from leader.openai.replies import DONE, ChunkEncoder, completion, error_event, frame_error
-from leader.openai.schema import decode_body
+from leader.openai.replies import DONE, ChatCompletion, ChunkEncoder, completion, error_event, frame_error
+from leader.openai.schema import ChatBody, decode_body, empty_body
 from leader.openai.validate import chat_request, check_body
-from leader.token_stream import FrameTimeout, TokenStream, TokenStreams
+from leader.token_stream import FrameTimeout, TokenStream
 
 log = logging.getLogger(__name__)
 
-FRAME_TIMEOUT_S = 600.0  # app.state.chat_timeout_s overrides: the wait for a first (or next) frame
+FRAME_TIMEOUT_S = 600.0  # create_app(chat_timeout_s=...) overrides: the wait for a first (or next) frame
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-async def token_streams(app) -> TokenStreams:
-    """The app's one receiver hub, made on first use and stopped with the leader."""
-    hub = getattr(app.state, "token_streams", None)
-    if hub is None:
-        leader = app.state.leader
-        hub = app.state.token_streams = TokenStreams(leader.nc, leader.js)
-        leader.on_stop.append(hub.stop)
-    return await hub.start()
 
 
 class Relay:
@@ -126,12 +119,6 @@ async def disconnected(request: Request) -> None:
         pass
 
 
-def token_id(request: Request) -> str:
-    """The authenticated API token's id (leader.auth.guard leaves its Identity in the scope)."""
-    identity = request.scope.get("swarm_token")
-    return getattr(identity, "token_id", "") or request.scope.get("swarm_token_id", "")
-
-
 async def submit(leader, chat: ChatRequest, stream: bool, token_id: str) -> None:
     accepted = RequestAccepted(id=f"acc-{chat.request_id}", request_id=chat.request_id, model_id=chat.model_id,
                                load_id=chat.load_id, stream=stream, max_tokens=chat.max_tokens,
@@ -144,28 +131,34 @@ async def submit(leader, chat: ChatRequest, stream: bool, token_id: str) -> None
                        code="bus_unavailable") from None
 
 
+class ChatBodyDTO(StructBody[ChatBody]):
+    decode = staticmethod(decode_body)
+
+
 @post(["/v1/chat/completions", "/api/v1/chat/completions"], opt={"scope": "operate"}, status_code=200,
+      dto=ChatBodyDTO, return_dto=None,
       tags=["chat"], summary="OpenAI chat completions, streamed as SSE chunks or in one reply")
-async def chat_completions(request: Request) -> Response:
-    body = decode_body(await request.body())
+async def chat_completions(request: Request, leader: LeaderDep, serving: ServingDep, streams: StreamsDep,
+                           caller: Caller, chat_timeout_s: ChatTimeout,
+                           data: JSONBody[ChatBody | None] = None) -> Response[ChatCompletion]:
+    """The reply is a ChatCompletion, or with ``stream`` its chunks as server-sent events."""
+    if data is None:
+        raise empty_body()
+    body = data
     messages = check_body(body)
-    leader = request.app.state.leader
-    if getattr(leader, "serving", None) is None:
-        raise ApiError(503, "The leader is still starting", code="unavailable")
-    ready = await leader.serving.ready_load(body.model, leader.settings.autoload)
+    ready = await serving.ready_load(body.model, leader.settings.autoload)
     chat = chat_request(body, messages, new_id(), ready.load_id, ready.generation, ready.context_tokens)
     try:
-        hub = await token_streams(request.app)
-        stream = await hub.open(chat.request_id, chat.load_id)  # before the request exists: no frame is missed
+        stream = await streams.open(chat.request_id, chat.load_id)  # before the request exists: no frame is missed
     except NatsError as exc:
         raise ApiError(503, f"The message bus is unavailable: {exc or type(exc).__name__}",
                        code="bus_unavailable") from None
     try:
-        await submit(leader, chat, bool(body.stream), token_id(request))
+        await submit(leader, chat, bool(body.stream), caller.token_id if caller else "")
     except BaseException:
         stream.close(cancel=True)
         raise
-    relay = Relay(leader, stream, chat, float(getattr(request.app.state, "chat_timeout_s", FRAME_TIMEOUT_S)))
+    relay = Relay(leader, stream, chat, chat_timeout_s)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         enc = ChunkEncoder(relay.completion_id, relay.created, chat.model_id, include_usage)

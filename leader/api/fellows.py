@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 
 import msgspec
-from litestar import Request, get
+from litestar import get
 from sqlalchemy import select
 
+from leader.api.deps import Db, FellowsDep
 from leader.db.tables import Fellow
 
 
@@ -28,9 +29,7 @@ def fellow_view(row: Fellow, hb, now: float) -> dict:
 
 @get("/api/v1/fellows", tags=["fellows"], opt={"scope": "read"},
      summary="Fellows with hardware, capabilities and last heartbeat")
-async def list_fellows(request: Request) -> dict:
-    leader = request.app.state.leader
-    async with leader.sessions() as session:
-        rows = (await session.scalars(select(Fellow).order_by(Fellow.fellow_id))).all()
+async def list_fellows(db: Db, fellows: FellowsDep) -> dict:
+    rows = (await db.scalars(select(Fellow).order_by(Fellow.fellow_id))).all()
     now = time.time()
-    return {"object": "list", "data": [fellow_view(r, leader.fellows.latest.get(r.fellow_id), now) for r in rows]}
+    return {"object": "list", "data": [fellow_view(r, fellows.latest.get(r.fellow_id), now) for r in rows]}

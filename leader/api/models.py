@@ -5,25 +5,18 @@ from __future__ import annotations
 import asyncio
 import time
 
-import msgspec
 from litestar import Request, Response, get, post
+from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 from litestar.status_codes import HTTP_200_OK
 
 from events import subjects
+from leader.api.deps import Caller, FellowsDep, LeaderDep, ServingDep, SettingsDep, requested_by
+from leader.api.loading import LoadBody, LoadBodyDTO, check_load, conflict
+from leader.api.views import LoadView, load_view
 from leader.db.tables import Load, Model
 from leader.errors import ApiError
-from leader.serving import model_not_found
-
-
-class LoadBody(msgspec.Struct, forbid_unknown_fields=True):
-    num_stages: int | None = None
-    fellow_id: str | None = None
-    fellow_ids: list[str] | None = None  # one per stage of a ring, in ring order
-    quantization: dict | None = None
-    replicas: int = 1  # one-stage copies on as many fellows, sharing the request queue
-    wait: bool = False
-    timeout_s: float = 600.0
+from leader.serving import Serving, model_not_found
 
 
 def model_view(m: Model, load: Load | None) -> dict:
@@ -49,132 +42,82 @@ async def queued_requests(js, load_id: str) -> int:
     return int(info.num_pending or 0)
 
 
-def load_view(load: Load, stages, latest: dict) -> dict:
-    view = {"load_id": load.load_id, "model_id": load.model_id, "state": load.state, "reason": load.reason or None,
-            "num_stages": load.num_stages, "requested_at": load.requested_at, "ready_at": load.ready_at,
-            "ended_at": load.ended_at, "transport": load.transport, "replicas": len({s.replica for s in stages}) or 1,
-            "stages": []}
-    admitting = []  # stage 0 of every replica
-    for s in stages:
-        stage = {"stage": s.stage, "replica": s.replica or 0, "fellow_id": s.fellow_id, "layers": [s.layer_first, s.layer_last],
-                 "state": s.state, "pid": s.pid, "kv_tokens": s.kv_tokens, "kv_tokens_planned": s.kv_tokens_planned,
-                 "max_in_flight": s.max_in_flight, "vram_bytes": s.vram_bytes}
-        hb = latest.get(s.fellow_id)
-        for lm in (hb.loaded_models if hb else []):
-            if lm.load_id == load.load_id and lm.stage == s.stage and lm.replica == (s.replica or 0):
-                live = msgspec.to_builtins(lm)
-                stage["metrics"] = {k: live[k] for k in ("tokens_per_s", "last_ttft_s", "requests", "idle_s",
-                                                         "vram_bytes", "in_flight", "waiting")
-                                    if k in live}
-                if s.stage == 0:
-                    admitting.append(stage["metrics"])
-        view["stages"].append(stage)
-    view["metrics"] = admitting[0] if len(admitting) == 1 else _summed(admitting)
-    return view
-
-
-def _summed(replicas: list[dict]) -> dict:
-    """The load's metrics over its replicas: rates, counts and memory add up; idle is the least idle's."""
-    if not replicas:
-        return {}
-    out = {k: sum(m.get(k) or 0 for m in replicas) for k in ("tokens_per_s", "requests", "vram_bytes", "in_flight",
-                                                               "waiting")}
-    out["tokens_per_s"] = round(out["tokens_per_s"], 3)
-    out["idle_s"] = min(m.get("idle_s", 0.0) for m in replicas)
-    ttfts = [m["last_ttft_s"] for m in replicas if m.get("last_ttft_s") is not None]
-    out["last_ttft_s"] = ttfts[0] if ttfts else None
-    return out
-
-
 @get("/api/v1/models", opt={"scope": "read"}, tags=["models"], summary="Servable models and their load state")
-async def list_models(request: Request) -> dict:
-    serving = request.app.state.leader.serving
+async def list_models(serving: ServingDep) -> dict:
     models = await serving.registry.all()
     loads = {m.model_id: await serving.active_load(m.model_id) for m in models}
     return {"object": "list", "data": [model_view(m, loads[m.model_id]) for m in models]}
 
 
 @get("/v1/models", opt={"scope": "read"}, tags=["openai"], summary="OpenAI: the models available to chat")
-async def list_models_openai(request: Request) -> dict:
-    models = await request.app.state.leader.serving.registry.all()
+async def list_models_openai(serving: ServingDep) -> dict:
+    models = await serving.registry.all()
     return {"object": "list", "data": [{"id": m.model_id, "object": "model", "created": int(m.cataloged_at),
                                         "owned_by": "swarm"} for m in models if m.available]}
 
 
-async def _model(request: Request, model_id: str) -> Model:
-    model = await request.app.state.leader.serving.registry.get(model_id)
+async def _model(serving: Serving, model_id: str) -> Model:
+    model = await serving.registry.get(model_id)
     if model is None:
         raise model_not_found(model_id)
     return model
 
 
 @get("/v1/models/{model_id:str}", opt={"scope": "read"}, tags=["openai"], summary="OpenAI: one model")
-async def get_model_openai(request: Request, model_id: str) -> dict:
-    m = await _model(request, model_id)
+async def get_model_openai(serving: ServingDep, model_id: FromPath[str]) -> dict:
+    m = await _model(serving, model_id)
     return {"id": m.model_id, "object": "model", "created": int(m.cataloged_at), "owned_by": "swarm"}
 
 
 @get("/api/v1/models/{model_id:str}", opt={"scope": "read"}, tags=["models"], summary="One model")
-async def get_model(request: Request, model_id: str) -> dict:
-    m = await _model(request, model_id)
-    return model_view(m, await request.app.state.leader.serving.active_load(model_id))
+async def get_model(serving: ServingDep, model_id: FromPath[str]) -> dict:
+    m = await _model(serving, model_id)
+    return model_view(m, await serving.active_load(model_id))
 
 
 @get("/api/v1/models/{model_id:str}/status", opt={"scope": "read"}, tags=["models"],
      summary="Load state, stages and serving metrics (tokens_per_s, last_ttft_s, requests, idle_s, vram_bytes)")
-async def model_status(request: Request, model_id: str) -> dict:
-    leader = request.app.state.leader
-    m = await _model(request, model_id)
-    load = await leader.serving.active_load(model_id)
+async def model_status(leader: LeaderDep, serving: ServingDep, fellows: FellowsDep, model_id: FromPath[str]) -> dict:
+    m = await _model(serving, model_id)
+    load = await serving.active_load(model_id)
     view = model_view(m, load)
-    view["load"] = load_view(load, await leader.serving.stages(load.load_id), leader.fellows.latest) if load else None
+    view["load"] = load_view(load, await serving.stages(load.load_id), fellows.latest) if load else None
     if load is not None:
-        view["load"]["queued"] = await queued_requests(leader.js, load.load_id)
-        view["load"]["relay"] = leader.serving.relay.lanes(load.load_id)  # a ring's bytes and frames per lane
+        view["load"].queued = await queued_requests(leader.js, load.load_id)
+        view["load"].relay = serving.relay.lanes(load.load_id)  # a ring's bytes and frames per lane
     view["checked_at"] = time.time()
     return view
 
 
-def _body(raw: bytes, cls):
-    if not raw.strip():
-        return cls()
-    try:
-        return msgspec.json.decode(raw, type=cls)
-    except msgspec.ValidationError as exc:
-        raise ApiError(400, f"Invalid request body: {exc}", code="invalid_request") from None
-    except msgspec.DecodeError:
-        raise ApiError(400, "The request body is not valid JSON", code="invalid_json") from None
-
-
 @post("/api/v1/models/{model_id:str}/load", opt={"scope": "operate"}, tags=["models"], status_code=HTTP_200_OK,
+      dto=LoadBodyDTO, return_dto=None,
       summary="Load a model on one stage, a ring of num_stages or as replicas one-stage copies (fellow_ids "
-              "pins them); with wait, "
-              "answer once it is ready or failed")
-async def load_model(request: Request, model_id: str) -> dict:
-    leader = request.app.state.leader
-    body = _body(await request.body(), LoadBody)
-    if body.num_stages is not None and body.num_stages < 1:
-        raise ApiError(400, "num_stages must be at least 1", code="invalid_value", param="num_stages")
-    if body.replicas < 1:
-        raise ApiError(400, "replicas must be at least 1", code="invalid_value", param="replicas")
-    load = await leader.serving.load(model_id, body.num_stages, body.fellow_id, body.quantization,
-                                     requested_by=request.scope.get("swarm_token_id", ""), fellow_ids=body.fellow_ids,
-                                     replicas=body.replicas)
+              "pins them); with wait, answer once it is ready or failed. A model already loaded otherwise: 409")
+async def load_model(serving: ServingDep, fellows: FellowsDep, caller: Caller, model_id: FromPath[str],
+                     data: JSONBody[LoadBody | None] = None) -> LoadView:
+    body = data or LoadBody()
+    check_load(body)
+    active = await serving.active_load(model_id)
+    if active is not None and (refused := conflict(body, active, await serving.stages(active.load_id))):
+        raise refused
+    load = await serving.load(model_id, body.num_stages, body.fellow_id, body.quantization,
+                              requested_by=requested_by(caller), fellow_ids=body.fellow_ids,
+                              replicas=body.replicas or 1)
     if body.wait:
         try:
-            load = await leader.serving.wait_settled(load.load_id, body.timeout_s)
+            load = await serving.wait_settled(load.load_id, body.timeout_s)
         except asyncio.TimeoutError:
             raise ApiError(504, f"'{model_id}' is still loading after {body.timeout_s:.0f}s",
                            code="load_timeout") from None
-    return load_view(load, await leader.serving.stages(load.load_id), leader.fellows.latest)
+    return load_view(load, await serving.stages(load.load_id), fellows.latest)
 
 
 @post("/api/v1/models/{model_id:str}/unload", opt={"scope": "operate"}, tags=["models"], status_code=HTTP_200_OK,
       summary="Unload a model: its stage processes stop and give their memory back")
-async def unload_model(request: Request, model_id: str) -> dict:
-    leader = request.app.state.leader
-    load = await leader.serving.unload(model_id, requested_by=request.scope.get("swarm_token_id", ""))
-    return load_view(load, await leader.serving.stages(load.load_id), leader.fellows.latest)
+async def unload_model(serving: ServingDep, fellows: FellowsDep, caller: Caller,
+                       model_id: FromPath[str]) -> LoadView:
+    load = await serving.unload(model_id, requested_by=requested_by(caller))
+    return load_view(load, await serving.stages(load.load_id), fellows.latest)
 
 
 ROUTES = [list_models, list_models_openai, get_model_openai, get_model, model_status, load_model, unload_model]
@@ -182,15 +125,15 @@ ROUTES = [list_models, list_models_openai, get_model_openai, get_model, model_st
 
 @get("/api/v1/models/{model_id:str}/archive", opt={"scope": "read"}, tags=["models"],
      summary="The servable as a tar: sha256 in X-Swarm-Sha256, resumable with Range")
-async def model_archive(request: Request, model_id: str) -> Response:
+async def model_archive(request: Request, serving: ServingDep, settings: SettingsDep,
+                        model_id: FromPath[str]) -> Response:
     from pathlib import Path
 
     from leader.archive import archive_for, parse_range, read_range
 
-    m = await _model(request, model_id)
+    m = await _model(serving, model_id)
     if not m.available:
         raise ApiError(409, f"The model '{model_id}' is not servable: {m.reason}", code="model_unavailable")
-    settings = request.app.state.leader.settings
     path, digest = await archive_for(Path(m.path), settings.data_dir / "archives", m.manifest_sha256)
     size = path.stat().st_size
     headers = {"Accept-Ranges": "bytes", "X-Swarm-Sha256": digest, "ETag": f'"{digest}"',

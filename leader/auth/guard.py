@@ -1,9 +1,10 @@
 """The app-wide Litestar guard: every route handler declares `opt={"scope": ...}` or is refused.
 
-A handler declares one of `public`, `read`, `operate`, `admin`. The guard authenticates the bearer
-token (when enforcement is on), checks the scope, and leaves the identity in the ASGI scope, where
-`token_of(request)` finds it (None in open first-run mode). A handler that declares nothing answers
-500, and `undeclared_handlers(app)` lists such handlers so a test catches them before a request does.
+A handler declares one of `public`, `read`, `operate`, `admin`. The guard (`scope_guard(leader)`)
+authenticates the bearer token (when enforcement is on), checks the scope, and leaves the identity in
+the ASGI scope, where `token_of(request)` (or the injected `caller`) finds it (None in open first-run
+mode). A handler that declares nothing answers 500, and `undeclared_handlers(app)` lists such handlers
+so a test catches them before a request does.
 `opt={"first_run_open": True}` lets a handler through while no unrevoked token exists (minting the
 first token), even under SWARM_REQUIRE_API_TOKEN=1.
 """
@@ -11,12 +12,12 @@ first token), even under SWARM_REQUIRE_API_TOKEN=1.
 from __future__ import annotations
 
 import logging
-from typing import Callable
 
 from litestar import Litestar
 from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 from litestar.routes import HTTPRoute
+from litestar.types import Guard
 
 from leader.auth.scopes import PUBLIC, ROUTE_SCOPES
 from leader.auth.service import AuthService, Identity
@@ -51,39 +52,28 @@ def undeclared_handlers(app: Litestar) -> list[str]:
     return sorted(found)
 
 
-def install_auth(app: Litestar, clock: Callable[[], float] | None = None,
-                 prune_interval_s: float = 600.0) -> AuthService:
-    """Bind the app's token authority (tests pass a clock); started on the first request."""
-    leader = app.state.leader
-    kwargs = {"clock": clock} if clock is not None else {}
-    service = AuthService(leader, app.state.settings, prune_interval_s=prune_interval_s, **kwargs)
-    app.state.auth = service
-    return service
-
-
-def auth_service(app: Litestar) -> AuthService:
-    """The app's AuthService, created and started on first use (the leader runs by then)."""
-    service = app.state.get("auth")
-    if service is None:
-        service = install_auth(app)
-    service.start()
-    return service
-
-
 def token_of(request: ASGIConnection) -> Identity | None:
     """The token a request authenticated with; None when the leader is in open mode."""
     return request.scope.get(SCOPE_KEY)  # type: ignore[return-value]
 
 
-async def require_scope(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
-    needed = declared_scope(handler)
-    if needed is None:
-        log.error("route %s has no declared scope (opt={'scope': ...}); refusing it", connection.url.path)
-        raise ApiError(500, "This route declares no access scope and is refused.", code="route_scope_undeclared")
-    connection.scope[SCOPE_KEY] = None  # type: ignore[literal-required]
-    service = auth_service(connection.app)  # also starts the prune sweep, on the first health probe
-    if needed == PUBLIC:
-        return
-    identity = await service.check(connection.headers.get("authorization"), needed,
-                                   first_run_open=bool(handler.opt.get("first_run_open")))
-    connection.scope[SCOPE_KEY] = identity  # type: ignore[literal-required]
+def scope_guard(leader) -> Guard:
+    """The app-wide guard; it asks the leader's AuthService, built in Leader.start."""
+
+    async def require_scope(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
+        needed = declared_scope(handler)
+        if needed is None:
+            log.error("route %s has no declared scope (opt={'scope': ...}); refusing it", connection.url.path)
+            raise ApiError(500, "This route declares no access scope and is refused.",
+                           code="route_scope_undeclared")
+        connection.scope[SCOPE_KEY] = None  # type: ignore[literal-required]
+        if needed == PUBLIC:
+            return
+        service: AuthService | None = leader.auth
+        if service is None:
+            raise ApiError(503, "The leader is still starting", code="unavailable")
+        identity = await service.check(connection.headers.get("authorization"), needed,
+                                       first_run_open=bool(handler.opt.get("first_run_open")))
+        connection.scope[SCOPE_KEY] = identity  # type: ignore[literal-required]
+
+    return require_scope

@@ -28,11 +28,10 @@ class TokenRecord:
     def expired(self, now: float) -> bool:
         return self.expires_at is not None and now >= self.expires_at
 
-    def view(self) -> dict:
-        """The public shape: never the hash, never the secret."""
-        return {"object": "api_token", "id": self.token_id, "label": self.label, "scopes": list(self.scopes),
-                "prefix": self.prefix, "created_at": self.created_at, "expires_at": self.expires_at,
-                "revoked_at": self.revoked_at}
+    def fields(self) -> dict:
+        """The public fields (ApiTokenView's): never the hash, never the secret."""
+        return {"id": self.token_id, "label": self.label, "scopes": list(self.scopes), "prefix": self.prefix,
+                "created_at": self.created_at, "expires_at": self.expires_at, "revoked_at": self.revoked_at}
 
 
 @dataclass(frozen=True)

@@ -65,24 +65,14 @@ class AuthService:
         self.leader = leader
         self.settings = settings
         self.clock = clock
-        self._registry: TokenRegistry | None = None
+        self.registry: TokenRegistry | None = None
         self.pruner = TokenPruner(self, prune_interval_s)
         self._mint_lock = asyncio.Lock()
-        self._started = False
-
-    @property
-    def registry(self) -> TokenRegistry:
-        """Made on first use: the leader's projections exist only once its lifespan has started."""
-        if self._registry is None:
-            self._registry = TokenRegistry(self.leader.sessions, self.leader.projections)
-        return self._registry
 
     def start(self) -> None:
-        """Start the prune sweep once; the registry loads itself on first use."""
-        if not self._started:
-            self._started = True
-            self.pruner.start()
-            self.leader.on_stop.append(self.stop)
+        """Called by Leader.start once the projections run: the registry and the prune sweep."""
+        self.registry = TokenRegistry(self.leader.sessions, self.leader.projections)
+        self.pruner.start()
 
     async def stop(self) -> None:
         await self.pruner.stop()

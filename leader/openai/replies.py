@@ -6,11 +6,15 @@ head once and a frame costs one msgspec encode of its text.
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from events.frames import DoneFrame, ErrorFrame
 from leader.errors import ApiError, error_body
 
+log = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
 
@@ -27,25 +31,59 @@ _FRAME_ERRORS = {
 
 
 def frame_error(frame: ErrorFrame) -> ApiError:
-    status, code, param = _FRAME_ERRORS.get(frame.code, (500, frame.code or "internal_error", None))
+    """The client's error for a frame; a code not listed above carries a stage's own exception text,
+    which goes to the leader's log, never to the client."""
+    known = _FRAME_ERRORS.get(frame.code)
+    if known is None:
+        log.warning("request %s failed in its stage (%s): %s", frame.request_id, frame.code, frame.message)
+        return ApiError(500, "The model failed while serving this request; the leader's log has the details",
+                        code=frame.code or "internal_error")
+    status, code, param = known
     return ApiError(status, frame.message or "the model failed to answer", code=code, param=param)
 
 
-def usage(done: DoneFrame) -> dict:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens}
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(msgspec.Struct, kw_only=True):
+    role: str = "assistant"
+    content: str
+    refusal: str | None = None
+
+
+class Choice(msgspec.Struct, kw_only=True):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    """OpenAI's ``chat.completion``; ``swarm.timing`` holds the spec's per-token time split."""
+
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    system_fingerprint: str | None = None
+    swarm: dict | UnsetType = UNSET
+
+
+def usage(done: DoneFrame) -> Usage:
+    return Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
+                 total_tokens=done.prompt_tokens + done.completion_tokens)
 
 
 def completion(completion_id: str, created: int, model: str, text: str, done: DoneFrame) -> bytes:
-    reply = {
-        "id": completion_id, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                     "logprobs": None, "finish_reason": done.finish_reason}],
-        "usage": usage(done), "system_fingerprint": None,
-    }
-    if done.timing:
-        reply["swarm"] = {"timing": done.timing}
-    return _enc.encode(reply)
+    return _enc.encode(ChatCompletion(
+        id=completion_id, created=created, model=model, usage=usage(done),
+        choices=[Choice(message=AssistantMessage(content=text), finish_reason=done.finish_reason)],
+        swarm={"timing": done.timing} if done.timing else UNSET))
 
 
 class ChunkEncoder:

@@ -80,13 +80,10 @@ def _param(path: str, message: str) -> str | None:
     return path or None
 
 
-def decode_body(body: bytes) -> ChatBody:
-    """Decode the JSON body; a syntax or type error becomes a 400 that names the parameter."""
-    if not body.strip():
-        raise ApiError(400, "The request body is empty: send a JSON object with 'model' and 'messages'",
-                       code="invalid_json")
+def decode_struct(body: bytes, decoder: msgspec.json.Decoder):
+    """Decode a JSON body with `decoder`; a syntax or type error becomes a 400 that names the parameter."""
     try:
-        return _decoder.decode(body)
+        return decoder.decode(body)
     except msgspec.ValidationError as exc:
         found = _AT.match(str(exc))
         message, path = found["msg"], found["path"] or ""
@@ -97,3 +94,17 @@ def decode_body(body: bytes) -> ChatBody:
                        param=param) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "The request body nests too deeply", code="invalid_json") from None
+
+
+def empty_body() -> ApiError:
+    return ApiError(400, "The request body is empty: send a JSON object with 'model' and 'messages'",
+                    code="invalid_json")
+
+
+def decode_body(body: bytes) -> ChatBody:
+    """The chat body; an empty one is refused like any other bad body."""
+    if not body.strip():
+        raise empty_body()
+    return decode_struct(body, _decoder)

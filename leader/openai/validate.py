@@ -12,6 +12,7 @@ from events.requests import ChatMessage, ChatRequest, Sampling
 from leader.errors import ApiError
 from leader.openai.schema import ChatBody, Message
 
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # OpenAI's seed: a signed 64-bit integer
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOP = 4
 
@@ -135,6 +136,8 @@ def check_sampling(body: ChatBody) -> None:
         raise bad("top_p", "'top_p' must be above 0 (use temperature 0 for greedy decoding)")
     if body.top_k is not None and body.top_k < 0:
         raise bad("top_k", f"'top_k' must be 0 (off) or more (got {body.top_k})")
+    if body.seed is not None and not SEED_MIN <= body.seed <= SEED_MAX:
+        raise bad("seed", f"'seed' must be a signed 64-bit integer, from {SEED_MIN} to {SEED_MAX}")
 
 
 def sampling(body: ChatBody, generation: dict) -> Sampling:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 
-from litestar import Request, get
+from litestar import get
 from litestar.params import FromPath, FromQuery
 from sqlalchemy import func, select
 
-from leader.api.models import load_view
+from leader.api.deps import Db, FellowsDep, ServingDep
+from leader.api.views import load_view
 from leader.db.tables import Load, Request as RequestRow
 from leader.errors import ApiError
 from leader.serving import ACTIVE, model_not_found
@@ -29,50 +30,45 @@ def request_view(r: RequestRow) -> dict:
 
 @get("/api/v1/models/{model_id:str}/performance", opt={"scope": "read"}, tags=["models"],
      summary="Throughput, TTFT, the time split per token (per minute) and the stages of the model's load")
-async def model_performance(request: Request, model_id: FromPath[str], window_s: FromQuery[int] = WINDOW_S) -> dict:
+async def model_performance(db: Db, serving: ServingDep, fellows: FellowsDep, model_id: FromPath[str],
+                            window_s: FromQuery[int] = WINDOW_S) -> dict:
     if not BUCKET_S <= window_s <= MAX_WINDOW_S:
         raise ApiError(400, f"window_s must be between {BUCKET_S} and {MAX_WINDOW_S}", code="invalid_value",
                        param="window_s")
-    leader = request.app.state.leader
-    if await leader.serving.registry.get(model_id) is None:
+    if await serving.registry.get(model_id) is None:
         raise model_not_found(model_id)
     now = time.time()
     since = buckets_since(now, window_s, BUCKET_S)
-    async with leader.sessions() as session:
-        rows = list(await session.scalars(
-            select(RequestRow).where(RequestRow.model_id == model_id,
-                                     func.coalesce(RequestRow.ended_at, RequestRow.accepted_at) >= since)))
+    rows = list(await db.scalars(
+        select(RequestRow).where(RequestRow.model_id == model_id,
+                                 func.coalesce(RequestRow.ended_at, RequestRow.accepted_at) >= since)))
     figures = aggregate(rows, now, window_s, BUCKET_S)
-    load = await leader.serving.active_load(model_id)
-    stages = await leader.serving.stages(load.load_id) if load else []
-    relay = getattr(leader.serving, "relay", None)  # a ring's lane counts, where the leader keeps them
+    load = await serving.active_load(model_id)
+    stages = await serving.stages(load.load_id) if load else []
+    relay = getattr(serving, "relay", None)  # a ring's lane counts, where the leader keeps them
     lanes = relay.lanes(load.load_id) if relay is not None and load is not None else None
     return {"model_id": model_id, **figures,
-            "load": topology(load, stages, leader.fellows.latest, figures["totals"]["split_ms"], lanes)}
+            "load": topology(load, stages, fellows.latest, figures["totals"]["split_ms"], lanes)}
 
 
 @get("/api/v1/requests", opt={"scope": "read"}, tags=["requests"],
      summary="Recent chat requests, newest first: status, tokens, TTFT, tokens/s, finish reason, error code")
-async def list_requests(request: Request, limit: FromQuery[int] = 50, model: FromQuery[str | None] = None) -> dict:
+async def list_requests(db: Db, limit: FromQuery[int] = 50, model: FromQuery[str | None] = None) -> dict:
     if not 1 <= limit <= MAX_LIMIT:
         raise ApiError(400, f"limit must be between 1 and {MAX_LIMIT}", code="invalid_value", param="limit")
     query = select(RequestRow).order_by(RequestRow.accepted_at.desc()).limit(limit)
     if model:
         query = query.where(RequestRow.model_id == model)
-    async with request.app.state.leader.sessions() as session:
-        rows = (await session.scalars(query)).all()
+    rows = (await db.scalars(query)).all()
     return {"object": "list", "data": [request_view(r) for r in rows]}
 
 
 @get("/api/v1/loads", opt={"scope": "read"}, tags=["models"],
      summary="Active loads (requested, loading, ready) with their stages and live serving metrics")
-async def list_loads(request: Request) -> dict:
-    leader = request.app.state.leader
-    async with leader.sessions() as session:
-        loads = (await session.scalars(select(Load).where(Load.state.in_(ACTIVE))
-                                       .order_by(Load.requested_at))).all()
-    return {"object": "list", "data": [load_view(load, await leader.serving.stages(load.load_id),
-                                                 leader.fellows.latest) for load in loads]}
+async def list_loads(db: Db, serving: ServingDep, fellows: FellowsDep) -> dict:
+    loads = (await db.scalars(select(Load).where(Load.state.in_(ACTIVE)).order_by(Load.requested_at))).all()
+    return {"object": "list", "data": [load_view(load, await serving.stages(load.load_id), fellows.latest)
+                                       for load in loads]}
 
 
 ROUTES = [model_performance, list_requests, list_loads]
