@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from core.cli import CliError
+from core.cli_errors import CliError
 from core.settings import Settings
 
 TIMEOUT_S = 30.0

@@ -90,8 +90,9 @@ async def test_loads_name_the_token_and_conflicting_reloads_are_409(tmp_path, na
         assert requested.requested_by == unload.requested_by == op["id"]  # the token's id ...
         for evt in (requested, unload):
             assert op["token"] not in msgspec.json.encode(evt).decode()  # ... never its secret
-        rows = await asyncio.to_thread(stack.sql, "SELECT model_id, state FROM loads WHERE load_id = ?",
-                                       loaded["load_id"])
+        rows = await asyncio.to_thread(stack.sql, "SELECT model_id, state, requested_by, unload_requested_by "
+                                       "FROM loads WHERE load_id = ?", loaded["load_id"])
         assert rows and rows[0][0] == "tiny" and rows[0][1] in ("unloading", "unloaded"), rows
+        assert rows[0][2:] == (op["id"], op["id"]), rows  # the SQL audit names who loaded and who unloaded
     finally:
         await asyncio.to_thread(stack.stop)

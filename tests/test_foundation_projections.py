@@ -141,3 +141,35 @@ async def test_migration_0002_rebuilds_load_stages_from_the_log(js, database_url
             assert (await session.get(Load, "L1")).state == "loading"  # placed, its stage ready: as on the log
     finally:
         await engine.dispose()
+
+
+async def test_migration_0004_fills_who_loaded_and_unloaded_from_the_log(js, database_url):
+    """0004 adds loads.requested_by and unload_requested_by; the loads projection replays the log to fill them."""
+    import sqlalchemy as sa
+
+    from events.loads import UnloadRequested
+
+    await upgrade(database_url, "0003")
+    engine = make_engine(database_url)
+    sessions = session_factory(engine)
+    try:
+        await publish_event(js, LoadRequested(load_id="L9", model_id="m", requested_by="tok-a"))
+        last = await publish_event(js, UnloadRequested(load_id="L9", model_id="m", requested_by="tok-b"))
+        async with sessions() as session:  # what 0003's projector left: the row without its askers
+            await session.execute(sa.text("INSERT INTO loads (load_id, model_id, state, requested_at, reason) "
+                                          "VALUES ('L9', 'm', 'unloading', 0, '')"))
+            await session.execute(sa.text("INSERT INTO projector_checkpoints (name, seq) VALUES ('loads', :s)"),
+                                  {"s": last.seq})
+            await session.commit()
+        await upgrade(database_url)
+        runner = ProjectionRunner(js, sessions, all_projectors())
+        await runner.start()
+        try:
+            await runner.wait_for(last.seq, ["loads"], timeout=20)
+        finally:
+            await runner.stop()
+        async with sessions() as session:
+            load = await session.get(Load, "L9")
+            assert (load.state, load.requested_by, load.unload_requested_by) == ("unloading", "tok-a", "tok-b")
+    finally:
+        await engine.dispose()

@@ -13,8 +13,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CHECKED = sorted([".".join(p.relative_to(ROOT).with_suffix("").parts) for p in (ROOT / "core").glob("*.py")]
                  + ["leader.replay_cli"])
-# Edges that close a cycle in a file another change owns, by "importer -> imported": the fix is named.
-PENDING = {"core.cli_tokens -> core.cli": "core/cli_tokens.py imports CliError from core.cli; take it from core.cli_errors"}
 
 
 def module_name(path: Path) -> str:
@@ -67,16 +65,8 @@ def describe(graph, cycle: list[str]) -> str:
 def test_no_import_cycle_among_core_and_replay_cli():
     graph = import_graph()
     assert "core.cli" in graph["leader.replay_cli"] or "core.cli_errors" in graph["leader.replay_cli"]
-    bad = [c for c in cycles_through(graph, CHECKED)
-           if not any(f"{a} -> {b}" in PENDING for a, b in zip(c, c[1:]))]
+    bad = cycles_through(graph, CHECKED)
     assert not bad, "import cycles:\n" + "\n".join(describe(graph, c) for c in bad)
-
-
-@pytest.mark.parametrize("edge", sorted(PENDING))
-def test_pending_cycle_edges_still_exist(edge):
-    """Fails once the owner removes the edge: then drop it from PENDING."""
-    a, b = edge.split(" -> ")
-    assert b in import_graph()[a], f"{edge} is gone: remove it from PENDING"
 
 
 def test_cycle_finder_sees_a_lazy_cycle():

@@ -66,6 +66,8 @@ class Load(Base):
     reason: Mapped[str] = mapped_column(Text, default="")
     transport: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     quantization: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    requested_by: Mapped[str] = mapped_column(String(128), default="")  # the API token id that asked
+    unload_requested_by: Mapped[str] = mapped_column(String(128), default="")
 
 
 class LoadStage(Base):

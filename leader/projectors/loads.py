@@ -27,7 +27,7 @@ class LoadsProjector(Projector):
                 if await session.get(Load, evt.load_id) is None:
                     session.add(Load(load_id=evt.load_id, model_id=evt.model_id, state="requested",
                                      num_stages=evt.num_stages, requested_at=evt.at,
-                                     quantization=evt.quantization, reason=""))
+                                     quantization=evt.quantization, reason="", requested_by=evt.requested_by))
             case LoadPlaced():
                 load = await session.get(Load, evt.load_id)
                 if load is None or load.state in ENDED:
@@ -61,6 +61,7 @@ class LoadsProjector(Projector):
                 load = await session.get(Load, evt.load_id)
                 if load is not None and load.state not in ENDED:
                     load.state = "unloading"
+                    load.unload_requested_by = evt.requested_by
             case ReplicaLost():
                 stages = await session.scalars(select(LoadStage).where(LoadStage.load_id == evt.load_id,
                                                                        LoadStage.replica == evt.replica))
