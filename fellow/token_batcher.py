@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from core.bus import publish_struct
@@ -23,12 +24,13 @@ class TokenBatcher:
     The done or error frame, acked, always follows every token frame (one ordered sender per request).
     """
 
-    def __init__(self, js: JetStreamContext, request_id: str):
+    def __init__(self, nc: Client, js: JetStreamContext, request_id: str):
+        self.nc = nc
         self.js = js
         self.request_id = request_id
         self.subject = subjects.tokens(request_id)
         self.seq = 0
-        self.sent_tokens = 0
+        self._start_tried = False
         self._texts: list[str] = []
         self._ids: list[int] = []
         self._final: Frame | None = None
@@ -44,6 +46,7 @@ class TokenBatcher:
         """
         if self.seq:
             raise RuntimeError("the start frame comes first")
+        self._start_tried = True
         ack = await publish_struct(self.js, self.subject, StartFrame(request_id=self.request_id, seq=0,
                                                                      fellow_id=fellow_id, replica=replica),
                                    frame_msg_id(self.request_id, 0))
@@ -81,22 +84,21 @@ class TokenBatcher:
                 if self._texts:
                     texts, ids = self._texts, self._ids
                     self._texts, self._ids = [], []
-                    frame = TokenFrame(request_id=self.request_id, seq=self.seq, texts=texts, text="".join(texts),
-                                       token_ids=ids)
-                    self.sent_tokens += len(texts)
-                else:
-                    frame = self._final(self.seq)
-                if isinstance(frame, TokenFrame):
                     # Token frames go out without waiting for JetStream's ack: the stream still keeps
                     # them (same subject, same msg id) for a gap fill or a replay, and the done or
                     # error frame, which is acked, follows them on the same connection in order.
-                    await self.js._nc.publish(self.subject, encode(frame),
-                                              headers={"Nats-Msg-Id": frame_msg_id(self.request_id, self.seq)})
-                else:
-                    await publish_struct(self.js, self.subject, frame, frame_msg_id(self.request_id, self.seq))
+                    frame = TokenFrame(request_id=self.request_id, seq=self.seq, texts=texts, text="".join(texts),
+                                       token_ids=ids)
+                    await self.nc.publish(self.subject, encode(frame),
+                                          headers={"Nats-Msg-Id": frame_msg_id(self.request_id, self.seq)})
+                    self.seq += 1
+                    continue
+                ack = await publish_struct(self.js, self.subject, self._final(self.seq),
+                                           frame_msg_id(self.request_id, self.seq))
                 self.seq += 1
-                if not isinstance(frame, TokenFrame):
-                    self.closed.set()
+                if ack.duplicate and self.seq == 1 and self._start_tried:
+                    continue  # a start frame whose publish failed was stored after all: the end follows it
+                self.closed.set()
         except Exception:
             log.exception("frames of %s not published", self.request_id)
             self.closed.set()
