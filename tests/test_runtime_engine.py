@@ -4,7 +4,7 @@ import pytest
 import torch
 import transformers
 
-from fellow.runtime.engine.budget import ContextTooLong
+from fellow.runtime.engine.budget import AdmissionFailed, ContextTooLong
 from fellow.runtime.engine.engine import Engine
 from fellow.runtime.model.packed_linear import pack_stage
 from fellow.runtime.engine.sampling import SamplingParams
@@ -169,7 +169,8 @@ def test_a_failing_admission_fails_that_session_alone_and_gives_its_tokens_back(
     outputs, finished = {}, {}
     drain(engine, outputs, finished)
     assert finished == {"bad": "error", "good0": "length", "good1": "length"}
-    assert isinstance(bad.error, ValueError) and bad.cache is None and "bad" not in outputs
+    assert isinstance(bad.error, AdmissionFailed) and isinstance(bad.error.__cause__, ValueError)
+    assert bad.error.code == "admission_failed" and bad.cache is None and "bad" not in outputs
     assert engine.budget.reserved == 0 and engine.stats()["in_flight"] == 0
     for session in good:
         assert outputs[session.session_id] == alone(stage, session)

@@ -1,5 +1,5 @@
-"""A real stage process on the bus: it survives messages that do not decode (issue 21, item 3), serves
-the next request, and records every request before it exits on SIGTERM."""
+"""A real stage process on the bus: it survives messages that do not decode (issue 21, item 3) and
+requests it cannot serve (item 2), serves the next one, and records every request before it exits."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 
 from events import subjects
 from events.base import decode_event
-from events.frames import DoneFrame
+from events.frames import DoneFrame, ErrorFrame
 from events.requests import RequestFinished
 from events.stage import ReadyReport, StageConfig, Transport
 from fellow.stage_process import StageProcess
-from tests.processes import pid_alive
+from tests.processes import free_port, pid_alive
 from tests.serving_fixtures import chat_over_bus, make_servable
 
 POISON = [b"not json", json.dumps({"request_id": 5, "messages": "hi"}).encode(),
@@ -47,6 +47,12 @@ async def test_a_stage_skips_what_does_not_decode_and_serves_on(tmp_path, nats_s
         assert isinstance(reports[0], ReadyReport) and reports[0].kv_tokens <= 2048
         for i, data in enumerate(POISON):
             await js.publish(subjects.request(cfg.load_id), data, headers={"Nats-Msg-Id": f"poison-{i}"})
+        _, frames, _, _ = await chat_over_bus(nc, js, cfg.load_id, "tiny", "Hi", max_tokens=6, temperature=-1.0,
+                                              timeout=60)  # decodes, and SamplingParams refuses it
+        assert isinstance(frames[-1], ErrorFrame) and frames[-1].code == "invalid_request", frames
+        _, frames, _, _ = await chat_over_bus(nc, js, cfg.load_id, "tiny", "Hi", max_tokens=6, temperature=0.8,
+                                              seed=2**64, timeout=60)  # torch refuses the seed at admission
+        assert isinstance(frames[-1], ErrorFrame) and frames[-1].code == "admission_failed", frames
         rid, frames, tokens, _ = await chat_over_bus(nc, js, cfg.load_id, "tiny", "Hello there", max_tokens=6,
                                                      timeout=60)
         assert isinstance(frames[-1], DoneFrame) and tokens and pid_alive(proc.pid)
@@ -62,3 +68,20 @@ async def test_a_stage_skips_what_does_not_decode_and_serves_on(tmp_path, nats_s
     finished = await js.get_last_msg(subjects.EVENTS_STREAM, subjects.event("request.finished"))
     evt = decode_event(finished.data)
     assert isinstance(evt, RequestFinished) and evt.request_id == rid and evt.completion_tokens == len(tokens)
+
+
+async def test_a_stage_whose_bus_side_dies_exits_non_zero(tmp_path, servable):
+    exits, reports = [], []
+
+    async def on_report(proc, report):
+        reports.append(report)
+
+    async def on_exit(proc, code):
+        exits.append(code)
+
+    cfg = StageConfig(load_id="ld-nobus", model_id="tiny", model_dir=str(servable),
+                      nats_url=f"nats://127.0.0.1:{free_port()}", fellow_id="f-test")  # nobody listens there
+    proc = StageProcess(cfg, on_report, on_exit, log_path=tmp_path / "stage.log")
+    await proc.start()
+    await asyncio.wait_for(proc.exited.wait(), 120)
+    assert exits == [1] and reports == [], (tmp_path / "stage.log").read_text()

@@ -27,6 +27,12 @@ class ContextTooLong(ValueError):
                 "max_new_tokens": self.max_new_tokens, "kv_tokens": self.kv_tokens}
 
 
+class AdmissionFailed(RuntimeError):
+    """A session could not be given what it runs with (its cache, its sampling generator); it alone fails."""
+
+    code = "admission_failed"
+
+
 class TokenBudget:
     """The KV tokens a stage holds, and how many of them are reserved: the stage's one ledger.
 

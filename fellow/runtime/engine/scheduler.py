@@ -7,7 +7,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from fellow.runtime.engine.budget import TokenBudget
+from fellow.runtime.engine.budget import AdmissionFailed, TokenBudget
 from fellow.runtime.engine.session import Session
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,8 @@ class Scheduler:
                 self._start(session)
             except Exception as exc:
                 log.warning("session %s not admitted: %s: %s", session.session_id, type(exc).__name__, exc)
-                session.error = exc
+                session.error = AdmissionFailed(f"the request could not be admitted: {type(exc).__name__}: {exc}")
+                session.error.__cause__ = exc
                 self._finish(session, "error", result)
                 continue
             self.sessions[session.session_id] = session

@@ -149,6 +149,14 @@ class Intake:
             err = ContextTooLong(len(prompt_ids), max_tokens, kv_tokens)
             await self._refuse(req, len(prompt_ids), str(err), err.code, err.data)
             return
+        s = req.sampling
+        try:
+            sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+                                      seed=s.seed)
+        except ValueError as exc:
+            await msg.ack()
+            await self._refuse(req, len(prompt_ids), f"invalid sampling: {exc}", "invalid_request")
+            return
         if not self.budget.try_reserve(needed):
             # Not now: back to the bus for another replica, and we wait until a session ends.
             await msg.nak(delay=0.05)
@@ -171,10 +179,7 @@ class Intake:
             return
         self.active[req.request_id] = _Taken(batcher, time.monotonic())
         self.metrics.requests += 1
-        s = req.sampling
-        self.serving.submit(Job(req.request_id, prompt_ids, max_tokens,
-                                SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                               min_p=s.min_p, seed=s.seed), list(req.stop), reserved=True))
+        self.serving.submit(Job(req.request_id, prompt_ids, max_tokens, sampling, list(req.stop), reserved=True))
         await _ack(msg)  # served either way: a redelivery finds the start frame and leaves it
 
     async def _started_elsewhere(self, request_id: str) -> bool:
