@@ -11,7 +11,7 @@ from nats.js import JetStreamContext
 from core.bus import publish_struct
 from events.base import encode
 from events import subjects
-from events.frames import DoneFrame, ErrorFrame, Frame, StartFrame, TokenFrame, frame_msg_id
+from events.frames import DoneFrame, ErrorFrame, Frame, StartFrame, TokenFrame, frame_decoder, frame_msg_id
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class TokenBatcher:
         self.request_id = request_id
         self.subject = subjects.tokens(request_id)
         self.seq = 0
-        self._start_tried = False
+        self._claim: StartFrame | None = None  # the start frame we published, or tried to
         self._texts: list[str] = []
         self._ids: list[int] = []
         self._final: Frame | None = None
@@ -46,10 +46,8 @@ class TokenBatcher:
         """
         if self.seq:
             raise RuntimeError("the start frame comes first")
-        self._start_tried = True
-        ack = await publish_struct(self.js, self.subject, StartFrame(request_id=self.request_id, seq=0,
-                                                                     fellow_id=fellow_id, replica=replica),
-                                   frame_msg_id(self.request_id, 0))
+        self._claim = StartFrame(request_id=self.request_id, seq=0, fellow_id=fellow_id, replica=replica)
+        ack = await publish_struct(self.js, self.subject, self._claim, frame_msg_id(self.request_id, 0))
         self.seq = 1
         return not ack.duplicate
 
@@ -96,9 +94,16 @@ class TokenBatcher:
                 ack = await publish_struct(self.js, self.subject, self._final(self.seq),
                                            frame_msg_id(self.request_id, self.seq))
                 self.seq += 1
-                if ack.duplicate and self.seq == 1 and self._start_tried:
-                    continue  # a start frame whose publish failed was stored after all: the end follows it
+                if ack.duplicate and self.seq == 1 and await self._claimed_after_all():
+                    continue  # our start frame was stored though its publish failed: the end follows it
                 self.closed.set()
         except Exception:
             log.exception("frames of %s not published", self.request_id)
             self.closed.set()
+
+    async def _claimed_after_all(self) -> bool:
+        """Whether frame 0 on the stream is the start frame we tried (not another replica's claim)."""
+        if self._claim is None:
+            return False
+        stored = await self.js.get_last_msg(subjects.TOKENS_STREAM, self.subject)
+        return frame_decoder.decode(stored.data) == self._claim

@@ -126,17 +126,17 @@ class Intake:
 
     async def _take(self, msg, req: ChatRequest) -> None:
         if req.request_id in self.active:  # a redelivery of what we already serve
-            await msg.ack()
+            await _ack(msg)
             return
         if msg.metadata.num_delivered > 1 and await self._started_elsewhere(req.request_id):
             # A replica took it, said so, and died before acking: the gateway fails it (never both).
             log.warning("request %s was started by another replica; not serving it again", req.request_id)
-            await msg.ack()
+            await _ack(msg)
             return
         try:
             prompt_ids = self._tokenize(req)
         except Exception as exc:
-            await msg.ack()
+            await _ack(msg)
             await self._refuse(req, 0, f"the prompt could not be tokenized: {exc}", "invalid_prompt")
             return
         kv_tokens = self.budget.kv_tokens
@@ -145,7 +145,7 @@ class Intake:
             max_tokens = min(max_tokens, kv_tokens - len(prompt_ids))
         needed = len(prompt_ids) + max_tokens
         if needed > kv_tokens:
-            await msg.ack()
+            await _ack(msg)
             err = ContextTooLong(len(prompt_ids), max_tokens, kv_tokens)
             await self._refuse(req, len(prompt_ids), str(err), err.code, err.data)
             return
@@ -154,12 +154,12 @@ class Intake:
             sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
                                       seed=s.seed)
         except ValueError as exc:
-            await msg.ack()
+            await _ack(msg)
             await self._refuse(req, len(prompt_ids), f"invalid sampling: {exc}", "invalid_request")
             return
         if not self.budget.try_reserve(needed):
             # Not now: back to the bus for another replica, and we wait until a session ends.
-            await msg.nak(delay=0.05)
+            await _ack(msg, nak=True)
             if self.active:
                 await self._wait_room()
             return
@@ -175,7 +175,7 @@ class Intake:
         if not claimed:
             self.budget.release(needed)
             log.warning("request %s was started by another replica; not serving it again", req.request_id)
-            await msg.ack()
+            await _ack(msg)
             return
         self.active[req.request_id] = _Taken(batcher, time.monotonic())
         self.metrics.requests += 1
@@ -274,8 +274,9 @@ class Intake:
             await asyncio.gather(*list(self._records), return_exceptions=True)
 
 
-async def _ack(msg) -> None:
+async def _ack(msg, nak: bool = False) -> None:
+    """Settle a request message; if the bus fails us, it comes back after the ack wait."""
     try:
-        await msg.ack()
+        await (msg.nak(delay=0.05) if nak else msg.ack())
     except Exception as exc:
-        log.warning("a request message was not acked: %s", exc)
+        log.warning("a request message was not %s: %s", "nak'd" if nak else "acked", exc)
