@@ -1,5 +1,7 @@
 """The one-stage engine: batched sessions get what they would alone, cancel frees, admission waits by tokens."""
 
+import threading
+
 import pytest
 import torch
 import transformers
@@ -8,6 +10,7 @@ from fellow.runtime.engine.budget import AdmissionFailed, ContextTooLong
 from fellow.runtime.engine.engine import Engine
 from fellow.runtime.model.packed_linear import pack_stage
 from fellow.runtime.engine.sampling import SamplingParams
+from fellow.runtime.engine.serving_loop import Job, ServingLoop
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.stage import StageModel
 
@@ -174,3 +177,25 @@ def test_a_failing_admission_fails_that_session_alone_and_gives_its_tokens_back(
     assert engine.budget.reserved == 0 and engine.stats()["in_flight"] == 0
     for session in good:
         assert outputs[session.session_id] == alone(stage, session)
+
+
+def test_a_job_the_engine_refuses_gives_its_reserved_tokens_back(stage):
+    """The intake takes a request's tokens from the ledger before the engine sees it: a refusal returns them."""
+    engine = Engine(stage, kv_tokens=4096)
+    outputs, delivered = [], threading.Event()
+
+    def deliver(outs):
+        outputs.extend(outs)
+        delivered.set()
+
+    loop = ServingLoop(engine, tokenizer=None, stop_ids=frozenset(), deliver=deliver)
+    loop.start()
+    try:
+        assert engine.budget.try_reserve(12)
+        loop.submit(Job("empty", prompt(12, 9), 0, GREEDY, reserved=True))  # max_new_tokens 0: Session refuses
+        assert delivered.wait(10)
+    finally:
+        loop.stop()
+        loop.thread.join(10)
+    assert [(o.request_id, type(o.error)) for o in outputs] == [("empty", ValueError)]
+    assert engine.budget.reserved == 0
