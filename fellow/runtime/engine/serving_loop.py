@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from fellow.runtime.engine.detokenizer import Detokenizer
-from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.engine.sampling import SamplingParams
+from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.engine.session import Session
 
 log = logging.getLogger(__name__)
