@@ -9,11 +9,11 @@ import time
 import torch
 import transformers
 
-from fellow.runtime.engine import Engine
-from fellow.runtime.packed_linear import pack_stage
-from fellow.runtime.sampling import SamplingParams
-from fellow.runtime.session import Session
-from fellow.runtime.stage import StageModel
+from fellow.runtime.engine.engine import Engine
+from fellow.runtime.model.packed_linear import pack_stage
+from fellow.runtime.engine.sampling import SamplingParams
+from fellow.runtime.engine.session import Session
+from fellow.runtime.model.stage import StageModel
 
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=0)

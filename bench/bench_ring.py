@@ -81,7 +81,7 @@ def main() -> None:
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="swarm-bench-ring-"))
     ckpt = make_checkpoint(tmp / "hf")
-    from fellow.runtime.export import export
+    from fellow.runtime.tools.export import export
 
     # The tied 32k-token head costs about what 4 of the 8 blocks cost, so the cut that balances the
     # two stages' compute (as training would) gives stage 0 six blocks and stage 1 two and the head.

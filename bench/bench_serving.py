@@ -43,8 +43,8 @@ def make_checkpoint(out: Path, vocab: int = 32000, hidden: int = 512, layers: in
     """A Qwen3 of about 45M parameters with the project's tiny chat tokenizer padded to `vocab`."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from fellow.runtime.chat_tokenizer import generation_config_values
-    from fellow.runtime.tiny import _tokenizer
+    from fellow.runtime.tools.chat_tokenizer import generation_config_values
+    from tests.tiny import _tokenizer
 
     tok = _tokenizer()
     tok.add_tokens([f"<w{i}>" for i in range(vocab - len(tok))])
@@ -163,7 +163,7 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 2)
     tmp = Path(tempfile.mkdtemp(prefix="swarm-bench-serving-"))
     ckpt = make_checkpoint(tmp / "hf")
-    from fellow.runtime.export import export
+    from fellow.runtime.tools.export import export
 
     export(ckpt, tmp / "servables" / "bench45m", stages=1, model_id="bench45m")
     params = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(

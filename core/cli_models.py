@@ -122,7 +122,7 @@ def cmd_infer(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from fellow.runtime.export import export
+    from fellow.runtime.tools.export import export
 
     boundaries = json.loads(args.boundaries) if args.boundaries else None
     m = export(args.hf_dir, args.out, stages=args.stages, boundaries=boundaries, bottleneck=args.bottleneck,
@@ -148,7 +148,7 @@ class ProgressBar:
 
 
 def cmd_demo_model(args) -> int:
-    from fellow.runtime.demo_model import make_demo_model
+    from fellow.runtime.tools.demo_model import make_demo_model
 
     m = make_demo_model(args.out, seed=args.seed, progress=ProgressBar("training the demo model"),
                         **({"steps": args.steps} if args.steps else {}))

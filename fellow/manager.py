@@ -14,6 +14,7 @@ from events.commands import LoadStage, StopFellow, UnloadStage, UpdateFellow
 from events.fellow import LoadedModel
 from events.loads import (LoadFailed, ModelUnloaded, ReplicaLost, StageReady, load_failed_id, replica_lost_id,
                           replica_part)
+from events.stage import FailedReport, MetricsReport, ReadyReport, StageConfig, StageReport, Transport
 from fellow.fetch import FetchError, fetch_model, local_model_dir
 from fellow.stage_process import StageProcess
 
@@ -40,14 +41,13 @@ class ModelManager:
     def loaded_models(self) -> list[LoadedModel]:
         out = []
         for p in self.procs.values():
-            m = p.metrics
+            m, ready = p.metrics or MetricsReport(), p.ready
             out.append(LoadedModel(
                 load_id=p.load_id, model_id=p.model_id, stage=p.stage, replica=p.replica, pid=p.pid, state=p.state,
-                tokens_per_s=m.get("tokens_per_s", 0.0), last_ttft_s=m.get("last_ttft_s"),
-                requests=m.get("requests", 0), idle_s=m.get("idle_s", 0.0),
-                vram_bytes=m.get("vram_bytes", p.ready_info.get("vram_bytes", 0)),
-                in_flight=m.get("in_flight", 0), waiting=m.get("waiting", 0),
-                kv_tokens=p.ready_info.get("kv_tokens", 0), kv_tokens_planned=p.ready_info.get("kv_tokens_planned", 0)))
+                tokens_per_s=m.tokens_per_s, last_ttft_s=m.last_ttft_s, requests=m.requests, idle_s=m.idle_s,
+                vram_bytes=m.vram_bytes or (ready.vram_bytes if ready else 0), in_flight=m.in_flight,
+                waiting=m.waiting, kv_tokens=ready.kv_tokens if ready else 0,
+                kv_tokens_planned=ready.kv_tokens_planned if ready else 0))
         return out
 
     async def on_load(self, cmd: LoadStage) -> None:
@@ -66,19 +66,19 @@ class ModelManager:
                 oldest = next(iter(self.procs.values()))
                 log.info("evicting %s (%s) to load %s", oldest.model_id, oldest.load_id, cmd.model_id)
                 await self._stop(oldest, "evicted")
-            cfg = {"load_id": cmd.load_id, "model_id": cmd.model_id, "model_dir": str(model_dir),
-                   "stage": cmd.assignment.stage, "num_stages": cmd.num_stages,
-                   "replica": cmd.assignment.replica, "replicas": cmd.replicas, "fellow_id": self.agent.fellow_id,
-                   "nats_url": self.settings.nats_url or "nats://127.0.0.1:4222",
-                   "transport": {"max_in_flight": cmd.transport.max_in_flight, "kv_tokens": cmd.transport.kv_tokens,
-                                 "max_batch": cmd.transport.max_batch, "prefill_chunk": cmd.transport.prefill_chunk},
-                   "report_s": min(1.0, self.settings.heartbeat_s),
-                   "packed_linear": self.settings.serve_packed_linear != "off"}
-            if self.settings.serve_max_batch is not None and not cmd.transport.max_batch:
-                cfg["transport"]["max_batch"] = self.settings.serve_max_batch
+            t = cmd.transport
+            max_batch = t.max_batch or (self.settings.serve_max_batch or 0)
+            cfg = StageConfig(load_id=cmd.load_id, model_id=cmd.model_id, model_dir=str(model_dir),
+                              nats_url=self.settings.nats_url or "nats://127.0.0.1:4222",
+                              fellow_id=self.agent.fellow_id, stage=cmd.assignment.stage, num_stages=cmd.num_stages,
+                              replica=cmd.assignment.replica, replicas=cmd.replicas,
+                              transport=Transport(max_in_flight=t.max_in_flight, kv_tokens=t.kv_tokens,
+                                                  max_batch=max_batch, prefill_chunk=t.prefill_chunk),
+                              report_s=min(1.0, self.settings.heartbeat_s),
+                              packed_linear=self.settings.serve_packed_linear != "off")
             logs = self.settings.data_dir / "logs"
             logs.mkdir(parents=True, exist_ok=True)
-            proc = StageProcess(cmd.load_id, cmd.model_id, cmd.assignment.stage, cfg, self._on_report,
+            proc = StageProcess(cfg, self._on_report, self._on_exit,
                                 log_path=logs / f"{cmd.load_id}-stage{cmd.assignment.stage}.log")
             self.procs[cmd.load_id] = proc
             try:
@@ -90,41 +90,38 @@ class ModelManager:
                 raise
             log.info("loading %s as %s (pid %d)", cmd.model_id, cmd.load_id, proc.pid)
 
-    async def _on_report(self, proc: StageProcess, msg: dict) -> None:
-        kind = msg.get("event")
-        if kind == "ready":
+    async def _on_report(self, proc: StageProcess, report: StageReport) -> None:
+        if isinstance(report, ReadyReport):
             await publish_event(self.agent.js, StageReady(
                 id=f"ready-{proc.load_id}-{proc.stage}{replica_part(proc.replica)}", load_id=proc.load_id,
                 stage=proc.stage, replica=proc.replica, fellow_id=self.agent.fellow_id, pid=proc.pid,
-                kv_tokens=msg.get("kv_tokens", 0),
-                kv_tokens_planned=msg.get("kv_tokens_planned", 0), max_in_flight=msg.get("max_in_flight", 1),
-                vram_bytes=msg.get("vram_bytes", 0), load_s=msg.get("load_s", 0.0)))
+                kv_tokens=report.kv_tokens, kv_tokens_planned=report.kv_tokens_planned,
+                max_in_flight=report.max_in_flight, vram_bytes=report.vram_bytes, load_s=report.load_s))
             await self.agent.beat()
-        elif kind == "failed":
+        elif isinstance(report, FailedReport):
             proc.stop_reason = "failed"
-            await self._fail(proc.load_id, proc.model_id, msg.get("reason", "the stage failed to load"),
+            await self._fail(proc.load_id, proc.model_id, report.reason, proc.replica, proc.replicas)
+
+    async def _on_exit(self, proc: StageProcess, code: int) -> None:
+        self.procs.pop(proc.load_id, None)
+        if proc.stop_reason is None:
+            await self._fail(proc.load_id, proc.model_id, f"the stage process exited unexpectedly (code {code})",
                              proc.replica, proc.replicas)
-        elif kind == "exited":
-            self.procs.pop(proc.load_id, None)
-            if proc.stop_reason in (None,):
-                await self._fail(proc.load_id, proc.model_id,
-                                 f"the stage process exited unexpectedly (code {msg.get('code')})",
-                                 proc.replica, proc.replicas)
-            elif proc.stop_reason not in ("failed", "requested") and proc.replicas > 1:
-                # one replica went (idle, evicted, stopped); the leader decides whether the load did
-                await publish_event(self.agent.js, ReplicaLost(
-                    id=replica_lost_id(proc.load_id, proc.replica), load_id=proc.load_id, model_id=proc.model_id,
-                    replica=proc.replica, fellow_id=self.agent.fellow_id, code=proc.stop_reason,
-                    reason=f"fellow {self.agent.fellow_id} stopped it ({proc.stop_reason})"))
-            elif proc.stop_reason != "failed":
-                await publish_event(self.agent.js, ModelUnloaded(
-                    id=f"unloaded-{proc.load_id}-{proc.stage}{replica_part(proc.replica)}",
-                    load_id=proc.load_id, model_id=proc.model_id, reason=proc.stop_reason,
-                    fellow_id=self.agent.fellow_id))
-            try:
-                await self.agent.beat()
-            except Exception:
-                pass
+        elif proc.stop_reason not in ("failed", "requested") and proc.replicas > 1:
+            # one replica went (idle, evicted, stopped); the leader decides whether the load did
+            await publish_event(self.agent.js, ReplicaLost(
+                id=replica_lost_id(proc.load_id, proc.replica), load_id=proc.load_id, model_id=proc.model_id,
+                replica=proc.replica, fellow_id=self.agent.fellow_id, code=proc.stop_reason,
+                reason=f"fellow {self.agent.fellow_id} stopped it ({proc.stop_reason})"))
+        elif proc.stop_reason != "failed":
+            await publish_event(self.agent.js, ModelUnloaded(
+                id=f"unloaded-{proc.load_id}-{proc.stage}{replica_part(proc.replica)}",
+                load_id=proc.load_id, model_id=proc.model_id, reason=proc.stop_reason,
+                fellow_id=self.agent.fellow_id))
+        try:
+            await self.agent.beat()
+        except Exception:
+            pass
 
     async def _fail(self, load_id: str, model_id: str, reason: str, replica: int = 0, replicas: int = 1) -> None:
         log.error("load %s failed: %s", load_id, reason)
@@ -171,6 +168,6 @@ class ModelManager:
                 continue
             for proc in list(self.procs.values()):
                 m = proc.metrics
-                if proc.state == "ready" and m and m.get("in_flight", 1) == 0 and m.get("idle_s", 0) >= ttl:
-                    log.info("unloading %s: idle for %.0fs", proc.model_id, m["idle_s"])
+                if proc.state == "ready" and m is not None and m.in_flight == 0 and m.idle_s >= ttl:
+                    log.info("unloading %s: idle for %.0fs", proc.model_id, m.idle_s)
                     await self._stop(proc, "idle")

@@ -1,85 +1,103 @@
-"""One serving subprocess as the agent sees it: started, reporting JSON lines, stopped by PID."""
+"""One serving subprocess as the agent sees it: started with a StageConfig, reporting, stopped by PID."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
 import sys
 import time
+from typing import Awaitable, Callable
 
-from core.procs import die_with_parent
+import msgspec
+
+from events.stage import MetricsReport, ReadyReport, StageConfig, StageReport, decode_report, encode
 
 log = logging.getLogger(__name__)
 
 
 class StageProcess:
-    """The torch side runs in `python -m fellow.runtime.serve CONFIG`; it dies with its agent."""
+    """The torch side runs in `python -m fellow.runtime CONFIG`, in a session of its own; it dies with
+    its agent (it asks the kernel for SIGKILL on its parent's death, see fellow.runtime.__main__).
 
-    def __init__(self, load_id: str, model_id: str, stage: int, cfg: dict, on_report, log_path=None):
-        self.load_id = load_id
-        self.model_id = model_id
-        self.stage = stage
+    ``on_report(proc, report)`` gets each report it writes; ``on_exit(proc, code)`` its exit, after the
+    last report.
+    """
+
+    def __init__(self, cfg: StageConfig, on_report: Callable[["StageProcess", StageReport], Awaitable[None]],
+                 on_exit: Callable[["StageProcess", int], Awaitable[None]], log_path=None):
         self.cfg = cfg
-        self.on_report = on_report  # async callable(StageProcess, dict)
+        self.on_report = on_report
+        self.on_exit = on_exit
         self.log_path = log_path
         self.proc: asyncio.subprocess.Process | None = None
         self.state = "loading"  # loading | ready | stopping | ended
-        self.metrics: dict = {}
-        self.ready_info: dict = {}
+        self.ready: ReadyReport | None = None
+        self.metrics: MetricsReport | None = None
         self.started_at = time.time()
         self.stop_reason: str | None = None
         self.exited = asyncio.Event()
         self._reader: asyncio.Task | None = None
 
     @property
-    def pid(self) -> int:
-        return self.proc.pid if self.proc else 0
+    def load_id(self) -> str:
+        return self.cfg.load_id
+
+    @property
+    def model_id(self) -> str:
+        return self.cfg.model_id
+
+    @property
+    def stage(self) -> int:
+        return self.cfg.stage
 
     @property
     def replica(self) -> int:
-        return int(self.cfg.get("replica", 0))
+        return self.cfg.replica
 
     @property
     def replicas(self) -> int:
-        return int(self.cfg.get("replicas", 1))
+        return self.cfg.replicas
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc else 0
 
     async def start(self) -> None:
-        parent = os.getpid()
-
-        def pre() -> None:  # between fork and exec: SIGKILL when the agent dies, however it dies
-            die_with_parent(signal.SIGKILL)
-            if os.getppid() != parent:
-                os._exit(1)
-
+        cfg = msgspec.structs.replace(self.cfg, agent_pid=os.getpid())
         stderr = open(self.log_path, "ab") if self.log_path else None
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "fellow.runtime.serve", json.dumps(self.cfg),
-            stdout=asyncio.subprocess.PIPE, stderr=stderr, stdin=asyncio.subprocess.DEVNULL, preexec_fn=pre)
-        if stderr:
-            stderr.close()
-        self._reader = asyncio.create_task(self._read())
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "fellow.runtime", encode(cfg).decode(),
+                stdout=asyncio.subprocess.PIPE, stderr=stderr, stdin=asyncio.subprocess.DEVNULL,
+                start_new_session=True)
+        finally:
+            if stderr:
+                stderr.close()
+        self._reader = asyncio.create_task(self._read(), name=f"stage-{self.load_id}-{self.stage}")
 
     async def _read(self) -> None:
         assert self.proc and self.proc.stdout
         async for line in self.proc.stdout:
             try:
-                msg = json.loads(line)
-            except ValueError:
+                msg = decode_report(line)
+            except msgspec.DecodeError:
+                log.warning("stage %s of %s wrote a line that is not a report: %.200r", self.stage, self.load_id, line)
                 continue
-            kind = msg.get("event")
-            if kind == "ready":
+            if isinstance(msg, ReadyReport):
                 self.state = "ready"
-                self.ready_info = msg
-            elif kind == "metrics":
+                self.ready = msg
+            elif isinstance(msg, MetricsReport):
                 self.metrics = msg
-            await self.on_report(self, msg)
+            try:
+                await self.on_report(self, msg)
+            except Exception:
+                log.exception("a report of stage %s of %s was not handled", self.stage, self.load_id)
         code = await self.proc.wait()
         self.state = "ended"
-        try:  # the report (an event on the bus) goes out before anyone waiting on the exit goes on
-            await self.on_report(self, {"event": "exited", "code": code})
+        try:  # the exit (an event on the bus) goes out before anyone waiting on it goes on
+            await self.on_exit(self, code)
         except Exception:
             log.exception("the exit of stage %s of %s was not reported", self.stage, self.load_id)
         finally:
@@ -104,3 +122,4 @@ class StageProcess:
             except ProcessLookupError:
                 pass
             await self.exited.wait()
+

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from core.bus import publish_struct
 from events.base import encode
 from events import subjects
-from events.frames import DoneFrame, ErrorFrame, Frame, StartFrame, TokenFrame, frame_msg_id
+from events.frames import DoneFrame, ErrorFrame, Frame, StartFrame, TokenFrame, frame_decoder, frame_msg_id
 
 log = logging.getLogger(__name__)
 
@@ -23,12 +24,13 @@ class TokenBatcher:
     The done or error frame, acked, always follows every token frame (one ordered sender per request).
     """
 
-    def __init__(self, js: JetStreamContext, request_id: str):
+    def __init__(self, nc: Client, js: JetStreamContext, request_id: str):
+        self.nc = nc
         self.js = js
         self.request_id = request_id
         self.subject = subjects.tokens(request_id)
         self.seq = 0
-        self.sent_tokens = 0
+        self._claim: StartFrame | None = None  # the start frame we published, or tried to
         self._texts: list[str] = []
         self._ids: list[int] = []
         self._final: Frame | None = None
@@ -44,9 +46,8 @@ class TokenBatcher:
         """
         if self.seq:
             raise RuntimeError("the start frame comes first")
-        ack = await publish_struct(self.js, self.subject, StartFrame(request_id=self.request_id, seq=0,
-                                                                     fellow_id=fellow_id, replica=replica),
-                                   frame_msg_id(self.request_id, 0))
+        self._claim = StartFrame(request_id=self.request_id, seq=0, fellow_id=fellow_id, replica=replica)
+        ack = await publish_struct(self.js, self.subject, self._claim, frame_msg_id(self.request_id, 0))
         self.seq = 1
         return not ack.duplicate
 
@@ -81,22 +82,28 @@ class TokenBatcher:
                 if self._texts:
                     texts, ids = self._texts, self._ids
                     self._texts, self._ids = [], []
-                    frame = TokenFrame(request_id=self.request_id, seq=self.seq, texts=texts, text="".join(texts),
-                                       token_ids=ids)
-                    self.sent_tokens += len(texts)
-                else:
-                    frame = self._final(self.seq)
-                if isinstance(frame, TokenFrame):
                     # Token frames go out without waiting for JetStream's ack: the stream still keeps
                     # them (same subject, same msg id) for a gap fill or a replay, and the done or
                     # error frame, which is acked, follows them on the same connection in order.
-                    await self.js._nc.publish(self.subject, encode(frame),
-                                              headers={"Nats-Msg-Id": frame_msg_id(self.request_id, self.seq)})
-                else:
-                    await publish_struct(self.js, self.subject, frame, frame_msg_id(self.request_id, self.seq))
+                    frame = TokenFrame(request_id=self.request_id, seq=self.seq, texts=texts, text="".join(texts),
+                                       token_ids=ids)
+                    await self.nc.publish(self.subject, encode(frame),
+                                          headers={"Nats-Msg-Id": frame_msg_id(self.request_id, self.seq)})
+                    self.seq += 1
+                    continue
+                ack = await publish_struct(self.js, self.subject, self._final(self.seq),
+                                           frame_msg_id(self.request_id, self.seq))
                 self.seq += 1
-                if not isinstance(frame, TokenFrame):
-                    self.closed.set()
+                if ack.duplicate and self.seq == 1 and await self._claimed_after_all():
+                    continue  # our start frame was stored though its publish failed: the end follows it
+                self.closed.set()
         except Exception:
             log.exception("frames of %s not published", self.request_id)
             self.closed.set()
+
+    async def _claimed_after_all(self) -> bool:
+        """Whether frame 0 on the stream is the start frame we tried (not another replica's claim)."""
+        if self._claim is None:
+            return False
+        stored = await self.js.get_last_msg(subjects.TOKENS_STREAM, self.subject)
+        return frame_decoder.decode(stored.data) == self._claim

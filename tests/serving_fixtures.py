@@ -35,8 +35,8 @@ def hf_greedy(hf_dir, content: str, max_new_tokens: int) -> list[int]:
 def make_servable(root: Path, model_id: str = "tiny", family: str = "qwen3", layers: int = 4, hidden: int = 64,
                   stages: int = 2, seed: int = 0) -> tuple[Path, Path]:
     """(hf checkpoint dir, servable dir) of a random tiny model with a chat tokenizer."""
-    from fellow.runtime.export import export
-    from fellow.runtime.tiny import make_tiny_checkpoint
+    from fellow.runtime.tools.export import export
+    from tests.tiny import make_tiny_checkpoint
 
     hf = make_tiny_checkpoint(root / f"hf-{model_id}", family=family, layers=layers, hidden=hidden, seed=seed)
     out = root / "servables" / model_id

@@ -16,7 +16,7 @@ from tests.processes import SwarmProcess, swarm_env
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     """A servables root with one good model and three broken ones, the good one made by `swarm export`."""
-    from fellow.runtime.tiny import make_tiny_checkpoint
+    from tests.tiny import make_tiny_checkpoint
 
     base = tmp_path_factory.mktemp("catalog")
     hf = make_tiny_checkpoint(base / "hf", layers=2, hidden=64)

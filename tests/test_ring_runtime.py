@@ -11,16 +11,16 @@ import torch
 
 from core.servable import ServableError, load_manifest
 from events.ring import Hidden, Token, decode_frame, encode_frame
-from fellow.runtime.engine import Engine
-from fellow.runtime.export import export
+from fellow.runtime.engine.engine import Engine
+from fellow.runtime.tools.export import export
 from fellow.runtime.ring.head import RingHead
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.loader import load_ring_stage
 from fellow.runtime.ring.worker import RingWorker
-from fellow.runtime.sampling import SamplingParams
-from fellow.runtime.session import Session
-from fellow.runtime.stage_loader import load_one_stage
-from fellow.runtime.tiny import make_tiny_checkpoint
+from fellow.runtime.engine.sampling import SamplingParams
+from fellow.runtime.engine.session import Session
+from fellow.runtime.model.loader import load_one_stage
+from tests.tiny import make_tiny_checkpoint
 from tests.processes import wait_until
 from tests.serving_fixtures import make_servable
 
@@ -175,7 +175,7 @@ def test_a_frame_that_fails_on_a_later_stage_ends_only_its_own_request(servables
                 ring.inboxes[1].put(bad)  # a frame stage 1 cannot run for s1
     finally:
         ring.close()
-    failed = {s.session_id: ring.head.failures.get(s.session_id) for s in ended if s.finish_reason == "error"}
+    failed = {s.session_id: s.error for s in ended if s.finish_reason == "error"}
     assert list(failed) == ["s1"] and failed["s1"].code == "stage_failed" and "stage 1" in str(failed["s1"])
     assert got["s0"] == expected["s0"] and got["s2"] == expected["s2"]
     assert len(got["s1"]) < len(expected["s1"])
@@ -223,7 +223,7 @@ def test_sampled_ring_draws_what_one_stage_draws_with_the_same_seed(servables):
 
 
 def test_the_demo_model_over_a_ring_equals_it_on_one_stage(tmp_path):
-    from fellow.runtime.demo_model import make_demo_model
+    from fellow.runtime.tools.demo_model import make_demo_model
 
     make_demo_model(tmp_path / "demo", seed=0, steps=6, vocab=512, hidden=64, layers=2, seq_len=64, batch=8)
     expected = one_stage(tmp_path / "demo", PROMPTS[:3], 10)

@@ -1,15 +1,18 @@
 """The one-stage engine: batched sessions get what they would alone, cancel frees, admission waits by tokens."""
 
+import threading
+
 import pytest
 import torch
 import transformers
 
-from fellow.runtime.admission import ContextTooLong
-from fellow.runtime.engine import Engine
-from fellow.runtime.packed_linear import pack_stage
-from fellow.runtime.sampling import SamplingParams
-from fellow.runtime.session import Session
-from fellow.runtime.stage import StageModel
+from fellow.runtime.engine.budget import AdmissionFailed, ContextTooLong
+from fellow.runtime.engine.engine import Engine
+from fellow.runtime.model.packed_linear import pack_stage
+from fellow.runtime.engine.sampling import SamplingParams
+from fellow.runtime.engine.serving_loop import Job, ServingLoop
+from fellow.runtime.engine.session import Session
+from fellow.runtime.model.stage import StageModel
 
 VOCAB = 512
 GREEDY = SamplingParams(temperature=0.0)
@@ -154,3 +157,45 @@ def test_a_batch_stops_growing_where_its_padded_copy_would_pass_the_budget(stage
         drain(engine, outputs, finished, joins={0: [Session(s.session_id, s.prompt_ids, 20, GREEDY)
                                                     for s in sessions]}, batch_sizes=batch_sizes)
         assert outputs == expected and max(batch_sizes) == widest
+
+
+@pytest.mark.parametrize("reserved", [False, True])
+def test_a_failing_admission_fails_that_session_alone_and_gives_its_tokens_back(stage, reserved):
+    """A seed past 2**64 makes torch's generator raise while the session is admitted (issue 21, item 2)."""
+    engine = Engine(stage, kv_tokens=4096)
+    bad = Session("bad", prompt(12, 6), 30, SamplingParams(temperature=0.8, seed=2**64))
+    good = [Session(f"good{i}", prompt(10 + i, 7 + i), 12, GREEDY) for i in range(2)]
+    for session in [good[0], bad, good[1]]:  # admitted in one step, batched together
+        if reserved:  # as the stage's intake does: tokens taken from the ledger first
+            assert engine.budget.try_reserve(session.reserved_tokens)
+        engine.add(session, reserved=reserved)
+    outputs, finished = {}, {}
+    drain(engine, outputs, finished)
+    assert finished == {"bad": "error", "good0": "length", "good1": "length"}
+    assert isinstance(bad.error, AdmissionFailed) and isinstance(bad.error.__cause__, ValueError)
+    assert bad.error.code == "admission_failed" and bad.cache is None and "bad" not in outputs
+    assert engine.budget.reserved == 0 and engine.stats()["in_flight"] == 0
+    for session in good:
+        assert outputs[session.session_id] == alone(stage, session)
+
+
+def test_a_job_the_engine_refuses_gives_its_reserved_tokens_back(stage):
+    """The intake takes a request's tokens from the ledger before the engine sees it: a refusal returns them."""
+    engine = Engine(stage, kv_tokens=4096)
+    outputs, delivered = [], threading.Event()
+
+    def deliver(outs):
+        outputs.extend(outs)
+        delivered.set()
+
+    loop = ServingLoop(engine, tokenizer=None, stop_ids=frozenset(), deliver=deliver)
+    loop.start()
+    try:
+        assert engine.budget.try_reserve(12)
+        loop.submit(Job("empty", prompt(12, 9), 0, GREEDY, reserved=True))  # max_new_tokens 0: Session refuses
+        assert delivered.wait(10)
+    finally:
+        loop.stop()
+        loop.thread.join(10)
+    assert [(o.request_id, type(o.error)) for o in outputs] == [("empty", ValueError)]
+    assert engine.budget.reserved == 0

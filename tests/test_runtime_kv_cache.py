@@ -4,9 +4,9 @@ import pytest
 import torch
 import transformers
 
-from fellow.runtime.kv_budget import CPU_CAP_TOKENS, bytes_per_token, kv_tokens_for, measured_kv_tokens
-from fellow.runtime.kv_cache import GROW_CHUNK, BatchedView, KVCache
-from fellow.runtime.stage import StageModel
+from fellow.runtime.model.kv_budget import CPU_CAP_TOKENS, bytes_per_token, kv_tokens_for, measured_kv_tokens
+from fellow.runtime.model.kv_cache import GROW_CHUNK, BatchedView, KVCache
+from fellow.runtime.model.stage import StageModel
 
 HEADS, DIM = 2, 4
 

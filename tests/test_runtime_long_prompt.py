@@ -3,10 +3,10 @@
 import torch
 import transformers
 
-from fellow.runtime.engine import Engine
-from fellow.runtime.sampling import SamplingParams
-from fellow.runtime.session import Session
-from fellow.runtime.stage import StageModel
+from fellow.runtime.engine.engine import Engine
+from fellow.runtime.engine.sampling import SamplingParams
+from fellow.runtime.engine.session import Session
+from fellow.runtime.model.stage import StageModel
 
 VOCAB = 512
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from events.requests import Sampling
-from fellow.runtime.sampling import SamplingParams, filtered_probs, make_generator, sample, sample_row
+from fellow.runtime.engine.sampling import SamplingParams, filtered_probs, make_generator, sample, sample_row
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 import transformers
 
-from fellow.runtime.engine import Engine
-from fellow.runtime.sampling import SamplingParams
-from fellow.runtime.session import Session
-from fellow.runtime.stage import StageModel
+from fellow.runtime.engine.engine import Engine
+from fellow.runtime.engine.sampling import SamplingParams
+from fellow.runtime.engine.session import Session
+from fellow.runtime.model.stage import StageModel
 
 SHAPE = dict(num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, vocab_size=512)

@@ -11,8 +11,8 @@ import torch
 from transformers import AutoTokenizer
 
 from core.servable import load_manifest
-from fellow.runtime.demo_model import demo_examples, make_demo_model
-from fellow.runtime.stage_weights import build_stage_modules
+from fellow.runtime.tools.demo_model import demo_examples, make_demo_model
+from fellow.runtime.model.weights import build_stage_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 # A shrunken shape so the test trains in seconds; the real demo uses the defaults.
@@ -28,7 +28,7 @@ def test_same_seed_same_model_and_it_learns(tmp_path):
     first = make_demo_model(tmp_path / "a", seed=3, steps=12,
                             progress=lambda s, n, loss: losses.append((s, n, loss)), **SMALL)
     # The second run is another process: hash seeds and thread pools start afresh there.
-    code = (f"from fellow.runtime.demo_model import make_demo_model; "
+    code = (f"from fellow.runtime.tools.demo_model import make_demo_model; "
             f"make_demo_model({str(tmp_path / 'b')!r}, seed=3, steps=12, **{SMALL!r})")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from core.servable import ServableError, load_manifest
-from fellow.runtime.export import export
-from fellow.runtime.stage_weights import build_stage_modules, load_stage_state
-from fellow.runtime.tiny import make_tiny_checkpoint
+from fellow.runtime.tools.export import export
+from fellow.runtime.model.weights import build_stage_modules, load_stage_state
+from tests.tiny import make_tiny_checkpoint
 
 IDS = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 64, 12, 300]])
 

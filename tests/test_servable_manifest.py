@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM
 
 from core.servable import ServableError, load_manifest, param_count, verify_checksums
 from core.servable_plan import plan_stage
-from fellow.runtime.calibration import default_texts
-from fellow.runtime.export import export
-from fellow.runtime.tiny import make_tiny_checkpoint
+from fellow.runtime.tools.calibration import default_texts
+from fellow.runtime.tools.export import export
+from tests.tiny import make_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -21,7 +21,7 @@ from core.nats_server import EmbeddedNats
 from events import subjects
 from events.frames import DoneFrame, StartFrame, frame_decoder, frame_msg_id
 from events.requests import ChatMessage, ChatRequest, Sampling
-from fellow.runtime.serve import ACK_WAIT_S
+from fellow.runtime.server.intake import ACK_WAIT_S
 from tests.processes import pid_alive, wait_until
 from tests.serving_fixtures import Stack, hf_greedy, make_servable
 
@@ -244,12 +244,12 @@ async def _until(check) -> None:
         await asyncio.sleep(0.02)
 
 
-async def test_of_two_replicas_starting_one_request_only_the_first_serves_it(js):
+async def test_of_two_replicas_starting_one_request_only_the_first_serves_it(nc, js):
     """A replica frozen past the ack wait and the one handed the redelivery may both reach the start
     frame: JetStream stores the first (same message id) and tells the second it was a duplicate."""
     from fellow.token_batcher import TokenBatcher
 
-    first, second = TokenBatcher(js, "rq-claimed"), TokenBatcher(js, "rq-claimed")
+    first, second = TokenBatcher(nc, js, "rq-claimed"), TokenBatcher(nc, js, "rq-claimed")
     assert await first.start("f0", 0) is True
     assert await second.start("f1", 1) is False
     stored = await js.get_last_msg(subjects.TOKENS_STREAM, subjects.tokens("rq-claimed"))

@@ -10,21 +10,20 @@ from typing import Callable
 import torch
 
 from events.ring import DECODE, LAST_PIECE, NO_TOKEN, PIECE, End, Hidden, RingSampling, Token
-from fellow.runtime.admission import TokenBudget
-from fellow.runtime.engine import Engine, StepResult
+from fellow.runtime.engine.scheduler import Scheduler, StepResult
 from fellow.runtime.ring.codec import WireCodec
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.session import RingFailure, RingSession
-from fellow.runtime.session import Session
-from fellow.runtime.stage import StageModel
+from fellow.runtime.engine.session import Session
+from fellow.runtime.model.stage import StageModel
 
 WAIT_S = 0.02  # longest wait for a token before the serving loop looks at new jobs again
 REPLY_TIMEOUT_S = 120.0  # a frame unanswered this long means the ring lost it
 WAKE = ("wake",)
 
 
-class RingHead:
-    """The engine of a ring's stage 0, with the one-stage Engine's interface (add, cancel, step, busy).
+class RingHead(Scheduler):
+    """The engine of a ring's stage 0, on the Scheduler like the one-stage Engine.
 
     Each ``step`` takes the tokens that came back and computes one unit: a decode group or a prompt
     piece, sent at once so the next stage starts while this one computes the next unit. Decode
@@ -38,54 +37,31 @@ class RingHead:
                  max_payload: int = 1 << 20) -> None:
         if not stage.is_first or stage.is_last:
             raise ValueError("a ring's head holds the embeddings and not the head")
+        super().__init__(kv_tokens, max_batch=max_batch, prefill_chunk=prefill_chunk)
         self.stage, self.codec, self.send, self.inbox = stage, codec, send, inbox
         self.num_stages = num_stages
-        self.budget = TokenBudget(kv_tokens)
-        self.max_batch = max_batch
-        self.prefill_chunk = prefill_chunk
         self.max_piece = max(1, (max_payload - 1024) // codec.bytes_per_position)
-        self.waiting: deque[RingSession] = deque()
-        self.sessions: dict[str, RingSession] = {}
         self.ready: deque[RingSession] = deque()  # tokens back, in the order they came
-        self.failures: dict[str, RingFailure] = {}  # ended with an error, for the serving loop to report
         self.broken: RingFailure | None = None
-        self._cancels: dict[str, str] = {}
         self._step_no = 0
         self._prefill_turn = False
-        self.last_batches: list[int] = []
 
-    # --- the Engine interface ----------------------------------------------------------------
-
-    kv_tokens = Engine.kv_tokens
-    busy = Engine.busy
-    can_admit = Engine.can_admit
-
-    def add(self, session: Session) -> None:
+    def add(self, session: Session, reserved: bool = False) -> None:
         if self.broken is not None:
             raise self.broken
-        self.budget.check(len(session.prompt_ids), session.max_new_tokens)
-        if session.session_id in self.sessions or any(s.session_id == session.session_id for s in self.waiting):
-            raise ValueError(f"session {session.session_id!r} is already in the ring")
-        ring_session = RingSession.adopt(session)
-        ring_session.added_at = time.perf_counter()
-        self.waiting.append(ring_session)
-
-    def cancel(self, session_id: str, reason: str = "cancelled") -> None:
-        self._cancels[session_id] = reason
+        super().add(RingSession.adopt(session), reserved)
 
     def fail_all(self, message: str, code: str = "ring_failed") -> None:
         """From any thread: the ring is gone; every session fails now, and new ones are refused."""
         self.inbox.put(("fail", message, code))
 
-    stats = Engine.stats
-
     def step(self) -> StepResult:
         result = StepResult()
         self._apply_cancels(result)
-        self._admit()
+        self._admit(result)
         for item in self.inbox.take(0 if self._has_work() else WAIT_S):
             self._take(item, result)
-        self._admit()
+        self._admit(result)
         self._expire(result)
         self._compute_one()
         return result
@@ -114,10 +90,12 @@ class RingHead:
             while self.waiting:
                 self._fail(self.waiting.popleft(), self.broken, result)
 
-    def _accept(self, session: RingSession, token: int, now: float, result: StepResult) -> None:
-        if not Engine._accept(self, session, token, now, result):  # still going: ready for its next position
+    def _accept(self, session: RingSession, token: int, now: float, result: StepResult) -> bool:
+        ended = super()._accept(session, token, now, result)
+        if not ended:  # still going: ready for its next position
             session.ready = True
             self.ready.append(session)
+        return ended
 
     def _expire(self, result: StepResult) -> None:
         now = time.perf_counter()
@@ -128,38 +106,20 @@ class RingHead:
 
     # --- admission and ends ------------------------------------------------------------------
 
-    # the same cancel rules as the one-stage engine: an admitted session ends at this step, a queued one leaves the line
-    _apply_cancels = Engine._apply_cancels
-
-    def _admit(self) -> None:
-        while self.waiting and self.budget.fits(self.waiting[0].reserved_tokens):
-            session = self.waiting.popleft()
-            self.budget.reserve(session.reserved_tokens)
-            session.cache = self.stage.new_cache()
-            self.sessions[session.session_id] = session
+    def _start(self, session: RingSession) -> None:
+        session.cache = self.stage.new_cache()
 
     def _fail(self, session: RingSession, error: RingFailure, result: StepResult) -> None:
         session.error = error
-        self.failures[session.session_id] = error
-        if session.session_id in self.sessions:
-            self._finish(session, "error", result)
-        else:
-            session.finish_reason = "error"
-            result.finished.append(session)
+        self._finish(session, "error", result)
 
     def _finish(self, session: RingSession, reason: str | None, result: StepResult) -> None:
-        if reason is not None:
-            session.finish_reason = reason
-        self.sessions.pop(session.session_id, None)
         if session.ready:
             self.ready.remove(session)
             session.ready = False
-        self.budget.release(session.reserved_tokens)
-        session.cache.release()
-        session.cache = None
         if session.prefilled:  # the later stages hold a cache for it
             self.send(End(session=session.session_id))
-        result.finished.append(session)
+        super()._finish(session, reason, result)
 
     # --- compute -----------------------------------------------------------------------------
 

@@ -6,7 +6,6 @@ import asyncio
 import logging
 import uuid
 
-import msgspec
 from nats.aio.client import Client
 
 from events import subjects
@@ -89,7 +88,7 @@ class RingLink:
     async def _on_msg(self, msg) -> None:
         try:
             frame = decode_frame(msg.data)
-        except msgspec.DecodeError as exc:
+        except Exception as exc:  # not a frame, or nested too deep (RecursionError)
             self.dropped += 1
             log.warning("dropped a malformed frame on %s (%d bytes): %s", msg.subject, len(msg.data), exc)
             return

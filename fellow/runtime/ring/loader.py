@@ -9,11 +9,11 @@ import torch
 
 from core.servable import Manifest, load_manifest
 from core.servable_plan import StagePlan
-from fellow.runtime.packed_linear import pack_stage
+from fellow.runtime.model.packed_linear import pack_stage
 from fellow.runtime.ring.codec import WireCodec
-from fellow.runtime.stage import StageModel
-from fellow.runtime.stage_loader import load_tokenizer, pick_device, pick_dtype, stop_ids_for
-from fellow.runtime.stage_weights import build_stage_modules
+from fellow.runtime.model.stage import StageModel
+from fellow.runtime.model.loader import load_tokenizer, pick_device, pick_dtype, stop_ids_for
+from fellow.runtime.model.weights import build_stage_modules
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fellow.runtime.session import Session
+from fellow.runtime.engine.session import Session
 
 
 class RingFailure(ValueError):
@@ -34,7 +34,6 @@ class RingSession(Session):
     replies: int = field(default=0, init=False)
     wire_bytes: int = field(default=0, init=False)
     wire_positions: int = field(default=0, init=False)
-    error: RingFailure | None = field(default=None, init=False)
 
     @classmethod
     def adopt(cls, session: Session) -> "RingSession":

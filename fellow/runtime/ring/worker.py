@@ -10,10 +10,10 @@ from typing import Callable
 import torch
 
 from events.ring import DECODE, LAST_PIECE, NO_TOKEN, End, Hidden, Probe, Token
-from fellow.runtime.kv_cache import KVCache
+from fellow.runtime.model.kv_cache import KVCache
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.loader import RingStage
-from fellow.runtime.sampling import SamplingParams, make_generator, sample
+from fellow.runtime.engine.sampling import SamplingParams, make_generator, sample
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ TINY_VOCAB = 384  # 256 bytes + specials + a few merges: enough for words to be 
 
 @lru_cache(maxsize=1)
 def _tokenizer():
-    from fellow.runtime.calibration import default_texts
-    from fellow.runtime.chat_tokenizer import train_chat_tokenizer
+    from fellow.runtime.tools.calibration import default_texts
+    from fellow.runtime.tools.chat_tokenizer import train_chat_tokenizer
 
     return train_chat_tokenizer(default_texts()[:8], TINY_VOCAB)
 
@@ -47,7 +47,7 @@ def make_tiny_checkpoint(dir: str | Path, family: str = "qwen3", layers: int = 4
     """
     from transformers import AutoModelForCausalLM
 
-    from fellow.runtime.chat_tokenizer import generation_config_values
+    from fellow.runtime.tools.chat_tokenizer import generation_config_values
 
     out = Path(dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -12,9 +12,9 @@ from safetensors.torch import save_file
 from core.servable import (BottleneckCompressor, Compressor, Generation, Manifest, NoCompressor, SHARD_FILE,
                            ServableError, Shard, ShardFile, TOKENIZER_DIR, even_boundaries, save_manifest,
                            sha256_file)
-from fellow.runtime.bottleneck import codec_error, codec_tensors, fit_pca
-from fellow.runtime.calibration import boundary_activations, calibration_sequences
-from fellow.runtime.checkpoint import Checkpoint, read_config
+from fellow.runtime.tools.bottleneck import codec_error, codec_tensors, fit_pca
+from fellow.runtime.tools.calibration import boundary_activations, calibration_sequences
+from fellow.runtime.model.checkpoint import Checkpoint, read_config
 
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>")
 

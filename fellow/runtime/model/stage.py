@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fellow.runtime.kv_cache import BatchedView, FreshBatchView, KVCache, SessionView
+from fellow.runtime.model.kv_cache import BatchedView, FreshBatchView, KVCache, SessionView
 
 BATCHABLE_ATTENTION = ("sdpa", "eager")  # implementations that take an explicit additive 4D mask
 # cuDNN attention rebuilt its plan for every new key length: 52 ms a decode step on an H200 where
@@ -103,10 +103,6 @@ class StageModel:
     def output_device(self) -> torch.device | None:
         """Where the logits come out (and sampling generators live); None before the last stage."""
         return self._head_device
-
-    def kv_bytes_per_token(self) -> int:
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * len(self.layers) * self.num_kv_heads * self.head_dim * element
 
     def new_cache(self) -> KVCache:
         return KVCache(self.first_layer, len(self.layers), self.num_kv_heads, self.head_dim,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 
 class ContextTooLong(ValueError):
     """A request needs more tokens than the whole budget holds, so it can never be admitted."""
@@ -25,14 +27,25 @@ class ContextTooLong(ValueError):
                 "max_new_tokens": self.max_new_tokens, "kv_tokens": self.kv_tokens}
 
 
+class AdmissionFailed(RuntimeError):
+    """A session could not be given what it runs with (its cache, its sampling generator); it alone fails."""
+
+    code = "admission_failed"
+
+
 class TokenBudget:
-    """The KV tokens a stage holds, and how many of them admitted sessions have reserved."""
+    """The KV tokens a stage holds, and how many of them are reserved: the stage's one ledger.
+
+    Safe from any thread: the stage's intake reserves on the bus thread, the scheduler admits and
+    gives back on the engine's.
+    """
 
     def __init__(self, kv_tokens: int) -> None:
         if kv_tokens < 1:
             raise ValueError(f"kv_tokens={kv_tokens} must be at least 1")
         self.kv_tokens = kv_tokens
         self.reserved = 0
+        self._lock = threading.Lock()
 
     @property
     def free(self) -> int:
@@ -45,15 +58,16 @@ class TokenBudget:
             raise ContextTooLong(prompt_tokens, max_new_tokens, self.kv_tokens)
         return needed
 
-    def fits(self, tokens: int) -> bool:
-        return tokens <= self.free
-
-    def reserve(self, tokens: int) -> None:
-        if not self.fits(tokens):
-            raise RuntimeError(f"reserving {tokens} tokens with {self.free} free of {self.kv_tokens}")
-        self.reserved += tokens
+    def try_reserve(self, tokens: int) -> bool:
+        """Reserve ``tokens`` if they are free now; False (and nothing reserved) if not."""
+        with self._lock:
+            if tokens > self.kv_tokens - self.reserved:
+                return False
+            self.reserved += tokens
+            return True
 
     def release(self, tokens: int) -> None:
-        if tokens > self.reserved:
-            raise RuntimeError(f"releasing {tokens} tokens with only {self.reserved} reserved")
-        self.reserved -= tokens
+        with self._lock:
+            if tokens > self.reserved:
+                raise RuntimeError(f"releasing {tokens} tokens with only {self.reserved} reserved")
+            self.reserved -= tokens

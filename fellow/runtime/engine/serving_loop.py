@@ -9,11 +9,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from fellow.runtime.admission import ContextTooLong
-from fellow.runtime.detokenizer import Detokenizer
-from fellow.runtime.engine import Engine
-from fellow.runtime.sampling import SamplingParams
-from fellow.runtime.session import Session
+from fellow.runtime.engine.detokenizer import Detokenizer
+from fellow.runtime.engine.sampling import SamplingParams
+from fellow.runtime.engine.scheduler import Scheduler
+from fellow.runtime.engine.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +24,7 @@ class Job:
     max_new_tokens: int
     sampling: SamplingParams
     stop: list[str] = field(default_factory=list)
+    reserved: bool = False  # its tokens are taken from the engine's budget already (Scheduler.add)
 
 
 @dataclass
@@ -75,7 +75,7 @@ class ServingLoop:
     caller hands them to its event loop.
     """
 
-    def __init__(self, engine: Engine, tokenizer, stop_ids: frozenset[int], deliver: Callable[[list[Output]], None]):
+    def __init__(self, engine: Scheduler, tokenizer, stop_ids: frozenset[int], deliver: Callable[[list[Output]], None]):
         self.engine = engine
         self.tokenizer = tokenizer
         self.stop_ids = stop_ids
@@ -114,10 +114,13 @@ class ServingLoop:
             if kind == "add":
                 try:
                     self.engine.add(Session(arg.request_id, arg.prompt_ids, arg.max_new_tokens,
-                                            sampling=arg.sampling, stop_ids=self.stop_ids))
-                    self.replies[arg.request_id] = _Reply(arg, self.tokenizer)
-                except (ContextTooLong, ValueError) as exc:
+                                            sampling=arg.sampling, stop_ids=self.stop_ids), reserved=arg.reserved)
+                except Exception as exc:  # refused: its tokens are still ours to give back
+                    if arg.reserved:
+                        self.engine.budget.release(len(arg.prompt_ids) + arg.max_new_tokens)
                     refused.append(Output(arg.request_id, prompt_tokens=len(arg.prompt_ids), error=exc))
+                else:
+                    self.replies[arg.request_id] = _Reply(arg, self.tokenizer)
             elif kind == "cancel":
                 if arg[0] in self.replies:
                     self.engine.cancel(*arg)
@@ -161,6 +164,7 @@ class ServingLoop:
             if reply is None:
                 continue
             out = outputs.setdefault(session.session_id, Output(session.session_id))
+            out.error = session.error
             if not reply.stopped:
                 tail, _ = reply.feed(reply.detok.flush())
                 tail += reply.pending

@@ -12,8 +12,8 @@ from typing import Callable
 import torch
 
 from core.servable import Manifest
-from fellow.runtime.calibration import default_texts
-from fellow.runtime.chat_tokenizer import chat_turn, generation_config_values, train_chat_tokenizer
+from fellow.runtime.tools.calibration import default_texts
+from fellow.runtime.tools.chat_tokenizer import chat_turn, generation_config_values, train_chat_tokenizer
 
 MODEL_ID = "swarm-demo"
 DEFAULT_STEPS = 260  # about two minutes on two CPU cores
@@ -106,7 +106,7 @@ def make_demo_model(out_dir: str | Path, seed: int = 0, steps: int = DEFAULT_STE
 
     The HF checkpoint goes to ``checkpoint_dir`` when given, else to a temporary folder.
     """
-    from fellow.runtime.export import export
+    from fellow.runtime.tools.export import export
 
     model, tokenizer = train_demo(seed, steps, progress, **train_options)
     with tempfile.TemporaryDirectory(prefix="swarm-demo-") as tmp:

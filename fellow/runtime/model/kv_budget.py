@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import torch
 
-from fellow.runtime.stage import StageModel
+from fellow.runtime.model.stage import StageModel
 
 MIB = 1 << 20
 CUDA_USABLE = 0.85  # of what is free: the allocator fragments, and other buffers come and go

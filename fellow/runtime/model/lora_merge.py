@@ -20,10 +20,6 @@ def lora_scale(adapter_config: dict) -> float:
     return alpha / math.sqrt(r) if adapter_config.get("use_rslora") else alpha / r
 
 
-def adapter_keys(state: dict[str, torch.Tensor]) -> list[str]:
-    return [k for k in state if ".lora_" in k]
-
-
 def merge_lora(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor],
                adapter_config: dict) -> dict[str, torch.Tensor]:
     """W += scale · B @ A for every ``<module>.lora_A.weight`` / ``<module>.lora_B.weight`` pair.

@@ -11,9 +11,9 @@ from torch import nn
 
 from core.servable import BottleneckCompressor, LEGACY_SHARD_FILE, Manifest, ServableError, load_manifest, resolve_base
 from core.servable_plan import StagePlan, plan_stage
-from fellow.runtime.bottleneck import RECV, SEND, BottleneckDecoder, BottleneckEncoder
-from fellow.runtime.checkpoint import Checkpoint
-from fellow.runtime.lora_merge import merge_lora
+from fellow.runtime.tools.bottleneck import RECV, SEND, BottleneckDecoder, BottleneckEncoder
+from fellow.runtime.model.checkpoint import Checkpoint
+from fellow.runtime.model.lora_merge import merge_lora
 
 
 def _read_shard(path: Path) -> dict[str, torch.Tensor]:

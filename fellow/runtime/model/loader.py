@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from core.servable import TOKENIZER_DIR, Manifest, load_manifest
-from fellow.runtime.packed_linear import pack_stage
-from fellow.runtime.stage import StageModel
-from fellow.runtime.stage_weights import build_stage_modules
+from fellow.runtime.model.packed_linear import pack_stage
+from fellow.runtime.model.stage import StageModel
+from fellow.runtime.model.weights import build_stage_modules
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def load_one_stage(model_dir: str | Path, device: str | None = None, attention: 
                    packed: bool = True) -> LoadedStage:
     """The whole model as one stage (embeddings, every layer, norm and head): a ring of one.
 
-    ``packed``: float32 CPU stages pack their linear weights for oneDNN (fellow.runtime.packed_linear).
+    ``packed``: float32 CPU stages pack their linear weights for oneDNN (fellow.runtime.model.packed_linear).
     """
     model_dir = Path(model_dir)
     manifest = load_manifest(model_dir)

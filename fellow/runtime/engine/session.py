@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fellow.runtime.kv_cache import KVCache
-from fellow.runtime.sampling import SamplingParams
+from fellow.runtime.model.kv_cache import KVCache
+from fellow.runtime.engine.sampling import SamplingParams
 
 
 @dataclass(eq=False)
@@ -38,6 +38,8 @@ class Session:
     first_token_at: float | None = field(default=None, init=False)
     decode_s: float = field(default=0.0, init=False)  # wall time of the decode steps it took part in
     decode_steps: int = field(default=0, init=False)
+    holds_tokens: bool = field(default=False, init=False)  # its reserved_tokens are taken from the budget
+    error: Exception | None = field(default=None, init=False)  # why it failed (finish_reason "error")
 
     def __post_init__(self) -> None:
         self.prompt_ids = _ids(self.prompt_ids)

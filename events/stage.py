@@ -1,0 +1,87 @@
+"""The boundary between a fellow's agent and one of its stage processes.
+
+The agent starts ``python -m fellow.runtime`` with a StageConfig (JSON, the one argument); the stage
+writes its reports to stdout, one JSON line each: ready, metrics, or failed. The process's exit is not
+a report: the agent sees it as the process ending.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Transport(msgspec.Struct, frozen=True, kw_only=True):
+    """What placement planned for this stage (0 where it left the choice to the stage)."""
+
+    max_in_flight: int = 8
+    kv_tokens: int = 0  # the most KV tokens it may hold; 0: what it measures
+    max_batch: int = 0  # 0: no cap, 1: no batching
+    prefill_chunk: int = 256
+
+
+class StageConfig(msgspec.Struct, frozen=True, kw_only=True):
+    load_id: str
+    model_id: str
+    model_dir: str
+    nats_url: str
+    fellow_id: str
+    stage: int = 0
+    num_stages: int = 1
+    replica: int = 0
+    replicas: int = 1  # read by the agent: a replica of several is lost alone
+    transport: Transport = Transport()
+    report_s: float = 1.0  # how often it writes a metrics report
+    packed_linear: bool = True  # float32 CPU stages pack their linear weights for oneDNN
+    agent_pid: int = 0  # the stage exits at once when its parent is not this process
+
+
+class Report(msgspec.Struct, frozen=True, kw_only=True, tag_field="event"):
+    """Base of what a stage writes to its agent."""
+
+
+class ReadyReport(Report, frozen=True, tag="ready"):
+    """Loaded, connected and serving."""
+
+    kv_tokens: int  # what it holds
+    kv_tokens_planned: int  # what placement planned (or kv_tokens, when it left that to the stage)
+    max_in_flight: int
+    vram_bytes: int
+    load_s: float
+
+
+class MetricsReport(Report, frozen=True, tag="metrics"):
+    """Every ``report_s`` seconds while it serves."""
+
+    tokens_per_s: float = 0.0
+    last_ttft_s: float | None = None
+    requests: int = 0
+    idle_s: float = 0.0
+    vram_bytes: int = 0
+    in_flight: int = 0
+    waiting: int = 0
+
+
+class FailedReport(Report, frozen=True, tag="failed"):
+    """It cannot serve (its load failed, or its ring did not answer); it exits next."""
+
+    reason: str
+
+
+StageReport = ReadyReport | MetricsReport | FailedReport
+
+_encoder = msgspec.json.Encoder()
+_config = msgspec.json.Decoder(StageConfig)
+_report = msgspec.json.Decoder(StageReport)
+
+
+def encode(msg: StageConfig | Report) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_config(data: str | bytes) -> StageConfig:
+    return _config.decode(data)
+
+
+def decode_report(line: bytes) -> StageReport:
+    """One report line; msgspec.DecodeError when it is not one."""
+    return _report.decode(line)

@@ -1,0 +1,179 @@
+"""What every stage process does, once for a local stage and a ring's stages: load and warm up, connect,
+report to its agent, and stop on a signal; it exits non-zero when its bus side dies."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import threading
+import time
+
+import torch
+
+from core.bus import close_quietly, connect
+from events.stage import MetricsReport, ReadyReport, Report, StageConfig, Transport, encode
+from fellow.runtime.model.kv_budget import measured_kv_tokens
+from fellow.runtime.model.stage import StageModel
+
+log = logging.getLogger("swarm.serve")
+
+
+class StageFailed(Exception):
+    """The stage cannot serve; it reported why (a FailedReport) and exits with 1."""
+
+
+def report(msg: Report) -> None:
+    """One JSON line to the agent."""
+    sys.stdout.buffer.write(encode(msg) + b"\n")
+    sys.stdout.flush()
+
+
+def kv_budget(stage: StageModel, transport: Transport) -> tuple[int, int]:
+    """(held, planned): what the stage measures it holds, never more than placement planned."""
+    measured = measured_kv_tokens(stage, transport.prefill_chunk or 256)
+    planned = transport.kv_tokens
+    return (min(measured, planned) if planned else measured), (planned or measured)
+
+
+@torch.inference_mode()
+def warm_up(stage: StageModel) -> None:
+    """One piece and one decode position, so the first request pays no one-off start-up costs."""
+    cache = stage.new_cache()
+    if stage.is_first:
+        stage.forward_piece(cache, torch.tensor([1, 2, 3, 4], device=stage.input_device))
+        stage.decode([cache], torch.tensor([5], device=stage.input_device))
+    else:
+        hidden = torch.zeros(1, 4, stage.config.hidden_size, dtype=stage.dtype, device=stage.input_device)
+        stage.forward_piece(cache, hidden)
+        stage.decode([cache], hidden[:, :1])
+    cache.release()
+
+
+class StageServerBase:
+    """One stage process: ``load()``, then ``serve()`` until SIGTERM or SIGINT.
+
+    Compute keeps the main thread and the bus runs on an event loop in another: torch's CPU kernels
+    ran a batch-8 decode about 25 % slower called from a second thread than from the main one
+    (bench/bench_serving.py's model, 2 cores). A subclass loads its model (``_load``), builds what
+    computes (``_build``), runs it (``compute``, ``stop_compute``), and serves the bus (``_start``,
+    ``_serve_bus``, ``_shutdown``).
+    """
+
+    stage: StageModel
+    device: torch.device
+
+    def __init__(self, cfg: StageConfig):
+        self.cfg = cfg
+        self.load_id = cfg.load_id
+        self.stopping = asyncio.Event()
+        self.failed = False
+        self._tasks: set[asyncio.Task] = set()
+
+    # --- what a subclass gives -----------------------------------------------------------------
+
+    def _load(self) -> None:
+        """Load the model: set ``stage`` and ``device``."""
+        raise NotImplementedError
+
+    def _build(self) -> None:
+        """Build what computes, with ``kv_tokens`` known."""
+
+    def compute(self) -> None:
+        """Compute on this, the main, thread until ``stop_compute``."""
+        raise NotImplementedError
+
+    def stop_compute(self) -> None:
+        raise NotImplementedError
+
+    async def _start(self) -> None:
+        """Connected, not ready yet."""
+
+    async def _serve_bus(self) -> None:
+        await self.stopping.wait()
+
+    async def _shutdown(self) -> None:
+        """Stopping: before the bus connection closes."""
+
+    def metrics(self) -> MetricsReport:
+        raise NotImplementedError
+
+    def cache_bytes(self) -> int:
+        raise NotImplementedError
+
+    # --- the shared part -----------------------------------------------------------------------
+
+    def load(self) -> None:
+        started = time.perf_counter()
+        self._load()
+        self.kv_tokens, self.kv_planned = kv_budget(self.stage, self.cfg.transport)
+        self._build()
+        warm_up(self.stage)
+        self.load_s = time.perf_counter() - started
+
+    def vram_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        params = sum(p.numel() * p.element_size() for layer in self.stage.layers for p in layer.parameters())
+        return params + self.cache_bytes()
+
+    def serve(self) -> int:
+        """Serve until stopped; the exit code: 0 after a clean stop, 1 when the bus side failed."""
+        self.aloop = asyncio.new_event_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.aloop.call_soon_threadsafe(self.stop))
+        bus = threading.Thread(target=self._bus, name="bus", daemon=True)
+        bus.start()
+        self.compute()  # until _bus stops it
+        bus.join(30)
+        return 1 if self.failed else 0
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def spawn(self, coro, name: str) -> asyncio.Task:
+        """A task of the bus loop, cancelled at shutdown."""
+        task = self.aloop.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _bus(self) -> None:
+        try:
+            self.aloop.run_until_complete(self._run())
+        except StageFailed:
+            self.failed = True
+        except BaseException:
+            log.exception("the stage's bus loop failed")
+            self.failed = True
+        finally:
+            self.stop_compute()
+
+    async def _run(self) -> None:
+        self.nc = await connect(self.cfg.nats_url, name=f"swarm-stage{self.cfg.stage}-{self.load_id}")
+        self.js = self.nc.jetstream()
+        try:
+            await self._start()
+            report(ReadyReport(kv_tokens=self.kv_tokens, kv_tokens_planned=self.kv_planned,
+                               max_in_flight=max(1, self.cfg.transport.max_in_flight), vram_bytes=self.vram_bytes(),
+                               load_s=round(self.load_s, 3)))
+            self.spawn(self._report_metrics(), "metrics")
+            await self._serve_bus()
+        finally:
+            try:
+                await self._shutdown()
+            finally:
+                tasks = list(self._tasks)
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                await close_quietly(self.nc)
+
+    async def _report_metrics(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.report_s)
+            try:
+                report(self.metrics())
+            except Exception:
+                log.exception("metrics not reported")

@@ -1,0 +1,282 @@
+"""Request intake: pulls requests while the stage has room, claims each with a start frame, hands it to
+the serving loop, streams its frames and records how it ended. Runs on the stage's bus thread."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import msgspec
+from nats.aio.client import Client
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from core.bus import publish_event
+from events import subjects
+from events.requests import ChatRequest, RequestFailed, RequestFinished, request_failed_id, request_finished_id
+from events.stage import StageConfig
+from events.subjects import REQUESTS_STREAM, TOKENS_STREAM
+from fellow.runtime.engine.budget import ContextTooLong, TokenBudget
+from fellow.runtime.engine.sampling import SamplingParams
+from fellow.runtime.engine.serving_loop import Job, Output, ServingLoop
+from fellow.token_batcher import TokenBatcher
+
+log = logging.getLogger("swarm.serve")
+# A request a stage fetched but neither acked nor refused (it died in between) goes to another
+# replica after this long. Taking one (decode, tokenize, admit, start frame) is milliseconds.
+ACK_WAIT_S = 10.0
+_request = msgspec.json.Decoder(ChatRequest).decode
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.requests = 0
+        self.last_ttft_s: float | None = None
+        self.window: list[tuple[float, int]] = []  # (time, tokens) over the last 30 s
+
+    def tokens(self, n: int) -> None:
+        now = time.monotonic()
+        self.window.append((now, n))
+        while self.window and now - self.window[0][0] > 30:
+            self.window.pop(0)
+
+    def tokens_per_s(self) -> float:
+        if len(self.window) < 2:
+            return 0.0
+        span = self.window[-1][0] - self.window[0][0]
+        return round(sum(n for _, n in self.window[1:]) / span, 3) if span > 0 else 0.0
+
+
+@dataclass
+class _Taken:
+    batcher: TokenBatcher
+    started: float
+
+
+class Intake:
+    """The requests a stage serves, from the bus to their last frame.
+
+    A request's KV tokens come from the engine's budget, the stage's one ledger: taken here when the
+    request is taken, given back by the scheduler when it ends. Anything that goes wrong while taking
+    a request fails that request alone; a message that does not decode is logged, acked and skipped.
+    """
+
+    def __init__(self, cfg: StageConfig, nc: Client, js: JetStreamContext, tokenizer, budget: TokenBudget,
+                 serving: ServingLoop):
+        self.cfg, self.nc, self.js = cfg, nc, js
+        self.load_id, self.model_id, self.fellow_id = cfg.load_id, cfg.model_id, cfg.fellow_id
+        self.tokenizer, self.budget, self.serving = tokenizer, budget, serving
+        self.max_in_flight = max(1, cfg.transport.max_in_flight)
+        self.active: dict[str, _Taken] = {}
+        self.metrics = Metrics()
+        self.room = asyncio.Event()
+        self.running = True
+        self._records: set[asyncio.Task] = set()
+
+    def stop(self) -> None:
+        self.running = False
+        self.room.set()
+
+    async def run(self) -> None:
+        """Until ``stop``."""
+        durable = subjects.request_consumer(self.load_id)
+        sub = await self.js.pull_subscribe(
+            subjects.request(self.load_id), durable=durable, stream=REQUESTS_STREAM,
+            config=ConsumerConfig(durable_name=durable, deliver_policy=DeliverPolicy.ALL,
+                                  ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S, inactive_threshold=3600.0))
+        while self.running:
+            if len(self.active) >= self.max_in_flight or self.budget.free <= 0:
+                await self._wait_room()
+                continue
+            try:
+                msgs = await sub.fetch(1, timeout=1.0)
+            except (NatsTimeout, asyncio.TimeoutError):
+                continue
+            for msg in msgs:
+                await self.take(msg)
+
+    async def _wait_room(self) -> None:
+        self.room.clear()
+        await self.room.wait()
+
+    async def on_cancel(self, msg) -> None:
+        rid = msg.subject.rsplit(".", 1)[1]
+        if rid in self.active:
+            self.serving.cancel(rid)
+
+    async def take(self, msg) -> None:
+        """One message off the bus."""
+        try:
+            req = _request(msg.data)
+        except Exception as exc:  # not JSON, the wrong schema, or nested too deep (RecursionError)
+            log.warning("dropped a request that does not decode: %s: %s", type(exc).__name__, str(exc)[:200])
+            await _ack(msg)
+            return
+        try:
+            await self._take(msg, req)
+        except Exception as exc:
+            log.exception("request %s could not be taken", req.request_id)
+            await _ack(msg)
+            await self._refuse(req, 0, f"the stage could not take this request: {type(exc).__name__}: {exc}",
+                               "intake_failed")
+
+    async def _take(self, msg, req: ChatRequest) -> None:
+        if req.request_id in self.active:  # a redelivery of what we already serve
+            await _ack(msg)
+            return
+        if msg.metadata.num_delivered > 1 and await self._started_elsewhere(req.request_id):
+            # A replica took it, said so, and died before acking: the gateway fails it (never both).
+            log.warning("request %s was started by another replica; not serving it again", req.request_id)
+            await _ack(msg)
+            return
+        try:
+            prompt_ids = self._tokenize(req)
+        except Exception as exc:
+            await _ack(msg)
+            await self._refuse(req, 0, f"the prompt could not be tokenized: {exc}", "invalid_prompt")
+            return
+        kv_tokens = self.budget.kv_tokens
+        max_tokens = req.max_tokens
+        if req.max_tokens_fit and len(prompt_ids) < kv_tokens:
+            max_tokens = min(max_tokens, kv_tokens - len(prompt_ids))
+        needed = len(prompt_ids) + max_tokens
+        if needed > kv_tokens:
+            await _ack(msg)
+            err = ContextTooLong(len(prompt_ids), max_tokens, kv_tokens)
+            await self._refuse(req, len(prompt_ids), str(err), err.code, err.data)
+            return
+        s = req.sampling
+        try:
+            sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+                                      seed=s.seed)
+        except ValueError as exc:
+            await _ack(msg)
+            await self._refuse(req, len(prompt_ids), f"invalid sampling: {exc}", "invalid_request")
+            return
+        if not self.budget.try_reserve(needed):
+            # Not now: back to the bus for another replica, and we wait until a session ends.
+            await _ack(msg, nak=True)
+            if self.active:
+                await self._wait_room()
+            return
+        batcher = TokenBatcher(self.nc, self.js, req.request_id)
+        try:
+            claimed = await batcher.start(self.fellow_id, self.cfg.replica)  # from here, our death fails it
+        except Exception as exc:  # a bus timeout, say: the start frame may be stored or not
+            self.budget.release(needed)
+            await _ack(msg)
+            await self._refuse(req, len(prompt_ids), f"the start frame was not published: {exc}", "intake_failed",
+                               batcher=batcher)
+            return
+        if not claimed:
+            self.budget.release(needed)
+            log.warning("request %s was started by another replica; not serving it again", req.request_id)
+            await _ack(msg)
+            return
+        self.active[req.request_id] = _Taken(batcher, time.monotonic())
+        self.metrics.requests += 1
+        self.serving.submit(Job(req.request_id, prompt_ids, max_tokens, sampling, list(req.stop), reserved=True))
+        await _ack(msg)  # served either way: a redelivery finds the start frame and leaves it
+
+    async def _started_elsewhere(self, request_id: str) -> bool:
+        """Whether SWARM_TOKENS holds a frame of this request already (a start frame at least)."""
+        try:
+            await self.js.get_last_msg(TOKENS_STREAM, subjects.tokens(request_id))
+        except NotFoundError:
+            return False
+        return True
+
+    def _tokenize(self, req: ChatRequest) -> list[int]:
+        kwargs = {} if req.enable_thinking is None else {"enable_thinking": req.enable_thinking}
+        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+
+    async def _refuse(self, req: ChatRequest, prompt_tokens: int, message: str, code: str,
+                      data: dict | None = None, batcher: TokenBatcher | None = None) -> None:
+        try:
+            batcher = batcher or TokenBatcher(self.nc, self.js, req.request_id)
+            batcher.error(message, code, data)
+            await batcher.closed.wait()
+            await publish_event(self.js, RequestFailed(
+                id=request_failed_id(req.request_id), request_id=req.request_id, model_id=self.model_id,
+                load_id=self.load_id, code=code, message=message, prompt_tokens=prompt_tokens,
+                fellow_id=self.fellow_id))
+        except Exception:
+            log.exception("the refusal of %s was not published", req.request_id)
+
+    def deliver(self, outputs: list[Output]) -> None:
+        """What the serving loop produced (called on this, the bus, thread)."""
+        for out in outputs:
+            taken = self.active.get(out.request_id)
+            if taken is None:
+                continue
+            if out.ids:
+                self.metrics.tokens(len(out.ids))
+            if out.texts or out.ids:
+                taken.batcher.add(out.texts, out.ids)
+            if out.error is not None:
+                code = getattr(out.error, "code", "internal_error")
+                taken.batcher.error(str(out.error), code, getattr(out.error, "data", None))
+                self._end(out, failed=True)
+            elif out.finish_reason is not None:
+                out.timing = {"route": "local", "stage0_ms": out.timing.get("decode_ms"), **out.timing}
+                taken.batcher.done(out.completion_tokens, out.prompt_tokens, out.finish_reason, out.timing)
+                self._end(out, failed=False)
+
+    def _end(self, out: Output, failed: bool) -> None:
+        taken = self.active.pop(out.request_id)
+        self.room.set()
+        if not failed and "ttft_ms" in out.timing:
+            self.metrics.last_ttft_s = out.timing["ttft_ms"] / 1e3
+        task = asyncio.get_running_loop().create_task(self._record(out, failed, time.monotonic() - taken.started))
+        self._records.add(task)
+        task.add_done_callback(self._records.discard)
+
+    async def _record(self, out: Output, failed: bool, duration: float) -> None:
+        try:
+            if failed:
+                evt = RequestFailed(id=request_failed_id(out.request_id), request_id=out.request_id,
+                                    model_id=self.model_id, load_id=self.load_id,
+                                    code=getattr(out.error, "code", "internal_error"), message=str(out.error),
+                                    prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                                    fellow_id=self.fellow_id)
+            else:
+                t = out.timing
+                evt = RequestFinished(id=request_finished_id(out.request_id), request_id=out.request_id,
+                                      model_id=self.model_id, load_id=self.load_id, prompt_tokens=out.prompt_tokens,
+                                      completion_tokens=out.completion_tokens, finish_reason=out.finish_reason,
+                                      ttft_s=t["ttft_ms"] / 1e3 if "ttft_ms" in t else None,
+                                      duration_s=round(duration, 6), tokens_per_s=t.get("tokens_per_s", 0.0),
+                                      timing=t, fellow_id=self.fellow_id)
+            await publish_event(self.js, evt)
+        except Exception:
+            log.exception("request event for %s not published", out.request_id)
+
+    async def shutdown(self) -> None:
+        """The requests in flight fail (the model is going); every request event is out before it returns."""
+        self.stop()
+        for rid, taken in list(self.active.items()):
+            self.serving.cancel(rid)
+            taken.batcher.error("the model was unloaded while this request was served", "model_unloaded")
+        for taken in list(self.active.values()):
+            try:
+                await asyncio.wait_for(taken.batcher.closed.wait(), 5)
+            except asyncio.TimeoutError:
+                pass
+        while self._records:
+            await asyncio.gather(*list(self._records), return_exceptions=True)
+
+
+async def _ack(msg, nak: bool = False) -> None:
+    """Settle a request message; if the bus fails us, it comes back after the ack wait."""
+    try:
+        await (msg.nak(delay=0.05) if nak else msg.ack())
+    except Exception as exc:
+        log.warning("a request message was not %s: %s", "nak'd" if nak else "acked", exc)

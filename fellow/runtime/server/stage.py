@@ -1,0 +1,74 @@
+"""A stage that takes requests: a one-stage load here, a ring's stage 0 in fellow.runtime.ring.servers.
+It pulls requests from the bus when it has room and publishes their token frames."""
+
+from __future__ import annotations
+
+import time
+
+from events import subjects
+from events.stage import MetricsReport
+from fellow.runtime.engine.engine import Engine
+from fellow.runtime.engine.scheduler import Scheduler
+from fellow.runtime.engine.serving_loop import ServingLoop
+from fellow.runtime.model.loader import load_one_stage
+from fellow.runtime.server.base import StageServerBase
+from fellow.runtime.server.intake import Intake
+
+
+class StageServer(StageServerBase):
+    """The engine steps on the main thread (the serving loop); intake, frames and events on the bus's."""
+
+    engine: Scheduler
+    tokenizer: object
+    stop_ids: frozenset[int]
+    intake: Intake | None = None
+
+    def _load(self) -> None:
+        loaded = load_one_stage(self.cfg.model_dir, packed=self.cfg.packed_linear)
+        self.stage, self.device = loaded.stage, loaded.device
+        self.tokenizer, self.stop_ids = loaded.tokenizer, loaded.stop_ids
+
+    def _build(self) -> None:
+        t = self.cfg.transport
+        self.engine = Engine(self.stage, kv_tokens=self.kv_tokens, max_batch=t.max_batch,
+                             prefill_chunk=t.prefill_chunk)
+        self.serving = self.make_loop()
+
+    def make_loop(self) -> ServingLoop:
+        return ServingLoop(self.engine, self.tokenizer, self.stop_ids, self._deliver)
+
+    def _deliver(self, outputs) -> None:  # on the serving loop's thread
+        self.aloop.call_soon_threadsafe(self.intake.deliver, outputs)
+
+    def compute(self) -> None:
+        self.serving.run_here()
+
+    def stop_compute(self) -> None:
+        self.serving.stop()
+
+    async def _start(self) -> None:
+        self.intake = Intake(self.cfg, self.nc, self.js, self.tokenizer, self.engine.budget, self.serving)
+        await self.nc.subscribe(subjects.cancels_of(self.load_id), cb=self.intake.on_cancel)
+
+    def stop(self) -> None:
+        super().stop()
+        if self.intake is not None:
+            self.intake.stop()
+
+    async def _serve_bus(self) -> None:
+        if not self.stopping.is_set():
+            await self.intake.run()
+
+    async def _shutdown(self) -> None:
+        if self.intake is not None:
+            await self.intake.shutdown()
+
+    def cache_bytes(self) -> int:
+        return self.engine.stats()["kv_bytes"]
+
+    def metrics(self) -> MetricsReport:
+        intake = self.intake
+        idle = 0.0 if intake.active else time.monotonic() - self.serving.last_active
+        return MetricsReport(tokens_per_s=intake.metrics.tokens_per_s(), last_ttft_s=intake.metrics.last_ttft_s,
+                             requests=intake.metrics.requests, idle_s=round(idle, 3), vram_bytes=self.vram_bytes(),
+                             in_flight=len(intake.active), waiting=len(self.engine.waiting))

@@ -1,0 +1,1 @@
+"""Offline tools: export of a servable, the demo model, calibration, bottleneck fitting, chat tokenizer."""
