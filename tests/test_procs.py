@@ -15,8 +15,6 @@ from core.procs import PARENT_PID_ENV
 from tests.processes import SwarmProcess, children_of, pid_alive, swarm_env, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
-# Files another change owns that still pass preexec_fn, with what replaces it.
-PENDING = {"fellow/stage_process.py": "the stage calls core.procs.follow_parent at its entry point instead"}
 
 
 def cmdline(pid: int) -> str:
@@ -90,11 +88,4 @@ def preexec_users() -> dict[str, int]:
 
 def test_no_preexec_fn():
     users = preexec_users()
-    new = {p: line for p, line in users.items() if p not in PENDING}
-    assert not new, f"preexec_fn is unsafe in a threaded parent: {new}"
-
-
-@pytest.mark.parametrize("path", sorted(PENDING))
-def test_pending_preexec_fn_still_there(path):
-    """Fails once the owner drops preexec_fn there: then remove the entry from PENDING."""
-    assert path in preexec_users(), f"{path} no longer uses preexec_fn: remove it from PENDING"
+    assert not users, f"preexec_fn is unsafe in a threaded parent: {users}"
