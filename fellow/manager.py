@@ -105,8 +105,9 @@ class ModelManager:
     async def _on_exit(self, proc: StageProcess, code: int) -> None:
         self.procs.pop(proc.load_id, None)
         if proc.stop_reason is None:
-            await self._fail(proc.load_id, proc.model_id, f"the stage process exited unexpectedly (code {code})",
-                             proc.replica, proc.replicas)
+            last = proc.last_log_line()
+            await self._fail(proc.load_id, proc.model_id, f"the stage process exited unexpectedly (code {code})"
+                             + (f"; the last line of its log: {last}" if last else ""), proc.replica, proc.replicas)
         elif proc.stop_reason not in ("failed", "requested") and proc.replicas > 1:
             # one replica went (idle, evicted, stopped); the leader decides whether the load did
             await publish_event(self.agent.js, ReplicaLost(

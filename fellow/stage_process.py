@@ -103,6 +103,19 @@ class StageProcess:
         finally:
             self.exited.set()
 
+    def last_log_line(self, limit: int = 4096) -> str:
+        """The last non-empty line its log holds (where a crash's traceback ends), at most 300 characters."""
+        if not self.log_path:
+            return ""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - limit))
+                lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines()]
+        except OSError:
+            return ""
+        last = next((ln for ln in reversed(lines) if ln), "")
+        return last[:300]
+
     async def stop(self, reason: str, timeout: float = 10.0) -> None:
         """Ask it to exit (SIGTERM), then kill it after `timeout` seconds."""
         if self.proc is None or self.proc.returncode is not None:

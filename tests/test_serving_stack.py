@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 
 import pytest
@@ -58,5 +59,23 @@ async def test_fellow_sigkill_leaves_no_stage_process_and_fails_the_load(tmp_pat
         await asyncio.to_thread(
             wait_until, lambda: stack.get("/api/v1/models/tiny").json()["load_state"] == "unloaded"
             and stack.get("/api/v1/models/tiny/status").json()["load"] is None, 30, "load failed")
+    finally:
+        stack.stop()
+
+
+async def test_a_stage_that_crashes_fails_its_load_with_its_exit_and_log_line(tmp_path, nats_server, servable):
+    _, out = servable
+    stack = await asyncio.to_thread(lambda: Stack(tmp_path, nats_server.url, out.parent).start())
+    try:
+        load = await asyncio.to_thread(stack.load, "tiny")
+        pid = load["stages"][0]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        await asyncio.to_thread(wait_until, lambda: stack.get("/api/v1/models/tiny/status").json()["load"] is None,
+                                30, "the load ended")
+        last = stack.get("/api/v1/models/tiny/status").json()["last_load"]
+        assert last["load_id"] == load["load_id"] and last["state"] == "failed", last
+        assert "exited unexpectedly (code -9)" in last["reason"], last
+        assert "the last line of its log: " in last["reason"] and last["reason"].split("its log: ")[1].strip(), last
+        assert pid_alive(stack.fellows[0].proc.pid)  # the fellow lives on, ready for the next load
     finally:
         stack.stop()

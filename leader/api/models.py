@@ -9,9 +9,10 @@ from litestar import Request, Response, get, post
 from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 from litestar.status_codes import HTTP_200_OK
+from sqlalchemy import select
 
 from events import subjects
-from leader.api.deps import Caller, FellowsDep, LeaderDep, ServingDep, SettingsDep, requested_by
+from leader.api.deps import Caller, Db, FellowsDep, LeaderDep, ServingDep, SettingsDep, requested_by
 from leader.api.loading import LoadBody, LoadBodyDTO, check_load, conflict
 from leader.api.views import LoadView, load_view
 from leader.db.tables import Load, Model
@@ -75,13 +76,24 @@ async def get_model(serving: ServingDep, model_id: FromPath[str]) -> dict:
     return model_view(m, await serving.active_load(model_id))
 
 
+async def _last_ended(db, model_id: str) -> dict | None:
+    """With nothing loaded: how the model's latest load ended (failed, with the stage's exit and log line, or unloaded)."""
+    load = (await db.scalars(select(Load).where(Load.model_id == model_id).order_by(Load.requested_at.desc())
+                             .limit(1))).first()
+    if load is None:
+        return None
+    return {"load_id": load.load_id, "state": load.state, "reason": load.reason or None, "ended_at": load.ended_at}
+
+
 @get("/api/v1/models/{model_id:str}/status", opt={"scope": "read"}, tags=["models"],
      summary="Load state, stages and serving metrics (tokens_per_s, last_ttft_s, requests, idle_s, vram_bytes)")
-async def model_status(leader: LeaderDep, serving: ServingDep, fellows: FellowsDep, model_id: FromPath[str]) -> dict:
+async def model_status(leader: LeaderDep, serving: ServingDep, fellows: FellowsDep, db: Db,
+                       model_id: FromPath[str]) -> dict:
     m = await _model(serving, model_id)
     load = await serving.active_load(model_id)
     view = model_view(m, load)
     view["load"] = load_view(load, await serving.stages(load.load_id), fellows.latest) if load else None
+    view["last_load"] = None if load else await _last_ended(db, model_id)
     if load is not None:
         view["load"].queued = await queued_requests(leader.js, load.load_id)
         view["load"].relay = serving.relay.lanes(load.load_id)  # a ring's bytes and frames per lane
