@@ -49,5 +49,5 @@ def create_app(settings: Settings | None = None, leader: Leader | None = None,
         openapi_config=OpenAPIConfig(title="Swarm", version="0.1.0", path="/schema"),
         debug=False,
     )
-    app.state.leader = leader  # read by /healthz
+    app.state.leader = leader  # for whoever holds only the app (tests); handlers get it injected
     return app

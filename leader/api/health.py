@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import asyncio
 
-from litestar import Request, get
+from litestar import get
 
 from events.subjects import EVENTS_STREAM
+from leader.api.deps import LeaderDep
 
 
 @get("/healthz", tags=["ops"], opt={"scope": "public"},
      summary="Leader health: NATS connection, and per projection its checkpoint, lag and whether it is stuck")
-async def healthz(request: Request) -> dict:
+async def healthz(leader: LeaderDep) -> dict:
     """``projections``: each projection's position. ``projectors``: each one's checkpoint, the stream's
     last sequence, the lag, and whether it is stuck. ``status`` is "degraded" when NATS is down, the
     stream's head cannot be read, or a projection is stuck (behind and not advancing, or failing)."""
-    leader = request.app.state.leader
     connected = bool(leader.nc and leader.nc.is_connected)
     if not leader.projections:
         return {"status": "ok" if connected else "degraded", "nats": connected, "projections": {}, "projectors": {}}
