@@ -81,6 +81,13 @@ async def test_a_request_waits_for_room_then_is_served(stack, client):
     # The stage's own record: from taking a request to its end. The two spans must not overlap.
     first, second = sorted((await asyncio.to_thread(wait_until, spans, 30, "both requests recorded")).values())
     assert second[0] >= first[1] - 0.05, (first, second)  # slack: events are stamped when published
+    # swarm.timing shows the wait: the request that waited reports about the first one's span as queue_ms
+    queue_ms = {rid: c[-1].model_extra["swarm"]["timing"]["queue_ms"] for rid, c in ((r1, c1), (r2, c2))}
+    waiter, spans_by_id = max(queue_ms, key=queue_ms.get), await asyncio.to_thread(spans)
+    other = r1 if waiter == r2 else r2
+    assert spans_by_id[waiter][0] >= spans_by_id[other][1] - 0.05, (queue_ms, spans_by_id)  # it is the second
+    first_span_ms = (spans_by_id[other][1] - spans_by_id[other][0]) * 1e3
+    assert queue_ms[waiter] >= 0.8 * first_span_ms > queue_ms[other], (queue_ms, first_span_ms)
     # and both gave their tokens back (the heartbeat's metrics follow within a beat or two)
     await asyncio.to_thread(wait_until, lambda: stack.get("/api/v1/models/tiny/status").json()["load"]["stages"][0]
                             ["metrics"].get("in_flight") == 0, 30, "nothing in flight")

@@ -80,6 +80,7 @@ class Session:
         if self.first_token_at is not None and self.prefill_started_at is not None:
             timing["prefill_ms"] = round((self.first_token_at - self.prefill_started_at) * 1e3, 3)
             timing["ttft_ms"] = round((self.first_token_at - self.added_at) * 1e3, 3)
+            timing["queue_ms"] = round(max(0.0, self.prefill_started_at - self.added_at) * 1e3, 3)
             elapsed = now - self.first_token_at
             if len(self.output_ids) > 1 and elapsed > 0:
                 timing["tokens_per_s"] = round((len(self.output_ids) - 1) / elapsed, 3)

@@ -55,6 +55,7 @@ class Metrics:
 class _Taken:
     batcher: TokenBatcher
     started: float
+    bus_wait_s: float = 0.0  # from the gateway's accept to this stage taking it (wall clocks)
 
 
 class Intake:
@@ -177,7 +178,8 @@ class Intake:
             log.warning("request %s was started by another replica; not serving it again", req.request_id)
             await _ack(msg)
             return
-        self.active[req.request_id] = _Taken(batcher, time.monotonic())
+        bus_wait = max(0.0, time.time() - req.created) if req.created else 0.0
+        self.active[req.request_id] = _Taken(batcher, time.monotonic(), bus_wait)
         self.metrics.requests += 1
         self.serving.submit(Job(req.request_id, prompt_ids, max_tokens, sampling, list(req.stop), reserved=True))
         await _ack(msg)  # served either way: a redelivery finds the start frame and leaves it
@@ -227,6 +229,8 @@ class Intake:
                 self._end(out, failed=True)
             elif out.finish_reason is not None:
                 out.timing = {"route": "local", "stage0_ms": out.timing.get("decode_ms"), **out.timing}
+                # queued: on the bus until taken, then in the engine's line until its prompt started
+                out.timing["queue_ms"] = round(taken.bus_wait_s * 1e3 + out.timing.get("queue_ms", 0.0), 3)
                 taken.batcher.done(out.completion_tokens, out.prompt_tokens, out.finish_reason, out.timing)
                 self._end(out, failed=False)
 
