@@ -22,6 +22,7 @@ from leader.errors import ApiError
 from leader.openai.replies import DONE, ChunkEncoder, completion, error_event, frame_error
 from leader.openai.schema import decode_body
 from leader.openai.validate import chat_request, check_body
+from leader.serving.limits import check_payload
 from leader.token_stream import FrameTimeout, TokenStream, TokenStreams
 
 log = logging.getLogger(__name__)
@@ -154,6 +155,7 @@ async def chat_completions(request: Request) -> Response:
         raise ApiError(503, "The leader is still starting", code="unavailable")
     ready = await leader.serving.ready_load(body.model, leader.settings.autoload)
     chat = chat_request(body, messages, new_id(), ready.load_id, ready.generation, ready.context_tokens)
+    check_payload(leader.nc, chat)  # a 413 before anything is recorded
     try:
         hub = await token_streams(request.app)
         stream = await hub.open(chat.request_id, chat.load_id)  # before the request exists: no frame is missed

@@ -1,7 +1,8 @@
 """Loads on the leader: request, place, command, react to stages ready and fellows lost; resolve chat models.
 
 By concern: `commands` (request, place, command, unload), `reactions` (to load events and lost
-fellows, in a task of their own), `ready` (the ready-model view the chat hot path reads).
+fellows, in a task of their own), `ready` (the ready-model view the chat hot path reads), `sweeper` (ends the rows of requests that can no
+longer finish), `limits` (what the bus carries).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from leader.serving.commands import LoadCommands
 from leader.serving.reactions import Reactions
 from leader.serving.ready import ReadyLoad, ReadyView
 from leader.serving.rows import ACTIVE, active_load, get_load, load_stages, model_not_found
+from leader.serving.sweeper import RequestSweeper
 
 __all__ = ["ACTIVE", "AUTOLOAD_WAIT_S", "ReadyLoad", "Serving", "model_not_found"]
 
@@ -30,6 +32,7 @@ class Serving:
         self.relay = RelayStats()  # bytes and frames per lane of every ring, for the performance view
         self.commands = LoadCommands(leader, self.catalog)
         self.reactions = Reactions(leader, self.commands, self.view, self.relay)
+        self.sweeper = RequestSweeper(leader)
 
     @property
     def registry(self) -> Catalog:
@@ -44,9 +47,11 @@ class Serving:
     async def start(self) -> None:
         await self.relay.start(self.leader.nc)
         await self.reactions.start()
+        await self.sweeper.start()
         self.leader.on_stop.append(self.stop)
 
     async def stop(self) -> None:
+        await self.sweeper.stop()
         await self.reactions.stop()
         await self.relay.stop()
 
