@@ -7,7 +7,6 @@ nothing from the bus, so what is queued is known without racing the model.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -17,45 +16,9 @@ import pytest
 
 from events import subjects
 from tests.processes import wait_until
-from tests.serving_fixtures import Stack, make_servable
-
-FINAL = ("finished", "failed", "too_long")
-
-
-@pytest.fixture(scope="module")
-def servables(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    make_servable(root, "tiny-a", layers=2, hidden=64, stages=1, seed=1)
-    return root / "servables"
-
-
-def chat(content: str, **body) -> dict:
-    return {"model": "tiny-a", "messages": [{"role": "user", "content": content}], **body}
-
-
-async def start_stream(http: httpx.AsyncClient, body: dict) -> asyncio.Task:
-    """A streamed chat, returned once its first token came (a stage serves it); the task reads the rest."""
-    started = asyncio.get_running_loop().create_future()
-
-    async def read() -> list[dict]:
-        events = []
-        async with http.stream("POST", "/v1/chat/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                events.append(json.loads(line[6:]))
-                if not started.done() and events[-1].get("choices", [{}])[0].get("delta", {}).get("content"):
-                    started.set_result(None)
-        return events
-
-    task = asyncio.ensure_future(read())
-    await asyncio.wait((task, started), return_when=asyncio.FIRST_COMPLETED, timeout=60)
-    assert started.done(), task.result() if task.done() else "no token in 60s"
-    return task
-
-
-def rows(stack: Stack) -> list[tuple]:
-    return stack.sql("SELECT request_id, status, error_code, finish_reason FROM requests")
+from tests.request_helpers import all_final, chat, rows, start_stream
+from tests.request_helpers import servables  # noqa: F401 (a fixture)
+from tests.serving_fixtures import Stack
 
 
 async def test_queued_requests_of_an_unloaded_load_fail_at_once_and_every_row_ends(tmp_path, nats_server, servables):
@@ -89,11 +52,7 @@ async def test_queued_requests_of_an_unloaded_load_fail_at_once_and_every_row_en
             assert events[-1].get("error", {}).get("code") == "model_not_loaded" or \
                 events[-1]["choices"][0].get("finish_reason"), events[-1]
 
-        def ended():
-            got = rows(stack)
-            return got if all(status in FINAL for _, status, _, _ in got) else None
-
-        got = await asyncio.to_thread(wait_until, ended, 30, "every row final")
+        got = await asyncio.to_thread(wait_until, lambda: all_final(stack), 30, "every row final")
         assert len(got) == 4, got  # the 413 left none
         assert sorted(code for _, status, code, _ in got if status == "failed").count("model_unloaded") >= 3, got
         assert not [g for g in got if g[1] == "finished" and g[2]], got  # one state per row

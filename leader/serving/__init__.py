@@ -2,7 +2,8 @@
 
 By concern: `commands` (request, place, command, unload), `reactions` (to load events and lost
 fellows, in a task of their own), `ready` (the ready-model view the chat hot path reads), `sweeper` (ends the rows of requests that can no
-longer finish), `limits` (what the bus carries).
+longer finish), `limits` (what the bus carries), `reconcile` (stops the stages of a returning fellow that the
+leader gave up on).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from leader.relay_stats import RelayStats
 from leader.serving.commands import LoadCommands
 from leader.serving.reactions import Reactions
 from leader.serving.ready import ReadyLoad, ReadyView
+from leader.serving.reconcile import Reconciler
 from leader.serving.rows import ACTIVE, active_load, get_load, load_stages, model_not_found
 from leader.serving.sweeper import RequestSweeper
 
@@ -31,8 +33,9 @@ class Serving:
         self.view = ReadyView(leader)
         self.relay = RelayStats()  # bytes and frames per lane of every ring, for the performance view
         self.commands = LoadCommands(leader, self.catalog)
-        self.reactions = Reactions(leader, self.commands, self.view, self.relay)
         self.sweeper = RequestSweeper(leader)
+        self.reactions = Reactions(leader, self.commands, self.view, self.relay, on_ended=self.sweeper.poke)
+        self.reconciler = Reconciler(leader)
 
     @property
     def registry(self) -> Catalog:
@@ -48,9 +51,11 @@ class Serving:
         await self.relay.start(self.leader.nc)
         await self.reactions.start()
         await self.sweeper.start()
+        await self.reconciler.start()
         self.leader.on_stop.append(self.stop)
 
     async def stop(self) -> None:
+        await self.reconciler.stop()
         await self.sweeper.stop()
         await self.reactions.stop()
         await self.relay.stop()

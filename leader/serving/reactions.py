@@ -46,8 +46,9 @@ async def purge_queue(js, load_id: str) -> None:
 
 
 class Reactions:
-    def __init__(self, leader, commands: LoadCommands, view: ReadyView, relay: RelayStats):
+    def __init__(self, leader, commands: LoadCommands, view: ReadyView, relay: RelayStats, on_ended=None):
         self.leader = leader
+        self.on_ended = on_ended  # called when a load ended (the request sweeper's poke)
         self.commands = commands
         self.view = view
         self.relay = relay
@@ -99,6 +100,8 @@ class Reactions:
                 await self._replica_lost(evt)
             elif isinstance(evt, (LoadFailed, ModelUnloaded)):
                 await purge_queue(self.leader.js, evt.load_id)
+                if self.on_ended is not None:
+                    self.on_ended()
                 await self._release_stages(evt.load_id, "failed" if isinstance(evt, LoadFailed) else evt.reason)
             elif isinstance(evt, FellowLost):
                 await self._fellow_lost(evt)

@@ -4,7 +4,8 @@ A request row stays ``accepted`` until a stage or its gateway reports how it end
 can any more (the gateway's leader died, or the load ended with the request still queued), this
 task ends it, as an event like any other (never an SQL write behind the projector):
 
-- a request whose token stream already has a done or error frame gets that outcome;
+- a request whose load ended, or whose gateway is gone, and whose token stream already has a done or
+  error frame gets that outcome (a stage that stopped may not have published it);
 - one accepted before this leader started, whose load is no longer active, fails at once:
   ``model_not_loaded`` when no stage started it, ``leader_restarted`` when one had;
 - one with no frame for the gateway's frame timeout fails: ``model_not_loaded`` when its load is no
@@ -45,8 +46,7 @@ class RequestSweeper:
         self.every_s = every_s
         self.clock = clock
         self.started_at = clock()  # rows accepted before this had their gateway in an earlier leader
-        self.swept = asyncio.Condition()  # notified after each sweep (tests wait on it)
-        self.sweeps = 0
+        self._poked = asyncio.Event()
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -58,22 +58,28 @@ class RequestSweeper:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
+    def poke(self) -> None:
+        """Sweep now rather than at the next tick (a load ended: its requests' last frames are final)."""
+        self._poked.set()
+
     async def _run(self) -> None:
-        leader = self.leader
-        try:  # the rows as the log has them now: an outcome already published is not a row to end
-            info = await leader.js.stream_info(subjects.EVENTS_STREAM)
-            await leader.projections.wait_for(info.state.last_seq, timeout=60.0)
-        except Exception as exc:
-            log.warning("request sweeper: the projections are behind (%s); sweeping anyway", exc)
         while True:
+            self._poked.clear()
             try:
+                await self._caught_up()
                 await self.sweep()
             except Exception:
                 log.exception("request sweeper: a sweep failed")
-            async with self.swept:
-                self.sweeps += 1
-                self.swept.notify_all()
-            await asyncio.sleep(self.every_s)
+            try:
+                await asyncio.wait_for(self._poked.wait(), self.every_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _caught_up(self) -> None:
+        """Wait until the projections have applied the log as it is now: an outcome already published
+        is not a row to end."""
+        info = await self.leader.js.stream_info(subjects.EVENTS_STREAM)
+        await self.leader.projections.wait_for(info.state.last_seq, timeout=60.0)
 
     async def sweep(self) -> int:
         """End what can no longer finish; returns how many rows it ended."""
@@ -83,7 +89,8 @@ class RequestSweeper:
                 select(Request.request_id, Request.model_id, Request.load_id, Request.accepted_at, Load.state)
                 .outerjoin(Load, Load.load_id == Request.load_id)
                 .where(Request.status == "accepted",
-                       (Request.accepted_at < self.started_at) | (Request.accepted_at < now - self.quiet_s)))).all()
+                       (Request.accepted_at < self.started_at) | (Request.accepted_at < now - self.quiet_s)
+                       | Load.state.is_(None) | Load.state.not_in(ACTIVE)))).all()
         ended = 0
         purged: set[str] = set()
         for rid, model_id, load_id, accepted_at, load_state in rows:
