@@ -1,9 +1,9 @@
 """Loads on the leader: request, place, command, react to stages ready and fellows lost; resolve chat models.
 
 By concern: `commands` (request, place, command, unload), `reactions` (to load events and lost
-fellows, in a task of their own), `ready` (the ready-model view the chat hot path reads), `sweeper` (ends the rows of requests that can no
-longer finish), `limits` (what the bus carries), `reconcile` (stops the stages of a returning fellow that the
-leader gave up on).
+fellows, in a task of their own), `ready` (the ready-model view the chat hot path reads), `sweeper`
+(ends the rows of requests that can no longer finish), `reconcile` (stops the stages a returning
+fellow still runs for loads the leader gave up on), `limits` (what the bus carries).
 """
 
 from __future__ import annotations

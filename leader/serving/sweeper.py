@@ -79,7 +79,7 @@ class RequestSweeper:
         """Wait until the projections have applied the log as it is now: an outcome already published
         is not a row to end."""
         info = await self.leader.js.stream_info(subjects.EVENTS_STREAM)
-        await self.leader.projections.wait_for(info.state.last_seq, timeout=60.0)
+        await self.leader.projections.wait_for(info.state.last_seq, ["loads", "requests"], timeout=60.0)
 
     async def sweep(self) -> int:
         """End what can no longer finish; returns how many rows it ended."""
