@@ -8,8 +8,9 @@ task ends it, as an event like any other (never an SQL write behind the projecto
   error frame gets that outcome (a stage that stopped may not have published it);
 - one accepted before this leader started, whose load is no longer active, fails at once:
   ``model_not_loaded`` when no stage started it, ``leader_restarted`` when one had;
-- one with no frame for the gateway's frame timeout fails: ``model_not_loaded`` when its load is no
-  longer active, ``leader_restarted`` when its gateway was a previous leader, else ``timeout``.
+- one with no frame for the gateway's frame timeout fails: when its load is no longer active,
+  ``model_not_loaded`` (never started) or ``load_failed``; else ``leader_restarted`` when its gateway
+  was a previous leader, or ``timeout``.
 
 Event ids are the request's own (request_failed_id / request_finished_id), so a stage or gateway
 that reports too is deduplicated, and the requests projection keeps the first outcome anyway.
@@ -124,8 +125,11 @@ class RequestSweeper:
             if frame is None:
                 return self._failed(rid, model_id, load_id, "model_not_loaded",
                                     "the model was unloaded before this request was served")
-            return self._failed(rid, model_id, load_id, "leader_restarted",
-                                "the leader restarted while this request was served, and its model is gone")
+            if orphan:
+                return self._failed(rid, model_id, load_id, "leader_restarted",
+                                    "the leader restarted while this request was served, and its model is gone")
+            return self._failed(rid, model_id, load_id, "load_failed",
+                                "the model stopped serving while this request was served")
         if quiet:
             if orphan:
                 return self._failed(rid, model_id, load_id, "leader_restarted",
