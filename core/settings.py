@@ -100,6 +100,7 @@ class Settings:
     max_loaded_models: int
     model_idle_unload_s: float
     heartbeat_s: float
+    fellow_timeout_s: float  # a fellow silent this long is lost; 0: three of its own heartbeat intervals
     serve_in_flight: int | None
     serve_typical_tokens: int
     serve_context_tokens: int
@@ -150,6 +151,7 @@ class Settings:
             max_loaded_models=_int(env, "SWARM_MAX_LOADED_MODELS", 1, minimum=1),
             model_idle_unload_s=_float(env, "SWARM_MODEL_IDLE_UNLOAD_S", 900.0),
             heartbeat_s=_float(env, "SWARM_HEARTBEAT_S", 2.0, minimum=0.05),
+            fellow_timeout_s=_float(env, "SWARM_FELLOW_TIMEOUT_S", 0.0),
             serve_in_flight=None if not in_flight_raw else _int(env, "SWARM_SERVE_IN_FLIGHT", 0, minimum=1),
             serve_typical_tokens=_int(env, "SWARM_SERVE_TYPICAL_TOKENS", 1024, minimum=1),
             serve_context_tokens=_int(env, "SWARM_SERVE_CONTEXT_TOKENS", 4096, minimum=1),

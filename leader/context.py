@@ -61,7 +61,7 @@ class Leader:
         await ensure_streams(self.js)
         self.projections = ProjectionRunner(self.js, self.sessions, all_projectors())
         await self.projections.start()
-        self.fellows = FellowMonitor(self.js, self.sessions)
+        self.fellows = FellowMonitor(self.js, self.sessions, timeout_s=s.fellow_timeout_s)
         await self.fellows.start()
         self.auth = AuthService(self, s, clock=self._clock, prune_interval_s=self._prune_interval_s)
         self.auth.start()

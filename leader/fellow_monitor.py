@@ -24,22 +24,25 @@ _decode = msgspec.json.Decoder(Heartbeat).decode
 
 
 class FellowMonitor:
-    """A fellow is lost after MISSED_BEATS of its own heartbeat intervals without one.
+    """A fellow is lost after `timeout_s` (SWARM_FELLOW_TIMEOUT_S) without a heartbeat; with 0, after
+    MISSED_BEATS of its own heartbeat intervals.
 
     Event ids are derived from the fellow's start time and heartbeat sequence, so a retried
     publish of the same join or loss is deduplicated by JetStream.
     """
 
-    def __init__(self, js: JetStreamContext, sessions: async_sessionmaker, clock=time.time):
+    def __init__(self, js: JetStreamContext, sessions: async_sessionmaker, clock=time.time, timeout_s: float = 0.0):
         self.js = js
         self.sessions = sessions
         self.clock = clock
+        self.timeout_s = timeout_s
         self.latest: dict[str, Heartbeat] = {}
         self.online: dict[str, float] = {}  # fellow_id -> started_at of its announced join
         self._seen_at: dict[str, float] = {}
         self._sub = None
         self._task: asyncio.Task | None = None
         self.listeners: list = []  # async callables(evt) told of joins and losses
+        self.beat_listeners: list = []  # callables(hb) told of each live heartbeat, after the join it caused
 
     async def start(self) -> None:
         started = self.clock()
@@ -75,10 +78,15 @@ class FellowMonitor:
             return
         self.latest[hb.fellow_id] = hb
         self._seen_at[hb.fellow_id] = max(hb.at, self._seen_at.get(hb.fellow_id, 0.0))
-        if self.clock() - hb.at > MISSED_BEATS * hb.interval_s:
+        if self.clock() - hb.at > self._timeout(hb):
             return  # an old heartbeat replayed from the stream: not a sign of life
         if self.online.get(hb.fellow_id) != hb.started_at:
             await self._joined(hb)
+        for listener in self.beat_listeners:
+            listener(hb)
+
+    def _timeout(self, hb: Heartbeat | None) -> float:
+        return self.timeout_s or MISSED_BEATS * (hb.interval_s if hb else 2.0)
 
     async def _joined(self, hb: Heartbeat) -> None:
         evt = FellowJoined(id=f"joined-{hb.fellow_id}-{hb.started_at!r}-{hb.seq}", fellow_id=hb.fellow_id,
@@ -95,21 +103,19 @@ class FellowMonitor:
             await asyncio.sleep(self._tick())
             now = self.clock()
             for fellow_id, started_at in list(self.online.items()):
-                hb = self.latest.get(fellow_id)
-                interval = hb.interval_s if hb else 2.0
                 seen = self._seen_at.get(fellow_id, 0.0)
-                if now - seen > MISSED_BEATS * interval:
+                if now - seen > self._timeout(self.latest.get(fellow_id)):
                     await self._lost(fellow_id, started_at, seen)
 
     def _tick(self) -> float:
-        intervals = [hb.interval_s for hb in self.latest.values()] or [2.0]
-        return max(0.05, min(intervals) / 4)
+        bounds = [self._timeout(hb) for hb in self.latest.values()] or [self._timeout(None)]
+        return max(0.05, min(bounds) / (4 * MISSED_BEATS))
 
     async def _lost(self, fellow_id: str, started_at: float, seen: float) -> None:
         hb = self.latest.get(fellow_id)
         evt = FellowLost(id=f"lost-{fellow_id}-{started_at!r}-{hb.seq if hb else 0}",
                          fellow_id=fellow_id, last_seen=seen,
-                         reason=f"no heartbeat for {MISSED_BEATS} intervals")
+                         reason=f"no heartbeat for {self._timeout(hb):g}s")
         try:
             await publish_event(self.js, evt)
         except Exception:

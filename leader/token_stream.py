@@ -6,7 +6,9 @@ reconnect) shows as a gap in ``seq``, or, when it was the last frame, as silence
 the missing frames are read back from the stream with a short-lived consumer. One shared
 subscription on ``load.failed`` ends every request of a load whose fellow was lost; one on
 ``load.replica_lost`` ends the requests that replica had started (its start frame said so), while
-those it had not started stay queued for the replicas left.
+those it had not started stay queued for the replicas left. One on ``load.unloaded`` ends the
+requests of that load no stage had started: their queued messages are purged (leader.serving.reactions),
+so no frame would ever come. A request opened on a load that already ended fails at once.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from events import subjects
 from events.base import decode_event, new_id
 from events.frames import AnyFrame, ErrorFrame, StartFrame, TokenFrame, frame_decoder
-from events.loads import LoadFailed, ReplicaLost
+from events.loads import LoadFailed, ModelUnloaded, ReplicaLost
 
 log = logging.getLogger(__name__)
 
 PROBE_S = 2.0  # silence this long makes the receiver look in the stream (a lost last frame)
 GAP_WAIT_S = 0.05  # a gap this old is filled from the stream rather than awaited live
+ENDED_KEPT = 1024  # ended loads remembered, for requests opened on one just after it ended
 
 
 class FrameTimeout(Exception):
@@ -156,6 +159,13 @@ class TokenStream:
             await self._sub.unsubscribe()
 
 
+def not_loaded(stream: TokenStream, evt: ModelUnloaded) -> ErrorFrame:
+    """The verdict on a request no stage started before its load was unloaded (HTTP: model_not_loaded)."""
+    return ErrorFrame(request_id=stream.request_id, seq=-1, code="model_unloaded",
+                      message=f"the model '{evt.model_id}' was unloaded ({evt.reason}) before this request was "
+                              "served", data={"load_code": evt.reason, "fellow_id": evt.fellow_id})
+
+
 class TokenStreams:
     """The gateway's receivers: opens one per request and watches their loads for failure."""
 
@@ -165,8 +175,9 @@ class TokenStreams:
         self.probe_s = probe_s
         self.gap_wait_s = gap_wait_s
         self._by_load: dict[str, set[TokenStream]] = {}
+        self._ended: dict[str, ModelUnloaded] = {}  # load_id -> how it ended, oldest first
         self._tasks: set[asyncio.Task] = set()
-        self._sub = self._replica_sub = None
+        self._subs: list = []
         self._started: asyncio.Task | None = None
 
     async def start(self) -> "TokenStreams":
@@ -177,13 +188,14 @@ class TokenStreams:
         return self
 
     async def _subscribe(self) -> None:
-        self._sub = await self.nc.subscribe(subjects.event("load.failed"), cb=self._on_load_failed)
-        self._replica_sub = await self.nc.subscribe(subjects.event("load.replica_lost"), cb=self._on_replica_lost)
+        for kind, cb in (("load.failed", self._on_load_failed), ("load.replica_lost", self._on_replica_lost),
+                         ("load.unloaded", self._on_unloaded)):
+            self._subs.append(await self.nc.subscribe(subjects.event(kind), cb=cb))
 
     async def stop(self) -> None:
-        if self._sub is not None and not self.nc.is_closed:
-            await self._sub.unsubscribe()
-            await self._replica_sub.unsubscribe()
+        if not self.nc.is_closed:
+            for sub in self._subs:
+                await sub.unsubscribe()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
@@ -192,6 +204,9 @@ class TokenStreams:
 
     def watch(self, stream: TokenStream) -> None:
         self._by_load.setdefault(stream.load_id, set()).add(stream)
+        ended = self._ended.get(stream.load_id)
+        if ended is not None:
+            stream.fail(not_loaded(stream, ended))
 
     def unwatch(self, stream: TokenStream) -> None:
         waiting = self._by_load.get(stream.load_id)
@@ -208,6 +223,17 @@ class TokenStreams:
             stream.fail(ErrorFrame(request_id=stream.request_id, seq=-1, code="load_failed",
                                    message=f"the model '{evt.model_id}' stopped serving: {evt.reason}",
                                    data={"load_code": evt.code, "fellow_id": evt.fellow_id}))
+
+    async def _on_unloaded(self, msg) -> None:
+        evt = decode_event(msg.data)
+        if not isinstance(evt, ModelUnloaded):
+            return
+        self._ended[evt.load_id] = evt
+        while len(self._ended) > ENDED_KEPT:
+            del self._ended[next(iter(self._ended))]
+        for stream in list(self._by_load.get(evt.load_id, ())):
+            if stream.replica is None:  # not started: still queued, and the queue is purged
+                stream.fail(not_loaded(stream, evt))
 
     async def _on_replica_lost(self, msg) -> None:
         evt = decode_event(msg.data)

@@ -8,7 +8,8 @@ import asyncio
 from leader.context import Leader
 from tests.conftest import make_settings
 
-OURS = ("projections-reader", "projector-", "serving-reactions", "fellow-monitor")
+OURS = ("projections-reader", "projector-", "serving-reactions", "fellow-monitor", "request-sweeper",
+        "serving-reconcile")
 
 
 def ours() -> list[asyncio.Task]:
@@ -20,7 +21,8 @@ async def test_every_leader_task_is_stopped_with_the_leader(tmp_path, nats_serve
     await leader.start()
     try:
         names = sorted(t.get_name() for t in ours())
-        assert names == sorted(["projections-reader", "serving-reactions", "fellow-monitor",
+        assert names == sorted(["projections-reader", "serving-reactions", "fellow-monitor", "request-sweeper",
+                                "serving-reconcile",
                                 *(f"projector-{n}" for n in leader.projections.projectors)])
     finally:
         await leader.stop()

@@ -25,6 +25,7 @@ from leader.errors import ApiError
 from leader.openai.replies import DONE, ChatCompletion, ChunkEncoder, completion, error_event, frame_error
 from leader.openai.schema import ChatBody, decode_body, empty_body
 from leader.openai.validate import chat_request, check_body
+from leader.serving.limits import check_payload
 from leader.token_stream import FrameTimeout, TokenStream
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,7 @@ async def chat_completions(request: Request, leader: LeaderDep, serving: Serving
     messages = check_body(body)
     ready = await serving.ready_load(body.model, leader.settings.autoload)
     chat = chat_request(body, messages, new_id(), ready.load_id, ready.generation, ready.context_tokens)
+    check_payload(leader.nc, chat)  # a 413 before anything is recorded
     try:
         stream = await streams.open(chat.request_id, chat.load_id)  # before the request exists: no frame is missed
     except NatsError as exc:

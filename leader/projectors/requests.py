@@ -1,4 +1,8 @@
-"""Requests projection: the audit trail of every chat request and how it ended."""
+"""Requests projection: the audit trail of every chat request and how it ended.
+
+A request ends once: the first final event (finished or failed) sets its outcome, and a later one
+(a stage that finished what the gateway had already failed, or the reverse) changes nothing.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ from events.base import Event
 from events.requests import RequestAccepted, RequestFailed, RequestFinished
 from leader.db.tables import Request
 from leader.projectors.projector import Projector
+
+OPEN = (None, "accepted")  # a row not ended yet (None: made here, before its first flush)
 
 
 class RequestsProjector(Projector):
@@ -27,6 +33,8 @@ class RequestsProjector(Projector):
                         error_code="", error_message="", fellow_id=""))
             case RequestFinished():
                 row = await self._row(session, evt.request_id, evt.model_id, evt.load_id, evt.at)
+                if row.status not in OPEN:
+                    return
                 row.status = "finished"
                 row.ended_at = evt.at
                 row.prompt_tokens = evt.prompt_tokens
@@ -39,6 +47,8 @@ class RequestsProjector(Projector):
                 row.fellow_id = evt.fellow_id
             case RequestFailed():
                 row = await self._row(session, evt.request_id, evt.model_id, evt.load_id, evt.at)
+                if row.status not in OPEN:
+                    return
                 row.status = "too_long" if evt.code == "context_too_long" else "failed"
                 row.ended_at = evt.at
                 row.error_code = evt.code

@@ -1,7 +1,9 @@
 """Loads on the leader: request, place, command, react to stages ready and fellows lost; resolve chat models.
 
 By concern: `commands` (request, place, command, unload), `reactions` (to load events and lost
-fellows, in a task of their own), `ready` (the ready-model view the chat hot path reads).
+fellows, in a task of their own), `ready` (the ready-model view the chat hot path reads), `sweeper`
+(ends the rows of requests that can no longer finish), `reconcile` (stops the stages a returning
+fellow still runs for loads the leader gave up on), `limits` (what the bus carries).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from leader.relay_stats import RelayStats
 from leader.serving.commands import LoadCommands
 from leader.serving.reactions import Reactions
 from leader.serving.ready import ReadyLoad, ReadyView
+from leader.serving.reconcile import Reconciler
 from leader.serving.rows import ACTIVE, active_load, get_load, load_stages, model_not_found
+from leader.serving.sweeper import RequestSweeper
 
 __all__ = ["ACTIVE", "AUTOLOAD_WAIT_S", "ReadyLoad", "Serving", "model_not_found"]
 
@@ -29,7 +33,9 @@ class Serving:
         self.view = ReadyView(leader)
         self.relay = RelayStats()  # bytes and frames per lane of every ring, for the performance view
         self.commands = LoadCommands(leader, self.catalog)
-        self.reactions = Reactions(leader, self.commands, self.view, self.relay)
+        self.sweeper = RequestSweeper(leader)
+        self.reactions = Reactions(leader, self.commands, self.view, self.relay, on_ended=self.sweeper.poke)
+        self.reconciler = Reconciler(leader)
 
     @property
     def registry(self) -> Catalog:
@@ -44,9 +50,13 @@ class Serving:
     async def start(self) -> None:
         await self.relay.start(self.leader.nc)
         await self.reactions.start()
+        await self.sweeper.start()
+        await self.reconciler.start()
         self.leader.on_stop.append(self.stop)
 
     async def stop(self) -> None:
+        await self.reconciler.stop()
+        await self.sweeper.stop()
         await self.reactions.stop()
         await self.relay.stop()
 

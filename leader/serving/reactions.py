@@ -10,8 +10,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from nats.errors import Error as NatsError
+from nats.js.errors import NotFoundError
 from sqlalchemy import select
 
+from events import subjects
 from events.base import Event
 from events.fellow import FellowLost
 from events.loads import (LoadFailed, ModelLoaded, ModelUnloaded, ReplicaLost, StageReady, load_failed_id,
@@ -27,9 +30,25 @@ log = logging.getLogger(__name__)
 ENDS_READY = (ModelLoaded, LoadFailed, ModelUnloaded, ReplicaLost)  # events that change the ready view
 
 
+async def purge_queue(js, load_id: str) -> None:
+    """Drop the requests still queued for an ended load, and its consumer: no stage will take them.
+
+    Their gateways fail them with model_not_loaded (leader.token_stream); the sweeper ends the rows of
+    those whose gateway is gone.
+    """
+    try:
+        await js.purge_stream(subjects.REQUESTS_STREAM, subject=subjects.request(load_id))
+        await js.delete_consumer(subjects.REQUESTS_STREAM, subjects.request_consumer(load_id))
+    except NotFoundError:
+        pass
+    except (NatsError, asyncio.TimeoutError) as exc:
+        log.warning("purging the queue of ended load %s failed: %s", load_id, exc)
+
+
 class Reactions:
-    def __init__(self, leader, commands: LoadCommands, view: ReadyView, relay: RelayStats):
+    def __init__(self, leader, commands: LoadCommands, view: ReadyView, relay: RelayStats, on_ended=None):
         self.leader = leader
+        self.on_ended = on_ended  # called when a load ended (the request sweeper's poke)
         self.commands = commands
         self.view = view
         self.relay = relay
@@ -80,6 +99,9 @@ class Reactions:
             elif isinstance(evt, ReplicaLost):
                 await self._replica_lost(evt)
             elif isinstance(evt, (LoadFailed, ModelUnloaded)):
+                await purge_queue(self.leader.js, evt.load_id)
+                if self.on_ended is not None:
+                    self.on_ended()
                 await self._release_stages(evt.load_id, "failed" if isinstance(evt, LoadFailed) else evt.reason)
             elif isinstance(evt, FellowLost):
                 await self._fellow_lost(evt)

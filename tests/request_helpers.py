@@ -1,0 +1,57 @@
+"""For the request-ending tests: a one-stage tiny servable, chats over HTTP, a stream known to have
+started, the request rows."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from tests.serving_fixtures import Stack, make_servable
+
+FINAL = ("finished", "failed", "too_long")
+
+
+@pytest.fixture(scope="module")
+def servables(tmp_path_factory):
+    """A servables root with "tiny-a", one stage (import the fixture into the test module)."""
+    root = tmp_path_factory.mktemp("models")
+    make_servable(root, "tiny-a", layers=2, hidden=64, stages=1, seed=1)
+    return root / "servables"
+
+
+def chat(content: str, **body) -> dict:
+    return {"model": "tiny-a", "messages": [{"role": "user", "content": content}], **body}
+
+
+async def start_stream(http: httpx.AsyncClient, body: dict) -> asyncio.Task:
+    """A streamed chat, returned once its first token came (a stage serves it); the task reads the rest."""
+    started = asyncio.get_running_loop().create_future()
+
+    async def read() -> list[dict]:
+        events = []
+        async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                events.append(json.loads(line[6:]))
+                if not started.done() and events[-1].get("choices", [{}])[0].get("delta", {}).get("content"):
+                    started.set_result(None)
+        return events
+
+    task = asyncio.ensure_future(read())
+    await asyncio.wait((task, started), return_when=asyncio.FIRST_COMPLETED, timeout=60)
+    assert started.done(), task.result() if task.done() else "no token in 60s"
+    return task
+
+
+def rows(stack: Stack) -> list[tuple]:
+    return stack.sql("SELECT request_id, status, error_code, finish_reason FROM requests")
+
+
+def all_final(stack: Stack) -> list[tuple] | None:
+    """The request rows once every one has ended, else None."""
+    got = rows(stack)
+    return got if got and all(status in FINAL for _, status, _, _ in got) else None
