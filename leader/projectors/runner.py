@@ -205,9 +205,10 @@ class ProjectionRunner:
                 if left <= 0:
                     lag = {n: self.positions.get(n, 0) for n in names if self.positions.get(n, 0) < seq}
                     raise ProjectionLagging(f"projections {lag} have not reached sequence {seq}")
-                try:
-                    await asyncio.wait_for(self._changed.wait(), left)
-                except asyncio.TimeoutError:
+                try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel that races a notify
+                    async with asyncio.timeout(left):
+                        await self._changed.wait()
+                except TimeoutError:
                     pass
 
 
