@@ -15,6 +15,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from core.bus import close_quietly, connect, ensure_streams, publish_struct
 from core.procs import run_hooks
 from core.settings import Settings
+from core.tasks import cancel_and_wait
 from events import subjects
 from events.commands import Command, StopFellow, command_decoder
 from events.fellow import Heartbeat, LoadedModel
@@ -159,9 +160,7 @@ class FellowAgent:
         self._stopping = True
         here = asyncio.current_task()  # stop may be called from a command (update): not cancelled
         tasks = [t for t in [*self._loops, *self._running] if t is not here]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(*tasks)
         await run_hooks(self.on_stop, log)
         if self.nc is not None and not self.nc.is_closed:
             await close_quietly(self.nc)

@@ -13,6 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from core.bus import publish_event
+from core.tasks import cancel_and_wait
 from events.fellow import FellowJoined, FellowLost, Heartbeat
 from events.subjects import HEARTBEATS_ALL, HEARTBEATS_STREAM
 from leader.db.tables import Fellow
@@ -59,8 +60,7 @@ class FellowMonitor:
 
     async def stop(self) -> None:
         if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()

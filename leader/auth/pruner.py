@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from core.tasks import cancel_and_wait
 from events.api_tokens import ApiTokenPruned
 from leader.auth.registry import PROJECTION
 
@@ -33,8 +34,7 @@ class TokenPruner:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
             self._task = None
 
     async def _run(self) -> None:

@@ -13,6 +13,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
+from core.tasks import cancel_and_wait
 from events.subjects import EVENTS_ALL, EVENTS_STREAM
 from leader.projectors.batch import Entry, apply_batch, decode_batch, read_checkpoint, record_dead_letters
 from leader.projectors.projector import Projector
@@ -77,9 +78,7 @@ class ProjectionRunner:
             self._tasks.append(asyncio.create_task(self._run(p), name=f"projector-{p.name}"))
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(*self._tasks)
         self._tasks.clear()
 
     # --- the reader --------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
 from sqlalchemy import select
 
+from core.tasks import cancel_and_wait
 from events import subjects
 from events.base import Event
 from events.fellow import FellowLost
@@ -64,8 +65,7 @@ class Reactions:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
             self._task = None
 
     async def _queue_loads(self, events: list[Event]) -> None:

@@ -15,6 +15,7 @@ import time
 from sqlalchemy import select
 
 from core.bus import publish_struct
+from core.tasks import cancel_and_wait
 from events import subjects
 from events.commands import UnloadStage
 from events.fellow import Heartbeat
@@ -47,8 +48,7 @@ class Reconciler:
         self._stopping = True
         self._wake.set()
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
             self._task = None
 
     def _on_beat(self, hb: Heartbeat) -> None:

@@ -27,6 +27,7 @@ from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
 from sqlalchemy import select
 
+from core.tasks import cancel_and_wait
 from events import subjects
 from events.frames import AnyFrame, DoneFrame, ErrorFrame, frame_decoder
 from events.requests import RequestFailed, RequestFinished, request_failed_id, request_finished_id
@@ -58,8 +59,7 @@ class RequestSweeper:
         self._stopping = True
         self._poked.set()
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
             self._task = None
 
     def poke(self) -> None:

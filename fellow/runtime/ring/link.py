@@ -8,6 +8,7 @@ import uuid
 
 from nats.aio.client import Client
 
+from core.tasks import cancel_and_wait
 from events import subjects
 from events.ring import STATS_LANE, LaneStats, Probe, decode_frame, encode_frame, recv_lane, send_lane
 from fellow.runtime.ring.inbox import Inbox
@@ -48,9 +49,7 @@ class RingLink:
                        asyncio.create_task(self._publish_stats(), name="ring-stats")]
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(*self._tasks)
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()

@@ -13,6 +13,7 @@ import time
 import torch
 
 from core.bus import close_quietly, connect
+from core.tasks import cancel_and_wait
 from events.stage import MetricsReport, ReadyReport, Report, StageConfig, Transport, encode
 from fellow.runtime.model.kv_budget import measured_kv_tokens
 from fellow.runtime.model.stage import StageModel
@@ -164,10 +165,7 @@ class StageServerBase:
             try:
                 await self._shutdown()
             finally:
-                tasks = list(self._tasks)
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+                await cancel_and_wait(*self._tasks)
                 await close_quietly(self.nc)
 
     async def _report_metrics(self) -> None:
