@@ -70,7 +70,7 @@ class FellowMonitor:
     async def _on_heartbeat(self, msg) -> None:
         try:
             hb = _decode(msg.data)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # not a heartbeat, or nested too deep
             log.warning("dropped a malformed heartbeat on %s", msg.subject)
             return
         prev = self.latest.get(hb.fellow_id)

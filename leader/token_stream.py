@@ -64,7 +64,7 @@ class TokenStream:
     async def _on_msg(self, msg) -> None:
         try:
             frame = frame_decoder.decode(msg.data)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # not a frame, or nested too deep
             log.warning("undecodable frame on %s dropped", self.subject)
             return
         self._started(frame)  # at once: a replica's loss may come before the reader gets here
@@ -216,7 +216,7 @@ class TokenStreams:
                 del self._by_load[stream.load_id]
 
     async def _on_load_failed(self, msg) -> None:
-        evt = decode_event(msg.data)
+        evt = _event(msg)
         if not isinstance(evt, LoadFailed):
             return
         for stream in list(self._by_load.get(evt.load_id, ())):
@@ -225,7 +225,7 @@ class TokenStreams:
                                    data={"load_code": evt.code, "fellow_id": evt.fellow_id}))
 
     async def _on_unloaded(self, msg) -> None:
-        evt = decode_event(msg.data)
+        evt = _event(msg)
         if not isinstance(evt, ModelUnloaded):
             return
         self._ended[evt.load_id] = evt
@@ -236,7 +236,7 @@ class TokenStreams:
                 stream.fail(not_loaded(stream, evt))
 
     async def _on_replica_lost(self, msg) -> None:
-        evt = decode_event(msg.data)
+        evt = _event(msg)
         if not isinstance(evt, ReplicaLost):
             return
         for stream in list(self._by_load.get(evt.load_id, ())):
@@ -256,3 +256,11 @@ class TokenStreams:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.warning("closing a token stream failed: %s", task.exception())
+
+
+def _event(msg):
+    """The event in ``msg``, or None for one no reader can decode (the projections keep it as a dead letter)."""
+    try:
+        return decode_event(msg.data)
+    except (ValueError, RecursionError):  # PoisonEvent is a ValueError
+        return None
