@@ -38,15 +38,12 @@ class Reconciler:
         self._wake = asyncio.Event()
         self._sent: dict[tuple[str, str], float] = {}  # (load_id, fellow_id) -> when its unload was sent
         self._task: asyncio.Task | None = None
-        self._stopping = False  # checked by the loop too: a library may swallow the cancel (3.11's wait_for)
 
     async def start(self) -> None:
         self.leader.fellows.beat_listeners.append(self._on_beat)
         self._task = asyncio.create_task(self._run(), name="serving-reconcile")
 
     async def stop(self) -> None:
-        self._stopping = True
-        self._wake.set()
         if self._task is not None:
             await cancel_and_wait(self._task)
             self._task = None
@@ -57,11 +54,9 @@ class Reconciler:
             self._wake.set()
 
     async def _run(self) -> None:
-        while not self._stopping:
+        while True:
             await self._wake.wait()
             self._wake.clear()
-            if self._stopping:
-                return
             beats, self._beats = self._beats, {}
             for hb in beats.values():
                 try:

@@ -50,14 +50,11 @@ class RequestSweeper:
         self.started_at = clock()  # rows accepted before this had their gateway in an earlier leader
         self._poked = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._stopping = False  # checked by the loop too: a library may swallow the cancel (3.11's wait_for)
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="request-sweeper")
 
     async def stop(self) -> None:
-        self._stopping = True
-        self._poked.set()
         if self._task is not None:
             await cancel_and_wait(self._task)
             self._task = None
@@ -67,15 +64,13 @@ class RequestSweeper:
         self._poked.set()
 
     async def _run(self) -> None:
-        while not self._stopping:
+        while True:
             self._poked.clear()
             try:
                 await self._caught_up()
                 await self.sweep()
             except Exception:
                 log.exception("request sweeper: a sweep failed")
-            if self._stopping:
-                return
             try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel (stop would hang)
                 async with asyncio.timeout(self.every_s):
                     await self._poked.wait()
