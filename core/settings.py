@@ -71,8 +71,7 @@ NOT_IMPLEMENTED = {
     "SWARM_SERVE_LORA": "lean LoRA, issue 14",
     "SWARM_SERVE_4BIT_ROWS": "quantized serving, issue 14",
     "SWARM_SERVE_4BIT_FLOAT32": "quantized serving, issue 14",
-    "SWARM_SERVE_ATTENTION": "kernels chosen by measurement, issue 13",
-    "SWARM_SERVE_STEP_COSTS": "step costs at load, issue 13",
+    "SWARM_SERVE_ATTENTION": "a choice of attention kernels, issue 13",
     "SWARM_API_TOKENS_FILE": "no issue: API tokens are kept in the database",
 }
 
@@ -108,6 +107,7 @@ class Settings:
     serve_prefill_chunk: int
     serve_max_in_flight: int
     serve_packed_linear: str
+    serve_step_costs: bool = False
     serve_speculative: int = 0  # refused while not implemented (NOT_IMPLEMENTED); always 0
 
     @classmethod
@@ -159,6 +159,7 @@ class Settings:
             serve_prefill_chunk=_int(env, "SWARM_SERVE_PREFILL_CHUNK", 256),
             serve_max_in_flight=_int(env, "SWARM_SERVE_MAX_IN_FLIGHT", 8, minimum=1),
             serve_packed_linear=_choice(env, "SWARM_SERVE_PACKED_LINEAR", "auto", ("auto", "off")),
+            serve_step_costs=_bool(env, "SWARM_SERVE_STEP_COSTS", False),
         )
 
     def replace(self, **changes) -> "Settings":

@@ -21,6 +21,7 @@ class TransportPlan(msgspec.Struct, frozen=True, kw_only=True):
     max_batch: int = 0
     speculative: int = 0
     prefill_chunk: int = 256
+    step_costs: bool = False  # every stage times its decode step at load (SWARM_SERVE_STEP_COSTS)
 
 
 class LoadRequested(Event, frozen=True, tag="load.requested"):
@@ -52,6 +53,7 @@ class StageReady(Event, frozen=True, tag="load.stage_ready"):
     max_in_flight: int = 1
     vram_bytes: int = 0
     load_s: float = 0.0
+    kernels: dict = {}  # how the stage computes: its path, kernel per weight shape, step costs when measured
 
 
 class ModelLoaded(Event, frozen=True, tag="load.loaded"):

@@ -17,6 +17,7 @@ class Transport(msgspec.Struct, frozen=True, kw_only=True):
     kv_tokens: int = 0  # the most KV tokens it may hold; 0: what it measures
     max_batch: int = 0  # 0: no cap, 1: no batching
     prefill_chunk: int = 256
+    step_costs: bool = False  # time the decode step at batch 1 and at the cap before ready
 
 
 class StageConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -47,6 +48,7 @@ class ReadyReport(Report, frozen=True, tag="ready"):
     max_in_flight: int
     vram_bytes: int
     load_s: float
+    kernels: dict = {}  # StageModel.kernels: path, kernel choices and their timings, step costs
 
 
 class MetricsReport(Report, frozen=True, tag="metrics"):

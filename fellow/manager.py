@@ -73,6 +73,7 @@ class ModelManager:
                               fellow_id=self.agent.fellow_id, stage=cmd.assignment.stage, num_stages=cmd.num_stages,
                               replica=cmd.assignment.replica, replicas=cmd.replicas,
                               transport=Transport(max_in_flight=t.max_in_flight, kv_tokens=t.kv_tokens,
+                                                  step_costs=t.step_costs or self.settings.serve_step_costs,
                                                   max_batch=max_batch, prefill_chunk=t.prefill_chunk),
                               report_s=min(1.0, self.settings.heartbeat_s),
                               packed_linear=self.settings.serve_packed_linear != "off")
@@ -96,7 +97,8 @@ class ModelManager:
                 id=f"ready-{proc.load_id}-{proc.stage}{replica_part(proc.replica)}", load_id=proc.load_id,
                 stage=proc.stage, replica=proc.replica, fellow_id=self.agent.fellow_id, pid=proc.pid,
                 kv_tokens=report.kv_tokens, kv_tokens_planned=report.kv_tokens_planned,
-                max_in_flight=report.max_in_flight, vram_bytes=report.vram_bytes, load_s=report.load_s))
+                max_in_flight=report.max_in_flight, vram_bytes=report.vram_bytes, load_s=report.load_s,
+                kernels=report.kernels))
             await self.agent.beat()
         elif isinstance(report, FailedReport):
             proc.stop_reason = "failed"

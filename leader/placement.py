@@ -40,7 +40,7 @@ def transport_plan(settings, num_stages: int) -> TransportPlan:
     return TransportPlan(max_in_flight=in_flight,
                          kv_tokens=max(settings.serve_context_tokens, in_flight * settings.serve_typical_tokens),
                          max_batch=settings.serve_max_batch or 0, speculative=settings.serve_speculative if one else 0,
-                         prefill_chunk=settings.serve_prefill_chunk)
+                         prefill_chunk=settings.serve_prefill_chunk, step_costs=settings.serve_step_costs)
 
 
 def bytes_per_param(quantization: dict | None, has_gpu: bool) -> float:

@@ -8,6 +8,7 @@ import transformers
 
 from fellow.runtime.engine.budget import AdmissionFailed, ContextTooLong
 from fellow.runtime.engine.engine import Engine
+from fellow.runtime.model.kernels import prepare_stage
 from fellow.runtime.model.packed_linear import pack_stage
 from fellow.runtime.engine.sampling import SamplingParams
 from fellow.runtime.engine.serving_loop import Job, ServingLoop
@@ -20,17 +21,20 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.gpu,
                                    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")])
 
 
-@pytest.fixture(scope="module", params=["cpu", "cpu-packed", CUDA])
+@pytest.fixture(scope="module", params=["cpu", "cpu-packed", "cpu-fused", CUDA])
 def stage(request) -> StageModel:
-    """The engine's stage as the fellow serves it: on CPU float32 with packed weights too."""
+    """The engine's stage as the fellow serves it: on CPU float32 fused with measured kernels, and the
+    HF layers plain and packed."""
     config = transformers.Qwen3Config(num_hidden_layers=3, hidden_size=64, intermediate_size=128,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB)
     torch.manual_seed(0)
     device, _, packed = request.param.partition("-")
     model = transformers.AutoModelForCausalLM.from_config(config).eval().to(device)
     stage = StageModel.from_causal_lm(model)
-    if packed:
+    if packed == "packed":
         assert pack_stage(stage) == 3 * 7 + 1  # q k v o, gate up down per layer, and the head
+    elif packed == "fused":
+        assert prepare_stage(stage)["path"] == "fused"
     return stage
 
 

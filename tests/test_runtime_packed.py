@@ -53,19 +53,26 @@ def test_packed_stage_equals_plain_and_generate(tmp_path, family):
     assert got == reference
 
 
-def test_the_loader_packs_float32_cpu_stages_unless_told_not_to(tmp_path):
+def test_the_loader_times_both_kernels_unless_told_not_to_pack(tmp_path):
     ckpt = make_tiny_checkpoint(tmp_path / "hf", "qwen2", layers=2, hidden=64, tie_embeddings=True)  # biases, tied
     servable = tmp_path / "servable"
     export(ckpt, servable, stages=1, model_id="tiny-qwen2")
-    packed = load_one_stage(servable, device="cpu")
+    chosen = load_one_stage(servable, device="cpu", batch_cap=4)
     plain = load_one_stage(servable, device="cpu", packed=False)
-    assert isinstance(packed.stage.head, PackedLinear) and type(plain.stage.head) is nn.Linear
-    q_proj = packed.stage.layers[0].self_attn.q_proj
-    assert isinstance(q_proj, PackedLinear) and q_proj.bias is not None
+    for loaded, timed in ((chosen, {"mkl", "onednn"}), (plain, {"mkl"})):
+        kernels = loaded.stage.kernels
+        assert kernels["path"] == "fused" and loaded.stage.fused is not None
+        assert set(kernels["shapes"]) == {"128x64", "64x64", "256x64", "64x128", "384x64"}  # qkv o gate_up down head
+        for entry in kernels["shapes"].values():
+            assert set(entry["ms"]) == timed and entry["kernel"] in timed
+            assert all(ms > 0 for times in entry["ms"].values() for ms in times)
+    assert chosen.stage.kernels["rows"] == [1, 4] and plain.stage.kernels["rows"] == [1, 8]
+    assert chosen.stage.layers[0].self_attn.q_proj is None  # the HF weights are gone: each is held once
+    assert chosen.stage.fused.layers[0].qkv.bias is not None  # Qwen2's biases, fused too
     ids = list(range(5, 30))
-    assert greedy(packed.stage, ids, 24)[0] == greedy(plain.stage, ids, 24)[0]
-    # a tied head keeps the embedding table it shares, and serves from its packed copy
-    assert packed.stage.embed.weight.shape == (packed.stage.config.vocab_size, 64)
+    assert greedy(chosen.stage, ids, 24)[0] == greedy(plain.stage, ids, 24)[0]
+    # a tied head keeps the embedding table it shares
+    assert chosen.stage.embed.weight.shape == (chosen.stage.config.vocab_size, 64)
 
 
 def test_other_devices_and_dtypes_keep_their_modules():

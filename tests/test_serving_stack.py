@@ -22,10 +22,18 @@ def servable(tmp_path_factory):
 
 async def test_load_chat_over_bus_equals_hf_and_unload(tmp_path, nats_server, nc, js, servable):
     hf, out = servable
-    stack = await asyncio.to_thread(lambda: Stack(tmp_path, nats_server.url, out.parent).start())
+    stack = await asyncio.to_thread(lambda: Stack(tmp_path, nats_server.url, out.parent,
+                                                  SWARM_SERVE_STEP_COSTS="1", SWARM_SERVE_MAX_BATCH="4").start())
     try:
         load = await asyncio.to_thread(stack.load, "tiny")
         assert load["stages"][0]["kv_tokens"] > 0 and load["stages"][0]["fellow_id"] == "f0"
+        assert load["transport"]["step_costs"] is True
+        kernels = load["stages"][0]["kernels"]  # chosen by timing at load, with the step's cost
+        assert kernels["path"] == "fused" and kernels["rows"] == [1, 4]
+        assert kernels["shapes"] and all(e["kernel"] in e["ms"] for e in kernels["shapes"].values())
+        assert set(kernels["step_ms"]) == {"1", "4"} and all(ms > 0 for ms in kernels["step_ms"].values())
+        assert "[stage0 step-costs] path=fused decode step batch 1:" in stack.logs()
+        assert "fused layers; kernels chosen in" in stack.logs()
         prompt = "What is a list comprehension?"
         rid, frames, tokens, text = await chat_over_bus(nc, js, load["load_id"], "tiny", prompt, max_tokens=24)
         done = frames[-1]

@@ -84,6 +84,7 @@ class LoadStage(Base):
     kv_tokens_planned: Mapped[int] = mapped_column(Integer, default=0)
     max_in_flight: Mapped[int] = mapped_column(Integer, default=1)
     vram_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    kernels: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # the stage's StageReady.kernels
 
 
 class Request(Base):

@@ -52,6 +52,7 @@ class LoadsProjector(Projector):
                 stage.kv_tokens_planned = evt.kv_tokens_planned
                 stage.max_in_flight = evt.max_in_flight
                 stage.vram_bytes = evt.vram_bytes
+                stage.kernels = evt.kernels or None
             case ModelLoaded():
                 load = await session.get(Load, evt.load_id)
                 if load is not None and load.state not in ENDED:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from core.servable import TOKENIZER_DIR, Manifest, load_manifest
-from fellow.runtime.model.packed_linear import pack_stage
+from fellow.runtime.model.kernels import prepare_stage
 from fellow.runtime.model.stage import StageModel
 from fellow.runtime.model.weights import build_stage_modules
 
@@ -51,10 +51,11 @@ def stop_ids_for(manifest: Manifest, tokenizer) -> frozenset[int]:
 
 
 def load_one_stage(model_dir: str | Path, device: str | None = None, attention: str = "sdpa",
-                   packed: bool = True) -> LoadedStage:
+                   packed: bool = True, batch_cap: int = 8) -> LoadedStage:
     """The whole model as one stage (embeddings, every layer, norm and head): a ring of one.
 
-    ``packed``: float32 CPU stages pack their linear weights for oneDNN (fellow.runtime.model.packed_linear).
+    ``packed``: float32 CPU stages may hold weights packed for oneDNN; ``batch_cap``: the most sessions
+    a decode step runs, which the kernel choice times (fellow.runtime.model.kernels.prepare_stage).
     """
     model_dir = Path(model_dir)
     manifest = load_manifest(model_dir)
@@ -63,7 +64,6 @@ def load_one_stage(model_dir: str | Path, device: str | None = None, attention: 
     mods.config._attn_implementation = attention
     stage = StageModel(config=mods.config, layers=mods.layers, first_layer=mods.layer_indices[0],
                        rotary_emb=mods.rotary_emb, embed=mods.embed, norm=mods.norm, head=mods.lm_head)
-    if packed:
-        pack_stage(stage)
+    prepare_stage(stage, packed=packed, batch_cap=batch_cap)
     tokenizer = load_tokenizer(model_dir)
     return LoadedStage(manifest, stage, tokenizer, stop_ids_for(manifest, tokenizer), dev)

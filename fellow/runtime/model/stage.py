@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from fellow.runtime.model.fused import FusedStack, Linear, MakeLinear, rotary_tables
 from fellow.runtime.model.kv_cache import BatchedView, FreshBatchView, KVCache, SessionView
 
 BATCHABLE_ATTENTION = ("sdpa", "eager")  # implementations that take an explicit additive 4D mask
@@ -24,6 +25,10 @@ def _cache_keyword(layer: nn.Module) -> str:
         if name in names:
             return name
     raise TypeError(f"{type(layer).__name__}.forward takes no cache argument")
+
+
+def _bias(linear: nn.Linear) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach()
 
 
 def _module_device(module: nn.Module) -> torch.device:
@@ -71,6 +76,28 @@ class StageModel:
         self._cache_keyword = _cache_keyword(self.layers[0])
         self._input_device = _module_device(embed) if embed is not None else self.layer_devices[0]
         self._head_device = _module_device(head) if head is not None else None
+        self.fused: FusedStack | None = None  # set by ``fuse``: the layers then run by hand
+        self.kernels: dict = {"path": "hf"}  # how it computes, for the load's status (kernels.prepare_stage)
+
+    def fuse(self, make_linear: MakeLinear) -> FusedStack:
+        """Run the layers fused (fellow.runtime.model.fused), each weight made by ``make_linear`` (which
+        picks its kernel); the HF layers' linear weights are dropped, so the stage holds each weight once."""
+        self.fused = FusedStack(self.layers, self.config, make_linear)
+        for layer in self.layers:
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                setattr(layer.self_attn, name, None)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                setattr(layer.mlp, name, None)
+        if type(self.head) is nn.Linear:
+            self.head = _HeadLinear(make_linear(self.head.weight.detach(), _bias(self.head)))
+        return self.fused
+
+    @property
+    def weight_bytes(self) -> int:
+        """What the layers' weights take (fused or not; the embeddings and head not counted)."""
+        params = sum(p.numel() * p.element_size() for layer in self.layers for p in layer.parameters())
+        buffers = sum(b.numel() * b.element_size() for layer in self.layers for b in layer.buffers())
+        return params + buffers + (self.fused.bytes if self.fused is not None else 0)
 
     @classmethod
     def from_causal_lm(cls, model: nn.Module, start: int = 0, end: int | None = None) -> "StageModel":
@@ -130,7 +157,10 @@ class StageModel:
         cache.reserve(positions)
         position_ids = torch.arange(cache.length, cache.length + positions, device=hidden.device)[None, :]
         mask = self._piece_mask(cache.length, positions, hidden)
-        hidden = self._layers(hidden, position_ids, mask, SessionView(cache))
+        if self.fused is not None:
+            hidden = self._fused(hidden, position_ids, self.fused.attend_piece(cache, mask))
+        else:
+            hidden = self._layers(hidden, position_ids, mask, SessionView(cache))
         cache.advance(positions)
         return self._head(hidden)[0] if self.is_last else hidden
 
@@ -163,7 +193,10 @@ class StageModel:
         mask = torch.zeros(len(pieces), 1, width, width, dtype=hidden.dtype, device=device)
         mask.masked_fill_(~visible[:, None], torch.finfo(hidden.dtype).min)
         position_ids = (torch.arange(width, device=device)[None, :] - pad[:, :, 0]).clamp(min=0)
-        hidden = self._layers(hidden, position_ids, mask, FreshBatchView(caches, pads))
+        if self.fused is not None:
+            hidden = self._fused(hidden, position_ids, self.fused.attend_fresh(caches, pads, mask))
+        else:
+            hidden = self._layers(hidden, position_ids, mask, FreshBatchView(caches, pads))
         for cache, piece in zip(caches, pieces):
             cache.advance(len(piece))
         return self._head(hidden) if self.is_last else hidden
@@ -177,12 +210,17 @@ class StageModel:
         hidden = self._embed(inputs.view(-1, 1)) if self.is_first else inputs
         for cache in caches:
             cache.reserve(1)
+        position_ids = torch.tensor([[cache.length] for cache in caches], device=hidden.device)
+        if self.fused is not None:
+            hidden = self._fused(hidden, position_ids, self.fused.attend_decode(caches))
+            for cache in caches:
+                cache.advance(1)
+            return self._head(hidden) if self.is_last else hidden
         if len(caches) == 1:  # alone: attend straight to the cache, nothing to pad or mask
             view, mask = SessionView(caches[0]), None
         else:
             view = BatchedView(caches)
             mask = view.attention_mask(hidden.dtype, hidden.device)
-        position_ids = torch.tensor([[cache.length] for cache in caches], device=hidden.device)
         hidden = self._layers(hidden, position_ids, mask, view)
         if isinstance(view, BatchedView):
             view.commit()
@@ -200,6 +238,10 @@ class StageModel:
         columns = torch.arange(past + positions, device=hidden.device)[None, :]
         mask = torch.zeros(1, 1, positions, past + positions, dtype=hidden.dtype, device=hidden.device)
         return mask.masked_fill_((columns > rows)[None, None], torch.finfo(hidden.dtype).min)
+
+    def _fused(self, hidden: torch.Tensor, position_ids: torch.Tensor, attend) -> torch.Tensor:
+        cos, sin = rotary_tables(*self.rotary_emb(hidden, position_ids))
+        return self.fused.forward(hidden, cos, sin, attend)
 
     def _layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, view) -> torch.Tensor:
         if hidden.device.type != "cuda":
@@ -226,3 +268,14 @@ class StageModel:
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         last = hidden[:, -1, :].to(self._head_device)  # the head reads only the last position
         return self.head(self.norm(last))
+
+
+class _HeadLinear(nn.Module):
+    """The head's weight in the kernel chosen for its shape (a tied head keeps the embeddings too)."""
+
+    def __init__(self, linear: Linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)

@@ -9,7 +9,7 @@ import torch
 
 from core.servable import Manifest, load_manifest
 from core.servable_plan import StagePlan
-from fellow.runtime.model.packed_linear import pack_stage
+from fellow.runtime.model.kernels import prepare_stage
 from fellow.runtime.ring.codec import WireCodec
 from fellow.runtime.model.stage import StageModel
 from fellow.runtime.model.loader import load_tokenizer, pick_device, pick_dtype, stop_ids_for
@@ -39,7 +39,7 @@ class RingStage:
 
 
 def load_ring_stage(model_dir: str | Path, stage: int, num_stages: int, device: str | None = None,
-                    attention: str = "sdpa", packed: bool = True) -> RingStage:
+                    attention: str = "sdpa", packed: bool = True, batch_cap: int = 8) -> RingStage:
     """Stage ``stage`` of ``num_stages``: the trained split when the counts match, else an even one
     reading every overlapping shard (an untrained cut is served uncompressed); a servable without
     recorded boundaries refuses any count but its own (ServableError)."""
@@ -50,8 +50,7 @@ def load_ring_stage(model_dir: str | Path, stage: int, num_stages: int, device: 
     mods.config._attn_implementation = attention
     model = StageModel(config=mods.config, layers=mods.layers, first_layer=mods.layer_indices[0],
                        rotary_emb=mods.rotary_emb, embed=mods.embed, norm=mods.norm, head=mods.lm_head)
-    if packed:
-        pack_stage(model)
+    prepare_stage(model, packed=packed, batch_cap=batch_cap)
     plan = mods.plan
     hidden = manifest.hidden_size
     loaded = RingStage(

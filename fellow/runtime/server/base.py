@@ -15,6 +15,7 @@ import torch
 from core.bus import close_quietly, connect
 from core.tasks import cancel_and_wait
 from events.stage import MetricsReport, ReadyReport, Report, StageConfig, Transport, encode
+from fellow.runtime.model.kernels import step_costs
 from fellow.runtime.model.kv_budget import measured_kv_tokens
 from fellow.runtime.model.stage import StageModel
 
@@ -105,19 +106,29 @@ class StageServerBase:
 
     # --- the shared part -----------------------------------------------------------------------
 
+    @property
+    def batch_cap(self) -> int:
+        """The most sessions one decode step runs: the batch cap, else everything in flight."""
+        t = self.cfg.transport
+        return t.max_batch if t.max_batch > 0 else max(1, t.max_in_flight)
+
     def load(self) -> None:
         started = time.perf_counter()
         self._load()
         self.kv_tokens, self.kv_planned = kv_budget(self.stage, self.cfg.transport)
         self._build()
         warm_up(self.stage)
+        if self.cfg.transport.step_costs:
+            costs = step_costs(self.stage, sorted({1, self.batch_cap}))
+            self.stage.kernels = {**self.stage.kernels, "step_ms": costs}
+            log.info("[stage%d step-costs] path=%s decode step %s", self.cfg.stage, self.stage.kernels["path"],
+                     " ".join(f"batch {rows}: {ms:.2f} ms" for rows, ms in costs.items()))
         self.load_s = time.perf_counter() - started
 
     def vram_bytes(self) -> int:
         if self.device.type == "cuda":
             return int(torch.cuda.memory_allocated(self.device))
-        params = sum(p.numel() * p.element_size() for layer in self.stage.layers for p in layer.parameters())
-        return params + self.cache_bytes()
+        return self.stage.weight_bytes + self.cache_bytes()
 
     def serve(self) -> int:
         """Serve until stopped; the exit code: 0 after a clean stop, 1 when the bus side failed."""
@@ -158,7 +169,7 @@ class StageServerBase:
             await self._start()
             report(ReadyReport(kv_tokens=self.kv_tokens, kv_tokens_planned=self.kv_planned,
                                max_in_flight=max(1, self.cfg.transport.max_in_flight), vram_bytes=self.vram_bytes(),
-                               load_s=round(self.load_s, 3)))
+                               load_s=round(self.load_s, 3), kernels=self.stage.kernels))
             self.spawn(self._report_metrics(), "metrics")
             await self._serve_bus()
         finally:

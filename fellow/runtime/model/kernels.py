@@ -1,0 +1,144 @@
+"""Which matmul kernel each weight shape gets, chosen by timing it on this machine at load.
+
+A stage's fused layers (fellow.runtime.model.fused) hold a handful of weight shapes. For each new
+shape the chooser times the real weight under every kernel available here, at one row (a lone
+decode step) and at the stage's batch cap, and keeps the fastest by the sum of the two. On the
+2-core EPYC this project is built on, oneDNN's packed weights won by 1.3-3.4x for the
+MLP-sized shapes of a 46M Qwen3, while torch's default (MKL) tied with it on the down projection
+(bench/bench_matrix.py measures whole steps). What was chosen, with its timings, goes into the
+load's status and the stage's log.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from fellow.runtime.model.fused import Linear, fusable, onednn_available
+from fellow.runtime.model.packed_linear import pack_stage
+
+log = logging.getLogger(__name__)
+
+REPEATS = 3  # timed calls per kernel and row count, after one untimed; the fastest counts
+
+
+def available_kernels(device: torch.device, dtype: torch.dtype, packed: bool = True) -> list[str]:
+    kernels = ["mkl"]
+    if packed and device.type == "cpu" and dtype == torch.float32 and onednn_available():
+        kernels.append("onednn")
+    return kernels
+
+
+def _time(linear: Linear, x: torch.Tensor) -> float:
+    linear(x)
+    best = float("inf")
+    for _ in range(REPEATS):
+        started = time.perf_counter()
+        linear(x)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+class KernelChooser:
+    """Makes each ``Linear`` in the kernel that measured fastest for its shape (one timing per shape)."""
+
+    def __init__(self, kernels: list[str], batch_cap: int) -> None:
+        self.kernels = kernels
+        self.rows = sorted({1, max(1, batch_cap)})
+        self.choices: dict[tuple[int, int], str] = {}
+        self.timings: dict[tuple[int, int], dict[str, list[float]]] = {}
+        self.seconds = 0.0
+
+    @torch.inference_mode()
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        shape = tuple(weight.shape)
+        kernel = self.choices.get(shape)
+        if kernel is not None:
+            return Linear(weight, bias, kernel)
+        started = time.perf_counter()
+        best: tuple[float, Linear] | None = None
+        timings: dict[str, list[float]] = {}
+        for name in self.kernels:
+            candidate = Linear(weight, bias, name)
+            costs = [_time(candidate, torch.randn(rows, shape[1], dtype=weight.dtype, device=weight.device))
+                     for rows in self.rows]
+            timings[name] = [round(cost * 1e3, 4) for cost in costs]
+            if best is None or sum(costs) < best[0]:
+                best = (sum(costs), candidate)
+        self.choices[shape] = best[1].kernel
+        self.timings[shape] = timings
+        self.seconds += time.perf_counter() - started
+        return best[1]
+
+    def summary(self) -> dict:
+        """What the status shows: per shape (out x in), the kernel and its ms at each row count."""
+        return {
+            "rows": self.rows,
+            "seconds": round(self.seconds, 3),
+            "shapes": {f"{out}x{inp}": {"kernel": self.choices[(out, inp)], "ms": self.timings[(out, inp)]}
+                       for (out, inp) in self.choices},
+        }
+
+    def log_line(self) -> str:
+        parts = [f"{shape} {entry['kernel']} " + "/".join(f"{k}:{','.join(f'{v:.3f}' for v in ms)}"
+                                                          for k, ms in entry["ms"].items())
+                 for shape, entry in self.summary()["shapes"].items()]
+        return f"kernels chosen in {self.seconds:.2f} s (ms at rows {self.rows}): " + "; ".join(parts)
+
+
+def prepare_stage(stage, *, packed: bool = True, batch_cap: int = 8) -> dict:
+    """Make a freshly loaded StageModel ready to serve: fused layers with measured kernels where the
+    family allows (fellow.runtime.model.fused), else the HF layers, packed for oneDNN where that serves.
+
+    Returns what the load's status shows of it: the path, and the kernel choices with their timings
+    (or why the layers could not be fused).
+    """
+    devices = set(stage.layer_devices)
+    why = "layers spread over several devices" if len(devices) > 1 else \
+        fusable(stage.layers, stage.config, stage.layer_devices[0])
+    if why is None:
+        chooser = KernelChooser(available_kernels(stage.layer_devices[0], stage.dtype, packed), batch_cap)
+        stage.fuse(chooser.linear)
+        log.info("fused layers; %s", chooser.log_line())
+        stage.kernels = {"path": "fused", **chooser.summary()}
+    else:
+        packed_layers = pack_stage(stage) if packed else 0
+        log.info("HF layers (%s)%s", why, ", packed for oneDNN" if packed_layers else "")
+        stage.kernels = {"path": "hf+onednn" if packed_layers else "hf", "why": why}
+    return stage.kernels
+
+
+STEP_COST_CONTEXT = 256  # positions already in each session's cache when a step is timed
+
+
+@torch.inference_mode()
+def step_costs(stage, batches: list[int], repeats: int = 3) -> dict[str, float]:
+    """ms of one decode step at each batch size, on caches of STEP_COST_CONTEXT random positions.
+
+    Every position it adds is dropped with the caches, so the stage serves exactly as before.
+    """
+    costs: dict[str, float] = {}
+    for rows in batches:
+        caches = [stage.new_cache() for _ in range(rows)]
+        for cache in caches:
+            cache.reserve(STEP_COST_CONTEXT + repeats + 1)
+            for g, (lo, hi, device) in enumerate(cache.groups):
+                cache.keys[g].normal_()
+                cache.values[g].normal_()
+            cache.advance(STEP_COST_CONTEXT)
+        if stage.is_first:
+            inputs = torch.ones(rows, dtype=torch.long, device=stage.input_device)
+        else:
+            inputs = torch.zeros(rows, 1, stage.config.hidden_size, dtype=stage.dtype, device=stage.input_device)
+        stage.decode(caches, inputs)
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            stage.decode(caches, inputs)
+            best = min(best, time.perf_counter() - started)
+        costs[str(rows)] = round(best * 1e3, 3)
+        for cache in caches:
+            cache.release()
+    return costs
