@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from fellow.runtime.engine.engine import Engine
-from fellow.runtime.model.packed_linear import pack_stage
+from fellow.runtime.model.kernels import prepare_stage
 from fellow.runtime.engine.sampling import SamplingParams
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.stage import StageModel
@@ -74,16 +74,16 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sampled", action="store_true", help="temperature 0.8, top-p 0.9, top-k 50 instead of greedy")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--plain", action="store_true", help="leave the linear weights unpacked (as with "
-                        "SWARM_SERVE_PACKED_LINEAR=off); by default the stage is packed as a fellow serves it")
+    parser.add_argument("--plain", action="store_true", help="torch's default matmuls only (as with "
+                        "SWARM_SERVE_PACKED_LINEAR=off); by default kernels are chosen as a fellow chooses them")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = build_model(args.layers, args.hidden, args.vocab, args.device, getattr(torch, args.dtype))
     stage = StageModel.from_causal_lm(copy.deepcopy(model))  # generate keeps the model's own modules
-    packed = 0 if args.plain else pack_stage(stage)
+    path = prepare_stage(stage, packed=not args.plain, batch_cap=max(args.batches))["path"]
     params = sum(p.numel() for p in model.parameters())
     print(f"Qwen3 {params / 1e6:.1f}M params, {args.dtype} on {args.device}, {args.threads} threads, prompt {args.prompt}, "
-          f"{args.new_tokens} new tokens, {'sampled' if args.sampled else 'greedy'}, {packed} linear layers packed")
+          f"{args.new_tokens} new tokens, {'sampled' if args.sampled else 'greedy'}, stage path {path}")
     for batch in args.batches:
         prompts = torch.randint(1, args.vocab, (batch, args.prompt),
                                 generator=torch.Generator().manual_seed(batch)).to(args.device)

@@ -19,6 +19,7 @@ from tests.processes import free_port, swarm_env
     ({"SWARM_REQUIRE_API_TOKEN": "maybe"}, "SWARM_REQUIRE_API_TOKEN='maybe' is not a boolean"),
     ({"SWARM_NATS_URL": "http://x:4222"}, "SWARM_NATS_URL entry 'http://x:4222'"),
     ({"SWARM_SERVE_PACKED_LINEAR": "fast"}, "SWARM_SERVE_PACKED_LINEAR='fast' must be one of"),
+    ({"SWARM_SERVE_STEP_COSTS": "sometimes"}, "SWARM_SERVE_STEP_COSTS"),
 ])
 def test_bad_values_name_the_variable(env, needle):
     with pytest.raises(SettingsError, match=needle.replace("(", r"\(").replace("?", r"\?")):
@@ -26,8 +27,7 @@ def test_bad_values_name_the_variable(env, needle):
 
 
 NOT_IMPLEMENTED = ["SWARM_SERVE_SPECULATIVE", "SWARM_SERVE_DRAFT_MODEL", "SWARM_SERVE_LORA", "SWARM_SERVE_4BIT_ROWS",
-                   "SWARM_SERVE_4BIT_FLOAT32", "SWARM_SERVE_ATTENTION", "SWARM_SERVE_STEP_COSTS",
-                   "SWARM_API_TOKENS_FILE"]
+                   "SWARM_SERVE_4BIT_FLOAT32", "SWARM_SERVE_ATTENTION", "SWARM_API_TOKENS_FILE"]
 
 
 @pytest.mark.parametrize("name", NOT_IMPLEMENTED)

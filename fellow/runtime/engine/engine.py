@@ -122,5 +122,7 @@ class Engine(Scheduler):
         of layers in budget tokens. It may use what is unreserved plus one prompt piece's room: a
         decode step never runs beside a piece.
         """
+        if self.stage.fused is not None:
+            return True  # fused layers attend row by row in each session's own cache: no padded copy
         copy_tokens = rows * (longest + 1) / len(self.stage.layers)
         return copy_tokens <= self.budget.free + (self.prefill_chunk or 256)
