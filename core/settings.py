@@ -108,6 +108,7 @@ class Settings:
     serve_max_in_flight: int
     serve_packed_linear: str
     serve_step_costs: bool = False
+    serve_prefix_cache: bool = True
     serve_speculative: int = 0  # refused while not implemented (NOT_IMPLEMENTED); always 0
 
     @classmethod
@@ -160,6 +161,7 @@ class Settings:
             serve_max_in_flight=_int(env, "SWARM_SERVE_MAX_IN_FLIGHT", 8, minimum=1),
             serve_packed_linear=_choice(env, "SWARM_SERVE_PACKED_LINEAR", "auto", ("auto", "off")),
             serve_step_costs=_bool(env, "SWARM_SERVE_STEP_COSTS", False),
+            serve_prefix_cache=_choice(env, "SWARM_SERVE_PREFIX_CACHE", "on", ("on", "off")) == "on",
         )
 
     def replace(self, **changes) -> "Settings":

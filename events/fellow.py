@@ -41,6 +41,8 @@ class LoadedModel(msgspec.Struct, frozen=True, kw_only=True):
     waiting: int = 0
     kv_tokens: int = 0
     kv_tokens_planned: int = 0
+    prefix_cached_tokens: int = 0
+    prefix_hit_rate: float = 0.0
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):

@@ -18,6 +18,7 @@ class Transport(msgspec.Struct, frozen=True, kw_only=True):
     max_batch: int = 0  # 0: no cap, 1: no batching
     prefill_chunk: int = 256
     step_costs: bool = False  # time the decode step at batch 1 and at the cap before ready
+    prefix_cache: bool = True  # keep finished sessions' positions for prompts that start the same way
 
 
 class StageConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,6 +62,8 @@ class MetricsReport(Report, frozen=True, tag="metrics"):
     vram_bytes: int = 0
     in_flight: int = 0
     waiting: int = 0
+    prefix_cached_tokens: int = 0  # positions the prefix cache holds now
+    prefix_hit_rate: float = 0.0  # the share of all prompt tokens so far that came from the cache
 
 
 class FailedReport(Report, frozen=True, tag="failed"):

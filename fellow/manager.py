@@ -47,7 +47,8 @@ class ModelManager:
                 tokens_per_s=m.tokens_per_s, last_ttft_s=m.last_ttft_s, requests=m.requests, idle_s=m.idle_s,
                 vram_bytes=m.vram_bytes or (ready.vram_bytes if ready else 0), in_flight=m.in_flight,
                 waiting=m.waiting, kv_tokens=ready.kv_tokens if ready else 0,
-                kv_tokens_planned=ready.kv_tokens_planned if ready else 0))
+                kv_tokens_planned=ready.kv_tokens_planned if ready else 0,
+                prefix_cached_tokens=m.prefix_cached_tokens, prefix_hit_rate=m.prefix_hit_rate))
         return out
 
     async def on_load(self, cmd: LoadStage) -> None:
@@ -74,6 +75,7 @@ class ModelManager:
                               replica=cmd.assignment.replica, replicas=cmd.replicas,
                               transport=Transport(max_in_flight=t.max_in_flight, kv_tokens=t.kv_tokens,
                                                   step_costs=t.step_costs or self.settings.serve_step_costs,
+                                                  prefix_cache=self.settings.serve_prefix_cache,
                                                   max_batch=max_batch, prefill_chunk=t.prefill_chunk),
                               report_s=min(1.0, self.settings.heartbeat_s),
                               packed_linear=self.settings.serve_packed_linear != "off")

@@ -7,7 +7,8 @@ from msgspec import UNSET, UnsetType
 
 from leader.db.tables import Load
 
-METRICS = ("tokens_per_s", "last_ttft_s", "requests", "idle_s", "vram_bytes", "in_flight", "waiting")
+METRICS = ("tokens_per_s", "last_ttft_s", "requests", "idle_s", "vram_bytes", "in_flight", "waiting",
+           "prefix_cached_tokens", "prefix_hit_rate")
 
 
 class StageView(msgspec.Struct, kw_only=True):
@@ -69,9 +70,10 @@ def _summed(replicas: list[dict]) -> dict:
     if not replicas:
         return {}
     out = {k: sum(m.get(k) or 0 for m in replicas) for k in ("tokens_per_s", "requests", "vram_bytes", "in_flight",
-                                                               "waiting")}
+                                                               "waiting", "prefix_cached_tokens")}
     out["tokens_per_s"] = round(out["tokens_per_s"], 3)
     out["idle_s"] = min(m.get("idle_s", 0.0) for m in replicas)
     ttfts = [m["last_ttft_s"] for m in replicas if m.get("last_ttft_s") is not None]
     out["last_ttft_s"] = ttfts[0] if ttfts else None
+    out["prefix_hit_rate"] = max((m.get("prefix_hit_rate") or 0.0) for m in replicas)  # each replica has its own
     return out

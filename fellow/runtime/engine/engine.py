@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from fellow.runtime.engine.prefix_cache import PrefixCache
 from fellow.runtime.engine.sampling import make_generator, sample
 from fellow.runtime.engine.scheduler import Scheduler, StepResult
 from fellow.runtime.engine.session import Session
@@ -20,14 +21,20 @@ class Engine(Scheduler):
     (at least one piece; 0 runs one whole prompt), so a long prompt does not hold up the others'
     decode for long, and then one decode position for every decoding session, in batches of at most
     ``max_batch`` (0: no cap, 1: off).
+
+    With ``prefix_cache`` on, a session that ends leaves its positions in the PrefixCache, and a new
+    one starts from the longest cached prefix of its prompt. The cache's tokens count in the budget
+    beside the reservations, and are evicted whenever a reservation needs their room.
     """
 
-    def __init__(self, stage: StageModel, *, kv_tokens: int, max_batch: int = 0, prefill_chunk: int = 256) -> None:
+    def __init__(self, stage: StageModel, *, kv_tokens: int, max_batch: int = 0, prefill_chunk: int = 256,
+                 prefix_cache: bool = True) -> None:
         if not (stage.is_first and stage.is_last):
             raise ValueError("the engine serves a stage that holds the embeddings and the head")
         super().__init__(kv_tokens, max_batch=max_batch, prefill_chunk=prefill_chunk)
         self.stage = stage
         self.last_prefill_batch = 0  # prompts in the last step's padded prefill (0: none batched)
+        self.prefix = PrefixCache() if prefix_cache else None
 
     def step(self) -> StepResult:
         result = StepResult()
@@ -40,6 +47,31 @@ class Engine(Scheduler):
     def _start(self, session: Session) -> None:
         session.cache = self.stage.new_cache()
         session.generator = make_generator(session.sampling, self.stage.output_device)
+        if self.prefix is not None:
+            self._fit_prefix()  # the session's reservation is in: cached blocks make room for it
+            reused, chain = self.prefix.lookup(session.prompt_ids)
+            if reused:
+                self.prefix.fill(session.cache, chain, reused)
+                session.prefilled = session.cached_tokens = reused
+
+    def _finish(self, session: Session, reason: str | None, result: StepResult) -> None:
+        if self.prefix is not None and session.cache is not None and session.error is None and reason != "error":
+            self.prefix.insert(session.prompt_ids + session.output_ids, session.cache)
+        super()._finish(session, reason, result)
+        if self.prefix is not None:
+            self._fit_prefix()
+
+    def _fit_prefix(self) -> None:
+        """Evict cached blocks until they and the reservations fit the budget together."""
+        over = self.budget.reserved + self.prefix.tokens - self.budget.kv_tokens
+        if over > 0:
+            self.prefix.evict(over)
+
+    def stats(self) -> dict:
+        stats = super().stats()
+        if self.prefix is not None:
+            stats.update(self.prefix.stats())
+        return stats
 
     def _prefill(self, result: StepResult) -> None:
         spent = self._prefill_fresh(result)

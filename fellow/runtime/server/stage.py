@@ -15,6 +15,9 @@ from fellow.runtime.server.base import StageServerBase
 from fellow.runtime.server.intake import Intake
 
 
+PREFIX_METRICS = ("prefix_cached_tokens", "prefix_hit_rate")
+
+
 class StageServer(StageServerBase):
     """The engine steps on the main thread (the serving loop); intake, frames and events on the bus's."""
 
@@ -31,7 +34,7 @@ class StageServer(StageServerBase):
     def _build(self) -> None:
         t = self.cfg.transport
         self.engine = Engine(self.stage, kv_tokens=self.kv_tokens, max_batch=t.max_batch,
-                             prefill_chunk=t.prefill_chunk)
+                             prefill_chunk=t.prefill_chunk, prefix_cache=t.prefix_cache)
         self.serving = self.make_loop()
 
     def make_loop(self) -> ServingLoop:
@@ -71,4 +74,5 @@ class StageServer(StageServerBase):
         idle = 0.0 if intake.active else time.monotonic() - self.serving.last_active
         return MetricsReport(tokens_per_s=intake.metrics.tokens_per_s(), last_ttft_s=intake.metrics.last_ttft_s,
                              requests=intake.metrics.requests, idle_s=round(idle, 3), vram_bytes=self.vram_bytes(),
-                             in_flight=len(intake.active), waiting=len(self.engine.waiting))
+                             in_flight=len(intake.active), waiting=len(self.engine.waiting),
+                             **{k: v for k, v in self.engine.stats().items() if k in PREFIX_METRICS})
