@@ -19,9 +19,9 @@ def _settings() -> Settings:
 
 
 def _logging(verbose: bool = False) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    from core.logs import setup_logging
+
+    setup_logging(logging.DEBUG if verbose else logging.INFO)  # SWARM_LOG_FORMAT: text or json
 
 
 # --- parts of the stack -------------------------------------------------------------------------

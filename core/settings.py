@@ -109,6 +109,8 @@ class Settings:
     serve_max_in_flight: int
     serve_packed_linear: str
     serve_speculative: int = 0  # refused while not implemented (NOT_IMPLEMENTED); always 0
+    log_format: str = "text"  # SWARM_LOG_FORMAT: text | json (core/logs.py)
+    stage_stats_s: float = 30.0  # SWARM_STAGE_STATS_S: a stage's stats line, once per this much traffic
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -159,6 +161,8 @@ class Settings:
             serve_prefill_chunk=_int(env, "SWARM_SERVE_PREFILL_CHUNK", 256),
             serve_max_in_flight=_int(env, "SWARM_SERVE_MAX_IN_FLIGHT", 8, minimum=1),
             serve_packed_linear=_choice(env, "SWARM_SERVE_PACKED_LINEAR", "auto", ("auto", "off")),
+            log_format=_choice(env, "SWARM_LOG_FORMAT", "text", ("text", "json")),
+            stage_stats_s=_float(env, "SWARM_STAGE_STATS_S", 30.0, minimum=0.05),
         )
 
     def replace(self, **changes) -> "Settings":

@@ -41,6 +41,7 @@ class LoadedModel(msgspec.Struct, frozen=True, kw_only=True):
     waiting: int = 0
     kv_tokens: int = 0
     kv_tokens_planned: int = 0
+    kv_tokens_used: int = 0  # reserved of kv_tokens now (0 from a fellow that predates it)
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):

@@ -59,6 +59,7 @@ class MetricsReport(Report, frozen=True, tag="metrics"):
     vram_bytes: int = 0
     in_flight: int = 0
     waiting: int = 0
+    kv_tokens_used: int = 0  # reserved of its KV budget (stage 0 of a load), for kv_cache_usage_perc
 
 
 class FailedReport(Report, frozen=True, tag="failed"):

@@ -35,7 +35,7 @@ class StageServer(StageServerBase):
         self.serving = self.make_loop()
 
     def make_loop(self) -> ServingLoop:
-        return ServingLoop(self.engine, self.tokenizer, self.stop_ids, self._deliver)
+        return ServingLoop(self.engine, self.tokenizer, self.stop_ids, self._deliver, stage=self.cfg.stage)
 
     def _deliver(self, outputs) -> None:  # on the serving loop's thread
         self.aloop.call_soon_threadsafe(self.intake.deliver, outputs)
@@ -71,4 +71,5 @@ class StageServer(StageServerBase):
         idle = 0.0 if intake.active else time.monotonic() - self.serving.last_active
         return MetricsReport(tokens_per_s=intake.metrics.tokens_per_s(), last_ttft_s=intake.metrics.last_ttft_s,
                              requests=intake.metrics.requests, idle_s=round(idle, 3), vram_bytes=self.vram_bytes(),
-                             in_flight=len(intake.active), waiting=len(self.engine.waiting))
+                             in_flight=len(intake.active), waiting=len(self.engine.waiting),
+                             kv_tokens_used=self.engine.budget.reserved)

@@ -1,0 +1,154 @@
+"""/metrics, the logs routes, JSON log lines and the stage's stats line, on one real stack.
+
+The leader and the fellow log JSON (SWARM_LOG_FORMAT=json); the stage writes its stats line every
+0.3 s of traffic, so the test need not wait out the default 30 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from core.bus import connect
+from core.nats_server import EmbeddedNats
+from events.frames import ErrorFrame
+from tests.processes import wait_until
+from tests.serving_fixtures import Stack, chat_over_bus, make_servable
+
+pytestmark = pytest.mark.slow
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ops")
+    _, out = make_servable(root, MODEL, layers=2, hidden=64, stages=1)
+    store = root / "jetstream"
+    store.mkdir()
+    nats = EmbeddedNats(store).start()
+    s = Stack(root, nats.url, out.parent, SWARM_LOG_FORMAT="json", SWARM_STAGE_STATS_S="0.3").start()
+    s.nats_url = nats.url
+    s.load_info = s.load(MODEL)
+    try:
+        yield s
+    finally:
+        s.stop()
+        nats.stop()
+
+
+def samples(stack) -> dict:
+    """(name, frozenset(labels)) -> value, read with prometheus_client's own parser."""
+    r = stack.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(found: dict, name: str, **labels) -> float:
+    return sum(v for (n, ls), v in found.items() if n == name and set(labels.items()) <= ls)
+
+
+def chat(stack, max_tokens: int, content: str) -> tuple[dict, float]:
+    started = time.monotonic()
+    r = httpx.post(stack.url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "max_tokens": max_tokens, "temperature": 0,
+        "messages": [{"role": "user", "content": content}]})
+    assert r.status_code == 200, r.text
+    return r.json(), time.monotonic() - started
+
+
+async def test_metrics_equal_what_the_requests_did(stack):
+    replies = [await asyncio.to_thread(chat, stack, n, f"Tell me about {word}.")
+               for n, word in [(3, "lists"), (7, "tuples"), (12, "sets")]]
+    kv_tokens = stack.load_info["stages"][0]["kv_tokens"]
+    nc = await connect(stack.nats_url, name="test")
+    try:  # longer than the stage's whole KV budget: refused as too long
+        _, frames, _, _ = await chat_over_bus(nc, nc.jetstream(), stack.load_info["load_id"], MODEL, "hi",
+                                              max_tokens=kv_tokens + 1)
+    finally:
+        await nc.close()
+    assert isinstance(frames[-1], ErrorFrame) and frames[-1].code == "context_too_long", frames
+    found = await asyncio.to_thread(wait_until, lambda: (lambda f: f if value(f, "swarm:request_success_total") == 3
+                                                         and value(f, "swarm:request_too_long_total") == 1 else None)(
+        samples(stack)), 30, "the requests in /metrics")
+    rows = {r["id"]: r for r in stack.get(f"/api/v1/requests?model={MODEL}").json()["data"]}
+    done = [rows[body["id"].removeprefix("chatcmpl-")] for body, _ in replies]
+    m = {"model_name": MODEL}
+
+    assert value(found, "swarm:prompt_tokens_total", **m) == sum(b["usage"]["prompt_tokens"] for b, _ in replies) + \
+        rows[frames[-1].request_id]["prompt_tokens"]
+    assert value(found, "swarm:generation_tokens_total", **m) == sum(b["usage"]["completion_tokens"] for b, _ in replies)
+    for reason in {b["choices"][0]["finish_reason"] for b, _ in replies}:
+        want = sum(b["choices"][0]["finish_reason"] == reason for b, _ in replies)
+        assert value(found, "swarm:request_success_total", finished_reason=reason, **m) == want
+    assert value(found, "swarm:request_failure_total", code="context_too_long", **m) == 1
+
+    def hist(name: str, count: int, total: float) -> None:
+        assert value(found, f"swarm:{name}_count", **m) == count, name
+        assert math.isclose(value(found, f"swarm:{name}_sum", **m), total, rel_tol=1e-6, abs_tol=1e-6), name
+        assert value(found, f"swarm:{name}_bucket", le="+Inf", **m) == count, name
+
+    hist("time_to_first_token_seconds", 3, sum(r["ttft_s"] for r in done))
+    hist("e2e_request_latency_seconds", 3, sum(r["ended_at"] - r["accepted_at"] for r in done))
+    hist("request_queue_time_seconds", 3, sum(r["timing"]["queue_ms"] / 1e3 for r in done))
+    hist("inter_token_latency_seconds", sum(r["completion_tokens"] - 1 for r in done),
+         sum(r["duration_s"] - r["ttft_s"] for r in done))
+    for r, (_, wall) in zip(done, replies):  # the leader's view of each request fits in what the client waited
+        assert 0 < r["ended_at"] - r["accepted_at"] <= wall
+
+    labels = dict(model_name=MODEL, fellow="f0", stage="0", replica="0")
+    assert value(found, "swarm:num_requests_running", **labels) == 0
+    assert value(found, "swarm:num_requests_waiting", **labels) == 0
+    assert value(found, "swarm:kv_cache_usage_perc", **labels) == 0.0  # nothing reserved at rest
+    assert ("swarm:kv_cache_usage_perc", frozenset(labels.items())) in found
+    assert value(found, "swarm:fellows_online") == 1
+    assert value(found, "swarm:fellow_memory_total_bytes", fellow="f0", device="system") > 0
+
+
+def stage_lines(stack, path: str) -> list[str]:
+    body = stack.get(path).json()
+    return [line for s in body["stages"] for line in s["lines"]]
+
+
+async def test_logs_routes_return_the_real_tails_in_json_with_the_stats_line(stack):
+    body, _ = await asyncio.to_thread(chat, stack, 6, "What is a dict?")
+    rid = body["id"].removeprefix("chatcmpl-")
+    load_id = stack.load_info["load_id"]
+
+    def stats_and_request_lines():
+        lines = [json.loads(x) for x in stage_lines(stack, "/api/v1/fellows/f0/logs?tail=500")]
+        stats = [x for x in lines if x["message"].startswith("[stage0 stats 0.3s] batch_size=")]
+        mine = [x for x in lines if x.get("request_id") == rid]
+        return (stats, mine) if stats and mine else None
+
+    stats, mine = await asyncio.to_thread(wait_until, stats_and_request_lines, 30, "the stats and request lines")
+    assert {"batch_ms=", "wait_ms="} <= set(w.split("=")[0] + "=" for w in stats[0]["message"].split()[3:])
+    assert stats[0]["stage"] == 0 and stats[0]["load_id"] == load_id
+    assert rid in mine[0]["message"] and mine[0]["level"] == "INFO"
+
+    r = stack.get("/api/v1/workers/f0/logs?stage=0&tail=5")
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert [s["stage"] for s in got["stages"]] == [0] and len(got["stages"][0]["lines"]) <= 5
+    on_disk = (stack.tmp / "data" / "logs" / f"{load_id}-stage0.log").read_text().splitlines()
+    assert got["stages"][0]["lines"] == on_disk[-len(got["stages"][0]["lines"]):]  # the file's real tail
+    fellow_log = stack.fellows[0].log_path.read_text().splitlines()
+    assert got["lines"] and all(line in fellow_log for line in got["lines"])
+    assert all(json.loads(line)["level"] for line in got["lines"])
+    assert stack.get("/api/v1/workers/f0/logs?stage=3").json()["stages"] == []
+
+    leader_lines = [json.loads(x) for x in stack.leader.log_path.read_text().splitlines() if x.startswith("{")]
+    assert leader_lines and all({"ts", "level", "logger", "message"} <= set(x) for x in leader_lines)
+
+    assert stack.get("/api/v1/fellows/nobody/logs").status_code == 404
+    bad = stack.get("/api/v1/fellows/f0/logs?tail=0")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tail"
