@@ -20,6 +20,7 @@ from leader.auth.guard import scope_guard
 from leader.auth.routes import TOKEN_ROUTES
 from leader.context import Leader
 from leader.errors import exception_handlers
+from leader.mcp_tools import McpEndpoint
 from leader.web import ROUTES as WEB_ROUTES
 
 BODY_TIMEOUT_S = 30.0
@@ -40,17 +41,19 @@ def create_app(settings: Settings | None = None, leader: Leader | None = None,
     longest wait for a chat's first (or next) frame, `body_timeout_s` for the next part of a request body."""
     settings = settings or Settings.from_env()
     leader = leader or Leader(settings)
+    mcp = McpEndpoint(lambda: app, settings.leader_host)
 
     @asynccontextmanager
     async def lifespan(app: Litestar):
         await leader.start()
         try:
-            yield
+            async with mcp.running():
+                yield
         finally:
             await leader.stop()
 
     app = Litestar(
-        route_handlers=list(ROUTES),
+        route_handlers=[*ROUTES, mcp.route()],
         lifespan=[lifespan],
         dependencies=dependencies(leader, chat_timeout_s),
         middleware=[body_read_timeout(body_timeout_s)],
