@@ -17,9 +17,7 @@ from events.api_tokens import ApiTokenMinted, ApiTokenRevoked
 from events.loads import (LoadFailed, LoadPlaced, LoadRequested, ModelLoaded, ModelUnloaded, StageAssignment,
                           UnloadRequested)
 from events.requests import RequestAccepted, RequestFailed, RequestFinished
-from leader.db.engine import make_engine, session_factory, upgrade
-from leader.projectors.all import all_projectors
-from leader.projectors.runner import ProjectionRunner
+from tests.dbutil import projecting
 
 PAGE = (Path(__file__).resolve().parents[1] / "docs" / "audit.md").read_text()
 NOW = time.time()
@@ -130,12 +128,7 @@ async def test_every_audit_query_answers_on_this_database(js, database_url):
     found = queries(dialect)
     assert set(found) == {"loads", "usage_per_token_per_day", "request_failures", "load_failures", "api_tokens",
                           "slowest_last_hour"}
-    await upgrade(database_url)
-    engine = make_engine(database_url)
-    sessions = session_factory(engine)
-    runner = ProjectionRunner(js, sessions, all_projectors())
-    await runner.start()
-    try:
+    async with projecting(js, database_url) as (sessions, runner):
         for evt in history():
             last = await publish_event(js, evt)
         await runner.wait_for(last.seq, timeout=20)
@@ -143,6 +136,3 @@ async def test_every_audit_query_answers_on_this_database(js, database_url):
             for name, sql in found.items():
                 rows = [plain(r) for r in (await session.execute(text(sql))).all()]
                 assert rows == [plain(r) for r in expected(name)], (name, dialect)
-    finally:
-        await runner.stop()
-        await engine.dispose()
