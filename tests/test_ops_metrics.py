@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -23,18 +25,20 @@ from tests.serving_fixtures import Stack, chat_over_bus, make_servable
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny"
+RING = "ring"
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("ops")
     _, out = make_servable(root, MODEL, layers=2, hidden=64, stages=1)
+    make_servable(root, RING, layers=2, hidden=64, stages=2)
     store = root / "jetstream"
     store.mkdir()
     nats = EmbeddedNats(store).start()
-    s = Stack(root, nats.url, out.parent, SWARM_LOG_FORMAT="json", SWARM_STAGE_STATS_S="0.3").start()
+    s = Stack(root, nats.url, out.parent, fellows=2, SWARM_LOG_FORMAT="json", SWARM_STAGE_STATS_S="0.3").start()
     s.nats_url = nats.url
-    s.load_info = s.load(MODEL)
+    s.load_info = s.load(MODEL, fellow_id="f0")
     try:
         yield s
     finally:
@@ -77,9 +81,14 @@ async def test_metrics_equal_what_the_requests_did(stack):
     finally:
         await nc.close()
     assert isinstance(frames[-1], ErrorFrame) and frames[-1].code == "context_too_long", frames
-    found = await asyncio.to_thread(wait_until, lambda: (lambda f: f if value(f, "swarm:request_success_total") == 3
-                                                         and value(f, "swarm:request_too_long_total") == 1 else None)(
-        samples(stack)), 30, "the requests in /metrics")
+    labels = dict(model_name=MODEL, fellow="f0", stage="0", replica="0")
+
+    def settled():  # the events folded in, and a heartbeat sent after the last request ended
+        f = samples(stack)
+        done = value(f, "swarm:request_success_total") == 3 and value(f, "swarm:request_too_long_total") == 1
+        return f if done and value(f, "swarm:num_requests_running", **labels) == 0 else None
+
+    found = await asyncio.to_thread(wait_until, settled, 30, "the requests in /metrics")
     rows = {r["id"]: r for r in stack.get(f"/api/v1/requests?model={MODEL}").json()["data"]}
     done = [rows[body["id"].removeprefix("chatcmpl-")] for body, _ in replies]
     m = {"model_name": MODEL}
@@ -105,13 +114,18 @@ async def test_metrics_equal_what_the_requests_did(stack):
     for r, (_, wall) in zip(done, replies):  # the leader's view of each request fits in what the client waited
         assert 0 < r["ended_at"] - r["accepted_at"] <= wall
 
-    labels = dict(model_name=MODEL, fellow="f0", stage="0", replica="0")
-    assert value(found, "swarm:num_requests_running", **labels) == 0
+    assert ("swarm:num_requests_running", frozenset(labels.items())) in found
     assert value(found, "swarm:num_requests_waiting", **labels) == 0
     assert value(found, "swarm:kv_cache_usage_perc", **labels) == 0.0  # nothing reserved at rest
     assert ("swarm:kv_cache_usage_perc", frozenset(labels.items())) in found
-    assert value(found, "swarm:fellows_online") == 1
+    assert value(found, "swarm:fellows_online") == 2
     assert value(found, "swarm:fellow_memory_total_bytes", fellow="f0", device="system") > 0
+
+    families = {f.name for f in text_string_to_metric_families(stack.get("/metrics").text)}
+    dashboard = (Path(__file__).resolve().parents[1] / "docs" / "grafana-dashboard.json").read_text()
+    used = set(re.findall(r"swarm:[a-z0-9_]+", dashboard)) - {"swarm:ring_link_bytes_total"}  # no ring yet: below
+    assert used and all(name in {n for n, _ in found} or re.sub(r"_(total|bucket|sum|count)$", "", name) in families
+                        for name in used), used - {n for n, _ in found}  # the dashboard draws what /metrics serves
 
 
 def stage_lines(stack, path: str) -> list[str]:
@@ -152,3 +166,31 @@ async def test_logs_routes_return_the_real_tails_in_json_with_the_stats_line(sta
     assert stack.get("/api/v1/fellows/nobody/logs").status_code == 404
     bad = stack.get("/api/v1/fellows/f0/logs?tail=0")
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tail"
+
+
+async def test_ring_link_counters_equal_the_relays_count(stack):
+    r = await asyncio.to_thread(stack.post, f"/api/v1/models/{MODEL}/unload")
+    assert r.status_code == 200, r.text
+    load = await asyncio.to_thread(stack.load, RING, num_stages=2, fellow_ids=["f0", "f1"])
+    r = await asyncio.to_thread(httpx.post, stack.url + "/v1/chat/completions", timeout=120, json={
+        "model": RING, "max_tokens": 6, "messages": [{"role": "user", "content": "What is a ring?"}]})
+    assert r.status_code == 200, r.text
+
+    def lanes(found: dict, name: str) -> dict:
+        ring = dict(model_name=RING, load=load["load_id"])
+        out: dict = {}
+        for (n, ls), v in found.items():
+            if n == name and set(ring.items()) <= ls:
+                out[dict(ls)["lane"]] = out.get(dict(ls)["lane"], 0) + v
+        return out
+
+    def agreed():  # the stages report their totals now and then; the two views settle on the same numbers
+        relay = stack.get(f"/api/v1/models/{RING}/status").json()["load"]["relay"]
+        found = samples(stack)
+        same = {k: v["bytes"] for k, v in relay.items()} == lanes(found, "swarm:ring_link_bytes_total") and \
+            {k: v["frames"] for k, v in relay.items()} == lanes(found, "swarm:ring_link_frames_total")
+        return found if same and all(relay.get(lane, {}).get("frames") for lane in ("act", "tok")) else None
+
+    found = await asyncio.to_thread(wait_until, agreed, 30, "the ring's lane stats in /metrics")
+    assert lanes(found, "swarm:ring_link_bytes_total")["act"] > lanes(found, "swarm:ring_link_frames_total")["act"] > 0
+    assert value(found, "swarm:request_success_total", model_name=RING) == 1
