@@ -84,7 +84,7 @@ class McpEndpoint:
     def route(self):
         endpoint = self.asgi
 
-        @asgi("/mcp", is_mount=True, opt={"scope": "read"}, tags=["mcp"])
+        @asgi("/mcp", is_mount=True, copy_scope=True, opt={"scope": "read"}, tags=["mcp"])
         async def mcp(scope: Scope, receive: Receive, send: Send) -> None:
             await endpoint(scope, receive, send)
 

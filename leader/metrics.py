@@ -8,10 +8,12 @@ counts, read at scrape time.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from core.bus import unsubscribe_quietly
 from events import subjects
@@ -32,6 +34,28 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 TOO_LONG = "context_too_long"
 
 
+class WeightedHistogram:
+    """A histogram per model where one observation may count n times: a request's mean gap between tokens
+    counts once per token, in constant time however long the reply (the history is folded at start)."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...]):
+        self.name, self.doc, self.buckets = name, doc, buckets
+        self.models: dict[str, tuple[list[int], list[float]]] = {}  # model -> (count per bucket and +Inf, [sum])
+
+    def observe(self, model: str, value: float, times: int) -> None:
+        counts, total = self.models.setdefault(model, ([0] * (len(self.buckets) + 1), [0.0]))
+        counts[bisect.bisect_left(self.buckets, value)] += times
+        total[0] += value * times
+
+    def family(self) -> HistogramMetricFamily:
+        out = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
+        for model, (counts, total) in sorted(self.models.items()):
+            cumulative = list(itertools.accumulate(counts))
+            bounds = [*(repr(float(b)) for b in self.buckets), "+Inf"]
+            out.add_metric([model], buckets=list(zip(bounds, cumulative)), sum_value=total[0])
+        return out
+
+
 class Metrics:
     """The leader's registry: event-fed counters and histograms, plus a collector of live gauges."""
 
@@ -49,8 +73,8 @@ class Metrics:
                                 registry=r)
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token", m,
                               buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between tokens (once per token after the "
-                             "first, the request's mean)", m, buckets=ITL_BUCKETS, registry=r)
+        self.itl = WeightedHistogram(P + "inter_token_latency_seconds", "Time between tokens (once per token after "
+                                     "the first, the request's mean)", ITL_BUCKETS)
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "From accepted to finished", m,
                              buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram(P + "request_queue_time_seconds", "Queued: on the bus, then in the stage's line",
@@ -108,15 +132,15 @@ class Metrics:
             self.ttft.labels(model).observe(evt.ttft_s)
             if evt.completion_tokens > 1:
                 gap = max(0.0, evt.duration_s - evt.ttft_s) / (evt.completion_tokens - 1)
-                for _ in range(evt.completion_tokens - 1):
-                    self.itl.labels(model).observe(gap)
+                self.itl.observe(model, gap, evt.completion_tokens - 1)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _LiveGauges:
-    """What is true now: from the latest heartbeat of each online fellow, and the ring's lane counts."""
+    """Read at scrape time: the latest heartbeat of each online fellow, the ring's lane counts, and the
+    inter-token histogram."""
 
     def __init__(self, metrics: Metrics):
         self.metrics = metrics
@@ -150,7 +174,7 @@ class _LiveGauges:
                 waiting.add_metric(labels, lm.waiting)
                 if lm.kv_tokens:
                     kv.add_metric(labels, lm.kv_tokens_used / lm.kv_tokens)
-        yield from (running, waiting, kv, online, mem_total, mem_free)
+        yield from (running, waiting, kv, online, mem_total, mem_free, self.metrics.itl.family())
         yield from self._lanes(leader)
 
     def _lanes(self, leader):

@@ -59,6 +59,10 @@ async def test_mcp_tools_open_then_with_tokens(tmp_path, nats_server):
         operator = await asyncio.to_thread(mint, stack.url, ["operate"], admin)
         r = await asyncio.to_thread(httpx.post, stack.url + "/mcp", json={})
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert (await asyncio.to_thread(stack.get, "/metrics")).status_code == 401  # /metrics: read, as the rest
+        scraped = await asyncio.to_thread(httpx.get, stack.url + "/metrics",
+                                          headers={"Authorization": f"Bearer {reader}"})
+        assert scraped.status_code == 200 and 'swarm:request_success_total{finished_reason=' in scraped.text
         async with mcp_client(stack.url, reader) as client:
             perf, err = await call(client, "models_performance", model_id=MODEL)
             assert not err and perf["model_id"] == MODEL and perf["load"]["state"] == "ready", perf

@@ -93,9 +93,11 @@ async def test_metrics_equal_what_the_requests_did(stack):
     done = [rows[body["id"].removeprefix("chatcmpl-")] for body, _ in replies]
     m = {"model_name": MODEL}
 
-    assert value(found, "swarm:prompt_tokens_total", **m) == sum(b["usage"]["prompt_tokens"] for b, _ in replies) + \
-        rows[frames[-1].request_id]["prompt_tokens"]
-    assert value(found, "swarm:generation_tokens_total", **m) == sum(b["usage"]["completion_tokens"] for b, _ in replies)
+    usage = [b["usage"] for b, _ in replies]
+    refused = rows[frames[-1].request_id]
+    assert value(found, "swarm:prompt_tokens_total", **m) == sum(u["prompt_tokens"] for u in usage) + \
+        refused["prompt_tokens"]
+    assert value(found, "swarm:generation_tokens_total", **m) == sum(u["completion_tokens"] for u in usage)
     for reason in {b["choices"][0]["finish_reason"] for b, _ in replies}:
         want = sum(b["choices"][0]["finish_reason"] == reason for b, _ in replies)
         assert value(found, "swarm:request_success_total", finished_reason=reason, **m) == want
