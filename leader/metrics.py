@@ -82,7 +82,6 @@ class Metrics:
         r.register(_LiveGauges(self))
         self.models: dict[str, str] = {}  # load_id -> model_id
         self._accepted: dict[str, float] = {}  # request_id -> when it was accepted, until it ends
-        self.applied_seq = 0  # the last stream sequence applied
         self._sub = None
 
     async def start(self) -> None:
@@ -100,7 +99,6 @@ class Metrics:
             evt = None  # the projectors record it as a dead letter
         if evt is not None:
             self.apply(evt)
-        self.applied_seq = msg.metadata.sequence.stream
 
     def apply(self, evt) -> None:
         if isinstance(evt, (LoadRequested, LoadPlaced)):

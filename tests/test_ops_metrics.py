@@ -174,9 +174,18 @@ async def test_ring_link_counters_equal_the_relays_count(stack):
     r = await asyncio.to_thread(stack.post, f"/api/v1/models/{MODEL}/unload")
     assert r.status_code == 200, r.text
     load = await asyncio.to_thread(stack.load, RING, num_stages=2, fellow_ids=["f0", "f1"])
-    r = await asyncio.to_thread(httpx.post, stack.url + "/v1/chat/completions", timeout=120, json={
-        "model": RING, "max_tokens": 6, "messages": [{"role": "user", "content": "What is a ring?"}]})
-    assert r.status_code == 200, r.text
+    chats = 0
+
+    def stage1_stats():  # a ring's later stage writes the stats line too, once it saw 0.3 s of traffic
+        nonlocal chats
+        r = httpx.post(stack.url + "/v1/chat/completions", timeout=120, json={
+            "model": RING, "max_tokens": 24, "messages": [{"role": "user", "content": "What is a ring?"}]})
+        assert r.status_code == 200, r.text
+        chats += 1
+        lines = [json.loads(x)["message"] for x in stage_lines(stack, "/api/v1/fellows/f1/logs?stage=1&tail=500")]
+        return any(x.startswith("[stage1 stats 0.3s] batch_size=") for x in lines)
+
+    await asyncio.to_thread(wait_until, stage1_stats, 60, "stage 1's stats line", 0.0)
 
     def lanes(found: dict, name: str) -> dict:
         ring = dict(model_name=RING, load=load["load_id"])
@@ -191,8 +200,8 @@ async def test_ring_link_counters_equal_the_relays_count(stack):
         found = samples(stack)
         same = {k: v["bytes"] for k, v in relay.items()} == lanes(found, "swarm:ring_link_bytes_total") and \
             {k: v["frames"] for k, v in relay.items()} == lanes(found, "swarm:ring_link_frames_total")
-        return found if same and all(relay.get(lane, {}).get("frames") for lane in ("act", "tok")) else None
+        served = value(found, "swarm:request_success_total", model_name=RING) == chats
+        return found if same and served and all(relay.get(lane, {}).get("frames") for lane in ("act", "tok")) else None
 
     found = await asyncio.to_thread(wait_until, agreed, 30, "the ring's lane stats in /metrics")
     assert lanes(found, "swarm:ring_link_bytes_total")["act"] > lanes(found, "swarm:ring_link_frames_total")["act"] > 0
-    assert value(found, "swarm:request_success_total", model_name=RING) == 1
