@@ -64,7 +64,8 @@ def cmd_leader(args) -> int:
     _check_nats(s.nats_url or "nats://127.0.0.1:4222")
     _logging(args.verbose)
     app = create_app(s)
-    uvicorn.run(app, host=s.leader_host, port=s.leader_port, log_level="warning")
+    json_logs = {"log_config": None} if s.log_format == "json" else {}  # uvicorn's lines go through ours
+    uvicorn.run(app, host=s.leader_host, port=s.leader_port, log_level="warning", **json_logs)
     return 0
 
 

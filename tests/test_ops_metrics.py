@@ -71,6 +71,7 @@ def chat(stack, max_tokens: int, content: str) -> tuple[dict, float]:
 
 
 async def test_metrics_equal_what_the_requests_did(stack):
+    """The module's first test: the totals on its stack are this test's requests."""
     replies = [await asyncio.to_thread(chat, stack, n, f"Tell me about {word}.")
                for n, word in [(3, "lists"), (7, "tuples"), (12, "sets")]]
     kv_tokens = stack.load_info["stages"][0]["kv_tokens"]
@@ -144,9 +145,11 @@ async def test_logs_routes_return_the_real_tails_in_json_with_the_stats_line(sta
         lines = [json.loads(x) for x in stage_lines(stack, "/api/v1/fellows/f0/logs?tail=500")]
         stats = [x for x in lines if x["message"].startswith("[stage0 stats 0.3s] batch_size=")]
         mine = [x for x in lines if x.get("request_id") == rid]
+        if not stats:  # one line per 0.3 s of traffic: make more
+            chat(stack, 12, "And a list?")
         return (stats, mine) if stats and mine else None
 
-    stats, mine = await asyncio.to_thread(wait_until, stats_and_request_lines, 30, "the stats and request lines")
+    stats, mine = await asyncio.to_thread(wait_until, stats_and_request_lines, 60, "the stats and request lines")
     assert {"batch_ms=", "wait_ms="} <= set(w.split("=")[0] + "=" for w in stats[0]["message"].split()[3:])
     assert stats[0]["stage"] == 0 and stats[0]["load_id"] == load_id
     assert rid in mine[0]["message"] and mine[0]["level"] == "INFO"
@@ -159,10 +162,10 @@ async def test_logs_routes_return_the_real_tails_in_json_with_the_stats_line(sta
     assert got["stages"][0]["lines"] == on_disk[-len(got["stages"][0]["lines"]):]  # the file's real tail
     fellow_log = stack.fellows[0].log_path.read_text().splitlines()
     assert got["lines"] and all(line in fellow_log for line in got["lines"])
-    assert all(json.loads(line)["level"] for line in got["lines"])
+    assert all(json.loads(line)["level"] for line in fellow_log if line.strip())  # every line of it is JSON
     assert stack.get("/api/v1/workers/f0/logs?stage=3").json()["stages"] == []
 
-    leader_lines = [json.loads(x) for x in stack.leader.log_path.read_text().splitlines() if x.startswith("{")]
+    leader_lines = [json.loads(x) for x in stack.leader.log_path.read_text().splitlines() if x.strip()]
     assert leader_lines and all({"ts", "level", "logger", "message"} <= set(x) for x in leader_lines)
 
     assert stack.get("/api/v1/fellows/nobody/logs").status_code == 404
