@@ -153,6 +153,9 @@ async def test_logs_request(stack, nc):
     reply = msgspec.json.decode(msg.data, type=LogsReply)
     assert reply.fellow_id == FELLOW and not reply.error and 0 < len(reply.lines) <= 20
     assert [(s.load_id, s.stage) for s in reply.stages] == [(stack.load_id, 0)] and reply.stages[0].lines
+    bad = msgspec.json.decode((await nc.request(fill("swarm.logs.FELLOW_ID"), b"{tail", timeout=5)).data,
+                              type=LogsReply)
+    assert bad.error.startswith("not a logs request") and not bad.lines  # a bad body: a clear refusal
 
 
 async def test_consumer_lag_and_purging_a_stuck_queue(stack, nc):
