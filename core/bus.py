@@ -54,6 +54,16 @@ async def close_quietly(nc: Client, timeout: float = 2.0) -> None:
         pass
 
 
+async def unsubscribe_quietly(sub) -> None:
+    """End a subscription, if any; a connection already closed has ended it."""
+    if sub is None:
+        return
+    try:
+        await sub.unsubscribe()
+    except Exception:
+        pass
+
+
 def stream_config(spec: StreamSpec) -> StreamConfig:
     return StreamConfig(
         name=spec.name,

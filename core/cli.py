@@ -19,9 +19,9 @@ def _settings() -> Settings:
 
 
 def _logging(verbose: bool = False) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    from core.logs import setup_logging
+
+    setup_logging(logging.DEBUG if verbose else logging.INFO)  # SWARM_LOG_FORMAT: text or json
 
 
 # --- parts of the stack -------------------------------------------------------------------------
@@ -64,7 +64,8 @@ def cmd_leader(args) -> int:
     _check_nats(s.nats_url or "nats://127.0.0.1:4222")
     _logging(args.verbose)
     app = create_app(s)
-    uvicorn.run(app, host=s.leader_host, port=s.leader_port, log_level="warning")
+    json_logs = {"log_config": None} if s.log_format == "json" else {}  # uvicorn's lines go through ours
+    uvicorn.run(app, host=s.leader_host, port=s.leader_port, log_level="warning", **json_logs)
     return 0
 
 

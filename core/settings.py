@@ -110,6 +110,8 @@ class Settings:
     serve_step_costs: bool = False
     serve_prefix_cache: bool = True
     serve_speculative: int = 0  # refused while not implemented (NOT_IMPLEMENTED); always 0
+    log_format: str = "text"  # SWARM_LOG_FORMAT: text | json (core/logs.py)
+    stage_stats_s: float = 30.0  # SWARM_STAGE_STATS_S: a stage's stats line, once per this much traffic
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -162,6 +164,8 @@ class Settings:
             serve_packed_linear=_choice(env, "SWARM_SERVE_PACKED_LINEAR", "auto", ("auto", "off")),
             serve_step_costs=_bool(env, "SWARM_SERVE_STEP_COSTS", False),
             serve_prefix_cache=_choice(env, "SWARM_SERVE_PREFIX_CACHE", "on", ("on", "off")) == "on",
+            log_format=_choice(env, "SWARM_LOG_FORMAT", "text", ("text", "json")),
+            stage_stats_s=_float(env, "SWARM_STAGE_STATS_S", 30.0, minimum=0.05),
         )
 
     def replace(self, **changes) -> "Settings":

@@ -64,6 +64,7 @@ class MetricsReport(Report, frozen=True, tag="metrics"):
     waiting: int = 0
     prefix_cached_tokens: int = 0  # positions the prefix cache holds now
     prefix_hit_rate: float = 0.0  # the share of all prompt tokens so far that came from the cache
+    kv_tokens_used: int = 0  # reserved of its KV budget (stage 0 of a load), for kv_cache_usage_perc
 
 
 class FailedReport(Report, frozen=True, tag="failed"):

@@ -59,6 +59,11 @@ def cancels_of(load_id: str) -> str:
     return f"swarm.cancel.{_token(load_id)}.*"
 
 
+def logs(fellow_id: str) -> str:
+    """``swarm.logs.<fellow>``: a core NATS request for a fellow's log tails (events/logs.py)."""
+    return "swarm.logs." + _token(fellow_id)
+
+
 def request_consumer(load_id: str) -> str:
     """The durable pull consumer on SWARM_REQUESTS that every replica of a load shares."""
     return "load-" + _token(load_id)

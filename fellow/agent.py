@@ -21,6 +21,7 @@ from events.commands import Command, StopFellow, command_decoder
 from events.fellow import Heartbeat, LoadedModel
 from events.subjects import COMMANDS_STREAM
 from fellow import hardware
+from fellow.logs import FellowLogs
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +54,14 @@ class FellowAgent:
         self._running: set[asyncio.Task] = set()  # commands being applied
         self._latest: dict[str, asyncio.Task] = {}  # load id -> its newest command, which runs after the one before
         self._stopping = False
+        self.logs = FellowLogs(self)  # answers swarm.logs.<fellow> with its log tails
 
     async def start(self) -> None:
         self.nc = await connect(self.settings.nats_url or "nats://127.0.0.1:4222",
                                 name=f"swarm-fellow-{self.fellow_id}")
         self.js = self.nc.jetstream()
         await ensure_streams(self.js)
+        await self.logs.start()
         await self.beat()
         self._loops = [self._supervised(self._heartbeats(), "heartbeats"),
                        self._supervised(self._commands(), "commands")]
@@ -162,6 +165,7 @@ class FellowAgent:
         tasks = [t for t in [*self._loops, *self._running] if t is not here]
         await cancel_and_wait(*tasks)
         await run_hooks(self.on_stop, log)
+        self.logs.close()
         if self.nc is not None and not self.nc.is_closed:
             await close_quietly(self.nc)
 

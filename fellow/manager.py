@@ -46,7 +46,7 @@ class ModelManager:
                 load_id=p.load_id, model_id=p.model_id, stage=p.stage, replica=p.replica, pid=p.pid, state=p.state,
                 tokens_per_s=m.tokens_per_s, last_ttft_s=m.last_ttft_s, requests=m.requests, idle_s=m.idle_s,
                 vram_bytes=m.vram_bytes or (ready.vram_bytes if ready else 0), in_flight=m.in_flight,
-                waiting=m.waiting, kv_tokens=ready.kv_tokens if ready else 0,
+                waiting=m.waiting, kv_tokens=ready.kv_tokens if ready else 0, kv_tokens_used=m.kv_tokens_used,
                 kv_tokens_planned=ready.kv_tokens_planned if ready else 0,
                 prefix_cached_tokens=m.prefix_cached_tokens, prefix_hit_rate=m.prefix_hit_rate))
         return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 
 from litestar import Litestar
+from litestar.logging.config import LoggingConfig
 from litestar.openapi import OpenAPIConfig
 
 from core.settings import Settings
@@ -14,14 +15,24 @@ from leader.api.deps import dependencies
 from leader.api.fellows import list_fellows
 from leader.api.health import healthz
 from leader.api.models import ROUTES as MODEL_ROUTES
+from leader.api.operations import ROUTES as OPERATION_ROUTES
 from leader.auth.guard import scope_guard
 from leader.auth.routes import TOKEN_ROUTES
 from leader.context import Leader
 from leader.errors import exception_handlers
+from leader.mcp_tools import McpEndpoint
 from leader.web import ROUTES as WEB_ROUTES
 
 BODY_TIMEOUT_S = 30.0
-ROUTES = [healthz, list_fellows, *MODEL_ROUTES, *TOKEN_ROUTES, chat_completions, *WEB_ROUTES]
+ROUTES = [healthz, list_fellows, *MODEL_ROUTES, *TOKEN_ROUTES, chat_completions, *WEB_ROUTES,
+          *OPERATION_ROUTES]
+
+
+def json_logging(settings: Settings) -> dict:
+    """With SWARM_LOG_FORMAT=json, Litestar's own logging config writes JSON lines too."""
+    if settings.log_format != "json":
+        return {}
+    return {"logging_config": LoggingConfig(formatters={"standard": {"()": "core.logs.JsonFormatter"}})}
 
 
 def create_app(settings: Settings | None = None, leader: Leader | None = None,
@@ -30,17 +41,19 @@ def create_app(settings: Settings | None = None, leader: Leader | None = None,
     longest wait for a chat's first (or next) frame, `body_timeout_s` for the next part of a request body."""
     settings = settings or Settings.from_env()
     leader = leader or Leader(settings)
+    mcp = McpEndpoint(lambda: app, settings.leader_host)
 
     @asynccontextmanager
     async def lifespan(app: Litestar):
         await leader.start()
         try:
-            yield
+            async with mcp.running():
+                yield
         finally:
             await leader.stop()
 
     app = Litestar(
-        route_handlers=list(ROUTES),
+        route_handlers=[*ROUTES, mcp.route()],
         lifespan=[lifespan],
         dependencies=dependencies(leader, chat_timeout_s),
         middleware=[body_read_timeout(body_timeout_s)],
@@ -48,6 +61,7 @@ def create_app(settings: Settings | None = None, leader: Leader | None = None,
         guards=[scope_guard(leader)],
         openapi_config=OpenAPIConfig(title="Swarm", version="0.1.0", path="/schema"),
         debug=False,
+        **json_logging(settings),
     )
     app.state.leader = leader  # for whoever holds only the app (tests); handlers get it injected
     return app

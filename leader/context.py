@@ -19,6 +19,7 @@ from events.base import Event
 from leader.auth.service import AuthService
 from leader.db.engine import make_engine, session_factory, upgrade
 from leader.fellow_monitor import FellowMonitor
+from leader.metrics import Metrics
 from leader.projectors.all import all_projectors
 from leader.projectors.runner import ProjectionRunner
 from leader.serving import Serving
@@ -49,6 +50,7 @@ class Leader:
         self.serving: Serving | None = None
         self.auth: AuthService | None = None
         self.token_streams: TokenStreams | None = None
+        self.metrics: Metrics | None = None
         self.on_stop: list = []  # async callables run first at stop (services added by features)
 
     async def start(self) -> None:
@@ -68,6 +70,9 @@ class Leader:
         self.serving = self._make_serving(self)
         await self.serving.start()
         self.token_streams = await TokenStreams(self.nc, self.js).start()
+        self.metrics = Metrics(self)
+        await self.metrics.start()
+        self.on_stop.append(self.metrics.stop)
         log.info("leader started (database %s)", s.database_url.split("://", 1)[0])
 
     async def stop(self) -> None:

@@ -7,6 +7,7 @@ import logging
 import msgspec
 from nats.aio.client import Client
 
+from core.bus import unsubscribe_quietly
 from events.ring import STATS_ALL, LaneStats, decode_frame
 
 log = logging.getLogger(__name__)
@@ -26,12 +27,8 @@ class RelayStats:
         self._sub = await nc.subscribe(STATS_ALL, cb=self._on_stats)
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:  # the connection is already closed
-                pass
-            self._sub = None
+        await unsubscribe_quietly(self._sub)
+        self._sub = None
 
     async def _on_stats(self, msg) -> None:
         try:

@@ -10,6 +10,7 @@ import sys
 
 import msgspec
 
+from core.logs import setup_logging
 from core.procs import die_with_parent
 from events.stage import FailedReport, StageConfig, decode_config
 
@@ -38,8 +39,8 @@ def main(argv: list[str]) -> int:
     from fellow.runtime.server.base import report
     from fellow.runtime.server.stage import StageServer
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s [stage{cfg.stage} {cfg.load_id}] %(message)s")
+    setup_logging(text_format=f"%(asctime)s %(levelname)s [stage{cfg.stage} {cfg.load_id}] %(message)s",
+                  fields={"stage": cfg.stage, "load_id": cfg.load_id})  # SWARM_LOG_FORMAT: text or json
     if cfg.num_stages == 1:
         server = StageServer(cfg)
     elif cfg.stage == 0:

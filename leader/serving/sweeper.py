@@ -27,6 +27,7 @@ from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
 from sqlalchemy import select
 
+from core.logs import for_request
 from core.tasks import cancel_and_wait
 from events import subjects
 from events.frames import AnyFrame, DoneFrame, ErrorFrame, frame_decoder
@@ -99,7 +100,7 @@ class RequestSweeper:
             try:
                 frame, frame_at = await self._last_frame(rid)
             except (NatsError, asyncio.TimeoutError) as exc:
-                log.warning("request sweeper: reading the frames of %s failed: %s", rid, exc)
+                log.warning("request sweeper: reading the frames of %s failed: %s", rid, exc, extra=for_request(rid))
                 continue  # look again next sweep
             evt = self._outcome(rid, model_id, load_id, accepted_at, load_state in ACTIVE, frame, frame_at, now)
             if evt is None:
@@ -108,7 +109,7 @@ class RequestSweeper:
                 purged.add(load_id)
                 await purge_queue(self.leader.js, load_id)  # a late request still queued for it
             await self.leader.publish(evt)
-            log.info("request sweeper: ended %s as %s", rid, getattr(evt, "code", "finished"))
+            log.info("request sweeper: ended %s as %s", rid, getattr(evt, "code", "finished"), extra=for_request(rid))
             ended += 1
         return ended
 

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from core.logs import stage_stats_s
 from fellow.runtime.engine.detokenizer import Detokenizer
 from fellow.runtime.engine.sampling import SamplingParams
 from fellow.runtime.engine.scheduler import Scheduler
@@ -68,6 +69,42 @@ class _Reply:
         return out, False
 
 
+class StepStats:
+    """The spec's periodic line, ``[stageN stats 30s] batch_size=… batch_ms=… wait_ms=…``: the mean
+    batch, step time and time between steps over each `interval_s` of traffic; idle time writes none."""
+
+    def __init__(self, stage: int, interval_s: float):
+        self.stage = stage
+        self.interval_s = interval_s
+        self._reset(None)
+
+    def _reset(self, at: float | None) -> None:
+        self.since = at  # the first step of this window; None until traffic
+        self.steps = self.sessions = 0
+        self.step_s = self.wait_s = 0.0
+        self.last_end: float | None = None
+
+    def step(self, started: float, ended: float, batch: int) -> None:
+        if self.since is None:
+            self.since = started
+        elif self.last_end is not None:
+            self.wait_s += started - self.last_end
+        self.steps += 1
+        self.sessions += batch
+        self.step_s += ended - started
+        self.last_end = ended
+        if ended - self.since >= self.interval_s:
+            n = self.steps
+            log.info("[stage%d stats %gs] batch_size=%.2f batch_ms=%.2f wait_ms=%.2f steps=%d", self.stage,
+                     self.interval_s, self.sessions / n, self.step_s * 1e3 / n,
+                     self.wait_s * 1e3 / max(1, n - 1), n)
+            self._reset(None)
+
+    def idle(self) -> None:
+        """Nothing to step: the wait until the next traffic is not a step's wait."""
+        self.last_end = None
+
+
 class ServingLoop:
     """Owns the engine on one thread; `submit` and `cancel` are safe from any thread.
 
@@ -75,8 +112,10 @@ class ServingLoop:
     caller hands them to its event loop.
     """
 
-    def __init__(self, engine: Scheduler, tokenizer, stop_ids: frozenset[int], deliver: Callable[[list[Output]], None]):
+    def __init__(self, engine: Scheduler, tokenizer, stop_ids: frozenset[int], deliver: Callable[[list[Output]], None],
+                 stage: int = 0):
         self.engine = engine
+        self.stats = StepStats(stage, stage_stats_s())
         self.tokenizer = tokenizer
         self.stop_ids = stop_ids
         self.deliver = deliver
@@ -133,12 +172,16 @@ class ServingLoop:
         while self.running:
             outputs = self._drain(block=not self.engine.busy)
             if self.engine.busy:
-                self.last_active = time.monotonic()
+                self.last_active = started = time.monotonic()
+                batch = len(self.replies)
                 try:
                     outputs += self._step()
                 except Exception as exc:  # a failed step fails its sessions, not the process
                     log.exception("engine step failed")
                     outputs += self._fail_all(exc)
+                self.stats.step(started, time.monotonic(), batch)
+            else:
+                self.stats.idle()
             if outputs:
                 self.deliver(outputs)
 

@@ -61,7 +61,7 @@ class RingHeadServer(StageServer):
         self.serving = self.make_loop()
 
     def make_loop(self) -> ServingLoop:
-        return RingServingLoop(self.engine, self.tokenizer, self.stop_ids, self._deliver)
+        return RingServingLoop(self.engine, self.tokenizer, self.stop_ids, self._deliver, stage=self.cfg.stage)
 
     async def _start(self) -> None:
         self.link = RingLink(self.nc, self.load_id, 0, self.cfg.num_stages, self.inbox)

@@ -9,7 +9,9 @@ from typing import Callable
 
 import torch
 
+from core.logs import stage_stats_s
 from events.ring import DECODE, LAST_PIECE, NO_TOKEN, End, Hidden, Probe, Token
+from fellow.runtime.engine.serving_loop import StepStats
 from fellow.runtime.model.kv_cache import KVCache
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.loader import RingStage
@@ -52,13 +54,17 @@ class RingWorker:
         self.last_active = time.monotonic()
         self.frames = 0
         self._step_no = 0
+        self.stats = StepStats(ring.plan.stage, stage_stats_s())  # the spec's [stageN stats 30s] line
 
     def run(self) -> None:
         while self.running:
             frames = self.inbox.take(0.5)
             if frames:
-                self.last_active = time.monotonic()
+                self.last_active = started = time.monotonic()
                 self.handle(frames)
+                self.stats.step(started, time.monotonic(), len(frames))
+            else:
+                self.stats.idle()
 
     def stop(self) -> None:
         self.running = False

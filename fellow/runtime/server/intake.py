@@ -16,6 +16,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from core.bus import publish_event
+from core.logs import for_request
 from events import subjects
 from events.requests import ChatRequest, RequestFailed, RequestFinished, request_failed_id, request_finished_id
 from events.stage import StageConfig
@@ -120,7 +121,7 @@ class Intake:
         try:
             await self._take(msg, req)
         except Exception as exc:
-            log.exception("request %s could not be taken", req.request_id)
+            log.exception("request %s could not be taken", req.request_id, extra=for_request(req.request_id))
             await _ack(msg)
             await self._refuse(req, 0, f"the stage could not take this request: {type(exc).__name__}: {exc}",
                                "intake_failed")
@@ -131,7 +132,8 @@ class Intake:
             return
         if msg.metadata.num_delivered > 1 and await self._started_elsewhere(req.request_id):
             # A replica took it, said so, and died before acking: the gateway fails it (never both).
-            log.warning("request %s was started by another replica; not serving it again", req.request_id)
+            log.warning("request %s was started by another replica; not serving it again", req.request_id,
+                        extra=for_request(req.request_id))
             await _ack(msg)
             return
         try:
@@ -175,7 +177,8 @@ class Intake:
             return
         if not claimed:
             self.budget.release(needed)
-            log.warning("request %s was started by another replica; not serving it again", req.request_id)
+            log.warning("request %s was started by another replica; not serving it again", req.request_id,
+                        extra=for_request(req.request_id))
             await _ack(msg)
             return
         bus_wait = max(0.0, time.time() - req.created) if req.created else 0.0
@@ -211,7 +214,8 @@ class Intake:
                 load_id=self.load_id, code=code, message=message, prompt_tokens=prompt_tokens,
                 fellow_id=self.fellow_id))
         except Exception:
-            log.exception("the refusal of %s was not published", req.request_id)
+            log.exception("the refusal of %s was not published", req.request_id,
+                          extra=for_request(req.request_id))
 
     def deliver(self, outputs: list[Output]) -> None:
         """What the serving loop produced (called on this, the bus, thread)."""
@@ -260,8 +264,12 @@ class Intake:
                                       duration_s=round(duration, 6), tokens_per_s=t.get("tokens_per_s", 0.0),
                                       timing=t, fellow_id=self.fellow_id)
             await publish_event(self.js, evt)
+            log.info("request %s %s: %d prompt + %d completion tokens in %.3fs", out.request_id,
+                     getattr(evt, "code", None) or getattr(evt, "finish_reason", ""), out.prompt_tokens,
+                     out.completion_tokens, duration, extra=for_request(out.request_id))
         except Exception:
-            log.exception("request event for %s not published", out.request_id)
+            log.exception("request event for %s not published", out.request_id,
+                          extra=for_request(out.request_id))
 
     async def shutdown(self) -> None:
         """The requests in flight fail (the model is going); every request event is out before it returns."""

@@ -38,7 +38,7 @@ class StageServer(StageServerBase):
         self.serving = self.make_loop()
 
     def make_loop(self) -> ServingLoop:
-        return ServingLoop(self.engine, self.tokenizer, self.stop_ids, self._deliver)
+        return ServingLoop(self.engine, self.tokenizer, self.stop_ids, self._deliver, stage=self.cfg.stage)
 
     def _deliver(self, outputs) -> None:  # on the serving loop's thread
         self.aloop.call_soon_threadsafe(self.intake.deliver, outputs)
@@ -75,4 +75,5 @@ class StageServer(StageServerBase):
         return MetricsReport(tokens_per_s=intake.metrics.tokens_per_s(), last_ttft_s=intake.metrics.last_ttft_s,
                              requests=intake.metrics.requests, idle_s=round(idle, 3), vram_bytes=self.vram_bytes(),
                              in_flight=len(intake.active), waiting=len(self.engine.waiting),
+                             kv_tokens_used=self.engine.budget.reserved,
                              **{k: v for k, v in self.engine.stats().items() if k in PREFIX_METRICS})
