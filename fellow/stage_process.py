@@ -26,8 +26,9 @@ class StageProcess:
     """
 
     def __init__(self, cfg: StageConfig, on_report: Callable[["StageProcess", StageReport], Awaitable[None]],
-                 on_exit: Callable[["StageProcess", int], Awaitable[None]], log_path=None):
+                 on_exit: Callable[["StageProcess", int], Awaitable[None]], log_path=None, restarts: int = 0):
         self.cfg = cfg
+        self.restarts = restarts  # how many times its fellow started this stage again after it died
         self.on_report = on_report
         self.on_exit = on_exit
         self.log_path = log_path

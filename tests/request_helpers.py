@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 
 import httpx
 import pytest
 
+from tests.processes import wait_until
 from tests.serving_fixtures import Stack, make_servable
 
 FINAL = ("finished", "failed", "too_long")
@@ -55,3 +58,11 @@ def all_final(stack: Stack) -> list[tuple] | None:
     """The request rows once every one has ended, else None."""
     got = rows(stack)
     return got if got and all(status in FINAL for _, status, _, _ in got) else None
+
+
+def kill_stage_and_wait_restart(stack: Stack, load_id: str, pid: int) -> int:
+    """SIGKILL a one-stage load's stage process; the pid of the one its fellow started again, once ready."""
+    os.kill(pid, signal.SIGKILL)
+    query = "SELECT pid FROM load_stages WHERE load_id = ? AND state = 'ready'"
+    return wait_until(lambda: (p := stack.sql(query, load_id)) and p[0][0] != pid and p[0][0], 60,
+                      "the stage restarted")
