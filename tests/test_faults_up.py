@@ -1,22 +1,34 @@
 """Faults under `swarm up` (issue 18): its children are supervised, so one killed process never stops
-the service. Real `swarm up`, nats-server, leader and fellow processes, a tiny servable with autoload.
+the service. One real `swarm up` (nats-server, leader and fellow processes, a tiny servable with
+autoload) takes each fault in turn; each test leaves it serving for the next.
+
+What the client sees, and within what time:
+- the leader SIGKILLed: its open stream breaks at once; the leader answers again within 60 s;
+- the fellow SIGSTOPped past its heartbeat timeout: the stream ends with `load_failed` within 30 s;
+  after SIGCONT the fellow rejoins, its orphaned stage is stopped, and a new load serves;
+- the fellow SIGKILLed: the leader answers throughout; the stream ends with `load_failed` within 30 s;
+  the fellow is back within 60 s and serves the same reply.
+After each, SQL holds a final state for every request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import sqlite3
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.processes import SwarmProcess, children_of, swarm_env, wait_until
-from tests.request_helpers import chat
+from tests.processes import SwarmProcess, children_of, pid_alive, swarm_env, wait_until
+from tests.request_helpers import FINAL, chat, start_stream
 from tests.request_helpers import servables  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.slow
+BODY = chat("hello", max_tokens=4, temperature=0)
 
 
 def child_pid(up: SwarmProcess, role: str) -> int | None:
@@ -35,38 +47,89 @@ def fellow_row(up: SwarmProcess) -> dict | None:
     return next((f for f in up.get("/api/v1/fellows").json()["data"] if f["id"] == "local-0"), None)
 
 
-@pytest.fixture
-def up(tmp_path, servables):  # noqa: F811
-    env = swarm_env(tmp_path, None, SWARM_SERVABLE_MODELS_ROOT=servables, SWARM_AUTOLOAD=1,
-                    SWARM_MODEL_IDLE_UNLOAD_S=0)
-    proc = SwarmProcess(["up", "--no-demo"], env, tmp_path / "up.log").start()
+def all_final(db: Path) -> list[tuple] | None:
+    with sqlite3.connect(db) as conn:
+        got = conn.execute("SELECT request_id, status, error_code FROM requests").fetchall()
+    return got if got and all(status in FINAL for _, status, _ in got) else None
+
+
+def healthy(up: SwarmProcess) -> bool:
+    r = up.get("/healthz")
+    return r.status_code == 200 and r.json()["nats"]
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory, servables):  # noqa: F811
+    tmp = tmp_path_factory.mktemp("up")
+    env = swarm_env(tmp, None, f"sqlite+aiosqlite:///{tmp / 'swarm.db'}", SWARM_SERVABLE_MODELS_ROOT=servables,
+                    SWARM_AUTOLOAD=1, SWARM_MODEL_IDLE_UNLOAD_S=0)
+    proc = SwarmProcess(["up", "--no-demo"], env, tmp / "up.log").start()
+    proc.db = tmp / "swarm.db"
     try:
         wait_until(lambda: (f := fellow_row(proc)) and f["status"] == "online", 90, "the local fellow")
+        proc.first = httpx.post(proc.base_url + "/v1/chat/completions", json=BODY, timeout=120)
+        assert proc.first.status_code == 200, proc.first.text
         yield proc
     finally:
         proc.stop()
 
 
-def test_a_killed_fellow_is_restarted_while_the_leader_answers(up):
-    body = chat("hello", max_tokens=4, temperature=0)
-    first = httpx.post(up.base_url + "/v1/chat/completions", json=body, timeout=120)
-    assert first.status_code == 200, first.text
-    fellow, started = child_pid(up, "fellow"), fellow_row(up)["joined_at"]
-    os.kill(fellow, signal.SIGKILL)
-
-    deadline = time.monotonic() + 60
-    while True:  # the leader answers at every poll while the fellow is down and back
-        health = up.get("/healthz")
-        assert health.status_code == 200 and health.json()["nats"], health.text
-        row = fellow_row(up)
-        model = up.get("/api/v1/models/tiny-a").json()
-        if row["status"] == "online" and row["joined_at"] != started and model["load_state"] != "ready":
-            break
-        assert time.monotonic() < deadline, (row, model, up.tail())
-        time.sleep(0.1)
-    assert child_pid(up, "fellow") not in (None, fellow)
-    assert "fellow local-0 died (killed by SIGKILL); restarting it in" in up.tail()
-
-    again = httpx.post(up.base_url + "/v1/chat/completions", json=body, timeout=120)  # autoloads anew
+async def test_a_killed_leader_is_restarted_and_its_streams_requests_end_in_sql(up):
+    leader = child_pid(up, "leader")
+    async with httpx.AsyncClient(base_url=up.base_url, timeout=120) as http:
+        stream = await start_stream(http, chat("story", max_tokens=300, stream=True))
+        os.kill(leader, signal.SIGKILL)
+        with pytest.raises(httpx.HTTPError):  # the connection breaks at once
+            await asyncio.wait_for(stream, 10)
+    await asyncio.to_thread(wait_until, lambda: healthy(up), 60, "the leader back")
+    assert child_pid(up, "leader") not in (None, leader)
+    assert await asyncio.to_thread(wait_until, lambda: all_final(up.db), 90, "every row final")
+    again = httpx.post(up.base_url + "/v1/chat/completions", json=BODY, timeout=120)
     assert again.status_code == 200, (again.text, up.tail())
-    assert again.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+
+
+async def test_a_paused_fellow_rejoins_without_serving_as_a_zombie(up):
+    fellow = child_pid(up, "fellow")
+    async with httpx.AsyncClient(base_url=up.base_url, timeout=120) as http:
+        stream = await start_stream(http, chat("story", max_tokens=4000, stream=True))
+        stage = fellow_row(up)["loaded_models"][0]["pid"]
+        os.kill(fellow, signal.SIGSTOP)
+        try:
+            events = await asyncio.wait_for(stream, 30)
+            assert events[-1]["error"]["code"] == "load_failed", events[-1]
+            await asyncio.to_thread(wait_until, lambda: fellow_row(up)["status"] == "lost", 30, "fellow lost")
+        finally:
+            os.kill(fellow, signal.SIGCONT)
+    await asyncio.to_thread(wait_until, lambda: fellow_row(up)["status"] == "online", 30, "fellow rejoined")
+    await asyncio.to_thread(wait_until, lambda: not pid_alive(stage), 30, "its orphaned stage stopped")
+    assert child_pid(up, "fellow") == fellow  # paused, never dead: not restarted
+    again = httpx.post(up.base_url + "/v1/chat/completions", json=BODY, timeout=120)  # a new load
+    assert again.status_code == 200, (again.text, up.tail())
+    assert again.json()["choices"][0]["message"]["content"] == up.first.json()["choices"][0]["message"]["content"]
+    assert [m["pid"] for m in fellow_row(up)["loaded_models"]] != [stage]
+    assert await asyncio.to_thread(wait_until, lambda: all_final(up.db), 30, "every row final")
+
+
+async def test_a_killed_fellow_is_restarted_while_the_leader_answers(up):
+    fellow, joined = child_pid(up, "fellow"), fellow_row(up)["joined_at"]
+    async with httpx.AsyncClient(base_url=up.base_url, timeout=120) as http:
+        stream = await start_stream(http, chat("story", max_tokens=4000, stream=True))
+        os.kill(fellow, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:  # the leader answers at every poll while the fellow is down and back
+            assert healthy(up)
+            row = fellow_row(up)
+            model = up.get("/api/v1/models/tiny-a").json()
+            if row["status"] == "online" and row["joined_at"] != joined and model["load_state"] != "ready":
+                break
+            assert time.monotonic() < deadline, (row, model, up.tail())
+            await asyncio.sleep(0.1)
+        events = await asyncio.wait_for(stream, 30)
+        assert events[-1]["error"]["code"] == "load_failed", events[-1]
+    assert child_pid(up, "fellow") not in (None, fellow)
+    assert "fellow local-0 died (killed by SIGKILL); restarting it in" in up.tail(10**6)
+
+    again = httpx.post(up.base_url + "/v1/chat/completions", json=BODY, timeout=120)  # autoloads anew
+    assert again.status_code == 200, (again.text, up.tail())
+    assert again.json()["choices"][0]["message"]["content"] == up.first.json()["choices"][0]["message"]["content"]
+    assert await asyncio.to_thread(wait_until, lambda: all_final(up.db), 30, "every row final")
