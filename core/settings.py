@@ -108,6 +108,8 @@ class Settings:
     serve_prefill_chunk: int
     serve_max_in_flight: int
     serve_packed_linear: str
+    http_max_body_bytes: int = 8 * 1024 * 1024  # a larger HTTP request body is refused with 413
+    stream_resume_s: float = 10.0  # a streaming client that hung up may resume this long; its reply goes on
     serve_speculative: int = 0  # refused while not implemented (NOT_IMPLEMENTED); always 0
 
     @classmethod
@@ -159,6 +161,8 @@ class Settings:
             serve_prefill_chunk=_int(env, "SWARM_SERVE_PREFILL_CHUNK", 256),
             serve_max_in_flight=_int(env, "SWARM_SERVE_MAX_IN_FLIGHT", 8, minimum=1),
             serve_packed_linear=_choice(env, "SWARM_SERVE_PACKED_LINEAR", "auto", ("auto", "off")),
+            http_max_body_bytes=_int(env, "SWARM_HTTP_MAX_BODY_BYTES", 8 * 1024 * 1024, minimum=1),
+            stream_resume_s=_float(env, "SWARM_STREAM_RESUME_S", 10.0),
         )
 
     def replace(self, **changes) -> "Settings":

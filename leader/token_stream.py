@@ -62,10 +62,8 @@ class TokenStream:
         return self
 
     async def _on_msg(self, msg) -> None:
-        try:
-            frame = frame_decoder.decode(msg.data)
-        except (msgspec.DecodeError, RecursionError):  # not a frame, or nested too deep
-            log.warning("undecodable frame on %s dropped", self.subject)
+        frame = _frame(msg)
+        if frame is None:
             return
         self._started(frame)  # at once: a replica's loss may come before the reader gets here
         self._queue.put_nowait(frame)
@@ -137,10 +135,10 @@ class TokenStream:
                         await psub.unsubscribe()
                     for msg in msgs:
                         self._start_seq = max(self._start_seq, msg.metadata.sequence.stream + 1)
-                        self._hold(frame_decoder.decode(msg.data))
+                        self._hold(_frame(msg))
             finally:
                 await js.delete_consumer(subjects.TOKENS_STREAM, info.name)
-        except (NatsError, asyncio.TimeoutError, msgspec.DecodeError) as exc:
+        except (NatsError, asyncio.TimeoutError) as exc:
             log.warning("reading %s back from the stream failed: %s", self.subject, exc)
 
     def close(self, cancel: bool) -> None:
@@ -258,9 +256,20 @@ class TokenStreams:
             log.warning("closing a token stream failed: %s", task.exception())
 
 
+def _frame(msg) -> AnyFrame | None:
+    """The frame in ``msg``, or None (logged) for one that does not decode."""
+    try:
+        return frame_decoder.decode(msg.data)
+    except (msgspec.DecodeError, RecursionError):  # not a frame, or nested too deep
+        log.warning("undecodable frame on %s dropped", msg.subject)
+        return None
+
+
 def _event(msg):
-    """The event in ``msg``, or None for one no reader can decode (the projections keep it as a dead letter)."""
+    """The event in ``msg``, or None (logged) for one no reader can decode (the projections keep it as a
+    dead letter)."""
     try:
         return decode_event(msg.data)
     except (ValueError, RecursionError):  # PoisonEvent is a ValueError
+        log.warning("undecodable event on %s dropped", msg.subject)
         return None
