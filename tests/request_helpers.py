@@ -1,5 +1,5 @@
-"""For the request-ending tests: a one-stage tiny servable, chats over HTTP, a stream known to have
-started, the request rows."""
+"""For the request-ending and fault tests: a one-stage tiny servable, chats over HTTP, a stream known to
+have started, SSE events with their ids, the request rows."""
 
 from __future__ import annotations
 
@@ -66,3 +66,24 @@ def kill_stage_and_wait_restart(stack: Stack, load_id: str, pid: int) -> int:
     query = "SELECT pid FROM load_stages WHERE load_id = ? AND state = 'ready'"
     return wait_until(lambda: (p := stack.sql(query, load_id)) and p[0][0] != pid and p[0][0], 60,
                       "the stage restarted")
+
+
+async def read_events(response: httpx.Response, until: str | None = None,
+                      out: list | None = None) -> list[tuple[str | None, dict | str]]:
+    """(id, data) of each SSE event, appended to `out` as they come; stops after [DONE], or after the
+    chunk whose content is `until`."""
+    out, event_id = [] if out is None else out, None
+    async for line in response.aiter_lines():
+        if line.startswith("id: "):
+            event_id = line[4:]
+        elif line.startswith("data: "):
+            data = line[6:] if line == "data: [DONE]" else json.loads(line[6:])
+            out.append((event_id, data))
+            if data == "[DONE]" or (until is not None and content([out[-1]]) == until):
+                return out
+    return out
+
+
+def content(events) -> str:
+    return "".join(d["choices"][0]["delta"].get("content") or "" for _, d in events
+                   if isinstance(d, dict) and d.get("choices"))

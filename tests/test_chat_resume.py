@@ -8,7 +8,6 @@ The real app on uvicorn, a real nats-server and SQLite; `ServingPeer` answers on
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import httpx
@@ -19,6 +18,7 @@ from leader.app import create_app
 from leader.context import Leader
 from tests.chat_fixtures import READY, Gateway, ServingPeer, StandInServing, served, wait_cancel
 from tests.conftest import make_settings
+from tests.request_helpers import content, read_events
 
 GRACE_S = 2.0
 BODY = {"model": READY.model_id, "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -30,25 +30,6 @@ async def gateway(tmp_path, nats_server, sqlite_url):
     leader = Leader(settings, serving=StandInServing)
     async with served(create_app(settings, leader, chat_timeout_s=20.0)) as url:
         yield Gateway(url, leader)
-
-
-async def read_events(response: httpx.Response, until: str | None = None) -> list[tuple[str | None, dict | str]]:
-    """(id, data) of each SSE event; stops after [DONE], or after the chunk whose content is `until`."""
-    out, event_id = [], None
-    async for line in response.aiter_lines():
-        if line.startswith("id: "):
-            event_id = line[4:]
-        elif line.startswith("data: "):
-            data = line[6:] if line == "data: [DONE]" else json.loads(line[6:])
-            out.append((event_id, data))
-            if data == "[DONE]" or (until is not None and content([out[-1]]) == until):
-                return out
-    return out
-
-
-def content(events) -> str:
-    return "".join(d["choices"][0]["delta"].get("content") or "" for _, d in events
-                   if isinstance(d, dict) and d.get("choices"))
 
 
 def token(rid: str, seq: int, text: str) -> TokenFrame:
