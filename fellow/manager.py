@@ -142,6 +142,7 @@ class ModelManager:
         if (proc.cfg.num_stages != 1 or proc.ready is None or self.agent.stopped.is_set()
                 or now - self._restarted.get(proc.load_id, -RESTART_WINDOW_S) < RESTART_WINDOW_S):
             return False
+        self._restarted = {k: t for k, t in self._restarted.items() if now - t < RESTART_WINDOW_S}
         self._restarted[proc.load_id] = now
         again = StageProcess(proc.cfg, self._on_report, self._on_exit, log_path=proc.log_path,
                              restarts=proc.restarts + 1)

@@ -5,6 +5,8 @@ autoload) takes each fault in turn; each test leaves it serving for the next.
 What the client sees, and within what time:
 - the leader SIGKILLed: its open stream breaks at once; the leader answers again within 60 s, and the
   client that reconnects with its Last-Event-ID gets the rest of its reply, nothing lost or twice;
+- nats-server SIGKILLed: restarted on its store and port; the leader and fellow reconnect and the same
+  load serves again within 60 s;
 - the fellow SIGSTOPped past its heartbeat timeout: the stream ends with `load_failed` within 30 s;
   after SIGCONT the fellow rejoins, its orphaned stage is stopped, and a new load serves;
 - the fellow SIGKILLed: the leader answers throughout; the stream ends with `load_failed` within 30 s;
@@ -33,13 +35,14 @@ BODY = chat("hello", max_tokens=4, temperature=0)
 
 
 def child_pid(up: SwarmProcess, role: str) -> int | None:
-    """The pid of `swarm up`'s child running `swarm <role>`."""
+    """The pid of `swarm up`'s child running `swarm <role>`, or nats-server."""
     for pid in children_of(up.proc.pid):
         try:
             args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"core.cli" in args and role.encode() in args:
+        if (b"core.cli" in args and role.encode() in args) or (role == "nats-server" and
+                                                                 args[0].endswith(b"nats-server")):
             return pid
     return None
 
@@ -98,6 +101,19 @@ async def test_a_killed_leader_is_restarted_and_its_streaming_client_resumes(up)
     assert content(got) + content(rest) == whole.json()["choices"][0]["message"]["content"]  # nothing lost or twice
     assert rest[-1][1] == "[DONE]" and rest[-2][1]["choices"][0]["finish_reason"] == "length"
     assert await asyncio.to_thread(wait_until, lambda: all_final(up.db), 90, "every row final")
+
+
+def test_a_killed_nats_server_is_restarted_on_its_store_and_port(up):
+    nats, served_before = child_pid(up, "nats-server"), up.get("/api/v1/models/tiny-a").json()["load_id"]
+    assert served_before is not None
+    os.kill(nats, signal.SIGKILL)
+    wait_until(lambda: child_pid(up, "nats-server") not in (None, nats), 30, "nats-server restarted")
+    wait_until(lambda: healthy(up) and fellow_row(up)["status"] == "online", 60, "leader and fellow reconnected")
+    again = httpx.post(up.base_url + "/v1/chat/completions", json=BODY, timeout=120)
+    assert again.status_code == 200, (again.text, up.tail())
+    assert again.json()["choices"][0]["message"]["content"] == up.first.json()["choices"][0]["message"]["content"]
+    assert up.get("/api/v1/models/tiny-a").json()["load_id"] == served_before  # the same load: the store kept it
+    assert "nats-server died (killed by SIGKILL); restarting it in" in up.tail(10**6)
 
 
 async def test_a_paused_fellow_rejoins_without_serving_as_a_zombie(up):
