@@ -148,13 +148,13 @@ class ModelManager:
                              restarts=proc.restarts + 1)
         self.procs[proc.load_id] = again
         log.error("load %s: %s; restarting it", proc.load_id, reason)
-        await publish_event(self.agent.js, ReplicaLost(
-            id=stage_restart_id(replica_lost_id(proc.load_id, proc.replica), again.restarts), load_id=proc.load_id,
-            model_id=proc.model_id, replica=proc.replica, fellow_id=self.agent.fellow_id, code=STAGE_RESTARTING,
-            reason=f"{reason}; fellow {self.agent.fellow_id} restarts it"))
         try:
+            await publish_event(self.agent.js, ReplicaLost(
+                id=stage_restart_id(replica_lost_id(proc.load_id, proc.replica), again.restarts),
+                load_id=proc.load_id, model_id=proc.model_id, replica=proc.replica, fellow_id=self.agent.fellow_id,
+                code=STAGE_RESTARTING, reason=f"{reason}; fellow {self.agent.fellow_id} restarts it"))
             await again.start()
-        except Exception as exc:
+        except Exception as exc:  # the leader could not hear of it, or it did not start: the load fails
             self.procs.pop(proc.load_id, None)
             await self._fail(proc.load_id, proc.model_id, f"{reason}; it did not start again: {exc}",
                              proc.replica, proc.replicas)
