@@ -1,8 +1,10 @@
-"""`swarm up`'s supervisor with real child processes; its clock is stepped so backoffs take no time."""
+"""`swarm up`'s supervisor with real child processes (its clock stepped so backoffs take no time), and a
+real `swarm up` that gives up."""
 
 from __future__ import annotations
 
 import io
+import socket
 import subprocess
 import sys
 
@@ -10,6 +12,7 @@ import pytest
 
 from core.procs import stop_child
 from core.supervise import MAX_FAILURES, Child, GaveUp, Supervisor
+from tests.processes import SwarmProcess, swarm_env
 
 
 class Clock:
@@ -75,3 +78,21 @@ def test_a_clean_exit_is_not_restarted_and_ends_the_stack_only_for_an_essential_
     sup.stop_all()
     assert leader.proc.returncode is not None
     assert "fellow y exited cleanly; not restarted" in out.getvalue()
+
+
+@pytest.mark.slow
+def test_swarm_up_gives_up_in_one_line_on_a_leader_that_cannot_start(tmp_path):
+    with socket.socket() as taken:  # the leader's port is held: each start fails at once
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = swarm_env(tmp_path, None, port=taken.getsockname()[1])
+        up = SwarmProcess(["up", "--no-demo"], env, tmp_path / "up.log").start()
+        try:
+            assert up.proc.wait(120) == 1, up.tail()
+        finally:
+            up.kill()
+    lines = [ln for ln in up.tail(10**6).splitlines() if ln.startswith("swarm: ")]
+    assert sum("the leader died (exit code" in ln for ln in lines) == MAX_FAILURES - 1, lines
+    assert any(ln.startswith("swarm: the leader failed 5 times in 60 s (last: exit code") and
+               ln.endswith("giving up") for ln in lines), lines
+    assert "swarm stopped" in up.tail()
