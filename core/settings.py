@@ -109,6 +109,8 @@ class Settings:
     serve_packed_linear: str
     serve_step_costs: bool = False
     serve_prefix_cache: bool = True
+    http_max_body_bytes: int = 8 * 1024 * 1024  # a larger HTTP request body is refused with 413
+    stream_resume_s: float = 10.0  # a streaming client that hung up may resume this long; its reply goes on
     serve_speculative: int = 0  # refused while not implemented (NOT_IMPLEMENTED); always 0
     log_format: str = "text"  # SWARM_LOG_FORMAT: text | json (core/logs.py)
     stage_stats_s: float = 30.0  # SWARM_STAGE_STATS_S: a stage's stats line, once per this much traffic
@@ -166,6 +168,8 @@ class Settings:
             serve_prefix_cache=_choice(env, "SWARM_SERVE_PREFIX_CACHE", "on", ("on", "off")) == "on",
             log_format=_choice(env, "SWARM_LOG_FORMAT", "text", ("text", "json")),
             stage_stats_s=_float(env, "SWARM_STAGE_STATS_S", 30.0, minimum=0.05),
+            http_max_body_bytes=_int(env, "SWARM_HTTP_MAX_BODY_BYTES", 8 * 1024 * 1024, minimum=1),
+            stream_resume_s=_float(env, "SWARM_STREAM_RESUME_S", 10.0),
         )
 
     def replace(self, **changes) -> "Settings":

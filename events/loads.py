@@ -84,17 +84,26 @@ def replica_lost_id(load_id: str, replica: int) -> str:
     return f"lost-{load_id}-r{replica}"
 
 
+STAGE_RESTARTING = "stage_restarting"  # a ReplicaLost code: its fellow restarts the stage; its row goes loading
+
+
+def stage_restart_id(event_id: str, restart: int) -> str:
+    """The id of a replica's event (lost, ready) for its `restart`-th restart; the first start keeps `event_id`."""
+    return f"{event_id}-restart{restart}" if restart else event_id
+
+
 class ReplicaLost(Event, frozen=True, tag="load.replica_lost"):
     """One replica of a load of several stopped serving (its fellow failed, was lost, evicted it or
     let it idle out). The requests it had started fail; the others keep serving the queue. When
-    none is left the leader ends the load (LoadFailed, or ModelUnloaded for idle / evicted / stopped)."""
+    none is left the leader ends the load (LoadFailed, or ModelUnloaded for idle / evicted / stopped).
+    With STAGE_RESTARTING (a one-stage load) its fellow starts the stage again: a StageReady follows."""
 
     load_id: str
     model_id: str
     replica: int
     fellow_id: str = ""
     reason: str = ""
-    code: str = "load_failed"  # load_failed | fellow_lost | idle | evicted | stopped
+    code: str = "load_failed"  # load_failed | fellow_lost | idle | evicted | stopped | stage_restarting
 
 
 class UnloadRequested(Event, frozen=True, tag="load.unload_requested"):

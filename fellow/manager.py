@@ -8,17 +8,20 @@ import os
 import shutil
 import sys
 import tarfile
+import time
 
 from core.bus import publish_event
 from events.commands import LoadStage, StopFellow, UnloadStage, UpdateFellow
 from events.fellow import LoadedModel
-from events.loads import (LoadFailed, ModelUnloaded, ReplicaLost, StageReady, load_failed_id, replica_lost_id,
-                          replica_part)
+from events.loads import (STAGE_RESTARTING, LoadFailed, ModelUnloaded, ReplicaLost, StageReady, load_failed_id,
+                          replica_lost_id, replica_part, stage_restart_id)
 from events.stage import FailedReport, MetricsReport, ReadyReport, StageConfig, StageReport, Transport
 from fellow.fetch import FetchError, fetch_model, local_model_dir
 from fellow.stage_process import StageProcess
 
 log = logging.getLogger(__name__)
+
+RESTART_WINDOW_S = 60.0  # a load's stage is restarted at most once in this long
 
 
 class ModelManager:
@@ -30,6 +33,7 @@ class ModelManager:
         self.procs: dict[str, StageProcess] = {}  # load_id -> process, oldest first
         self._reaper: asyncio.Task | None = None
         self._lock = asyncio.Lock()
+        self._restarted: dict[str, float] = {}  # load_id -> when its stage was last restarted
         agent.handlers.update({LoadStage: self.on_load, UnloadStage: self.on_unload,
                                StopFellow: self.on_stop, UpdateFellow: self.on_update})
         agent.loaded_models = self.loaded_models
@@ -96,7 +100,8 @@ class ModelManager:
     async def _on_report(self, proc: StageProcess, report: StageReport) -> None:
         if isinstance(report, ReadyReport):
             await publish_event(self.agent.js, StageReady(
-                id=f"ready-{proc.load_id}-{proc.stage}{replica_part(proc.replica)}", load_id=proc.load_id,
+                id=stage_restart_id(f"ready-{proc.load_id}-{proc.stage}{replica_part(proc.replica)}", proc.restarts),
+                load_id=proc.load_id,
                 stage=proc.stage, replica=proc.replica, fellow_id=self.agent.fellow_id, pid=proc.pid,
                 kv_tokens=report.kv_tokens, kv_tokens_planned=report.kv_tokens_planned,
                 max_in_flight=report.max_in_flight, vram_bytes=report.vram_bytes, load_s=report.load_s,
@@ -107,11 +112,14 @@ class ModelManager:
             await self._fail(proc.load_id, proc.model_id, report.reason, proc.replica, proc.replicas)
 
     async def _on_exit(self, proc: StageProcess, code: int) -> None:
-        self.procs.pop(proc.load_id, None)
+        if self.procs.get(proc.load_id) is proc:
+            self.procs.pop(proc.load_id)
         if proc.stop_reason is None:
             last = proc.last_log_line()
-            await self._fail(proc.load_id, proc.model_id, f"the stage process exited unexpectedly (code {code})"
-                             + (f"; the last line of its log: {last}" if last else ""), proc.replica, proc.replicas)
+            reason = f"the stage process exited unexpectedly (code {code})" + (
+                f"; the last line of its log: {last}" if last else "")
+            if not await self._restart(proc, reason):
+                await self._fail(proc.load_id, proc.model_id, reason, proc.replica, proc.replicas)
         elif proc.stop_reason not in ("failed", "requested") and proc.replicas > 1:
             # one replica went (idle, evicted, stopped); the leader decides whether the load did
             await publish_event(self.agent.js, ReplicaLost(
@@ -127,6 +135,34 @@ class ModelManager:
             await self.agent.beat()
         except Exception:
             pass
+
+    async def _restart(self, proc: StageProcess, reason: str) -> bool:
+        """Start a serving one-stage process again that died, once per load per RESTART_WINDOW_S.
+
+        The leader hears a ReplicaLost (STAGE_RESTARTING): the requests it had started fail, the others
+        stay queued for the new process, whose StageReady makes its stage row ready again.
+        """
+        now = time.monotonic()
+        if (proc.cfg.num_stages != 1 or proc.ready is None or self.agent.stopped.is_set()
+                or now - self._restarted.get(proc.load_id, -RESTART_WINDOW_S) < RESTART_WINDOW_S):
+            return False
+        self._restarted = {k: t for k, t in self._restarted.items() if now - t < RESTART_WINDOW_S}
+        self._restarted[proc.load_id] = now
+        again = StageProcess(proc.cfg, self._on_report, self._on_exit, log_path=proc.log_path,
+                             restarts=proc.restarts + 1)
+        self.procs[proc.load_id] = again
+        log.error("load %s: %s; restarting it", proc.load_id, reason)
+        try:
+            await publish_event(self.agent.js, ReplicaLost(
+                id=stage_restart_id(replica_lost_id(proc.load_id, proc.replica), again.restarts),
+                load_id=proc.load_id, model_id=proc.model_id, replica=proc.replica, fellow_id=self.agent.fellow_id,
+                code=STAGE_RESTARTING, reason=f"{reason}; fellow {self.agent.fellow_id} restarts it"))
+            await again.start()
+        except Exception as exc:  # the leader could not hear of it, or it did not start: the load fails
+            self.procs.pop(proc.load_id, None)
+            await self._fail(proc.load_id, proc.model_id, f"{reason}; it did not start again: {exc}",
+                             proc.replica, proc.replicas)
+        return True
 
     async def _fail(self, load_id: str, model_id: str, reason: str, replica: int = 0, replicas: int = 1) -> None:
         log.error("load %s failed: %s", load_id, reason)

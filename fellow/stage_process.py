@@ -26,8 +26,9 @@ class StageProcess:
     """
 
     def __init__(self, cfg: StageConfig, on_report: Callable[["StageProcess", StageReport], Awaitable[None]],
-                 on_exit: Callable[["StageProcess", int], Awaitable[None]], log_path=None):
+                 on_exit: Callable[["StageProcess", int], Awaitable[None]], log_path=None, restarts: int = 0):
         self.cfg = cfg
+        self.restarts = restarts  # how many times its fellow started this stage again after it died
         self.on_report = on_report
         self.on_exit = on_exit
         self.log_path = log_path
@@ -76,6 +77,8 @@ class StageProcess:
             if stderr:
                 stderr.close()
         self._reader = asyncio.create_task(self._read(), name=f"stage-{self.load_id}-{self.stage}")
+        if self.stop_reason is not None:  # stopped while it was starting (an unload during a restart)
+            self.proc.send_signal(signal.SIGTERM)
 
     async def _read(self) -> None:
         assert self.proc and self.proc.stdout
@@ -118,7 +121,10 @@ class StageProcess:
 
     async def stop(self, reason: str, timeout: float = 10.0) -> None:
         """Ask it to exit (SIGTERM), then kill it after `timeout` seconds."""
-        if self.proc is None or self.proc.returncode is not None:
+        if self.proc is None:  # not started yet: start() stops it once it exists
+            self.stop_reason = self.stop_reason or reason
+            return
+        if self.proc.returncode is not None:
             return
         self.stop_reason = self.stop_reason or reason
         self.state = "stopping"

@@ -60,6 +60,7 @@ def create_app(settings: Settings | None = None, leader: Leader | None = None,
         exception_handlers=exception_handlers,
         guards=[scope_guard(leader)],
         openapi_config=OpenAPIConfig(title="Swarm", version="0.1.0", path="/schema"),
+        request_max_body_size=settings.http_max_body_bytes,
         debug=False,
         **json_logging(settings),
     )

@@ -37,6 +37,10 @@ def _handle(request: Request, exc: Exception) -> Response:
         if extra and isinstance(extra[0], dict) and extra[0].get("message"):
             msg = f"{exc.detail}: {extra[0]['message']}"
         return Response(error_body(msg, "invalid_request_error", "invalid_request", param), status_code=400)
+    if isinstance(exc, HTTPException) and exc.status_code == 413:  # over the app's request_max_body_size
+        limit = request.route_handler.resolve_request_max_body_size()
+        return Response(error_body(f"The request body is larger than {limit} bytes (SWARM_HTTP_MAX_BODY_BYTES)",
+                                   "invalid_request_error", "request_too_large"), status_code=413)
     if isinstance(exc, NotFoundException):
         return Response(error_body(exc.detail or "Not found", "invalid_request_error", "not_found"),
                         status_code=404)

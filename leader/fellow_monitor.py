@@ -76,10 +76,14 @@ class FellowMonitor:
         prev = self.latest.get(hb.fellow_id)
         if prev is not None and prev.started_at == hb.started_at and prev.seq >= hb.seq:
             return
+        seen = self._seen_at.get(hb.fellow_id, 0.0)
         self.latest[hb.fellow_id] = hb
-        self._seen_at[hb.fellow_id] = max(hb.at, self._seen_at.get(hb.fellow_id, 0.0))
+        self._seen_at[hb.fellow_id] = max(hb.at, seen)
         if self.clock() - hb.at > self._timeout(hb):
             return  # an old heartbeat replayed from the stream: not a sign of life
+        was = self.online.get(hb.fellow_id)
+        if was is not None and was < hb.started_at:  # restarted before its timeout: its stages went with it
+            await self._lost(hb.fellow_id, was, seen, "restarted", prev)
         if self.online.get(hb.fellow_id) != hb.started_at:
             await self._joined(hb)
         for listener in self.beat_listeners:
@@ -111,11 +115,12 @@ class FellowMonitor:
         bounds = [self._timeout(hb) for hb in self.latest.values()] or [self._timeout(None)]
         return max(0.05, min(bounds) / (4 * MISSED_BEATS))
 
-    async def _lost(self, fellow_id: str, started_at: float, seen: float) -> None:
-        hb = self.latest.get(fellow_id)
+    async def _lost(self, fellow_id: str, started_at: float, seen: float, reason: str = "",
+                    hb: Heartbeat | None = None) -> None:
+        hb = hb or self.latest.get(fellow_id)
         evt = FellowLost(id=f"lost-{fellow_id}-{started_at!r}-{hb.seq if hb else 0}",
                          fellow_id=fellow_id, last_seen=seen,
-                         reason=f"no heartbeat for {self._timeout(hb):g}s")
+                         reason=reason or f"no heartbeat for {self._timeout(hb):g}s")
         try:
             await publish_event(self.js, evt)
         except Exception:

@@ -33,7 +33,7 @@ class RelayStats:
     async def _on_stats(self, msg) -> None:
         try:
             frame = decode_frame(msg.data)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # not a frame, or nested too deep
             log.warning("dropped malformed lane stats on %s", msg.subject)
             return
         if isinstance(frame, LaneStats):

@@ -9,6 +9,10 @@ subscription on ``load.failed`` ends every request of a load whose fellow was lo
 those it had not started stay queued for the replicas left. One on ``load.unloaded`` ends the
 requests of that load no stage had started: their queued messages are purged (leader.serving.reactions),
 so no frame would ever come. A request opened on a load that already ended fails at once.
+
+A streaming client that hangs up before the end cancels its request only after a grace
+(SWARM_STREAM_RESUME_S); reconnecting with the Last-Event-ID of its last chunk (`event_id`) resumes
+the frames after it, read back from SWARM_TOKENS (`TokenStreams.resume`, leader.resume).
 """
 
 from __future__ import annotations
@@ -62,10 +66,8 @@ class TokenStream:
         return self
 
     async def _on_msg(self, msg) -> None:
-        try:
-            frame = frame_decoder.decode(msg.data)
-        except (msgspec.DecodeError, RecursionError):  # not a frame, or nested too deep
-            log.warning("undecodable frame on %s dropped", self.subject)
+        frame = _frame(msg)
+        if frame is None:
             return
         self._started(frame)  # at once: a replica's loss may come before the reader gets here
         self._queue.put_nowait(frame)
@@ -137,26 +139,29 @@ class TokenStream:
                         await psub.unsubscribe()
                     for msg in msgs:
                         self._start_seq = max(self._start_seq, msg.metadata.sequence.stream + 1)
-                        self._hold(frame_decoder.decode(msg.data))
+                        if (frame := _frame(msg)) is not None:
+                            self._started(frame)
+                            self._hold(frame)
             finally:
                 await js.delete_consumer(subjects.TOKENS_STREAM, info.name)
-        except (NatsError, asyncio.TimeoutError, msgspec.DecodeError) as exc:
+        except (NatsError, asyncio.TimeoutError) as exc:
             log.warning("reading %s back from the stream failed: %s", self.subject, exc)
 
-    def close(self, cancel: bool) -> None:
-        """Stop receiving; with `cancel` (client gone before the end) tell the serving stage to stop.
+    def close(self, cancel: bool, grace_s: float = 0.0) -> None:
+        """Stop receiving; with `cancel` (client gone before the end) tell the serving stage to stop,
+        after `grace_s` seconds unless the client resumed the stream by then (TokenStreams.resume).
 
         Runs in a task of its own: the caller may be a cancelled task, where an await would
         be cancelled again before the cancel reaches NATS.
         """
         self.hub.unwatch(self)
-        self.hub.spawn(self._close(cancel and not self.ended))
+        self.hub.spawn(self._close(cancel and not self.ended, grace_s))
 
-    async def _close(self, cancel: bool) -> None:
-        if cancel:
-            await self.hub.nc.publish(subjects.cancel(self.load_id, self.request_id), b"")
+    async def _close(self, cancel: bool, grace_s: float) -> None:
         if self._sub is not None:
             await self._sub.unsubscribe()
+        if cancel:
+            await self.hub.cancel(self.load_id, self.request_id, grace_s)
 
 
 def not_loaded(stream: TokenStream, evt: ModelUnloaded) -> ErrorFrame:
@@ -174,6 +179,7 @@ class TokenStreams:
         self.js = js
         self.probe_s = probe_s
         self.gap_wait_s = gap_wait_s
+        self._graces: dict[str, asyncio.Future] = {}  # request_id -> resolved True on resume, False on stop
         self._by_load: dict[str, set[TokenStream]] = {}
         self._ended: dict[str, ModelUnloaded] = {}  # load_id -> how it ended, oldest first
         self._tasks: set[asyncio.Task] = set()
@@ -193,6 +199,9 @@ class TokenStreams:
             self._subs.append(await self.nc.subscribe(subjects.event(kind), cb=cb))
 
     async def stop(self) -> None:
+        for grace in list(self._graces.values()):  # the cancels waiting out a grace go now
+            if not grace.done():
+                grace.set_result(False)
         if not self.nc.is_closed:
             for sub in self._subs:
                 await sub.unsubscribe()
@@ -201,6 +210,33 @@ class TokenStreams:
 
     async def open(self, request_id: str, load_id: str) -> TokenStream:
         return await TokenStream(self, request_id, load_id).open()
+
+    async def resume(self, request_id: str, load_id: str, next_seq: int) -> TokenStream:
+        """The frames of a request from `next_seq` on, for a client that reconnected; a cancel waiting out
+        its grace is called off. What was sent meanwhile is read back from SWARM_TOKENS at once."""
+        grace = self._graces.pop(request_id, None)
+        if grace is not None and not grace.done():
+            grace.set_result(True)
+        stream = TokenStream(self, request_id, load_id)
+        stream.next_seq = next_seq
+        await stream.open()
+        await stream._fill()
+        return stream
+
+    async def cancel(self, load_id: str, request_id: str, grace_s: float = 0.0) -> None:
+        """Tell the stage serving the request to stop, after `grace_s` unless it is resumed first."""
+        if grace_s > 0:
+            grace = self._graces[request_id] = asyncio.get_running_loop().create_future()
+            try:
+                async with asyncio.timeout(grace_s):
+                    if await grace:
+                        return  # resumed
+            except TimeoutError:
+                pass
+            finally:
+                if self._graces.get(request_id) is grace:
+                    del self._graces[request_id]
+        await self.nc.publish(subjects.cancel(load_id, request_id), b"")
 
     def watch(self, stream: TokenStream) -> None:
         self._by_load.setdefault(stream.load_id, set()).add(stream)
@@ -258,9 +294,33 @@ class TokenStreams:
             log.warning("closing a token stream failed: %s", task.exception())
 
 
+def event_id(request_id: str, next_seq: int) -> bytes:
+    """The SSE `id:` line of a chunk: the request and the seq of the next frame it has not sent."""
+    return f"id: {request_id}:{next_seq}\n".encode()
+
+
+def parse_event_id(value: str) -> tuple[str, int] | None:
+    """(request_id, next_seq) from a Last-Event-ID that event_id wrote, else None."""
+    rid, _, seq = value.strip().rpartition(":")
+    if not rid or not seq.isdigit() or len(seq) > 9 or len(rid) > 64:
+        return None
+    return rid, int(seq)
+
+
+def _frame(msg) -> AnyFrame | None:
+    """The frame in ``msg``, or None (logged) for one that does not decode."""
+    try:
+        return frame_decoder.decode(msg.data)
+    except (msgspec.DecodeError, RecursionError):  # not a frame, or nested too deep
+        log.warning("undecodable frame on %s dropped", msg.subject)
+        return None
+
+
 def _event(msg):
-    """The event in ``msg``, or None for one no reader can decode (the projections keep it as a dead letter)."""
+    """The event in ``msg``, or None (logged) for one no reader can decode (the projections keep it as a
+    dead letter)."""
     try:
         return decode_event(msg.data)
     except (ValueError, RecursionError):  # PoisonEvent is a ValueError
+        log.warning("undecodable event on %s dropped", msg.subject)
         return None

@@ -1,14 +1,17 @@
-"""For the request-ending tests: a one-stage tiny servable, chats over HTTP, a stream known to have
-started, the request rows."""
+"""For the request-ending and fault tests: a one-stage tiny servable, chats over HTTP, a stream known to
+have started, SSE events with their ids, the request rows."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 
 import httpx
 import pytest
 
+from tests.processes import wait_until
 from tests.serving_fixtures import Stack, make_servable
 
 FINAL = ("finished", "failed", "too_long")
@@ -55,3 +58,32 @@ def all_final(stack: Stack) -> list[tuple] | None:
     """The request rows once every one has ended, else None."""
     got = rows(stack)
     return got if got and all(status in FINAL for _, status, _, _ in got) else None
+
+
+def kill_stage_and_wait_restart(stack: Stack, load_id: str, pid: int) -> int:
+    """SIGKILL a one-stage load's stage process; the pid of the one its fellow started again, once ready."""
+    os.kill(pid, signal.SIGKILL)
+    query = "SELECT pid FROM load_stages WHERE load_id = ? AND state = 'ready'"
+    return wait_until(lambda: (p := stack.sql(query, load_id)) and p[0][0] != pid and p[0][0], 60,
+                      "the stage restarted")
+
+
+async def read_events(response: httpx.Response, until: str | None = None,
+                      out: list | None = None) -> list[tuple[str | None, dict | str]]:
+    """(id, data) of each SSE event, appended to `out` as they come; stops after [DONE], or after the
+    chunk whose content is `until`."""
+    out, event_id = [] if out is None else out, None
+    async for line in response.aiter_lines():
+        if line.startswith("id: "):
+            event_id = line[4:]
+        elif line.startswith("data: "):
+            data = line[6:] if line == "data: [DONE]" else json.loads(line[6:])
+            out.append((event_id, data))
+            if data == "[DONE]" or (until is not None and content([out[-1]]) == until):
+                return out
+    return out
+
+
+def content(events) -> str:
+    return "".join(d["choices"][0]["delta"].get("content") or "" for _, d in events
+                   if isinstance(d, dict) and d.get("choices"))

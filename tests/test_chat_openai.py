@@ -33,7 +33,8 @@ MSGS = [{"role": "user", "content": "hi"}]
 async def gateway(tmp_path, nats_server, sqlite_url):
     root = tmp_path / "servables"
     cataloged_servable(root, "cataloged")
-    settings = make_settings(tmp_path, nats_server.url, sqlite_url, SWARM_SERVABLE_MODELS_ROOT=root)
+    settings = make_settings(tmp_path, nats_server.url, sqlite_url, SWARM_SERVABLE_MODELS_ROOT=root,
+                             SWARM_STREAM_RESUME_S=0.5)  # a streaming client's hang-up cancels after 0.5 s
     leader = Leader(settings, serving=StandInServing)
     async with served(create_app(settings, leader, chat_timeout_s=20.0)) as url:
         yield Gateway(url, leader)
@@ -165,7 +166,9 @@ async def test_a_client_that_hangs_up_cancels_its_request(gateway, nc, js):
                                json={"model": READY.model_id, "messages": MSGS, "stream": True}) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
             rid = (await peer.next_request()).request_id
-            first = await r.aiter_lines().__anext__()
+            lines = r.aiter_lines()
+            assert (await lines.__anext__()).startswith("id: ")  # for a reconnect (tests/test_chat_resume.py)
+            first = await lines.__anext__()
             assert first.startswith("data: ") and '"role":"assistant"' in first
     assert await asyncio.wait_for(cancelled, 10) == subjects.cancel(READY.load_id, rid)
 

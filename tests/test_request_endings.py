@@ -16,7 +16,7 @@ import pytest
 
 from events import subjects
 from tests.processes import wait_until
-from tests.request_helpers import all_final, chat, rows, start_stream
+from tests.request_helpers import all_final, chat, kill_stage_and_wait_restart, rows, start_stream
 from tests.request_helpers import servables  # noqa: F401 (a fixture)
 from tests.serving_fixtures import Stack
 
@@ -66,7 +66,8 @@ async def test_the_sweeper_ends_the_rows_a_dead_leader_left_accepted(tmp_path, n
                                                   SWARM_MODEL_IDLE_UNLOAD_S=0).start())
     try:
         load = await asyncio.to_thread(stack.load, "tiny-a")
-        pid = load["stages"][0]["pid"]
+        # its one restart in a minute: the next death ends the load
+        pid = await asyncio.to_thread(kill_stage_and_wait_restart, stack, load["load_id"], load["stages"][0]["pid"])
         os.kill(pid, signal.SIGSTOP)
         async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
             pending = asyncio.ensure_future(http.post("/v1/chat/completions", json=chat("never served", max_tokens=4)))

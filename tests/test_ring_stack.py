@@ -68,6 +68,7 @@ async def _greedy_ring_equals_hf(stack, url, hf, num_stages: int, fellow_ids: li
         # garbage on every ring lane is dropped, and the ring serves on
         for lane in ("act", "act1", "tok"):
             await nc.publish(f"swarm.ring.{load['load_id']}.{lane}", b"\x93not a frame")
+        await nc.publish("swarm.evt.load.failed", b"[" * 100_000)  # and on the stages' load watch
         _, frames, tokens, _ = await chat_over_bus(nc, js, load["load_id"], "tiny", PROMPTS[0], max_tokens=20)
         assert isinstance(frames[-1], DoneFrame) and tokens == hf_greedy(hf, PROMPTS[0], 20)
         def relay_counted():

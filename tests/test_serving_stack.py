@@ -10,6 +10,7 @@ import pytest
 
 from events.frames import DoneFrame
 from tests.processes import pid_alive, wait_until
+from tests.request_helpers import kill_stage_and_wait_restart
 from tests.serving_fixtures import Stack, chat_over_bus, hf_greedy, make_servable
 
 
@@ -76,8 +77,9 @@ async def test_a_stage_that_crashes_fails_its_load_with_its_exit_and_log_line(tm
     stack = await asyncio.to_thread(lambda: Stack(tmp_path, nats_server.url, out.parent).start())
     try:
         load = await asyncio.to_thread(stack.load, "tiny")
-        pid = load["stages"][0]["pid"]
-        os.kill(pid, signal.SIGKILL)
+        # its one restart in a minute: the next death ends the load
+        pid = await asyncio.to_thread(kill_stage_and_wait_restart, stack, load["load_id"], load["stages"][0]["pid"])
+        os.kill(pid, signal.SIGKILL)  # the second: the load fails
         await asyncio.to_thread(wait_until, lambda: stack.get("/api/v1/models/tiny/status").json()["load"] is None,
                                 30, "the load ended")
         last = stack.get("/api/v1/models/tiny/status").json()["last_load"]

@@ -26,7 +26,8 @@ from leader.openai.replies import DONE, ChatCompletion, ChunkEncoder, completion
 from leader.openai.schema import ChatBody, decode_body, empty_body
 from leader.openai.validate import chat_request, check_body
 from leader.serving.limits import check_payload
-from leader.token_stream import FrameTimeout, TokenStream
+from leader.resume import resume
+from leader.token_stream import FrameTimeout, TokenStream, event_id
 
 log = logging.getLogger(__name__)
 
@@ -65,26 +66,29 @@ class Relay:
         except (NatsError, asyncio.TimeoutError) as exc:
             log.warning("recording request %s as failed did not reach the bus: %s", rid, exc)
 
-    async def events(self, enc: ChunkEncoder):
-        """SSE bytes: the role chunk at once, a chunk per frame, the finish, then [DONE]."""
+    async def events(self, enc: ChunkEncoder, resumed: bool = False):
+        """SSE bytes: the role chunk at once (not on a resumed stream), a chunk per frame, the finish, then
+        [DONE]. Each chunk's id names the next frame, for a client that reconnects (leader.resume)."""
+        rid = self.chat.request_id
         try:
-            yield enc.role()
+            if not resumed:
+                yield event_id(rid, self.stream.next_seq) + enc.role()
             while True:
                 frame = await self.next_frame()
                 if isinstance(frame, TokenFrame):
                     text = frame.text or "".join(frame.texts)
                     if text:
-                        yield enc.text(text)
+                        yield event_id(rid, self.stream.next_seq) + enc.text(text)
                 elif isinstance(frame, DoneFrame):
-                    yield enc.finish(frame) + DONE
+                    yield event_id(rid, self.stream.next_seq) + enc.finish(frame) + DONE
                     return
                 else:
                     yield error_event(frame_error(frame))
                     return
         except ApiError as exc:
             yield error_event(exc)
-        finally:
-            self.stream.close(cancel=True)  # a no-op cancel once the last frame came
+        finally:  # a hang-up cancels after a grace, unless the client resumes; a no-op once the last frame came
+            self.stream.close(cancel=True, grace_s=self.leader.settings.stream_resume_s)
 
     async def collect(self) -> Response:
         texts: list[str] = []
@@ -132,6 +136,11 @@ async def submit(leader, chat: ChatRequest, stream: bool, token_id: str) -> None
                        code="bus_unavailable") from None
 
 
+def chunk_encoder(relay: Relay, body: ChatBody) -> ChunkEncoder:
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return ChunkEncoder(relay.completion_id, relay.created, relay.chat.model_id, include_usage)
+
+
 class ChatBodyDTO(StructBody[ChatBody]):
     decode = staticmethod(decode_body)
 
@@ -146,6 +155,11 @@ async def chat_completions(request: Request, leader: LeaderDep, serving: Serving
     if data is None:
         raise empty_body()
     body = data
+    if body.stream and (last_event_id := request.headers.get("last-event-id")) is not None:
+        stream, chat = await resume(leader, streams, caller, last_event_id, body.model)
+        relay = Relay(leader, stream, chat, chat_timeout_s)
+        return Stream(relay.events(chunk_encoder(relay, body), resumed=True), media_type="text/event-stream",
+                      headers=SSE_HEADERS)
     messages = check_body(body)
     ready = await serving.ready_load(body.model, leader.settings.autoload)
     chat = chat_request(body, messages, new_id(), ready.load_id, ready.generation, ready.context_tokens)
@@ -162,7 +176,5 @@ async def chat_completions(request: Request, leader: LeaderDep, serving: Serving
         raise
     relay = Relay(leader, stream, chat, chat_timeout_s)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        enc = ChunkEncoder(relay.completion_id, relay.created, chat.model_id, include_usage)
-        return Stream(relay.events(enc), media_type="text/event-stream", headers=SSE_HEADERS)
+        return Stream(relay.events(chunk_encoder(relay, body)), media_type="text/event-stream", headers=SSE_HEADERS)
     return await relay.complete(request)

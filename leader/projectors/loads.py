@@ -7,8 +7,8 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from events.base import Event
-from events.loads import (LoadFailed, LoadPlaced, LoadRequested, ModelLoaded, ModelUnloaded, ReplicaLost,
-                          StageReady, UnloadRequested)
+from events.loads import (STAGE_RESTARTING, LoadFailed, LoadPlaced, LoadRequested, ModelLoaded, ModelUnloaded,
+                          ReplicaLost, StageReady, UnloadRequested)
 from leader.db.tables import Load, LoadStage
 from leader.projectors.projector import Projector
 
@@ -67,7 +67,9 @@ class LoadsProjector(Projector):
                 stages = await session.scalars(select(LoadStage).where(LoadStage.load_id == evt.load_id,
                                                                        LoadStage.replica == evt.replica))
                 for stage in stages:
-                    if stage.state in ("loading", "ready"):
+                    if evt.code == STAGE_RESTARTING and stage.state == "ready":  # its StageReady comes again
+                        stage.state = "loading"
+                    elif stage.state in ("loading", "ready"):
                         stage.state = "failed" if evt.code in ("load_failed", "fellow_lost") else "unloaded"
             case LoadFailed():
                 await self._end(session, evt.load_id, "failed", evt.reason, evt.at)

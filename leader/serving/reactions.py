@@ -28,7 +28,7 @@ from leader.serving.rows import ACTIVE, SERVING, UNLOADED_CODES, get_load, load_
 
 log = logging.getLogger(__name__)
 
-ENDS_READY = (ModelLoaded, LoadFailed, ModelUnloaded, ReplicaLost)  # events that change the ready view
+ENDS_READY = (ModelLoaded, LoadFailed, ModelUnloaded, ReplicaLost, StageReady)  # events that change the ready view
 
 
 async def purge_queue(js, load_id: str) -> None:

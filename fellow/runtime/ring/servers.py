@@ -81,7 +81,8 @@ class RingHeadServer(StageServer):
     async def _on_load_failed(self, msg) -> None:
         try:
             evt = decode_event(msg.data)
-        except Exception:
+        except Exception as exc:  # not an event, or nested too deep
+            log.warning("dropped a message on %s that is not an event: %s", msg.subject, type(exc).__name__)
             return
         if isinstance(evt, LoadFailed) and evt.load_id == self.load_id:
             log.warning("load failed (%s): failing every request in the ring", evt.reason)
