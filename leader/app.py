@@ -14,6 +14,7 @@ from leader.api.deps import dependencies
 from leader.api.fellows import list_fellows
 from leader.api.health import healthz
 from leader.api.models import ROUTES as MODEL_ROUTES
+from leader.api.tokenize import detokenize, tokenize
 from leader.auth.guard import scope_guard
 from leader.auth.routes import TOKEN_ROUTES
 from leader.context import Leader
@@ -21,7 +22,7 @@ from leader.errors import exception_handlers
 from leader.web import ROUTES as WEB_ROUTES
 
 BODY_TIMEOUT_S = 30.0
-ROUTES = [healthz, list_fellows, *MODEL_ROUTES, *TOKEN_ROUTES, chat_completions, *WEB_ROUTES]
+ROUTES = [healthz, list_fellows, *MODEL_ROUTES, *TOKEN_ROUTES, chat_completions, tokenize, detokenize, *WEB_ROUTES]
 
 
 def create_app(settings: Settings | None = None, leader: Leader | None = None,
