@@ -54,3 +54,100 @@ def test_tokenize_and_detokenize_agree_with_the_models_tokenizer(stack, hf_token
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     r = httpx.post(url + "/tokenize", json={"model": "nope", "prompt": "a"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+@pytest.fixture(scope="module")
+def reference(stack, hf_tokenizer):
+    """Greedy decoding with a logits processor, by hand on the HF model: [(token, logprobs [V])] per step."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(stack[1]), dtype=torch.float32).eval()
+    prompt = hf_tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_dict=True)["input_ids"]
+
+    def run(steps: int, process=lambda logits, out: logits):
+        out: list[int] = []
+        steps_out = []
+        for _ in range(steps):
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + out])).logits[0, -1].float()
+            logprobs = torch.log_softmax(process(logits.clone(), out), dim=-1)
+            token = int(logprobs.argmax())
+            steps_out.append((token, logprobs))
+            out.append(token)
+        return steps_out
+
+    return run
+
+
+def _assert_logprobs_match(content, steps, hf_tokenizer, top: int) -> None:
+    assert len(content) == len(steps)
+    for entry, (token, logprobs) in zip(content, steps):
+        assert entry.token == hf_tokenizer.decode([token]) and entry.bytes == list(entry.token.encode())
+        assert abs(entry.logprob - float(logprobs[token])) < 1e-4
+        best = logprobs.topk(top)
+        assert [t.token for t in entry.top_logprobs] == [hf_tokenizer.decode([i]) for i in best.indices.tolist()]
+        assert all(abs(t.logprob - v) < 1e-4 for t, v in zip(entry.top_logprobs, best.values.tolist()))
+
+
+async def test_chat_logprobs_whole_and_streamed_match_the_models_log_softmax(client, reference, hf_tokenizer):
+    steps = reference(8)
+    reply = await client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=8, temperature=0,
+                                                 logprobs=True, top_logprobs=5)
+    _assert_logprobs_match(reply.choices[0].logprobs.content, steps, hf_tokenizer, 5)
+    stream = await client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=8, temperature=0,
+                                                  logprobs=True, top_logprobs=5, stream=True)
+    content = [e async for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+               for e in chunk.choices[0].logprobs.content]
+    _assert_logprobs_match(content, steps, hf_tokenizer, 5)
+
+
+@pytest.mark.parametrize("params", [
+    {"frequency_penalty": 1.5, "presence_penalty": 0.5},
+    {"repetition_penalty": 1.8, "logit_bias": {"40": 3.0, "41": -50.0}},
+])
+async def test_penalties_and_logit_bias_change_the_distribution_as_documented(client, reference, hf_tokenizer,
+                                                                              params):
+    def process(logits, out):
+        import torch
+
+        for key, bias in params.get("logit_bias", {}).items():
+            logits[int(key)] += bias
+        seen = sorted(set(out) | set(reference_prompt))
+        if "repetition_penalty" in params and seen:
+            values = logits[seen]
+            rp = params["repetition_penalty"]
+            logits[seen] = torch.where(values > 0, values / rp, values * rp)
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0]).float()
+        return logits - counts * params.get("frequency_penalty", 0) - (counts > 0) * params.get("presence_penalty", 0)
+
+    reference_prompt = hf_tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True,
+                                                        return_dict=True)["input_ids"]
+    steps = reference(10, process)
+    plain = [t for t, _ in reference(10)]
+    assert [t for t, _ in steps] != plain or params.get("logit_bias")  # the processor changed the greedy path
+    reply = await client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=10, temperature=0,
+                                                 logprobs=True, top_logprobs=3, extra_body=params)
+    _assert_logprobs_match(reply.choices[0].logprobs.content, steps, hf_tokenizer, 3)
+
+
+async def test_n_choices_are_each_what_their_seed_gives_alone(client):
+    common = dict(model="tiny", messages=PROMPT, max_tokens=12, temperature=1.0, top_p=1.0, extra_body={"top_k": 0})
+    whole = await client.chat.completions.create(n=3, seed=40, **common)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    alone = [await client.chat.completions.create(seed=40 + i, **common) for i in range(3)]
+    assert [c.message.content for c in whole.choices] == [a.choices[0].message.content for a in alone]
+    assert [c.finish_reason for c in whole.choices] == [a.choices[0].finish_reason for a in alone]
+    assert len({c.message.content for c in whole.choices}) > 1
+    assert whole.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert whole.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    stream = await client.chat.completions.create(n=3, seed=40, stream=True, stream_options={"include_usage": True},
+                                                  **common)
+    texts, reasons, usage = ["", "", ""], [None] * 3, None
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+    assert texts == [c.message.content for c in whole.choices] and reasons == [c.finish_reason for c in whole.choices]
+    assert usage.completion_tokens == whole.usage.completion_tokens

@@ -97,3 +97,10 @@ def _token_text(value) -> str:
 
 def _text(value) -> str:
     return value if isinstance(value, str) else ""
+
+
+def check_bias_ids(model_dir: str, bias: dict[str, float] | None) -> None:
+    """A 400 naming ``logit_bias`` for a key that is no token id of the model."""
+    if bias:
+        ids = [int(k) for k in bias]  # validate.logit_bias checked they are integers
+        tokenizer_for(model_dir).check_ids("logit_bias", ids)
