@@ -10,6 +10,7 @@ from litestar.openapi import OpenAPIConfig
 from core.settings import Settings
 from leader.api.body import body_read_timeout
 from leader.api.chat import FRAME_TIMEOUT_S, chat_completions
+from leader.api.completions import completions
 from leader.api.deps import dependencies
 from leader.api.fellows import list_fellows
 from leader.api.health import healthz
@@ -22,7 +23,8 @@ from leader.errors import exception_handlers
 from leader.web import ROUTES as WEB_ROUTES
 
 BODY_TIMEOUT_S = 30.0
-ROUTES = [healthz, list_fellows, *MODEL_ROUTES, *TOKEN_ROUTES, chat_completions, tokenize, detokenize, *WEB_ROUTES]
+ROUTES = [healthz, list_fellows, *MODEL_ROUTES, *TOKEN_ROUTES, chat_completions, completions, tokenize, detokenize,
+          *WEB_ROUTES]
 
 
 def create_app(settings: Settings | None = None, leader: Leader | None = None,

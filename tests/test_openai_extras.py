@@ -65,7 +65,7 @@ def reference(stack, hf_tokenizer):
     model = AutoModelForCausalLM.from_pretrained(str(stack[1]), dtype=torch.float32).eval()
     prompt = hf_tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_dict=True)["input_ids"]
 
-    def run(steps: int, process=lambda logits, out: logits):
+    def run(steps: int, process=lambda logits, out: logits, prompt: list[int] = prompt):
         out: list[int] = []
         steps_out = []
         for _ in range(steps):
@@ -132,7 +132,8 @@ async def test_penalties_and_logit_bias_change_the_distribution_as_documented(cl
 
 
 async def test_n_choices_are_each_what_their_seed_gives_alone(client):
-    common = dict(model="tiny", messages=PROMPT, max_tokens=12, temperature=1.0, top_p=1.0, extra_body={"top_k": 0})
+    common = dict(model="tiny", messages=PROMPT, max_tokens=12, temperature=1.0, top_p=1.0,
+                  extra_body={"top_k": 0})
     whole = await client.chat.completions.create(n=3, seed=40, **common)
     assert [c.index for c in whole.choices] == [0, 1, 2]
     alone = [await client.chat.completions.create(seed=40 + i, **common) for i in range(3)]
@@ -151,3 +152,47 @@ async def test_n_choices_are_each_what_their_seed_gives_alone(client):
             reasons[choice.index] = choice.finish_reason or reasons[choice.index]
     assert texts == [c.message.content for c in whole.choices] and reasons == [c.finish_reason for c in whole.choices]
     assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+async def test_completions_from_text_or_ids_whole_streamed_echoed_with_logprobs(client, reference, hf_tokenizer):
+    text = "Red, green and"
+    ids = hf_tokenizer(text)["input_ids"]
+    steps = reference(8, prompt=ids)
+    expected = hf_tokenizer.decode([t for t, _ in steps])
+    reply = await client.completions.create(model="tiny", prompt=text, max_tokens=8, temperature=0, logprobs=3)
+    choice = reply.choices[0]
+    assert reply.object == "text_completion" and choice.text == expected and choice.finish_reason == "length"
+    assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == 8
+    lp = choice.logprobs
+    assert lp.tokens == [hf_tokenizer.decode([t]) for t, _ in steps] and len(lp.top_logprobs[0]) == 3
+    assert all(abs(got - float(logprobs[t])) < 1e-4 for got, (t, logprobs) in zip(lp.token_logprobs, steps))
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    by_ids = await client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0, echo=True)
+    assert by_ids.choices[0].text == text + expected
+    stream = await client.completions.create(model="tiny", prompt=text, max_tokens=8, temperature=0, stream=True,
+                                             echo=True, stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text + expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 8 and chunks[-1].model_extra["swarm"]["timing"]
+
+
+async def test_completions_with_several_prompts_and_n_and_a_stop(client):
+    texts = ["Red, green and", "One, two,"]
+    reply = await client.completions.create(model="tiny", prompt=texts, n=2, max_tokens=6, temperature=1.0,
+                                            seed=3)
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    for i, choice in enumerate(reply.choices):
+        alone = await client.completions.create(model="tiny", prompt=texts[i // 2], max_tokens=6, temperature=1.0,
+                                                seed=3 + i % 2)
+        assert choice.text == alone.choices[0].text
+    full = (await client.completions.create(model="tiny", prompt=texts[0], max_tokens=12, temperature=0)).choices[0]
+    stop = full.text[4:7]
+    cut = await client.completions.create(model="tiny", prompt=texts[0], max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full.text[:full.text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    for bad, param in (({"prompt": ""}, "prompt"), ({"prompt": [10**7]}, "prompt"), ({"suffix": "x"}, "suffix"),
+                       ({"echo": True, "logprobs": 1}, "echo"), ({"logprobs": 21}, "logprobs"),
+                       ({"prompt": [[1], "a", 3]}, "prompt[2]")):
+        with pytest.raises(openai.BadRequestError) as exc:
+            await client.completions.create(model="tiny", **{"prompt": "a", **bad})
+        assert exc.value.param == param
