@@ -73,7 +73,7 @@ class Choices:
                     await queue.put((answer, frame))
                     if not isinstance(frame, TokenFrame):
                         return
-            except BaseException as exc:
+            except Exception as exc:  # a timeout (ApiError) or the bus: the reply fails
                 await queue.put((answer, exc))
 
         tasks = [asyncio.ensure_future(pump(a, r)) for a, r in zip(self.answers, self.relays)]
@@ -99,10 +99,11 @@ class Choices:
                      finish: Callable[[Answer, bool], bytes], end: Callable[[], bytes]) -> AsyncIterator[bytes]:
         """SSE bytes: ``first`` per choice at once, ``piece`` per token frame, ``finish`` per choice (True for
         the last), then ``end`` and [DONE]; a failure ends the stream with an error event."""
+        frames = self.frames()
         try:
             yield b"".join(first(a) for a in self.answers)
             left = len(self.answers)
-            async for answer, frame in self.frames():
+            async for answer, frame in frames:
                 if isinstance(frame, TokenFrame):
                     chunk = piece(answer, frame)
                     if chunk:
@@ -113,6 +114,7 @@ class Choices:
         except ApiError as exc:
             yield error_event(exc)
         finally:
+            await frames.aclose()  # its pumps stop now, not when it is collected
             self.close()
 
     def stream(self, *handlers) -> Stream:
