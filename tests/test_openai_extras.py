@@ -3,10 +3,13 @@ processes serving a tiny real model: /tokenize, /detokenize, completions, logpro
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import openai
 import pytest
 
+from tests.processes import wait_until
 from tests.serving_fixtures import one_model_stack
 
 pytestmark = pytest.mark.slow
@@ -196,3 +199,23 @@ async def test_completions_with_several_prompts_and_n_and_a_stop(client):
         with pytest.raises(openai.BadRequestError) as exc:
             await client.completions.create(model="tiny", **{"prompt": "a", **bad})
         assert exc.value.param == param
+
+
+async def test_hanging_up_on_n_streamed_choices_cancels_every_one(stack, client):
+    s = stack[0]
+    before = {r[0] for r in s.sql("SELECT request_id FROM requests")}
+    stream = await client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=2000, n=2,
+                                                  temperature=0, stream=True)
+    started: set[int] = set()
+    async for chunk in stream:  # a stage drops a cancel for a request it has not taken: wait until both run
+        started |= {c.index for c in chunk.choices if c.delta.content}
+        if started == {0, 1}:
+            break
+    await stream.close()
+
+    def cancelled():
+        rows = [r for r in s.sql("SELECT request_id, finish_reason, completion_tokens FROM requests")
+                if r[0] not in before]
+        return len(rows) == 2 and all(r[1] == "cancelled" and r[2] < 2000 for r in rows)
+
+    await asyncio.to_thread(wait_until, cancelled, 30, "both choices were cancelled")
