@@ -22,10 +22,28 @@ class StartFrame(Frame, frozen=True, tag="start"):
     replica: int = 0
 
 
+class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One candidate token: its text, log-probability and UTF-8 bytes (OpenAI's shape, as an array)."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """A sampled token's log-probability and the most likely candidates at its position."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob] = []
+
+
 class TokenFrame(Frame, frozen=True, tag="tokens"):
     texts: list[str]
     text: str = ""  # the texts joined, for readers that want one string
     token_ids: list[int] = []
+    logprobs: list[TokenLogprob] = []  # one per token id, when the request asked for logprobs
 
 
 class DoneFrame(Frame, frozen=True, tag="done"):

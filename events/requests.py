@@ -20,6 +20,12 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's: divides positive logits of prompt and output tokens
+    logit_bias: dict[int, float] = {}
+    min_tokens: int = 0  # vLLM's: end-of-turn ids are barred until this many tokens came
+    logprobs: int | None = None  # the sampled token's logprob plus this many top candidates
 
 
 class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -30,6 +36,7 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
     model_id: str
     messages: list[ChatMessage]
     max_tokens: int
+    prompt_ids: list[int] = []  # a completion's prompt, tokenized by the gateway; then messages is empty
     max_tokens_fit: bool = False  # a default, not the client's: shorten it to what fits beside the prompt
     sampling: Sampling = Sampling()
     stop: list[str] = []

@@ -35,13 +35,25 @@ class _Hot(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen
 
 
 class RingSampling(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
-    """The request's sampling, named once in the session's first frame for the last stage."""
+    """The request's sampling, named once in the session's first frame for the last stage.
+
+    ``stop_ids`` ride along only with ``min_tokens``, and ``prompt_ids`` only with a
+    ``repetition_penalty``: the processors that need them (fellow.runtime.engine.processors).
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: list[tuple[int, float]] = []
+    min_tokens: int = 0
+    logprobs: int | None = None
+    stop_ids: list[int] = []
+    prompt_ids: list[int] = []
 
 
 class Hidden(_Hot, tag="h"):
@@ -74,6 +86,7 @@ class Token(_Hot, tag="t"):
     compute_ms: list[float] = []
     error: str = ""
     code: str = ""
+    logprob: tuple[int, float, list[tuple[int, float]]] | None = None  # when the request asked for logprobs
 
 
 class End(_Hot, tag="e"):

@@ -33,6 +33,7 @@ class TokenBatcher:
         self._claim: StartFrame | None = None  # the start frame we published, or tried to
         self._texts: list[str] = []
         self._ids: list[int] = []
+        self._logprobs: list = []
         self._final: Frame | None = None
         self._sender: asyncio.Task | None = None
         self.closed = asyncio.Event()
@@ -51,11 +52,12 @@ class TokenBatcher:
         self.seq = 1
         return not ack.duplicate
 
-    def add(self, texts: list[str], ids: list[int]) -> None:
+    def add(self, texts: list[str], ids: list[int], logprobs: list | None = None) -> None:
         if self._final is not None:
             return
         self._texts.extend(texts)
         self._ids.extend(ids)
+        self._logprobs.extend(logprobs or ())
         self._kick()
 
     def done(self, completion_tokens: int, prompt_tokens: int, finish_reason: str, timing: dict) -> None:
@@ -78,15 +80,15 @@ class TokenBatcher:
 
     async def _send(self) -> None:
         try:
-            while self._texts or (self._final is not None and not self.closed.is_set()):
-                if self._texts:
-                    texts, ids = self._texts, self._ids
-                    self._texts, self._ids = [], []
+            while self._texts or self._ids or (self._final is not None and not self.closed.is_set()):
+                if self._texts or self._ids:
+                    texts, ids, logprobs = self._texts, self._ids, self._logprobs
+                    self._texts, self._ids, self._logprobs = [], [], []
                     # Token frames go out without waiting for JetStream's ack: the stream still keeps
                     # them (same subject, same msg id) for a gap fill or a replay, and the done or
                     # error frame, which is acked, follows them on the same connection in order.
                     frame = TokenFrame(request_id=self.request_id, seq=self.seq, texts=texts, text="".join(texts),
-                                       token_ids=ids)
+                                       token_ids=ids, logprobs=logprobs)
                     await self.nc.publish(self.subject, encode(frame),
                                           headers={"Nats-Msg-Id": frame_msg_id(self.request_id, self.seq)})
                     self.seq += 1

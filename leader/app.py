@@ -11,11 +11,13 @@ from litestar.openapi import OpenAPIConfig
 from core.settings import Settings
 from leader.api.body import body_read_timeout
 from leader.api.chat import FRAME_TIMEOUT_S, chat_completions
+from leader.api.completions import completions
 from leader.api.deps import dependencies
 from leader.api.fellows import list_fellows
 from leader.api.health import healthz
 from leader.api.models import ROUTES as MODEL_ROUTES
 from leader.api.operations import ROUTES as OPERATION_ROUTES
+from leader.api.tokenize import detokenize, tokenize
 from leader.auth.guard import scope_guard
 from leader.auth.routes import TOKEN_ROUTES
 from leader.context import Leader
@@ -24,8 +26,8 @@ from leader.mcp_tools import McpEndpoint
 from leader.web import ROUTES as WEB_ROUTES
 
 BODY_TIMEOUT_S = 30.0
-ROUTES = [healthz, list_fellows, *MODEL_ROUTES, *TOKEN_ROUTES, chat_completions, *WEB_ROUTES,
-          *OPERATION_ROUTES]
+ROUTES = [healthz, list_fellows, *MODEL_ROUTES, *TOKEN_ROUTES, chat_completions, completions, tokenize, detokenize,
+          *WEB_ROUTES, *OPERATION_ROUTES]
 
 
 def json_logging(settings: Settings) -> dict:

@@ -44,6 +44,23 @@ def make_servable(root: Path, model_id: str = "tiny", family: str = "qwen3", lay
     return hf, out
 
 
+def one_model_stack(root: Path, model_id: str = "tiny", env: dict | None = None, **model):
+    """A generator for a module fixture: (Stack, hf dir, nats url) with ``model_id`` made and loaded on one
+    fellow; ``env`` adds settings."""
+    from core.nats_server import EmbeddedNats
+
+    hf, servable = make_servable(root / "models", model_id, **model)
+    nats = EmbeddedNats(root / "jetstream").start()
+    stack = Stack(root, nats.url, servable.parent, **(env or {}))
+    try:
+        stack.start()
+        stack.load(model_id)
+        yield stack, hf, nats.url
+    finally:
+        stack.stop()
+        nats.stop()
+
+
 class Stack:
     """nats-server (from the fixture) + one leader + fellows, as real processes."""
 

@@ -11,27 +11,18 @@ import openai
 import pytest
 
 from core.bus import connect
-from core.nats_server import EmbeddedNats
 from events.requests import RequestFinished
 from tests.processes import wait_until
-from tests.serving_fixtures import Stack, make_servable
+from tests.serving_fixtures import one_model_stack
 
 PROMPT = [{"role": "user", "content": "Name three colours."}]
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    root = tmp_path_factory.mktemp("chat-e2e")
-    _, servable = make_servable(root / "models", "tiny", layers=4, hidden=64)
-    nats = EmbeddedNats(root / "jetstream").start()
-    stack = Stack(root, nats.url, servable.parent, SWARM_STREAM_RESUME_S=0.5)  # a hang-up cancels after 0.5 s
-    try:
-        stack.start()
-        stack.load("tiny")
-        yield stack, nats.url
-    finally:
-        stack.stop()
-        nats.stop()
+    for stack, _, url in one_model_stack(tmp_path_factory.mktemp("chat-e2e"), layers=4, hidden=64,
+                                         env={"SWARM_STREAM_RESUME_S": 0.5}):  # a hang-up cancels after 0.5 s
+        yield stack, url
 
 
 @pytest.fixture

@@ -54,7 +54,7 @@ async def test_error_objects_raise_the_sdk_exceptions(client):
         await client.chat.completions.create(model="cataloged", messages=MSGS)
     assert exc.value.code == "model_not_loaded" and "model-load cataloged" in exc.value.message
     with pytest.raises(openai.BadRequestError) as exc:
-        await client.chat.completions.create(model=READY.model_id, messages=MSGS, n=2)
+        await client.chat.completions.create(model=READY.model_id, messages=MSGS, n=0)
     assert exc.value.param == "n" and exc.value.type == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as exc:
         await client.chat.completions.create(model=READY.model_id, messages=MSGS, stream=True, temperature=3)

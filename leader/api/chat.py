@@ -22,8 +22,10 @@ from events.requests import ChatRequest, RequestAccepted, RequestFailed, request
 from leader.api.body import StructBody
 from leader.api.deps import Caller, ChatTimeout, LeaderDep, ServingDep, StreamsDep
 from leader.errors import ApiError
-from leader.openai.replies import DONE, ChatCompletion, ChunkEncoder, completion, error_event, frame_error
+from leader.openai.replies import (DONE, Answer, ChatCompletion, ChunkEncoder, completion, error_event,
+                                   frame_error)
 from leader.openai.schema import ChatBody, decode_body, empty_body
+from leader.openai.tokenizer import check_bias_ids
 from leader.openai.validate import chat_request, check_body
 from leader.serving.limits import check_payload
 from leader.resume import resume
@@ -77,8 +79,8 @@ class Relay:
                 frame = await self.next_frame()
                 if isinstance(frame, TokenFrame):
                     text = frame.text or "".join(frame.texts)
-                    if text:
-                        yield event_id(rid, self.stream.next_seq) + enc.text(text)
+                    if text or frame.logprobs:
+                        yield event_id(rid, self.stream.next_seq) + enc.text(text, logprobs=frame.logprobs)
                 elif isinstance(frame, DoneFrame):
                     yield event_id(rid, self.stream.next_seq) + enc.finish(frame) + DONE
                     return
@@ -91,13 +93,14 @@ class Relay:
             self.stream.close(cancel=True, grace_s=self.leader.settings.stream_resume_s)
 
     async def collect(self) -> Response:
-        texts: list[str] = []
+        answer = Answer(0, self.chat.sampling.logprobs is not None)
         while True:
             frame = await self.next_frame()
             if isinstance(frame, TokenFrame):
-                texts.append(frame.text or "".join(frame.texts))
+                answer.add(frame)
             elif isinstance(frame, DoneFrame):
-                body = completion(self.completion_id, self.created, self.chat.model_id, "".join(texts), frame)
+                answer.done = frame
+                body = completion(self.completion_id, self.created, self.chat.model_id, [answer])
                 return Response(body, media_type="application/json")
             else:
                 raise frame_error(frame)
@@ -162,6 +165,11 @@ async def chat_completions(request: Request, leader: LeaderDep, serving: Serving
                       headers=SSE_HEADERS)
     messages = check_body(body)
     ready = await serving.ready_load(body.model, leader.settings.autoload)
+    check_bias_ids(ready.model_dir, body.logit_bias)
+    if (body.n or 1) > 1:
+        from leader.api.choices import chat_choices  # built on this module's Relay
+
+        return await chat_choices(request, leader, streams, caller, chat_timeout_s, body, messages, ready)
     chat = chat_request(body, messages, new_id(), ready.load_id, ready.generation, ready.context_tokens)
     check_payload(leader.nc, chat)  # a 413 before anything is recorded
     try:

@@ -11,7 +11,7 @@ import logging
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from events.frames import DoneFrame, ErrorFrame
+from events.frames import DoneFrame, ErrorFrame, TokenFrame, TokenLogprob
 from leader.errors import ApiError, error_body
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class AssistantMessage(msgspec.Struct, kw_only=True):
 class Choice(msgspec.Struct, kw_only=True):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict | None = None
     finish_reason: str
 
 
@@ -74,16 +74,61 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     swarm: dict | UnsetType = UNSET
 
 
+class Answer:
+    """One choice as its frames arrive: text pieces, logprobs (when asked for) and its done frame."""
+
+    def __init__(self, index: int, logprobs: bool = False, prefix: str = ""):
+        self.index = index
+        self.texts: list[str] = [prefix] if prefix else []
+        self.logprobs: list[TokenLogprob] | None = [] if logprobs else None
+        self.done: DoneFrame | None = None
+
+    def add(self, frame: TokenFrame) -> str:
+        """Take a token frame; returns its text."""
+        text = frame.text or "".join(frame.texts)
+        self.texts.append(text)
+        if self.logprobs is not None:
+            self.logprobs.extend(frame.logprobs)
+        return text
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
 def usage(done: DoneFrame) -> Usage:
     return Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
                  total_tokens=done.prompt_tokens + done.completion_tokens)
 
 
-def completion(completion_id: str, created: int, model: str, text: str, done: DoneFrame) -> bytes:
+def total_usage(answers: list[Answer], prompts: int = 1) -> Usage:
+    """Every choice's completion tokens; each prompt's tokens once (answers come grouped by prompt)."""
+    per = max(1, len(answers) // prompts)
+    prompt = sum(a.done.prompt_tokens for a in answers[::per])
+    completion = sum(a.done.completion_tokens for a in answers)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _top(entry) -> dict:
+    return {"token": entry.token, "logprob": entry.logprob, "bytes": entry.bytes}
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict:
+    """OpenAI's ``choice.logprobs`` of a chat completion (or of one chunk)."""
+    return {"content": [{**_top(e), "top_logprobs": [_top(t) for t in e.top_logprobs]} for e in entries],
+            "refusal": None}
+
+
+def timing_of(done: DoneFrame) -> dict | UnsetType:
+    return {"timing": done.timing} if done.timing else UNSET
+
+
+def completion(completion_id: str, created: int, model: str, answers: list[Answer]) -> bytes:
     return _enc.encode(ChatCompletion(
-        id=completion_id, created=created, model=model, usage=usage(done),
-        choices=[Choice(message=AssistantMessage(content=text), finish_reason=done.finish_reason)],
-        swarm={"timing": done.timing} if done.timing else UNSET))
+        id=completion_id, created=created, model=model, usage=total_usage(answers),
+        choices=[Choice(index=a.index, message=AssistantMessage(content=a.text), finish_reason=a.done.finish_reason,
+                        logprobs=None if a.logprobs is None else chat_logprobs(a.logprobs)) for a in answers],
+        swarm=timing_of(answers[0].done)))
 
 
 class ChunkEncoder:
@@ -96,27 +141,37 @@ class ChunkEncoder:
         self._no_usage = b',"usage":null' if include_usage else b""
         self.include_usage = include_usage
 
-    def _choice(self, delta: bytes, finish_reason: bytes = b"null") -> bytes:
-        return b'[{"index":0,"delta":' + delta + b',"logprobs":null,"finish_reason":' + finish_reason + b"}]"
+    def _choice(self, delta: bytes, finish_reason: bytes = b"null", index: int = 0, logprobs: bytes = b"null") -> bytes:
+        return (b'[{"index":' + str(index).encode() + b',"delta":' + delta + b',"logprobs":' + logprobs
+                + b',"finish_reason":' + finish_reason + b"}]")
 
-    def role(self) -> bytes:
+    def role(self, index: int = 0) -> bytes:
         """OpenAI's first chunk: the assistant's role with empty content."""
-        return self._head + self._choice(b'{"role":"assistant","content":""}') + self._no_usage + b"}\n\n"
+        return self._head + self._choice(b'{"role":"assistant","content":""}', index=index) + self._no_usage + b"}\n\n"
 
-    def text(self, text: str) -> bytes:
-        return self._head + self._choice(b'{"content":' + _enc.encode(text) + b"}") + self._no_usage + b"}\n\n"
+    def text(self, text: str, index: int = 0, logprobs: list[TokenLogprob] | None = None) -> bytes:
+        lp = _enc.encode(chat_logprobs(logprobs)) if logprobs else b"null"
+        return (self._head + self._choice(b'{"content":' + _enc.encode(text) + b"}", index=index, logprobs=lp)
+                + self._no_usage + b"}\n\n")
 
     def finish(self, done: DoneFrame) -> bytes:
         """The chunk with finish_reason, then (with include_usage) one with usage and no choices.
 
         swarm.timing rides on whichever is last, as the spec asks of the reply's last chunk.
         """
-        swarm = b',"swarm":' + _enc.encode({"timing": done.timing}) if done.timing else b""
-        reason = _enc.encode(done.finish_reason)
+        return self.finish_choice(0, done.finish_reason, last=not self.include_usage, done=done) + self.end(
+            usage(done), done)
+
+    def finish_choice(self, index: int, reason: str, last: bool = False, done: DoneFrame | None = None) -> bytes:
+        swarm = b',"swarm":' + _enc.encode({"timing": done.timing}) if last and done and done.timing else b""
+        return self._head + self._choice(b"{}", _enc.encode(reason), index) + self._no_usage + swarm + b"}\n\n"
+
+    def end(self, total: Usage, done: DoneFrame) -> bytes:
+        """With include_usage, the chunk with usage and no choices (and swarm.timing); else nothing."""
         if not self.include_usage:
-            return self._head + self._choice(b"{}", reason) + swarm + b"}\n\n"
-        return (self._head + self._choice(b"{}", reason) + self._no_usage + b"}\n\n"
-                + self._head + b'[],"usage":' + _enc.encode(usage(done)) + swarm + b"}\n\n")
+            return b""
+        swarm = b',"swarm":' + _enc.encode({"timing": done.timing}) if done.timing else b""
+        return self._head + b'[],"usage":' + _enc.encode(total) + swarm + b"}\n\n"
 
 
 def error_event(exc: ApiError) -> bytes:

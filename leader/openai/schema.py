@@ -8,6 +8,8 @@ import msgspec
 
 from leader.errors import ApiError
 
+MAX_LOGPROBS = 20  # top candidates per token (OpenAI's top_logprobs bound; vLLM's default cap)
+
 
 class ContentPart(msgspec.Struct, kw_only=True):
     type: str
@@ -54,6 +56,7 @@ class ChatBody(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list | None = None

@@ -10,9 +10,12 @@ import time
 
 from events.requests import ChatMessage, ChatRequest, Sampling
 from leader.errors import ApiError
+from leader.openai.schema import MAX_LOGPROBS
 from leader.openai.schema import ChatBody, Message
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # OpenAI's seed: a signed 64-bit integer
+MAX_N = 128  # choices per request (OpenAI's bound)
+MAX_BIAS = 100.0  # |logit_bias| (OpenAI's bound)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOP = 4
 
@@ -32,21 +35,6 @@ def _in_range(param: str, value: float | None, low: float, high: float) -> None:
 
 def check_unsupported(body: ChatBody) -> None:
     """Refuse what this server cannot do with the value given; defaults pass."""
-    if body.n not in (None, 1):
-        raise unsupported("n", f"this server returns one choice per request (got n={body.n})")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(body, name)
-        _in_range(name, value, -2.0, 2.0)
-        if value:
-            raise unsupported(name, "penalties are not applied by this server; leave it at 0")
-    if body.repetition_penalty not in (None, 1.0):
-        raise unsupported("repetition_penalty", "penalties are not applied by this server; leave it at 1")
-    if body.logit_bias:
-        raise unsupported("logit_bias", "token biases are not applied by this server")
-    if body.logprobs:
-        raise unsupported("logprobs", "this server does not return log probabilities")
-    if body.top_logprobs:
-        raise unsupported("top_logprobs", "this server does not return log probabilities")
     for name in ("tools", "functions"):
         if getattr(body, name):
             raise unsupported(name, "this server does not call tools")
@@ -124,9 +112,17 @@ def max_tokens(body: ChatBody, generation: dict, context_tokens: int) -> int:
     return value
 
 
-def check_sampling(body: ChatBody) -> None:
+def min_below_max(body, limit: int) -> int:
+    """``limit`` (the reply's max tokens), once ``min_tokens`` is checked against it."""
+    if body.min_tokens and body.min_tokens > limit:
+        raise bad("min_tokens", f"'min_tokens' ({body.min_tokens}) must not exceed the reply's max tokens ({limit})")
+    return limit
+
+
+def check_sampling(body) -> None:
+    """The sampling fields chat and completions share (``body`` is either's)."""
     for param in ("max_tokens", "max_completion_tokens"):
-        value = getattr(body, param)
+        value = getattr(body, param, None)
         if value is not None and value < 1:
             raise bad(param, f"'{param}' must be at least 1 (got {value})")
     _in_range("temperature", body.temperature, 0.0, 2.0)
@@ -136,17 +132,56 @@ def check_sampling(body: ChatBody) -> None:
         raise bad("top_p", "'top_p' must be above 0 (use temperature 0 for greedy decoding)")
     if body.top_k is not None and body.top_k < 0:
         raise bad("top_k", f"'top_k' must be 0 (off) or more (got {body.top_k})")
-    if body.seed is not None and not SEED_MIN <= body.seed <= SEED_MAX:
-        raise bad("seed", f"'seed' must be a signed 64-bit integer, from {SEED_MIN} to {SEED_MAX}")
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= MAX_N:
+        raise bad("n", f"'n' must be between 1 and {MAX_N} (got {n})")
+    if body.seed is not None and not SEED_MIN <= body.seed <= SEED_MAX - (n - 1):
+        raise bad("seed", f"'seed' must be a signed 64-bit integer, from {SEED_MIN} to {SEED_MAX} "
+                          "(choice i samples with seed + i, which must fit too)")
+    _in_range("presence_penalty", body.presence_penalty, -2.0, 2.0)
+    _in_range("frequency_penalty", body.frequency_penalty, -2.0, 2.0)
+    if body.repetition_penalty is not None and body.repetition_penalty <= 0:
+        raise bad("repetition_penalty", f"'repetition_penalty' must be above 0 (got {body.repetition_penalty:g})")
+    if body.min_tokens is not None and body.min_tokens < 0:
+        raise bad("min_tokens", f"'min_tokens' must be 0 or more (got {body.min_tokens})")
+    logit_bias(body.logit_bias)
 
 
-def sampling(body: ChatBody, generation: dict) -> Sampling:
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's ``{"token id": bias}`` as ids; each bias from -100 to 100."""
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad("logit_bias", f"'logit_bias' keys are token ids (got '{key}')") from None
+        if not -MAX_BIAS <= value <= MAX_BIAS:
+            raise bad("logit_bias", f"'logit_bias' values must be between -100 and 100 (got {value:g} for {key})")
+        out[token] = float(value)
+    return out
+
+
+def check_logprobs(logprobs: bool | None, top_logprobs: int | None) -> int | None:
+    """Chat's ``logprobs`` / ``top_logprobs`` as the count of candidates a stage returns (None: no logprobs)."""
+    if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
+        raise bad("top_logprobs", f"'top_logprobs' must be between 0 and {MAX_LOGPROBS} (got {top_logprobs})")
+    if top_logprobs and not logprobs:
+        raise bad("top_logprobs", "'top_logprobs' needs 'logprobs' set to true")
+    return (top_logprobs or 0) if logprobs else None
+
+
+def sampling(body, generation: dict, logprobs: int | None, choice: int = 0) -> Sampling:
+    """Choice ``choice`` of the request samples with ``seed + choice``: each choice is what its seed gives alone."""
     def pick(name: str, default):
         value = getattr(body, name)
         return value if value is not None else generation.get(name, default)
 
     return Sampling(temperature=float(pick("temperature", 1.0)), top_p=float(pick("top_p", 1.0)),
-                    top_k=int(pick("top_k", 0)), min_p=float(pick("min_p", 0.0)), seed=body.seed)
+                    top_k=int(pick("top_k", 0)), min_p=float(pick("min_p", 0.0)),
+                    seed=None if body.seed is None else body.seed + choice,
+                    presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+                    repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                    logit_bias=logit_bias(body.logit_bias), min_tokens=body.min_tokens or 0, logprobs=logprobs)
 
 
 def enable_thinking(kwargs: dict | None) -> bool | None:
@@ -165,16 +200,18 @@ def check_body(body: ChatBody) -> list[ChatMessage]:
     messages = chat_messages(body.messages)
     check_unsupported(body)
     check_sampling(body)
+    check_logprobs(body.logprobs, body.top_logprobs)
     stop_strings(body.stop)
     enable_thinking(body.chat_template_kwargs)
     return messages
 
 
 def chat_request(body: ChatBody, messages: list[ChatMessage], request_id: str, load_id: str,
-                 generation: dict, context_tokens: int) -> ChatRequest:
+                 generation: dict, context_tokens: int, choice: int = 0) -> ChatRequest:
     return ChatRequest(
         request_id=request_id, load_id=load_id, model_id=body.model, messages=messages,
-        max_tokens=max_tokens(body, generation, context_tokens), max_tokens_fit=not max_tokens_given(body),
-        sampling=sampling(body, generation),
+        max_tokens=min_below_max(body, max_tokens(body, generation, context_tokens)),
+        max_tokens_fit=not max_tokens_given(body),
+        sampling=sampling(body, generation, check_logprobs(body.logprobs, body.top_logprobs), choice),
         stop=stop_strings(body.stop), enable_thinking=enable_thinking(body.chat_template_kwargs),
         created=time.time())

@@ -17,6 +17,7 @@ class ReadyLoad(msgspec.Struct, frozen=True, kw_only=True):
     generation: dict
     context_tokens: int
     kv_tokens: int = 0
+    model_dir: str = ""  # the servable's folder (its tokenizer, for /tokenize and completions)
 
 
 class ReadyView:
@@ -46,5 +47,6 @@ class ReadyView:
             kv = stages[load.load_id].kv_tokens if load.load_id in stages else 0
             ready[model.model_id] = ReadyLoad(
                 load_id=load.load_id, model_id=model.model_id, generation=msgspec.to_builtins(gen),
-                context_tokens=kv or self.leader.settings.serve_context_tokens, kv_tokens=kv)
+                context_tokens=kv or self.leader.settings.serve_context_tokens, kv_tokens=kv,
+                model_dir=str(model.path))
         self.loads = ready

@@ -1,6 +1,10 @@
-"""Incremental detokenization: emit text only once its bytes form whole characters."""
+"""Incremental detokenization: emit text only once its bytes form whole characters; token texts for logprobs."""
 
 from __future__ import annotations
+
+from events.frames import TokenLogprob, TopLogprob
+
+TEXTS_KEPT = 65536  # token texts remembered per stage
 
 
 class Detokenizer:
@@ -36,3 +40,30 @@ class Detokenizer:
         new = full[len(prefix):]
         self.text += new
         return new
+
+
+class TokenTexts:
+    """A token id's text and UTF-8 bytes as logprobs show them (the token decoded alone, as vLLM does)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._texts: dict[int, tuple[str, list[int]]] = {}
+
+    def text(self, token_id: int) -> tuple[str, list[int]]:
+        known = self._texts.get(token_id)
+        if known is None:
+            if len(self._texts) >= TEXTS_KEPT:
+                self._texts.clear()
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            known = self._texts[token_id] = (text, list(text.encode("utf-8")))
+        return known
+
+    def logprob(self, entry: tuple) -> TokenLogprob:
+        """A sampler's (id, logprob, [(id, logprob), ...]) as the frame carries it."""
+        token_id, logprob, best = entry
+        text, utf8 = self.text(token_id)
+        return TokenLogprob(text, logprob, utf8, [TopLogprob(*self._top(i, lp)) for i, lp in best])
+
+    def _top(self, token_id: int, logprob: float) -> tuple[str, float, list[int]]:
+        text, utf8 = self.text(token_id)
+        return text, logprob, utf8

@@ -7,7 +7,8 @@ import time
 import torch
 
 from fellow.runtime.engine.prefix_cache import PrefixCache
-from fellow.runtime.engine.sampling import make_generator, sample
+from fellow.runtime.engine.processors import sample_next
+from fellow.runtime.engine.sampling import make_generator
 from fellow.runtime.engine.scheduler import Scheduler, StepResult
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.stage import StageModel
@@ -88,7 +89,7 @@ class Engine(Scheduler):
             session.prefilled += size
             spent += size
             if not session.prefilling:  # the prompt's last piece starts the reply
-                token = int(sample(logits[None], [session.sampling], [session.generator])[0])
+                token = sample_next(logits[None], [session])[0]
                 self._accept(session, token, time.perf_counter(), result)
 
     def _prefill_fresh(self, result: StepResult) -> int:
@@ -111,7 +112,7 @@ class Engine(Scheduler):
         for session in batch:
             session.prefill_started_at = started
         logits = self.stage.prefill_fresh([s.cache for s in batch], [s.prompt_ids for s in batch])
-        tokens = sample(logits, [s.sampling for s in batch], [s.generator for s in batch]).tolist()
+        tokens = sample_next(logits, batch)
         now = time.perf_counter()
         for session, token in zip(batch, tokens):
             session.prefilled = len(session.prompt_ids)
@@ -126,7 +127,7 @@ class Engine(Scheduler):
             started = time.perf_counter()
             ids = torch.tensor([s.next_input for s in batch], device=self.stage.input_device)
             logits = self.stage.decode([s.cache for s in batch], ids)
-            tokens = sample(logits, [s.sampling for s in batch], [s.generator for s in batch]).tolist()
+            tokens = sample_next(logits, batch)
             now = time.perf_counter()
             for session, token in zip(batch, tokens):
                 session.decode_s += now - started

@@ -1,4 +1,8 @@
-"""The one token sampler every serving path uses: temperature, top-k, top-p, min-p, seeded per request."""
+"""The one token sampler every serving path uses: temperature, top-k, top-p, min-p, seeded per request.
+
+The logits processors a request may add (penalties, logit_bias, min_tokens) and its logprobs run
+before it, in fellow.runtime.engine.processors.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+MAX_LOGPROBS = 20  # top candidates a request may ask for (OpenAI's top_logprobs bound)
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +24,12 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    min_tokens: int = 0
+    logprobs: int | None = None  # None: none; k: the sampled token's and the top k candidates'
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -28,6 +40,21 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k} must be >= 0")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens={self.min_tokens} must be >= 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs={self.logprobs} must be in [0, {MAX_LOGPROBS}]")
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether a logits processor changes this request's logits before it samples."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -39,12 +66,21 @@ class SamplingParams:
         """From any object with the same fields (events.requests.Sampling, say)."""
         if isinstance(sampling, cls):
             return sampling
+        bias = getattr(sampling, "logit_bias", None) or {}
+        pairs = bias.items() if isinstance(bias, dict) else bias
+        logprobs = getattr(sampling, "logprobs", None)
         return cls(
             temperature=float(sampling.temperature),
             top_p=float(sampling.top_p),
             top_k=int(sampling.top_k),
             min_p=float(sampling.min_p),
             seed=sampling.seed,
+            presence_penalty=float(getattr(sampling, "presence_penalty", 0.0)),
+            frequency_penalty=float(getattr(sampling, "frequency_penalty", 0.0)),
+            repetition_penalty=float(getattr(sampling, "repetition_penalty", 1.0)),
+            logit_bias=tuple(sorted((int(k), float(v)) for k, v in pairs)),
+            min_tokens=int(getattr(sampling, "min_tokens", 0)),
+            logprobs=None if logprobs is None or logprobs < 0 else int(logprobs),
         )
 
 

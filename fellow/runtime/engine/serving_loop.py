@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from core.logs import stage_stats_s
-from fellow.runtime.engine.detokenizer import Detokenizer
+from events.frames import TokenLogprob
+from fellow.runtime.engine.detokenizer import Detokenizer, TokenTexts
 from fellow.runtime.engine.sampling import SamplingParams
 from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.engine.session import Session
@@ -40,6 +41,7 @@ class Output:
     prompt_tokens: int = 0
     timing: dict = field(default_factory=dict)
     error: Exception | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per id, when the request asked
 
 
 class _Reply:
@@ -50,6 +52,7 @@ class _Reply:
         self.detok = Detokenizer(tokenizer, job.prompt_ids)
         self.pending = ""
         self.stopped = False
+        self.logprobs_out = 0  # the session's logprobs already in an Output
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string was hit)."""
@@ -121,6 +124,7 @@ class ServingLoop:
         self.deliver = deliver
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.replies: dict[str, _Reply] = {}
+        self.texts = TokenTexts(tokenizer)
         self.running = True
         self.last_active = time.monotonic()
         self.thread = threading.Thread(target=self._run, name="serving-loop", daemon=True)
@@ -188,12 +192,17 @@ class ServingLoop:
     def _step(self) -> list[Output]:
         result = self.engine.step()
         outputs: dict[str, Output] = {}
+        ended = {s.session_id: s for s in result.finished}
         for sid, tokens in result.tokens.items():
             reply = self.replies.get(sid)
             if reply is None or reply.stopped:
                 continue
             out = outputs.setdefault(sid, Output(sid))
+            session = self.engine.sessions.get(sid) or ended.get(sid)
             for token in tokens:
+                if session is not None and reply.logprobs_out < len(session.logprobs):
+                    out.logprobs.append(self.texts.logprob(session.logprobs[reply.logprobs_out]))
+                    reply.logprobs_out += 1
                 text, hit = reply.feed(reply.detok.add(token))
                 out.ids.append(token)
                 if text:

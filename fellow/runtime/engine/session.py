@@ -41,6 +41,8 @@ class Session:
     decode_steps: int = field(default=0, init=False)
     holds_tokens: bool = field(default=False, init=False)  # its reserved_tokens are taken from the budget
     error: Exception | None = field(default=None, init=False)  # why it failed (finish_reason "error")
+    pending_logprob: tuple | None = field(default=None, init=False)  # the sampler's, for the token it drew
+    logprobs: list[tuple] = field(default_factory=list, init=False)  # one per output id, when asked for
 
     def __post_init__(self) -> None:
         self.prompt_ids = _ids(self.prompt_ids)
@@ -64,10 +66,13 @@ class Session:
         """Take one sampled token; True when it ends the session (a stop id, or max_new_tokens reached)."""
         if self.first_token_at is None:
             self.first_token_at = now
+        logprob, self.pending_logprob = self.pending_logprob, None
         if token in self.stop_ids:
             self.finish_reason = "stop"
             return True
         self.output_ids.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
         self.next_input = token
         if len(self.output_ids) >= self.max_new_tokens:
             self.finish_reason = "length"

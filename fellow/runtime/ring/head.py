@@ -82,6 +82,7 @@ class RingHead(Scheduler):
                 return
             now = time.perf_counter()
             session.answered(item.compute_ms, now)
+            session.pending_logprob = item.logprob
             self._accept(session, item.token, now, result)
         elif isinstance(item, tuple) and item[0] == "fail":
             self.broken = RingFailure(item[1], item[2])
@@ -176,10 +177,19 @@ class RingHead(Scheduler):
         piece = torch.tensor(session.prompt_ids[start : start + size], device=self.stage.input_device)
         (data, scale), = self.codec.encode(self.stage.forward_piece(session.cache, piece))  # [1, q, H]
         session.prefilled += size
-        s = session.sampling
-        sampling = RingSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-                                seed=s.seed) if start == 0 else None
+        sampling = ring_sampling(session) if start == 0 else None
         self.send(Hidden(session=session.session_id, pos=start, positions=size, data=data, scale=scale,
                          kind=PIECE if session.prefilling else LAST_PIECE, sampling=sampling))
         session.sent(len(data) + len(scale), size, time.perf_counter())
         return True
+
+
+def ring_sampling(session: Session) -> RingSampling:
+    """A session's sampling for the last stage, with the ids its processors need."""
+    s = session.sampling
+    return RingSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
+                        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                        repetition_penalty=s.repetition_penalty, logit_bias=list(s.logit_bias),
+                        min_tokens=s.min_tokens, logprobs=s.logprobs,
+                        stop_ids=sorted(session.stop_ids) if s.min_tokens else [],
+                        prompt_ids=session.prompt_ids if s.repetition_penalty != 1.0 else [])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -15,7 +15,8 @@ from fellow.runtime.engine.serving_loop import StepStats
 from fellow.runtime.model.kv_cache import KVCache
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.loader import RingStage
-from fellow.runtime.engine.sampling import SamplingParams, make_generator, sample
+from fellow.runtime.engine.processors import sample_next
+from fellow.runtime.engine.sampling import SamplingParams, make_generator
 
 log = logging.getLogger(__name__)
 
@@ -26,11 +27,22 @@ class FrameError(ValueError):
 
 @dataclass(eq=False)
 class _Held:
-    """A session as a later stage holds it: its cache and, on the last stage, its sampling."""
+    """A session as a later stage holds it: its cache and, on the last stage, its sampling and the
+    ids its logits processors need (the tokens it sampled so far among them)."""
 
     cache: KVCache
     sampling: SamplingParams
     generator: torch.Generator | None
+    prompt_ids: list[int] = field(default_factory=list)
+    stop_ids: frozenset[int] = frozenset()
+    output_ids: list[int] = field(default_factory=list)
+    pending_logprob: tuple | None = None
+
+    def sampled(self, token: int) -> tuple | None:
+        """Take the token this stage drew; its logprob, if the request asked for them."""
+        self.output_ids.append(token)
+        logprob, self.pending_logprob = self.pending_logprob, None
+        return logprob
 
 
 class RingWorker:
@@ -116,7 +128,10 @@ class RingWorker:
             self._drop(frame.session)
             params = SamplingParams.of(frame.sampling) if frame.sampling is not None else SamplingParams()
             generator = make_generator(params, self.stage.output_device) if self.is_last else None
-            self.held[frame.session] = _Held(self.stage.new_cache(), params, generator)
+            ring = frame.sampling
+            self.held[frame.session] = _Held(self.stage.new_cache(), params, generator,
+                                             prompt_ids=list(ring.prompt_ids) if ring else [],
+                                             stop_ids=frozenset(ring.stop_ids) if ring else frozenset())
         held = self._held(frame)
         hidden = self.ring.receiver.decode([(frame.data, frame.scale)], frame.positions, self.stage.dtype,
                                            self.stage.input_device)
@@ -127,8 +142,9 @@ class RingWorker:
                              scale=scale, kind=frame.kind, sampling=frame.sampling,
                              compute_ms=[*frame.compute_ms, _ms(started)]))
         elif frame.kind == LAST_PIECE:
-            token = int(sample(out[None], [held.sampling], [held.generator])[0])
-            self.send(Token(session=frame.session, token=token, compute_ms=[*frame.compute_ms, _ms(started)]))
+            token = sample_next(out[None], [held])[0]
+            self.send(Token(session=frame.session, token=token, compute_ms=[*frame.compute_ms, _ms(started)],
+                            logprob=held.sampled(token)))
         else:
             self.send(Token(session=frame.session, token=NO_TOKEN))
 
@@ -166,11 +182,11 @@ class RingWorker:
         out = self.stage.decode([h.cache for h in held], hidden)
         self._step_no += 1
         if self.is_last:
-            tokens = sample(out, [h.sampling for h in held], [h.generator for h in held]).tolist()
+            tokens = sample_next(out, held)
             elapsed = _ms(started)
-            for frame, token in zip(frames, tokens):
-                self.send(Token(session=frame.session, token=int(token), batch=len(frames), step=self._step_no,
-                                compute_ms=[*frame.compute_ms, elapsed]))
+            for frame, token, h in zip(frames, tokens, held):
+                self.send(Token(session=frame.session, token=token, batch=len(frames), step=self._step_no,
+                                compute_ms=[*frame.compute_ms, elapsed], logprob=h.sampled(token)))
             return
         rows = self.ring.sender.encode(out)
         elapsed = _ms(started)

@@ -152,10 +152,8 @@ class Intake:
             err = ContextTooLong(len(prompt_ids), max_tokens, kv_tokens)
             await self._refuse(req, len(prompt_ids), str(err), err.code, err.data)
             return
-        s = req.sampling
         try:
-            sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-                                      seed=s.seed)
+            sampling = SamplingParams.of(req.sampling)
         except ValueError as exc:
             await _ack(msg)
             await self._refuse(req, len(prompt_ids), f"invalid sampling: {exc}", "invalid_request")
@@ -196,6 +194,8 @@ class Intake:
         return True
 
     def _tokenize(self, req: ChatRequest) -> list[int]:
+        if req.prompt_ids:  # a completion: the gateway tokenized its prompt
+            return list(req.prompt_ids)
         kwargs = {} if req.enable_thinking is None else {"enable_thinking": req.enable_thinking}
         messages = [{"role": m.role, "content": m.content} for m in req.messages]
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
@@ -226,7 +226,7 @@ class Intake:
             if out.ids:
                 self.metrics.tokens(len(out.ids))
             if out.texts or out.ids:
-                taken.batcher.add(out.texts, out.ids)
+                taken.batcher.add(out.texts, out.ids, out.logprobs)
             if out.error is not None:
                 code = getattr(out.error, "code", "internal_error")
                 taken.batcher.error(str(out.error), code, getattr(out.error, "data", None))
