@@ -21,9 +21,6 @@ from fellow.runtime.model.packed_linear import pack_stage
 
 log = logging.getLogger(__name__)
 
-REPEATS = 3  # timed calls per kernel and row count, after one untimed; the fastest counts
-
-
 def available_kernels(device: torch.device, dtype: torch.dtype, packed: bool = True) -> list[str]:
     kernels = ["mkl"]
     if packed and device.type == "cpu" and dtype == torch.float32 and onednn_available():
@@ -31,10 +28,17 @@ def available_kernels(device: torch.device, dtype: torch.dtype, packed: bool = T
     return kernels
 
 
-def _time(linear: Linear, x: torch.Tensor) -> float:
+SAMPLES = 7  # timed calls per kernel and row count; the fastest counts
+FLUSH_BYTES = 64 << 20  # read before each timed call, so the weight comes from memory as in a decode step
+
+
+def _time(linear: Linear, x: torch.Tensor, flush: torch.Tensor) -> float:
+    """Seconds of one call with the weight out of the caches: a decode step reads every other weight
+    between two reads of this one, so a cache-warm loop would favour the wrong kernel."""
     linear(x)
     best = float("inf")
-    for _ in range(REPEATS):
+    for _ in range(SAMPLES):
+        flush.sum()
         started = time.perf_counter()
         linear(x)
         best = min(best, time.perf_counter() - started)
@@ -50,6 +54,7 @@ class KernelChooser:
         self.choices: dict[tuple[int, int], str] = {}
         self.timings: dict[tuple[int, int], dict[str, list[float]]] = {}
         self.seconds = 0.0
+        self._flush: torch.Tensor | None = None
 
     @torch.inference_mode()
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
@@ -62,8 +67,10 @@ class KernelChooser:
         timings: dict[str, list[float]] = {}
         for name in self.kernels:
             candidate = Linear(weight, bias, name)
-            costs = [_time(candidate, torch.randn(rows, shape[1], dtype=weight.dtype, device=weight.device))
-                     for rows in self.rows]
+            if self._flush is None or self._flush.device != weight.device:
+                self._flush = torch.ones(FLUSH_BYTES // 4, device=weight.device)
+            costs = [_time(candidate, torch.randn(rows, shape[1], dtype=weight.dtype, device=weight.device),
+                           self._flush) for rows in self.rows]
             timings[name] = [round(cost * 1e3, 4) for cost in costs]
             if best is None or sum(costs) < best[0]:
                 best = (sum(costs), candidate)
@@ -71,6 +78,9 @@ class KernelChooser:
         self.timings[shape] = timings
         self.seconds += time.perf_counter() - started
         return best[1]
+
+    def done(self) -> None:
+        self._flush = None  # its memory back
 
     def summary(self) -> dict:
         """What the status shows: per shape (out x in), the kernel and its ms at each row count."""
@@ -101,6 +111,7 @@ def prepare_stage(stage, *, packed: bool = True, batch_cap: int = 8) -> dict:
     if why is None:
         chooser = KernelChooser(available_kernels(stage.layer_devices[0], stage.dtype, packed), batch_cap)
         stage.fuse(chooser.linear)
+        chooser.done()
         log.info("fused layers; %s", chooser.log_line())
         stage.kernels = {"path": "fused", **chooser.summary()}
     else:
