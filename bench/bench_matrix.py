@@ -140,10 +140,9 @@ async def stack_ttft(base: str, model: str, n: int = 12) -> float:
 
 
 def run_shape(name: str, shape: tuple, tmp: Path, tokens: int, streams: list[int], bandwidth: float,
-              with_stack: bool) -> dict:
+              with_stack: bool, stage_threads: int = 0, engine: bool = True) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fellow.runtime.model.loader import load_one_stage
     from fellow.runtime.tools.export import export
 
     ckpt = make_checkpoint(tmp / name / "hf", shape)
@@ -155,16 +154,13 @@ def run_shape(name: str, shape: tuple, tmp: Path, tokens: int, streams: list[int
            "floor_ms": weight_bytes_per_token(model) / bandwidth * 1e3}
     row["generate"] = {b: hf_generate(model, tok, b, tokens) for b in streams}
     del model
-    stage = load_one_stage(tmp / "servables" / name, device="cpu", batch_cap=max(streams)).stage
-    row["kernels"] = {k: v["kernel"] for k, v in stage.kernels.get("shapes", {}).items()} or stage.kernels["path"]
-    engine = {b: engine_alone(stage, tok, b, tokens) for b in streams}
-    row["engine"] = {b: rate for b, (rate, _) in engine.items()}
-    row["engine_first_ms"] = engine[1][1] if 1 in engine else 0.0
-    del stage
+    row["engine"], row["engine_first_ms"] = {b: float("nan") for b in streams}, 0.0
+    if engine:
+        _engine_rows(row, tmp / "servables" / name, tok, tokens, streams)
     if with_stack:
         with EmbeddedNats(tmp / name / "js") as nats:
             stack = Stack(tmp / name, nats.url, tmp / "servables", SWARM_MODEL_IDLE_UNLOAD_S=0,
-                          SWARM_SERVE_MAX_IN_FLIGHT=max(streams)).start()
+                          SWARM_SERVE_MAX_IN_FLIGHT=max(streams), SWARM_SERVE_THREADS=stage_threads).start()
             try:
                 stack.load(name)
                 row["stack"] = {b: asyncio.run(load_test(stack.url, name, b, tokens))["agg_tok_s"] for b in streams}
@@ -172,6 +168,16 @@ def run_shape(name: str, shape: tuple, tmp: Path, tokens: int, streams: list[int
             finally:
                 stack.stop()
     return row
+
+
+def _engine_rows(row: dict, servable: Path, tok, tokens: int, streams: list[int]) -> None:
+    from fellow.runtime.model.loader import load_one_stage
+
+    stage = load_one_stage(servable, device="cpu", batch_cap=max(streams)).stage
+    row["kernels"] = {k: v["kernel"] for k, v in stage.kernels.get("shapes", {}).items()} or stage.kernels["path"]
+    engine = {b: engine_alone(stage, tok, b, tokens) for b in streams}
+    row["engine"] = {b: rate for b, (rate, _) in engine.items()}
+    row["engine_first_ms"] = engine[1][1] if 1 in engine else 0.0
 
 
 def ratio_table(rows: list[dict], streams: list[int], with_stack: bool) -> str:
@@ -212,6 +218,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0, help="torch threads in this process (0: torch's default)")
     ap.add_argument("--no-stack", action="store_true", help="generate and the engine alone")
+    ap.add_argument("--no-engine", action="store_true", help="generate and the stack only")
+    ap.add_argument("--stage-threads", type=int, default=0, help="SWARM_SERVE_THREADS for the stack's stage")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -221,7 +229,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="swarm-bench-matrix-"))
     rows = []
     for name in args.shapes:
-        rows.append(run_shape(name, SHAPES[name], tmp, args.tokens, args.streams, bandwidth, not args.no_stack))
+        rows.append(run_shape(name, SHAPES[name], tmp, args.tokens, args.streams, bandwidth, not args.no_stack,
+                              args.stage_threads, not args.no_engine))
         print(json.dumps(rows[-1], default=str), flush=True)
     print()
     print(ratio_table(rows, args.streams, not args.no_stack))

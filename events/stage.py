@@ -34,6 +34,7 @@ class StageConfig(msgspec.Struct, frozen=True, kw_only=True):
     transport: Transport = Transport()
     report_s: float = 1.0  # how often it writes a metrics report
     packed_linear: bool = True  # float32 CPU stages pack their linear weights for oneDNN
+    threads: int = 0  # torch's CPU threads in this stage (SWARM_SERVE_THREADS); 0: torch's default, one per core
     agent_pid: int = 0  # the stage exits at once when its parent is not this process
 
 

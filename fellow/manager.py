@@ -82,7 +82,8 @@ class ModelManager:
                                                   prefix_cache=self.settings.serve_prefix_cache,
                                                   max_batch=max_batch, prefill_chunk=t.prefill_chunk),
                               report_s=min(1.0, self.settings.heartbeat_s),
-                              packed_linear=self.settings.serve_packed_linear != "off")
+                              packed_linear=self.settings.serve_packed_linear != "off",
+                              threads=self.settings.serve_threads)
             logs = self.settings.data_dir / "logs"
             logs.mkdir(parents=True, exist_ok=True)
             proc = StageProcess(cfg, self._on_report, self._on_exit,

@@ -39,6 +39,11 @@ def main(argv: list[str]) -> int:
     from fellow.runtime.server.base import report
     from fellow.runtime.server.stage import StageServer
 
+    if cfg.threads > 0:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
+
     setup_logging(text_format=f"%(asctime)s %(levelname)s [stage{cfg.stage} {cfg.load_id}] %(message)s",
                   fields={"stage": cfg.stage, "load_id": cfg.load_id})  # SWARM_LOG_FORMAT: text or json
     if cfg.num_stages == 1:

@@ -42,10 +42,16 @@ def frame_error(frame: ErrorFrame) -> ApiError:
     return ApiError(status, frame.message or "the model failed to answer", code=code, param=param)
 
 
-class Usage(msgspec.Struct):
+class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: dict | None = None  # {"cached_tokens": n}: prompt positions the prefix cache served
+
+
+def _cached(done: DoneFrame) -> int | None:
+    cached = (done.timing or {}).get("cached_tokens")
+    return None if cached is None else int(cached)
 
 
 class AssistantMessage(msgspec.Struct, kw_only=True):
@@ -97,8 +103,10 @@ class Answer:
 
 
 def usage(done: DoneFrame) -> Usage:
+    cached = _cached(done)
     return Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
-                 total_tokens=done.prompt_tokens + done.completion_tokens)
+                 total_tokens=done.prompt_tokens + done.completion_tokens,
+                 prompt_tokens_details=None if cached is None else {"cached_tokens": cached})
 
 
 def total_usage(answers: list[Answer], prompts: int = 1) -> Usage:
@@ -106,7 +114,10 @@ def total_usage(answers: list[Answer], prompts: int = 1) -> Usage:
     per = max(1, len(answers) // prompts)
     prompt = sum(a.done.prompt_tokens for a in answers[::per])
     completion = sum(a.done.completion_tokens for a in answers)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = [_cached(a.done) for a in answers[::per]]
+    details = None if None in cached else {"cached_tokens": sum(cached)}
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=details)
 
 
 def _top(entry) -> dict:
