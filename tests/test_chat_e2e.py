@@ -65,6 +65,23 @@ async def test_greedy_reply_through_the_gateway_equals_hf_generate(stack, client
     assert reply.usage.completion_tokens == len([t for t in out if t not in stops])
 
 
+async def test_the_next_turn_of_a_chat_reuses_the_last_turns_positions(stack, client):
+    """The prefix cache: usage.prompt_tokens_details.cached_tokens is OpenAI's field for it."""
+    first = [{"role": "user", "content": "Tell me about the prefix cache of this chat, in some words."}]
+    one = await client.chat.completions.create(model="tiny", messages=first, max_tokens=12, temperature=0)
+    second = first + [{"role": "assistant", "content": one.choices[0].message.content},
+                      {"role": "user", "content": "And then?"}]
+    two = await client.chat.completions.create(model="tiny", messages=second, max_tokens=12, temperature=0)
+    ids = [(await asyncio.to_thread(stack[0].post, "/tokenize", {"model": "tiny", "messages": m})).json()["tokens"]
+           for m in (first, second)]
+    assert ids[0] and len(ids[0]) == one.usage.prompt_tokens
+    common = next((i for i, (a, b) in enumerate(zip(*ids)) if a != b), min(map(len, ids)))
+    assert common >= 16
+    # every whole block the two prompts share came from the cache; a block is 16 positions
+    assert two.usage.prompt_tokens_details.cached_tokens >= common // 16 * 16
+    assert two.usage.prompt_tokens_details.cached_tokens < two.usage.prompt_tokens
+
+
 async def test_a_stop_string_ends_the_reply_before_it(client):
     full = (await client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=24,
                                                  temperature=0)).choices[0].message.content
@@ -115,19 +132,3 @@ async def test_a_fellow_lost_mid_stream_ends_the_reply_with_an_error(stack, clie
                             30, "the load ended")
 
 
-
-async def test_the_next_turn_of_a_chat_reuses_the_last_turns_positions(stack, client):
-    """The prefix cache: usage.prompt_tokens_details.cached_tokens is OpenAI's field for it."""
-    first = [{"role": "user", "content": "Tell me about the prefix cache of this chat, in some words."}]
-    one = await client.chat.completions.create(model="tiny", messages=first, max_tokens=12, temperature=0)
-    second = first + [{"role": "assistant", "content": one.choices[0].message.content},
-                      {"role": "user", "content": "And then?"}]
-    two = await client.chat.completions.create(model="tiny", messages=second, max_tokens=12, temperature=0)
-    ids = [(await asyncio.to_thread(stack[0].post, "/tokenize", {"model": "tiny", "messages": m})).json()["tokens"]
-           for m in (first, second)]
-    assert ids[0] and len(ids[0]) == one.usage.prompt_tokens
-    common = next((i for i, (a, b) in enumerate(zip(*ids)) if a != b), min(map(len, ids)))
-    assert common >= 16
-    # every whole block the two prompts share came from the cache; a block is 16 positions
-    assert two.usage.prompt_tokens_details.cached_tokens >= common // 16 * 16
-    assert two.usage.prompt_tokens_details.cached_tokens < two.usage.prompt_tokens
