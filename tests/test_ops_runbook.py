@@ -20,7 +20,7 @@ from core.nats_server import EmbeddedNats
 from events import subjects
 from events.frames import DoneFrame, TokenFrame, frame_decoder
 from events.logs import LogsReply
-from events.requests import ChatMessage, ChatRequest
+from events.requests import ChatMessage, ChatRequest, Sampling
 from tests.processes import wait_until
 from tests.serving_fixtures import Stack, chat_over_bus, make_servable
 
@@ -137,6 +137,7 @@ async def test_follow_a_request_then_cancel_one(stack, nc):
 
     sub = await nc.subscribe(fill("swarm.tok.REQUEST_ID", request_id=rid), cb=on_frame)
     req = ChatRequest(request_id=rid, load_id=stack.load_id, model_id=MODEL, max_tokens=400,
+                      sampling=Sampling(min_tokens=400),  # no end of turn: only the cancel ends it early
                       messages=[ChatMessage(role="user", content="Tell me a long story.")], created=time.time())
     await js.publish(subjects.request(stack.load_id), msgspec.json.encode(req))
     await asyncio.wait_for(first.wait(), 60)
