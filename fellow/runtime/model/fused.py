@@ -96,10 +96,10 @@ class FusedLayer:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = torch.cat([attn.q_proj.weight.detach(), attn.k_proj.weight.detach(), attn.v_proj.weight.detach()])
         self.qkv = make_linear(qkv, _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj))
-        self.o = make_linear(attn.o_proj.weight.detach(), _bias(attn.o_proj))
+        self.o = make_linear(attn.o_proj.weight.detach(), bias_of(attn.o_proj))
         gate_up = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])
         self.gate_up = make_linear(gate_up, _cat_bias(mlp.gate_proj, mlp.up_proj))
-        self.down = make_linear(mlp.down_proj.weight.detach(), _bias(mlp.down_proj))
+        self.down = make_linear(mlp.down_proj.weight.detach(), bias_of(mlp.down_proj))
         self.input_norm = _norm(layer.input_layernorm)
         self.post_norm = _norm(layer.post_attention_layernorm)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
@@ -123,7 +123,7 @@ class FusedLayer:
 MakeLinear = Callable[[torch.Tensor, "torch.Tensor | None"], Linear]
 
 
-def _bias(linear: nn.Linear) -> torch.Tensor | None:
+def bias_of(linear: nn.Linear) -> torch.Tensor | None:
     return None if linear.bias is None else linear.bias.detach()
 
 

@@ -135,9 +135,9 @@ def step_costs(stage, batches: list[int], repeats: int = 3) -> dict[str, float]:
         caches = [stage.new_cache() for _ in range(rows)]
         for cache in caches:
             cache.reserve(STEP_COST_CONTEXT + repeats + 1)
-            for g, (lo, hi, device) in enumerate(cache.groups):
-                cache.keys[g].normal_()
-                cache.values[g].normal_()
+            for keys, values in zip(cache.keys, cache.values):
+                keys.normal_()
+                values.normal_()
             cache.advance(STEP_COST_CONTEXT)
         if stage.is_first:
             inputs = torch.ones(rows, dtype=torch.long, device=stage.input_device)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fellow.runtime.model.fused import FusedStack, Linear, MakeLinear, rotary_tables
+from fellow.runtime.model.fused import FusedStack, Linear, MakeLinear, bias_of, rotary_tables
 from fellow.runtime.model.kv_cache import BatchedView, FreshBatchView, KVCache, SessionView
 
 BATCHABLE_ATTENTION = ("sdpa", "eager")  # implementations that take an explicit additive 4D mask
@@ -25,10 +25,6 @@ def _cache_keyword(layer: nn.Module) -> str:
         if name in names:
             return name
     raise TypeError(f"{type(layer).__name__}.forward takes no cache argument")
-
-
-def _bias(linear: nn.Linear) -> torch.Tensor | None:
-    return None if linear.bias is None else linear.bias.detach()
 
 
 def _module_device(module: nn.Module) -> torch.device:
@@ -89,7 +85,7 @@ class StageModel:
             for name in ("gate_proj", "up_proj", "down_proj"):
                 setattr(layer.mlp, name, None)
         if type(self.head) is nn.Linear:
-            self.head = _HeadLinear(make_linear(self.head.weight.detach(), _bias(self.head)))
+            self.head = _HeadLinear(make_linear(self.head.weight.detach(), bias_of(self.head)))
         return self.fused
 
     @property
