@@ -14,6 +14,7 @@ STATS_LANE = "stats"
 # Hidden.kind: a decode position, a prompt piece with more to come, the prompt's last piece.
 DECODE, PIECE, LAST_PIECE = 0, 1, 2
 NO_TOKEN = -1  # the last stage's answer to a piece that is not the prompt's last: nothing sampled
+PREFIX_MISSING = "prefix_missing"  # Token.code: a stage no longer holds the prefix stage 0 reused
 
 
 def send_lane(stage: int, num_stages: int) -> str:
@@ -62,6 +63,13 @@ class Hidden(_Hot, tag="h"):
     ``data`` holds the rows, ``scale`` a quantizer's per-position scales. ``batch`` frames were
     sent together in sender step ``step``; the receiver waits briefly for all of them.
     ``compute_ms`` collects each later stage's compute for this frame, in ring order.
+
+    Prefix caching (each stage keeps its own finished sessions' positions, keyed by token ids):
+    ``ids`` are the token ids of this frame's positions, sent while the load keeps a prefix cache.
+    A session's first frame is the one whose ``pos`` equals ``len(reuse)``: ``reuse`` holds the ids
+    of the positions [0, pos) that stage 0 took from its prefix cache, and every later stage takes
+    them from its own or answers PREFIX_MISSING. ``reserve`` is the session's KV reservation, so
+    that a later stage evicts its kept blocks by the same ledger as stage 0.
     """
 
     session: str
@@ -74,6 +82,14 @@ class Hidden(_Hot, tag="h"):
     step: int = 0
     sampling: RingSampling | None = None
     compute_ms: list[float] = []
+    ids: list[int] = []
+    reuse: list[int] = []
+    reserve: int = 0
+
+    @property
+    def first(self) -> bool:
+        """Whether this is its session's first frame (later frames have pos > 0 and no reuse)."""
+        return self.pos == len(self.reuse)
 
 
 class Token(_Hot, tag="t"):
@@ -90,9 +106,11 @@ class Token(_Hot, tag="t"):
 
 
 class End(_Hot, tag="e"):
-    """The session ended on stage 0: every stage drops its cache."""
+    """The session ended on stage 0: every stage drops its cache, or with ``keep`` keeps its
+    positions in its prefix cache first (stage 0 kept them too)."""
 
     session: str
+    keep: bool = False
 
 
 class Probe(_Hot, tag="p"):

@@ -71,6 +71,9 @@ async def _greedy_ring_equals_hf(stack, url, hf, num_stages: int, fellow_ids: li
         await nc.publish("swarm.evt.load.failed", b"[" * 100_000)  # and on the stages' load watch
         _, frames, tokens, _ = await chat_over_bus(nc, js, load["load_id"], "tiny", PROMPTS[0], max_tokens=20)
         assert isinstance(frames[-1], DoneFrame) and tokens == hf_greedy(hf, PROMPTS[0], 20)
+        # the same prompt again: every stage took its whole blocks (16 positions each) from its prefix cache
+        t = frames[-1].timing
+        assert t["cached_tokens"] == (t["prompt_tokens"] - 1) // 16 * 16 > 0
         def relay_counted():
             status = stack.get("/api/v1/models/tiny/status").json()
             lanes = status["load"]["relay"]

@@ -49,24 +49,15 @@ class Engine(Scheduler):
         session.cache = self.stage.new_cache()
         session.generator = make_generator(session.sampling, self.stage.output_device)
         if self.prefix is not None:
-            self._fit_prefix()  # the session's reservation is in: cached blocks make room for it
-            reused, chain = self.prefix.lookup(session.prompt_ids)
-            if reused:
-                self.prefix.fill(session.cache, chain, reused)
-                session.prefilled = session.cached_tokens = reused
+            self.prefix.fit(self.budget.reserved, self.kv_tokens)  # the reservation is in: blocks make room
+            session.prefilled = session.cached_tokens = self.prefix.start(session.cache, session.prompt_ids)
 
     def _finish(self, session: Session, reason: str | None, result: StepResult) -> None:
         if self.prefix is not None and session.cache is not None and session.error is None and reason != "error":
             self.prefix.insert(session.prompt_ids + session.output_ids, session.cache)
         super()._finish(session, reason, result)
         if self.prefix is not None:
-            self._fit_prefix()
-
-    def _fit_prefix(self) -> None:
-        """Evict cached blocks until they and the reservations fit the budget together."""
-        over = self.budget.reserved + self.prefix.tokens - self.budget.kv_tokens
-        if over > 0:
-            self.prefix.evict(over)
+            self.prefix.fit(self.budget.reserved, self.kv_tokens)
 
     def stats(self) -> dict:
         stats = super().stats()

@@ -57,7 +57,7 @@ class RingHeadServer(StageServer):
         self.inbox = Inbox()
         self.engine = RingHead(self.stage, self.ring.sender, lambda frame: self.link.send(frame), self.inbox,
                                num_stages=self.cfg.num_stages, kv_tokens=self.kv_tokens, max_batch=t.max_batch,
-                               prefill_chunk=t.prefill_chunk)
+                               prefill_chunk=t.prefill_chunk, prefix_cache=t.prefix_cache)
         self.serving = self.make_loop()
 
     def make_loop(self) -> ServingLoop:
@@ -106,8 +106,9 @@ class RingStageServer(StageServerBase):
 
     def _build(self) -> None:
         self.inbox = Inbox()
+        t = self.cfg.transport
         self.worker = RingWorker(self.ring, self.inbox, lambda frame, lane=None: self.link.send(frame, lane),
-                                 max_batch=self.cfg.transport.max_batch)
+                                 max_batch=t.max_batch, prefix_tokens=self.kv_tokens if t.prefix_cache else 0)
 
     def compute(self) -> None:
         self.worker.run()
@@ -128,5 +129,7 @@ class RingStageServer(StageServerBase):
 
     def metrics(self) -> MetricsReport:
         held = list(self.worker.held.values())
+        prefix = self.worker.prefix
         return MetricsReport(idle_s=0.0 if held else round(time.monotonic() - self.worker.last_active, 3),
-                             vram_bytes=self.vram_bytes(), in_flight=len(held))
+                             vram_bytes=self.vram_bytes(), in_flight=len(held),
+                             prefix_cached_tokens=prefix.tokens if prefix is not None else 0)

@@ -25,6 +25,7 @@ class RingSession(Session):
 
     in_ring: int = field(default=0, init=False)  # frames sent and not answered yet
     ready: bool = field(default=False, init=False)  # its token is back: its next position can go
+    confirming: bool = field(default=False, init=False)  # its first piece reused a prefix: unanswered yet
     decode_sent_at: float | None = field(default=None, init=False)  # when its decode frame left
     last_sent_at: float = field(default=0.0, init=False)
     stage0_s: float = field(default=0.0, init=False)
