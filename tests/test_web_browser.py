@@ -188,6 +188,8 @@ def test_load_chat_stop_and_see_it_in_the_dashboard(stack, browser):
     expect(page.locator("#chart-requests svg rect")).to_have_count(segments)
     expect(page.locator("#chart-throughput svg rect")).to_have_count(sum(bool(b["completion_tokens"])
                                                                          for b in perf["buckets"]))
+    expect(page.locator("#chart-prefix svg circle")).to_have_count(sum(b["prefix_hit_rate"] is not None
+                                                                       for b in perf["buckets"]))
 
     # The API panel's snippets are copy-ready: run them as they stand.
     page.click("nav >> text=Chat")

@@ -39,6 +39,7 @@ class _Tally:
         self.status = Counter()
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt positions the prefix cache served (timing.cached_tokens)
         self.ttfts: list[float] = []
         self.decode_weighted = 0.0  # per-request decode speed, weighted by its tokens
         self.decode_weight = 0
@@ -66,6 +67,8 @@ class _Tally:
             self.decode_weighted += r.tokens_per_s * weight
             self.decode_weight += weight
         timing = r.timing or {}
+        if isinstance(timing.get("cached_tokens"), int):
+            self.cached_tokens += timing["cached_tokens"]
         parts = {k: float(v) for k, v in timing.items() if _PART.match(k) and isinstance(v, (int, float))}
         if not parts and isinstance(timing.get("decode_ms"), (int, float)):
             parts = {"stage0_ms": float(timing["decode_ms"])}  # one stage: its decode step is the whole token
@@ -88,6 +91,9 @@ class _Tally:
             "failed": self.status["failed"], "too_long": self.status["too_long"],
             "in_flight": self.status["accepted"],
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            # the share of prompt tokens the prefix cache served, as the stages count it
+            "prefix_hit_rate": round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else None,
             "tokens_per_s": round(self.completion_tokens / seconds, 3) if seconds > 0 else 0.0,
             "decode_tokens_per_s": round(self.decode_weighted / self.decode_weight, 3) if self.decode_weight else None,
             "ttft_ms": _mean(self.ttfts),
