@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from events.fellow import Gpu, Heartbeat, LoadedModel
@@ -128,6 +129,39 @@ async def test_pages_are_public_and_the_data_is_not(tmp_path, nats_server, sqlit
         assert (await c.get("/api/v1/requests")).status_code == 401
         assert (await c.get("/api/v1/loads", headers=bearer(admin))).status_code == 200
         assert (await c.get("/api/v1/requests", headers=bearer(admin))).status_code == 200
+
+
+async def test_a_request_in_flight_is_cancelled_at_once_by_its_own_token(tmp_path, nats_server, nc, sqlite_url):
+    """POST /api/v1/requests/{id}/cancel: the stage's cancel subject hears it now; ended, unknown or
+    someone else's requests are refused with OpenAI's error object."""
+    (tmp_path / "servables" / "m1").mkdir(parents=True)
+    heard = asyncio.Queue()
+
+    async def on_cancel(msg):
+        heard.put_nowait(msg.subject)
+
+    sub = await nc.subscribe("swarm.cancel.ld-1.*", cb=on_cancel)
+    await nc.flush()
+    async with leader_client(tmp_path, nats_server.url, sqlite_url,
+                             SWARM_SERVABLE_MODELS_ROOT=tmp_path / "servables") as (app, c):
+        admin = (await mint(c, "ops", ["admin"]))["token"]
+        mine, other = await mint(c, "me", ["operate"], admin), await mint(c, "them", ["operate"], admin)
+        now = time.time()
+        for evt in (RequestAccepted(request_id="r-live", model_id="m1", load_id="ld-1", at=now, token_id=mine["id"]),
+                    *request_events(now)[:2]):
+            await on_app(c, app.state.leader.publish, evt, ["requests"])
+        cancel = "/api/v1/requests/{}/cancel".format
+        refused = await c.post(cancel("r-live"), headers=bearer(other["token"]))
+        assert refused.status_code == 404 and refused.json()["error"]["code"] == "request_not_found"
+        assert heard.empty()
+        done = await c.post(cancel("r-live"), headers=bearer(mine["token"]))
+        assert done.status_code == 200 and done.json()["status"] == "cancelling"
+        assert await asyncio.wait_for(heard.get(), 10) == "swarm.cancel.ld-1.r-live"
+        ended = await c.post(cancel("r-old"), headers=bearer(admin))  # an admin may cancel anyone's
+        assert ended.status_code == 409 and ended.json()["error"]["code"] == "request_ended"
+        assert (await c.post(cancel("nope"), headers=bearer(admin))).json()["error"]["code"] == "request_not_found"
+        assert (await c.post(cancel("r-live"))).status_code == 401
+    await sub.unsubscribe()
 
 
 def test_topology_of_a_ring_names_each_stage_gpus_and_links():
