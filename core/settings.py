@@ -109,6 +109,9 @@ class Settings:
     serve_packed_linear: str
     serve_step_costs: bool = False
     serve_prefix_cache: bool = True
+    serve_links: str = "direct"  # SWARM_SERVE_LINKS: ring stages dial each other (relay as fallback), or relay only
+    serve_link_host: str = "127.0.0.1"  # SWARM_SERVE_LINK_HOST: the address a fellow's ring stages listen on and give
+    serve_link_port: int = 0  # SWARM_SERVE_LINK_PORT: 0, an ephemeral port per stage
     serve_threads: int = 0  # SWARM_SERVE_THREADS: torch CPU threads per stage process; 0: one per core
     http_max_body_bytes: int = 8 * 1024 * 1024  # a larger HTTP request body is refused with 413
     stream_resume_s: float = 10.0  # a streaming client that hung up may resume this long; its reply goes on
@@ -168,6 +171,9 @@ class Settings:
             serve_step_costs=_bool(env, "SWARM_SERVE_STEP_COSTS", False),
             serve_threads=_int(env, "SWARM_SERVE_THREADS", 0),
             serve_prefix_cache=_choice(env, "SWARM_SERVE_PREFIX_CACHE", "on", ("on", "off")) == "on",
+            serve_links=_choice(env, "SWARM_SERVE_LINKS", "direct", ("direct", "relay")),
+            serve_link_host=env.get("SWARM_SERVE_LINK_HOST", "").strip() or "127.0.0.1",
+            serve_link_port=_int(env, "SWARM_SERVE_LINK_PORT", 0),
             log_format=_choice(env, "SWARM_LOG_FORMAT", "text", ("text", "json")),
             stage_stats_s=_float(env, "SWARM_STAGE_STATS_S", 30.0, minimum=0.05),
             http_max_body_bytes=_int(env, "SWARM_HTTP_MAX_BODY_BYTES", 8 * 1024 * 1024, minimum=1),

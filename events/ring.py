@@ -85,6 +85,7 @@ class Hidden(_Hot, tag="h"):
     ids: list[int] = []
     reuse: list[int] = []
     reserve: int = 0
+    routes: str = ""  # how each hop so far sent it: "d" direct, "r" relay, one letter per hop
 
     @property
     def first(self) -> bool:
@@ -103,6 +104,7 @@ class Token(_Hot, tag="t"):
     error: str = ""
     code: str = ""
     logprob: tuple[int, float, list[tuple[int, float]]] | None = None  # when the request asked for logprobs
+    routes: str = ""  # the frame's hops, as Hidden.routes, the last stage's hop back included
 
 
 class End(_Hot, tag="e"):
@@ -114,9 +116,32 @@ class End(_Hot, tag="e"):
 
 
 class Probe(_Hot, tag="p"):
-    """Goes once round the ring; back on stage 0, every stage is listening."""
+    """Goes once round the ring; back on stage 0, every stage is listening. ``routes`` says how each
+    hop sent it: "d" direct, "r" relay, "?" still dialing its next stage."""
 
     nonce: str
+    routes: str = ""
+
+
+class Hop(_Hot, tag="o"):
+    """A frame on a stage's own lane, numbered per hop, so the receiver keeps the sender's order
+    whichever route (direct link or relay) each one took, and drops one that came both ways."""
+
+    epoch: int  # the sending link's own number: a restarted sender starts a new count
+    seq: int
+    data: bytes  # the encoded frame
+
+
+class Ack(_Hot, tag="a"):
+    """Direct link, receiver to sender: every Hop up to ``seq`` is in."""
+
+    seq: int
+
+
+class Ping(_Hot, tag="g"):
+    """Direct link: a round trip of the link probe; the receiver sends it straight back."""
+
+    nonce: int
 
 
 class LaneStats(_Hot, tag="s"):
@@ -127,7 +152,7 @@ class LaneStats(_Hot, tag="s"):
     dropped: int = 0
 
 
-RingFrame = Hidden | Token | End | Probe | LaneStats
+RingFrame = Hidden | Token | End | Probe | LaneStats | Hop | Ack | Ping
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(RingFrame)

@@ -36,6 +36,9 @@ class StageConfig(msgspec.Struct, frozen=True, kw_only=True):
     packed_linear: bool = True  # float32 CPU stages pack their linear weights for oneDNN
     threads: int = 0  # torch's CPU threads in this stage (SWARM_SERVE_THREADS); 0: torch's default, one per core
     agent_pid: int = 0  # the stage exits at once when its parent is not this process
+    links: str = "direct"  # a ring stage dials the next one directly where that beats the relay; or "relay"
+    link_host: str = "127.0.0.1"  # where a ring stage listens for its predecessor, and the address it gives
+    link_port: int = 0  # 0: an ephemeral port
 
 
 class Report(msgspec.Struct, frozen=True, kw_only=True, tag_field="event"):

@@ -83,7 +83,8 @@ class ModelManager:
                                                   max_batch=max_batch, prefill_chunk=t.prefill_chunk),
                               report_s=min(1.0, self.settings.heartbeat_s),
                               packed_linear=self.settings.serve_packed_linear != "off",
-                              threads=self.settings.serve_threads)
+                              threads=self.settings.serve_threads, links=self.settings.serve_links,
+                              link_host=self.settings.serve_link_host, link_port=self.settings.serve_link_port)
             logs = self.settings.data_dir / "logs"
             logs.mkdir(parents=True, exist_ok=True)
             proc = StageProcess(cfg, self._on_report, self._on_exit,

@@ -62,7 +62,7 @@ async def _greedy_ring_equals_hf(stack, url, hf, num_stages: int, fellow_ids: li
             assert isinstance(done, DoneFrame), (done, stack.logs())
             assert tokens == hf_greedy(hf, prompt, 20)
             t = done.timing
-            assert t["route"] == "relay" and t["bytes_per_token"] == HIDDEN * 2
+            assert t["route"] == "direct" and t["bytes_per_token"] == HIDDEN * 2  # loopback: direct beats the relay
             assert {"stage0_ms", "link_ms", "prefill_ms"} <= set(t)
             assert all(f"stage{i}_ms" in t for i in range(1, num_stages)) or len(tokens) < 2
         # garbage on every ring lane is dropped, and the ring serves on

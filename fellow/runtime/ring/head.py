@@ -44,7 +44,8 @@ class RingHead(Scheduler):
 
     def __init__(self, stage: StageModel, codec: WireCodec, send: Callable[[object], None], inbox: Inbox, *,
                  num_stages: int, kv_tokens: int, max_batch: int = 0, prefill_chunk: int = 256,
-                 max_payload: int = 1 << 20, prefix_cache: bool = True) -> None:
+                 max_payload: int = 1 << 20, prefix_cache: bool = True,
+                 route: Callable[[], str] | None = None) -> None:
         if not stage.is_first or stage.is_last:
             raise ValueError("a ring's head holds the embeddings and not the head")
         super().__init__(kv_tokens, max_batch=max_batch, prefill_chunk=prefill_chunk)
@@ -57,6 +58,7 @@ class RingHead(Scheduler):
         self._prefill_turn = False
         self.prefix = PrefixCache() if prefix_cache else None
         self.prefix_fallbacks = 0  # sessions a later stage could not give their reused prefix
+        self.route = route or (lambda: "r")  # how this stage's frames leave now: "d" direct, "r" relay
 
     def add(self, session: Session, reserved: bool = False) -> None:
         if self.broken is not None:
@@ -97,6 +99,7 @@ class RingHead(Scheduler):
             if item.token == NO_TOKEN:  # a piece went through; only the last one is answered
                 return
             now = time.perf_counter()
+            session.routes = item.routes or session.routes
             session.answered(item.compute_ms, now)
             session.pending_logprob = item.logprob
             self._accept(session, item.token, now, result)
@@ -203,7 +206,7 @@ class RingHead(Scheduler):
             session.stage0_s += now - started
             session.stage0_steps += 1
             self.send(Hidden(session=session.session_id, pos=pos, positions=1, data=data, scale=scale,
-                             kind=DECODE, batch=len(group), step=self._step_no,
+                             kind=DECODE, batch=len(group), step=self._step_no, routes=self.route(),
                              ids=[session.next_input] if self.prefix is not None else []))
             session.sent(len(data) + len(scale), 1, now)
             session.decode_sent_at = now
@@ -228,7 +231,7 @@ class RingHead(Scheduler):
                          kind=PIECE if session.prefilling else LAST_PIECE,
                          sampling=ring_sampling(session) if first else None,
                          ids=session.prompt_ids[start : start + size] if self.prefix is not None else [],
-                         reuse=reuse, reserve=session.reserved_tokens if first else 0))
+                         reuse=reuse, reserve=session.reserved_tokens if first else 0, routes=self.route()))
         session.sent(len(data) + len(scale), size, time.perf_counter())
         return True
 

@@ -14,6 +14,7 @@ from fellow.runtime.engine.serving_loop import ServingLoop
 from fellow.runtime.ring.head import WAKE, RingHead
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.link import RingLink
+from fellow.runtime.ring.session import route_name
 from fellow.runtime.ring.loader import load_ring_stage
 from fellow.runtime.ring.worker import RingWorker
 from fellow.runtime.server.base import StageFailed, StageServerBase, report
@@ -22,6 +23,7 @@ from fellow.runtime.server.stage import StageServer
 log = logging.getLogger("swarm.ring")
 
 PROBE_TIMEOUT_S = 600.0  # the later stages may still be loading (or fetching their shards)
+SETTLE_S = 30.0  # how long stage 0 waits for the hops to choose direct or relay before it serves anyway
 
 
 class RingServingLoop(ServingLoop):
@@ -57,14 +59,15 @@ class RingHeadServer(StageServer):
         self.inbox = Inbox()
         self.engine = RingHead(self.stage, self.ring.sender, lambda frame: self.link.send(frame), self.inbox,
                                num_stages=self.cfg.num_stages, kv_tokens=self.kv_tokens, max_batch=t.max_batch,
-                               prefill_chunk=t.prefill_chunk, prefix_cache=t.prefix_cache)
+                               prefill_chunk=t.prefill_chunk, prefix_cache=t.prefix_cache,
+                               route=lambda: self.link.route if self.link is not None else "r")
         self.serving = self.make_loop()
 
     def make_loop(self) -> ServingLoop:
         return RingServingLoop(self.engine, self.tokenizer, self.stop_ids, self._deliver, stage=self.cfg.stage)
 
     async def _start(self) -> None:
-        self.link = RingLink(self.nc, self.load_id, 0, self.cfg.num_stages, self.inbox)
+        self.link = RingLink(self.nc, self.load_id, 0, self.cfg.num_stages, self.inbox, **self._link_options())
         await self.link.start()
         self.engine.max_piece = max(1, (self.link.max_payload - 1024) // self.ring.sender.bytes_per_position)
         await self.nc.subscribe(subjects.event(LoadFailed.__struct_config__.tag), cb=self._on_load_failed)
@@ -75,7 +78,9 @@ class RingHeadServer(StageServer):
             report(FailedReport(reason=f"the ring's later stages did not answer within "
                                        f"{time.perf_counter() - started:.0f}s"))
             raise StageFailed from None
-        log.info("ring of %d stages answered a probe in %.3fs", self.cfg.num_stages, time.perf_counter() - started)
+        routes = await self.link.settle(SETTLE_S)  # each hop dialed its next stage, or stays on the relay
+        log.info("ring of %d stages answered a probe in %.3fs; hops: %s", self.cfg.num_stages,
+                 time.perf_counter() - started, route_name(routes.replace("?", "r")))
         await super()._start()
 
     async def _on_load_failed(self, msg) -> None:
@@ -108,7 +113,8 @@ class RingStageServer(StageServerBase):
         self.inbox = Inbox()
         t = self.cfg.transport
         self.worker = RingWorker(self.ring, self.inbox, lambda frame, lane=None: self.link.send(frame, lane),
-                                 max_batch=t.max_batch, prefix_tokens=self.kv_tokens if t.prefix_cache else 0)
+                                 max_batch=t.max_batch, prefix_tokens=self.kv_tokens if t.prefix_cache else 0,
+                                 route=lambda: self.link.route if self.link is not None else "r")
 
     def compute(self) -> None:
         self.worker.run()
@@ -117,7 +123,8 @@ class RingStageServer(StageServerBase):
         self.worker.stop()
 
     async def _start(self) -> None:
-        self.link = RingLink(self.nc, self.load_id, self.cfg.stage, self.cfg.num_stages, self.inbox)
+        self.link = RingLink(self.nc, self.load_id, self.cfg.stage, self.cfg.num_stages, self.inbox,
+                             **self._link_options())
         await self.link.start()
 
     async def _shutdown(self) -> None:

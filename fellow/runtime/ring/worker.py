@@ -72,7 +72,7 @@ class RingWorker:
     """
 
     def __init__(self, ring: RingStage, inbox: Inbox, send: Callable[..., None], max_batch: int = 0,
-                 prefix_tokens: int = 0) -> None:
+                 prefix_tokens: int = 0, route: Callable[[], str] | None = None) -> None:
         self.ring, self.stage = ring, ring.stage
         self.inbox, self.send = inbox, send
         self.is_last = ring.plan.is_last
@@ -80,6 +80,7 @@ class RingWorker:
         self.held: dict[str, _Held] = {}
         self.prefix = PrefixCache() if prefix_tokens > 0 else None
         self.prefix_tokens = prefix_tokens
+        self.route = route or (lambda: "r")  # how this stage's frames leave now: "d" direct, "r" relay
         self.running = True
         self.last_active = time.monotonic()
         self.frames = 0
@@ -127,7 +128,7 @@ class RingWorker:
     def _one(self, frame) -> None:
         self.frames += 1
         if isinstance(frame, Probe):
-            self.send(frame)
+            self.send(Probe(nonce=frame.nonce, routes=frame.routes + self.route()))
         elif isinstance(frame, End):
             held = self.held.pop(frame.session, None)
             if held is not None:
@@ -169,11 +170,11 @@ class RingWorker:
             self.send(Hidden(session=frame.session, pos=frame.pos, positions=frame.positions, data=data,
                              scale=scale, kind=frame.kind, sampling=frame.sampling,
                              compute_ms=[*frame.compute_ms, _ms(started)], ids=frame.ids, reuse=frame.reuse,
-                             reserve=frame.reserve))
+                             reserve=frame.reserve, routes=frame.routes + self.route()))
         elif frame.kind == LAST_PIECE:
             token = sample_next(out[None], [held])[0]
             self.send(Token(session=frame.session, token=token, compute_ms=[*frame.compute_ms, _ms(started)],
-                            logprob=held.sampled(token)))
+                            logprob=held.sampled(token), routes=frame.routes + self.route()))
         else:
             self.send(Token(session=frame.session, token=NO_TOKEN))
 
@@ -217,14 +218,15 @@ class RingWorker:
             elapsed = _ms(started)
             for frame, token, h in zip(frames, tokens, held):
                 self.send(Token(session=frame.session, token=token, batch=len(frames), step=self._step_no,
-                                compute_ms=[*frame.compute_ms, elapsed], logprob=h.sampled(token)))
+                                compute_ms=[*frame.compute_ms, elapsed], logprob=h.sampled(token),
+                                routes=frame.routes + self.route()))
             return
         rows = self.ring.sender.encode(out)
         elapsed = _ms(started)
         for frame, (data, scale) in zip(frames, rows):
             self.send(Hidden(session=frame.session, pos=frame.pos, positions=1, data=data, scale=scale,
                              batch=len(frames), step=self._step_no, compute_ms=[*frame.compute_ms, elapsed],
-                             ids=frame.ids))
+                             ids=frame.ids, routes=frame.routes + self.route()))
 
     # --- sessions ----------------------------------------------------------------------------
 
