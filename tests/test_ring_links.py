@@ -5,81 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import uuid
 
 import pytest
 import torch
 
-from core.bus import connect
-from fellow.runtime.engine.sampling import SamplingParams
-from fellow.runtime.engine.session import Session
-from fellow.runtime.ring.head import RingHead
-from fellow.runtime.ring.inbox import Inbox
-from fellow.runtime.ring.link import RingLink
-from fellow.runtime.ring.loader import load_ring_stage
-from fellow.runtime.ring.worker import RingWorker
+from tests.bus_ring import BusRing
+from tests.delay_proxy import DelayProxy
+from tests.processes import free_port
 from tests.serving_fixtures import make_servable
 from tests.test_ring_runtime import PROMPTS, one_stage
-
-GREEDY = SamplingParams(temperature=0.0)
-
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     torch.set_num_threads(1)
     return make_servable(tmp_path_factory.mktemp("links"), "tiny3", layers=3, hidden=64, stages=3, seed=1)[1]
-
-
-class BusRing:
-    """Stage 0's head on a thread of its own, later stages' workers on theirs; frames over RingLinks."""
-
-    def __init__(self, model_dir, num_stages: int, links: str):
-        self.model_dir, self.num_stages, self.links = model_dir, num_stages, links
-        self.load_id = "ld-" + uuid.uuid4().hex[:8]
-        self.stages = [load_ring_stage(model_dir, i, num_stages, device="cpu") for i in range(num_stages)]
-
-    async def start(self, url: str) -> "BusRing":
-        self.ncs, self.inboxes, self.links_ = [], [], []
-        for i in range(self.num_stages):
-            nc = await connect(url, name=f"stage{i}")
-            inbox = Inbox()
-            link = RingLink(nc, self.load_id, i, self.num_stages, inbox, links=self.links)
-            await link.start()
-            self.ncs.append(nc)
-            self.inboxes.append(inbox)
-            self.links_.append(link)
-        link0 = self.links_[0]
-        self.head = RingHead(self.stages[0].stage, self.stages[0].sender, link0.send, self.inboxes[0],
-                             num_stages=self.num_stages, kv_tokens=4096, prefill_chunk=8, route=lambda: link0.route)
-        self.workers = [RingWorker(self.stages[i], self.inboxes[i], self.links_[i].send,
-                                   route=lambda link=self.links_[i]: link.route) for i in range(1, self.num_stages)]
-        for worker in self.workers:
-            threading.Thread(target=worker.run, daemon=True).start()
-        self.routes = await link0.settle(20)
-        return self
-
-    def generate(self, prompts, max_new_tokens: int, progress: threading.Event | None = None):
-        """Blocking (call it on a thread): the replies and each session's timing."""
-        out: dict[str, list[int]] = {}
-        timings: dict[str, dict] = {}
-        for i, prompt in enumerate(prompts):
-            self.head.add(Session(f"s{i}", prompt, max_new_tokens, sampling=GREEDY))
-        while self.head.busy:
-            result = self.head.step()
-            for sid, tokens in result.tokens.items():
-                out.setdefault(sid, []).extend(tokens)
-            timings.update({s.session_id: s.timing() for s in result.finished})
-            if progress is not None and sum(map(len, out.values())) >= 2 * len(prompts):
-                progress.set()
-        return out, timings
-
-    async def close(self) -> None:
-        for worker in self.workers:
-            worker.stop()
-        for link in self.links_:
-            await link.close()
-        for nc in self.ncs:
-            await nc.close()
 
 
 async def test_direct_and_relay_rings_reply_alike_and_say_their_route(nats_server, model):
@@ -116,3 +55,20 @@ async def test_a_direct_hop_that_breaks_mid_session_goes_on_over_the_relay(nats_
     assert middle.fallbacks == 1 and middle.route == "r"
     assert ring.links_[0].route == "d" and ring.links_[2].route == "d"
     assert "direct,relay,direct" in {t["route"] for t in timings.values()}
+
+
+async def test_a_hop_whose_direct_link_is_slower_than_the_relay_stays_on_the_relay(nats_server, model):
+    """Stage 1 is reached through a delay proxy (20 ms each way) while the relay is on loopback: that hop's
+    probe finds the relay faster and keeps it; the other hops go direct, and the replies are the same."""
+    expected = one_stage(model, PROMPTS[:3], 10)
+    port = free_port()
+    with DelayProxy(("127.0.0.1", port), delay_s=0.02) as proxy:
+        ring = await BusRing(model, 3, "direct", listen={1: (port, proxy.address)}).start(nats_server.url)
+        try:
+            replies, timings = await asyncio.to_thread(ring.generate, PROMPTS[:3], 10)
+        finally:
+            await ring.close()
+    assert replies == expected and ring.routes == "rdd"
+    probe = ring.links_[0].probe_ms
+    assert probe["direct"] >= 40 > probe["relay"]  # both ways through the proxy: at least 2 x 20 ms
+    assert {t["route"] for t in timings.values()} == {"relay,direct,direct"}

@@ -38,7 +38,7 @@ class RingLink:
     """
 
     def __init__(self, nc: Client, load_id: str, stage: int, num_stages: int, inbox: Inbox, *,
-                 links: str = "relay", host: str = "127.0.0.1", port: int = 0):
+                 links: str = "relay", host: str = "127.0.0.1", port: int = 0, advertise: str = ""):
         if links not in ("direct", "relay"):
             raise ValueError(f"links must be direct or relay, not {links!r}")
         self.nc = nc
@@ -49,6 +49,7 @@ class RingLink:
         self.listen = recv_lane(stage, num_stages)
         self.inbox = inbox
         self.links, self.host, self.port = links, host, port
+        self.advertise = advertise  # the address the predecessor dials, where it differs from host:port
         self.max_payload = nc.max_payload
         self.route = "?" if links == "direct" else "r"  # "?": still dialing the next stage
         self.address: tuple[str, int] | None = None  # where this stage listens, once it does
@@ -205,7 +206,7 @@ class RingLink:
     async def _on_where(self, msg) -> None:
         """The predecessor asks where to dial (or times the relay's round trip): this stage's address."""
         if msg.reply:
-            address = f"{self.address[0]}:{self.address[1]}" if self.address else ""
+            address = self.advertise or (f"{self.address[0]}:{self.address[1]}" if self.address else "")
             await self.nc.publish(msg.reply, address.encode())
 
     async def _dial_next(self) -> None:
