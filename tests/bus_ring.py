@@ -46,7 +46,7 @@ class BusRing:
         self.head = RingHead(self.stages[0].stage, self.stages[0].sender, link0.send, self.inboxes[0],
                              num_stages=self.num_stages, kv_tokens=self.kv_tokens, prefill_chunk=self.prefill_chunk,
                              route=lambda: link0.route)
-        self.workers = [RingWorker(self.stages[i], self.inboxes[i], self.links_[i].send,
+        self.workers = [RingWorker(self.stages[i], self.inboxes[i], self.links_[i].send, prefix_tokens=self.kv_tokens,
                                    route=lambda link=self.links_[i]: link.route) for i in range(1, self.num_stages)]
         for worker in self.workers:
             threading.Thread(target=worker.run, daemon=True).start()

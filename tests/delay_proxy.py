@@ -7,12 +7,18 @@ one of these: every chunk read on one side is written on the other ``delay_s`` l
 
     with DelayProxy(("127.0.0.1", 4222), delay_s=0.025) as proxy:
         connect(f"nats://127.0.0.1:{proxy.port}")
+
+``SpawnedProxy`` runs one in a process of its own (``python -m tests.delay_proxy``), so that a
+benchmark's own threads do not hold up its timing.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
+import subprocess
+import sys
 import threading
 
 
@@ -119,3 +125,44 @@ class DelayProxy:
             except (ConnectionError, RuntimeError):
                 return
             self.bytes += len(data)
+
+
+class SpawnedProxy:
+    """A DelayProxy in a child process: ``address`` once started; ``stop()`` ends it."""
+
+    def __init__(self, target: tuple[str, int], delay_s: float = 0.0, jitter_s: float = 0.0, bandwidth: float = 0.0):
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.delay_proxy", f"{target[0]}:{target[1]}",
+                                      "--delay-s", str(delay_s), "--jitter-s", str(jitter_s),
+                                      "--bandwidth", str(bandwidth)], stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline().strip()
+        if not line:
+            self.proc.kill()
+            raise RuntimeError("the delay proxy did not start")
+        self.address = line
+        self.port = int(line.rsplit(":", 1)[1])
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Forward a local port to TARGET, delayed (prints host:port, runs "
+                                             "until stdin closes or it is terminated)")
+    ap.add_argument("target", help="host:port")
+    ap.add_argument("--delay-s", type=float, default=0.0)
+    ap.add_argument("--jitter-s", type=float, default=0.0)
+    ap.add_argument("--bandwidth", type=float, default=0.0, help="bytes per second each way; 0: no limit")
+    args = ap.parse_args()
+    host, port = args.target.rsplit(":", 1)
+    proxy = DelayProxy((host, int(port)), delay_s=args.delay_s, jitter_s=args.jitter_s,
+                       bandwidth=args.bandwidth).start()
+    print(proxy.address, flush=True)
+    try:
+        proxy._thread.join()
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
