@@ -164,7 +164,8 @@ def add_commands(sub) -> None:
     load.add_argument("--wait", action="store_true", help="wait until it is ready")
     load.add_argument("--num-stages", type=int, default=None)
     load.add_argument("--fellow-id", default=None)
-    load.add_argument("--replicas", type=int, default=1, help="one-stage copies on as many fellows, sharing the requests")
+    load.add_argument("--replicas", type=int, default=1,
+                      help="copies sharing the requests: one stage each, or rings of --num-stages")
     load.add_argument("--quantization", default=None, help="nf4, int4-fast, 8, none")
     load.add_argument("--timeout", type=float, default=600.0)
     load.set_defaults(func=cmd_model_load)

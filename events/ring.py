@@ -150,6 +150,7 @@ class LaneStats(_Hot, tag="s"):
     stage: int
     lanes: dict[str, list[int]] = {}
     dropped: int = 0
+    replica: int = 0
 
 
 RingFrame = Hidden | Token | End | Probe | LaneStats | Hop | Ack | Ping

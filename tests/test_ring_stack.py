@@ -14,7 +14,7 @@ import pytest
 
 from core.bus import connect
 from core.nats_server import EmbeddedNats
-from events.frames import DoneFrame, ErrorFrame, TokenFrame, frame_decoder
+from events.frames import DoneFrame, ErrorFrame, StartFrame, TokenFrame, frame_decoder
 from events.requests import ChatMessage, ChatRequest, Sampling
 from tests.processes import pid_alive, wait_until
 from tests.serving_fixtures import Stack, chat_over_bus, hf_greedy, make_servable
@@ -34,7 +34,7 @@ def ring_stack(tmp_path_factory):
     (legacy / "servable.json").write_text(json.dumps({**manifest, "model_id": "legacy", "boundaries": None}))
     nats = EmbeddedNats(root / "jetstream").start()
     # pieces of 8 tokens, so every prompt crosses the ring in several; one torch thread per stage process
-    stack = Stack(root, nats.url, servable.parent, fellows=3, SWARM_SERVE_PREFILL_CHUNK=8, OMP_NUM_THREADS=1)
+    stack = Stack(root, nats.url, servable.parent, fellows=4, SWARM_SERVE_PREFILL_CHUNK=8, OMP_NUM_THREADS=1)
     try:
         stack.start()
         yield stack, nats.url, hf
@@ -97,6 +97,31 @@ async def test_two_and_three_stage_rings_equal_hf_greedy_with_sessions_in_flight
     stack, url, hf = ring_stack
     await _greedy_ring_equals_hf(stack, url, hf, 2, ["f1", "f0"])
     await _greedy_ring_equals_hf(stack, url, hf, 3, ["f0", "f1", "f2"])
+
+
+async def test_two_ring_replicas_share_one_request_queue(ring_stack):
+    stack, url, hf = ring_stack
+    load = await asyncio.to_thread(stack.load, "tiny", num_stages=2, replicas=2)
+    assert sorted((s["replica"], s["stage"]) for s in load["stages"]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert len({s["fellow_id"] for s in load["stages"]}) == 4 and load["replicas"] == 2
+    pids = [s["pid"] for s in load["stages"]]
+    nc, js = await _bus(url)
+    try:
+        prompts = PROMPTS * 2
+        replies = await asyncio.gather(*(chat_over_bus(nc, js, load["load_id"], "tiny", p, max_tokens=12)
+                                         for p in prompts))
+        for prompt, (_, frames, tokens, _) in zip(prompts, replies):
+            assert isinstance(frames[-1], DoneFrame), (frames[-1], stack.logs())
+            assert tokens == hf_greedy(hf, prompt, 12)
+        # both rings pulled from the one queue: each request's start frame names the replica that took it
+        assert {f.replica for _, frames, _, _ in replies for f in frames if isinstance(f, StartFrame)} == {0, 1}
+    finally:
+        await nc.close()
+    r = await asyncio.to_thread(stack.post, "/api/v1/models/tiny/unload")
+    assert r.status_code == 200, r.text
+    await asyncio.to_thread(wait_until, lambda: not any(pid_alive(p) for p in pids), 30, "stage processes gone")
+    await asyncio.to_thread(wait_until, lambda: stack.get("/api/v1/models/tiny").json()["load_state"] == "unloaded",
+                            30, "unloaded")
 
 
 async def test_a_servable_without_boundaries_is_refused_over_another_count(ring_stack):

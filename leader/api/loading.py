@@ -17,7 +17,7 @@ class LoadBody(msgspec.Struct, forbid_unknown_fields=True):
     fellow_id: str | None = None
     fellow_ids: list[str] | None = None  # one per stage of a ring, in ring order
     quantization: dict | None = None  # refused until quantized serving lands
-    replicas: int | None = None  # one-stage copies on as many fellows, sharing the request queue (default 1)
+    replicas: int | None = None  # copies (one-stage, or rings of num_stages) sharing the request queue (default 1)
     wait: bool = False
     timeout_s: float = 600.0  # with wait: the longest wait for ready or failed, above 0
 

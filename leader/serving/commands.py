@@ -20,7 +20,7 @@ from events.loads import (LoadFailed, LoadPlaced, LoadRequested, StageAssignment
 from leader.catalog import Catalog
 from leader.db.tables import Load, LoadStage as LoadStageRow, Model
 from leader.errors import ApiError
-from leader.placement import (PlacementError, place_replicas, place_ring, ring_needs, ring_stage_count,
+from leader.placement import (PlacementError, place_replicas, place_ring_replicas, ring_needs, ring_stage_count,
                               transport_plan)
 from leader.serving.rows import active_load, get_load, load_stages, model_not_found
 
@@ -71,11 +71,8 @@ class LoadCommands:
     def _plan(self, model: Model, num_stages: int | None, fellow_id: str | None, fellow_ids: list[str] | None,
               replicas: int, quantization: dict | None) -> LoadPlan:
         monitor = self.leader.fellows
-        if replicas > 1:
-            if num_stages is not None and num_stages > 1:
-                raise ApiError(400, "replicas are served on one stage each; a ring of several stages has one "
-                                    "replica", code="unsupported_replicas", param="replicas")
-            num_stages = 1
+        if replicas > 1 and num_stages is None:
+            num_stages = 1  # replicas are one-stage copies unless num_stages asks for rings
         if num_stages is None:
             num_stages = (len(fellow_ids) if fellow_ids else 1 if fellow_id else
                           ring_stage_count(model.num_stages, monitor.latest, set(monitor.online)))
@@ -96,9 +93,9 @@ class LoadCommands:
             raise ApiError(409, f"Cannot serve '{model.model_id}' over {num_stages} stages: {exc}",
                            code="unsupported_num_stages", param="num_stages") from None
         pinned = fellow_ids or ([fellow_id] if fellow_id else [])
-        return LoadPlan(num_stages, 1, pinned, transport, lambda: place_ring(
-            model.parameters, ranges, shards, monitor.latest, set(monitor.online), pinned or None, quantization,
-            ring_needs(transport.max_in_flight)))
+        return LoadPlan(num_stages, replicas, pinned, transport, lambda: place_ring_replicas(
+            model.parameters, ranges, shards, replicas, monitor.latest, set(monitor.online), pinned or None,
+            quantization, ring_needs(transport.max_in_flight)))
 
     async def _place_and_command(self, model: Model, plan: LoadPlan, quantization: dict | None,
                                  requested_by: str) -> Load:

@@ -18,8 +18,8 @@ from core.tasks import cancel_and_wait
 from events import subjects
 from events.base import Event
 from events.fellow import FellowLost
-from events.loads import (LoadFailed, ModelLoaded, ModelUnloaded, ReplicaLost, StageReady, load_failed_id,
-                          replica_lost_id)
+from events.loads import (STAGE_RESTARTING, LoadFailed, ModelLoaded, ModelUnloaded, ReplicaLost, StageReady,
+                          load_failed_id, replica_lost_id)
 from leader.db.tables import Load, LoadStage
 from leader.relay_stats import RelayStats
 from leader.serving.commands import LoadCommands
@@ -141,6 +141,10 @@ class Reactions:
         load = await get_load(self.leader.sessions, evt.load_id)
         if load is None or load.state not in ACTIVE:
             return
+        if evt.code != STAGE_RESTARTING and (load.num_stages or 1) > 1:  # a ring replica: its other stages go too
+            rest = [s for s in await load_stages(self.leader.sessions, evt.load_id)
+                    if s.replica == evt.replica and s.fellow_id != evt.fellow_id]
+            await self.commands.unload_stages(rest, "failed")  # quietly: the replica is lost already
         if any(s.state in SERVING for s in await load_stages(self.leader.sessions, evt.load_id)):
             await self._check_loaded(evt.load_id)  # the replicas still loading may be all it waits for
             return

@@ -38,15 +38,18 @@ class RingLink:
     """
 
     def __init__(self, nc: Client, load_id: str, stage: int, num_stages: int, inbox: Inbox, *,
-                 links: str = "relay", host: str = "127.0.0.1", port: int = 0, advertise: str = ""):
+                 links: str = "relay", host: str = "127.0.0.1", port: int = 0, advertise: str = "",
+                 replica: int = 0):
         if links not in ("direct", "relay"):
             raise ValueError(f"links must be direct or relay, not {links!r}")
         self.nc = nc
         self.load_id = load_id
         self.stage = stage
         self.num_stages = num_stages
-        self.lane = send_lane(stage, num_stages)
-        self.listen = recv_lane(stage, num_stages)
+        self.replica = replica
+        self.prefix = f"r{replica}-" if replica else ""  # a ring replica's lanes: r1-act, r1-tok ...
+        self.lane = self.prefix + send_lane(stage, num_stages)
+        self.listen = self.prefix + recv_lane(stage, num_stages)
         self.inbox = inbox
         self.links, self.host, self.port = links, host, port
         self.advertise = advertise  # the address the predecessor dials, where it differs from host:port
@@ -73,7 +76,8 @@ class RingLink:
         self._tasks = [asyncio.create_task(self._send_in_order(), name="ring-sender"),
                        asyncio.create_task(self._publish_stats(), name="ring-stats"),
                        asyncio.create_task(self._overdue(), name="ring-gaps")]
-        self._where = await self.nc.subscribe(subjects.ring(self.load_id, f"where{self.stage}"), cb=self._on_where)
+        self._where = await self.nc.subscribe(subjects.ring(self.load_id, f"{self.prefix}where{self.stage}"),
+                                              cb=self._on_where)
         if self.links == "direct":
             predecessor = (self.stage - 1) % self.num_stages
             self._direct_in = DirectIn(self.load_id, predecessor, self._on_hop, self.max_payload + 1024)
@@ -96,7 +100,7 @@ class RingLink:
     def send(self, frame, lane: str | None = None) -> None:
         """Queue a frame on this stage's lane (or ``lane``); safe from the compute thread."""
         data = encode_frame(frame)
-        self.loop.call_soon_threadsafe(self._outbox.put_nowait, (lane or self.lane, data))
+        self.loop.call_soon_threadsafe(self._outbox.put_nowait, (self.prefix + lane if lane else self.lane, data))
 
     async def settle(self, timeout: float) -> str:
         """Stage 0: probe rounds until every hop has chosen its route (or ``timeout`` s); the routes."""
@@ -212,7 +216,7 @@ class RingLink:
     async def _dial_next(self) -> None:
         """Find the next stage's port over the relay, dial it, probe both routes, keep the faster."""
         nxt = (self.stage + 1) % self.num_stages
-        subject = subjects.ring(self.load_id, f"where{nxt}")
+        subject = subjects.ring(self.load_id, f"{self.prefix}where{nxt}")
         deadline = time.monotonic() + DIAL_GIVE_UP_S
         address = ""
         while not address:
@@ -296,7 +300,7 @@ class RingLink:
                 continue
             last = now
             try:
-                stats = LaneStats(stage=self.stage, lanes=now[0], dropped=now[1])
+                stats = LaneStats(stage=self.stage, lanes=now[0], dropped=now[1], replica=self.replica)
                 await self.nc.publish(subjects.ring(self.load_id, STATS_LANE), encode_frame(stats))
             except Exception:
                 log.warning("lane stats not published", exc_info=True)
