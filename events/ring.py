@@ -55,6 +55,7 @@ class RingSampling(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     logprobs: int | None = None
     stop_ids: list[int] = []
     prompt_ids: list[int] = []
+    output_ids: list[int] = []  # a replayed session's reply so far (its frames replay them after the prompt)
 
 
 class Hidden(_Hot, tag="h"):
@@ -86,6 +87,7 @@ class Hidden(_Hot, tag="h"):
     reuse: list[int] = []
     reserve: int = 0
     routes: str = ""  # how each hop so far sent it: "d" direct, "r" relay, one letter per hop
+    attempt: int = 0  # the session's try: a replay or a start-over begins the next, and older frames are dropped
 
     @property
     def first(self) -> bool:
@@ -105,6 +107,7 @@ class Token(_Hot, tag="t"):
     code: str = ""
     logprob: tuple[int, float, list[tuple[int, float]]] | None = None  # when the request asked for logprobs
     routes: str = ""  # the frame's hops, as Hidden.routes, the last stage's hop back included
+    attempt: int = 0  # the attempt of the frame it answers (Hidden.attempt)
 
 
 class End(_Hot, tag="e"):

@@ -102,7 +102,9 @@ class ModelManager:
     async def _on_report(self, proc: StageProcess, report: StageReport) -> None:
         if isinstance(report, ReadyReport):
             await publish_event(self.agent.js, StageReady(
-                id=stage_restart_id(f"ready-{proc.load_id}-{proc.stage}{replica_part(proc.replica)}", proc.restarts),
+                # the fellow in the id: a ring stage re-placed on another fellow is ready anew (StageReplaced)
+                id=stage_restart_id(f"ready-{proc.load_id}-{proc.stage}{replica_part(proc.replica)}"
+                                    f"-{self.agent.fellow_id}", proc.restarts),
                 load_id=proc.load_id,
                 stage=proc.stage, replica=proc.replica, fellow_id=self.agent.fellow_id, pid=proc.pid,
                 kv_tokens=report.kv_tokens, kv_tokens_planned=report.kv_tokens_planned,

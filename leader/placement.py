@@ -198,3 +198,19 @@ def place_ring_replicas(parameters: int, ranges: list[tuple[int, int]], shards: 
             raise PlacementError(f"{replicas} rings of {n} stages: ring {replica} could not be placed ({exc})") from None
         out += [structs.replace(a, replica=replica) for a in ring]
     return out
+
+
+def place_replacement(parameters: int, layers: tuple[int, int], num_layers: int, fellows: dict[str, Heartbeat],
+                      online: set[str], exclude: set[str], quantization: dict | None = None,
+                      needs: tuple[str, ...] = (CAP_N_STAGE,)) -> str:
+    """The fellow that takes over a ring stage whose fellow was lost: the one with the most room among
+    the online ones outside the ring that declare ``needs`` and hold the stage's layers."""
+    share = parameters * (layers[1] - layers[0]) / num_layers
+    able = sorted((candidate(hb) for fid, hb in fellows.items()
+                   if fid in online and fid not in exclude and not _lacks(hb, needs)),
+                  key=lambda c: (-c.free_bytes, c.loaded, c.fellow_id))
+    for c in able:
+        if c.free_bytes >= share * bytes_per_param(quantization, c.has_gpu) * HEADROOM:
+            return c.fellow_id
+    raise PlacementError(f"no online fellow outside the ring declares {', '.join(needs)} and has room for "
+                         f"layers {layers[0]}-{layers[1]} ({len(able)} without room)")

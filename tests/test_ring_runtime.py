@@ -331,3 +331,35 @@ def test_a_later_stage_evicts_by_stage_zeros_ledger(servables):
     finally:
         ring.close()
     assert ring.workers[0].prefix.tokens <= 160 and ring.head.prefix.tokens <= 160
+
+
+def test_a_ring_whose_middle_stage_is_replaced_replays_its_sessions_to_the_same_replies(servables):
+    """Stage 0 pauses while a lost stage is re-placed (a fresh stage, no caches, an empty lane), then
+    every session prefills its prompt and its reply so far again and goes on: greedy replies unchanged."""
+    model = servables["three"]
+    expected = one_stage(model, PROMPTS[:3], 30)
+    ring = LocalRing(model, 3, prefill_chunk=8)
+    got: dict[str, list[int]] = {}
+    finished = []
+    try:
+        for i, prompt in enumerate(PROMPTS[:3]):
+            ring.head.add(Session(f"s{i}", prompt, 30, sampling=GREEDY))
+        replaced = False
+        while ring.head.busy:
+            result = ring.head.step()
+            for sid, tokens in result.tokens.items():
+                got.setdefault(sid, []).extend(tokens)
+            finished += result.finished
+            if not replaced and sum(map(len, got.values())) >= 6:
+                replaced = True
+                ring.head.pause("stage 1 is lost")
+                ring.head.step()  # paused: nothing more goes in, and what comes back is dropped
+                ring.workers[0].stop()  # the lost stage, with its caches and whatever waited for it
+                ring.inboxes[1] = Inbox()
+                ring.workers[0] = RingWorker(ring.stages[1], ring.inboxes[1], ring._sender(1))
+                threading.Thread(target=ring.workers[0].run, daemon=True).start()
+                ring.head.resume()
+    finally:
+        ring.close()
+    assert replaced and got == expected, {k: (got[k], expected[k]) for k in got if got[k] != expected[k]}
+    assert [s.timing()["replays"] for s in finished] == [1, 1, 1] and ring.head.replays == 3

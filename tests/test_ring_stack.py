@@ -134,7 +134,7 @@ async def test_a_servable_without_boundaries_is_refused_over_another_count(ring_
     assert r.status_code == 409 and "repeat" in r.json()["error"]["message"]
 
 
-async def _first_tokens_then_end(nc, js, load_id: str, content: str, started: asyncio.Event):
+async def _first_tokens_then_end(nc, js, load_id: str, content: str, started: asyncio.Event, timeout: float = 60):
     rid = "rq-" + uuid.uuid4().hex[:12]
     frames, ended = [], asyncio.Event()
 
@@ -151,13 +151,46 @@ async def _first_tokens_then_end(nc, js, load_id: str, content: str, started: as
                       messages=[ChatMessage(role="user", content=content)], max_tokens=1500,
                       sampling=Sampling(temperature=0.0), created=time.time())
     await js.publish(f"swarm.req.{load_id}", msgspec.json.encode(req), headers={"Nats-Msg-Id": rid})
-    await asyncio.wait_for(ended.wait(), 60)
+    await asyncio.wait_for(ended.wait(), timeout)
     return frames
 
 
-async def test_killing_a_middle_fellow_fails_its_requests_and_leaves_no_stage_process(ring_stack):
-    stack, url, _ = ring_stack
+async def test_a_middle_stage_killed_mid_stream_is_replaced_and_the_replies_finish_as_before(ring_stack):
+    """f1 holds stage 1 of three and dies mid-stream: the leader places stage 1 on the spare f3, stage 0
+    replays its sessions into the new ring, and each reply is what the model gives alone."""
+    stack, url, hf = ring_stack
     load = await asyncio.to_thread(stack.load, "tiny", num_stages=3, fellow_ids=["f0", "f1", "f2"])
+    lost_pid = load["stages"][1]["pid"]
+    prompts = ["Tell me a story " * (i + 1) for i in range(2)]
+    nc, js = await _bus(url)
+    try:
+        started = [asyncio.Event() for _ in prompts]
+        replies = [asyncio.create_task(_first_tokens_then_end(nc, js, load["load_id"], p, started[i], timeout=120))
+                   for i, p in enumerate(prompts)]
+        await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
+        stack.fellows[1].kill(signal.SIGKILL)
+        for prompt, frames in zip(prompts, await asyncio.gather(*replies)):
+            done = frames[-1]
+            assert isinstance(done, DoneFrame), (done, stack.logs())
+            tokens = [t for f in sorted(frames, key=lambda f: f.seq) if isinstance(f, TokenFrame) for t in f.token_ids]
+            assert tokens == hf_greedy(hf, prompt, 1500)
+            assert done.timing["replays"] == 1  # it was in flight when the stage went, and replayed
+    finally:
+        await nc.close()
+    assert not pid_alive(lost_pid)
+    status = stack.get("/api/v1/models/tiny/status").json()["load"]
+    moved = status["stages"][1]
+    assert moved["fellow_id"] == "f3" and moved["state"] == "ready" and status["state"] == "ready"
+    assert [(r["from"], r["to"]) for r in moved["replaced"]] == [("f1", "f3")]
+    perf = stack.get("/api/v1/models/tiny/performance").json()["load"]
+    assert perf["stages"][1]["replaced"][0]["from"] == "f1"
+
+
+async def test_a_stage_no_fellow_can_take_over_fails_its_requests_and_leaves_no_stage_process(ring_stack):
+    """The ring of the test before (f0, f3, f2) loses f3 with no fellow left to take stage 1: the load fails."""
+    stack, url, _ = ring_stack
+    load = stack.get("/api/v1/models/tiny/status").json()["load"]
+    assert [s["fellow_id"] for s in load["stages"]] == ["f0", "f3", "f2"]
     pids = [s["pid"] for s in load["stages"]]
     nc, js = await _bus(url)
     try:
@@ -165,10 +198,10 @@ async def test_killing_a_middle_fellow_fails_its_requests_and_leaves_no_stage_pr
         replies = [asyncio.create_task(_first_tokens_then_end(nc, js, load["load_id"], "Tell me a story " * (i + 1),
                                                               started[i])) for i in range(2)]
         await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
-        stack.fellows[1].kill(signal.SIGKILL)
+        stack.fellows[3].kill(signal.SIGKILL)
         for frames in await asyncio.gather(*replies):
             assert isinstance(frames[-1], ErrorFrame), frames[-1]
-            assert "f1" in frames[-1].message or frames[-1].code in ("fellow_lost", "model_unloaded")
+            assert "f3" in frames[-1].message or frames[-1].code in ("fellow_lost", "model_unloaded")
         await asyncio.to_thread(wait_until, lambda: not any(pid_alive(p) for p in pids), 30, "no stage process left")
         await asyncio.to_thread(
             wait_until, lambda: stack.get("/api/v1/models/tiny").json()["load_state"] == "unloaded", 30, "load failed")

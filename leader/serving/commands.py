@@ -6,23 +6,29 @@ One path serves every shape: one stage, a ring of several, or replicas of one st
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import Callable
+
+import msgspec
 
 from core.bus import publish_struct
 from core.servable import ServableError, load_manifest
 from core.servable_plan import plan_stage, serving_ranges
 from events import subjects
 from events.commands import LoadStage, UnloadStage
-from events.loads import (LoadFailed, LoadPlaced, LoadRequested, StageAssignment, TransportPlan,
-                          UnloadRequested, load_failed_id, replica_part)
+from events.loads import (LoadFailed, LoadPlaced, LoadRequested, StageAssignment, StageReplaced, TransportPlan,
+                          UnloadRequested, load_failed_id, replica_part, stage_replaced_id)
 from leader.catalog import Catalog
 from leader.db.tables import Load, LoadStage as LoadStageRow, Model
 from leader.errors import ApiError
-from leader.placement import (PlacementError, place_replicas, place_ring_replicas, ring_needs, ring_stage_count,
-                              transport_plan)
+from leader.placement import (PlacementError, place_replacement, place_replicas, place_ring_replicas, ring_needs,
+                              ring_stage_count, transport_plan)
 from leader.serving.rows import active_load, get_load, load_stages, model_not_found
+
+
+log = logging.getLogger(__name__)
 
 
 def load_msg_id(load_id: str, a: StageAssignment) -> str:
@@ -133,6 +139,41 @@ class LoadCommands:
                                                   requested_by=requested_by), wait=["loads"])
         await self.unload_stages(await load_stages(self.leader.sessions, load.load_id))
         return await get_load(self.leader.sessions, load.load_id)
+
+    async def replace_stage(self, load: Load, lost: LoadStageRow, stages: list[LoadStageRow], why: str) -> bool:
+        """Place a later ring stage whose fellow was lost on another fellow (StageReplaced, then its
+        LoadStage command); False where none can take it (the caller ends the load as before)."""
+        model = await self.catalog.get(load.model_id)
+        if model is None or not model.available or lost.stage == 0:
+            return False
+        transport = msgspec.convert(load.transport or {}, TransportPlan)
+        monitor = self.leader.fellows
+        try:
+            manifest = load_manifest(model.path)
+            shards = plan_stage(manifest, lost.stage, load.num_stages).shards
+            fellow = place_replacement(model.parameters, (lost.layer_first, lost.layer_last), model.num_layers,
+                                       monitor.latest, set(monitor.online), {s.fellow_id for s in stages},
+                                       load.quantization, ring_needs(transport.max_in_flight))
+        except (PlacementError, ServableError) as exc:
+            log.warning("load %s: stage %d cannot be re-placed: %s", load.load_id, lost.stage, exc)
+            return False
+        await self.leader.publish(StageReplaced(
+            id=stage_replaced_id(load.load_id, lost.stage, lost.replica, lost.fellow_id), load_id=load.load_id,
+            model_id=load.model_id, stage=lost.stage, replica=lost.replica, fellow_id=fellow,
+            lost_fellow_id=lost.fellow_id, reason=why), wait=["loads"])
+        assignment = StageAssignment(stage=lost.stage, fellow_id=fellow, replica=lost.replica,
+                                     layers=(lost.layer_first, lost.layer_last), shards=list(shards))
+        ring = sorted((s for s in stages if s.replica == lost.replica), key=lambda s: s.stage)
+        cmd = LoadStage(load_id=load.load_id, model_id=load.model_id, assignment=assignment,
+                        num_stages=load.num_stages,
+                        stage_fellows=[fellow if s.stage == lost.stage else s.fellow_id for s in ring],
+                        transport=transport, quantization=load.quantization, model_path=model.path,
+                        manifest_sha256=model.manifest_sha256, replicas=len({s.replica for s in stages}))
+        await publish_struct(self.leader.js, subjects.command(fellow, "load"), cmd,
+                             msg_id=f"{load_msg_id(load.load_id, assignment)}-on-{fellow}")
+        log.info("load %s: stage %d re-placed from %s on %s (%s)", load.load_id, lost.stage, lost.fellow_id, fellow,
+                 why)
+        return True
 
     async def unload_stages(self, stages: list[LoadStageRow], reason: str = "requested") -> None:
         """Tell each of these stages' fellows to stop it and free its memory."""

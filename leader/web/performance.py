@@ -167,8 +167,9 @@ def topology(load: Load | None, stages: list[LoadStage], latest: dict, split_ms:
             "ms_per_token": split_ms.get(f"stage{s.stage}_ms"),
             "tokens_per_s": live.tokens_per_s if live else None,
             "in_flight": live.in_flight if live else None, "waiting": live.waiting if live else None,
+            "replaced": list(s.replaced or []),  # the fellows it moved from, when a ring stage was re-placed
         })
-    ring = [s for s in out_stages if s["replica"] == 0]  # replicas are one-stage copies: no links
+    ring = [s for s in out_stages if s["replica"] == 0]  # the links of the first ring (replicas alike)
     n = len(ring)
     links = []
     if n > 1:  # hidden states go 0 -> 1 -> ... -> last; the sampled token goes straight back to 0

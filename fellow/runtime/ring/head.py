@@ -59,6 +59,8 @@ class RingHead(Scheduler):
         self.prefix = PrefixCache() if prefix_cache else None
         self.prefix_fallbacks = 0  # sessions a later stage could not give their reused prefix
         self.route = route or (lambda: "r")  # how this stage's frames leave now: "d" direct, "r" relay
+        self.paused: str | None = None  # why the ring is paused (a stage is being re-placed)
+        self.replays = 0
 
     def add(self, session: Session, reserved: bool = False) -> None:
         if self.broken is not None:
@@ -69,6 +71,14 @@ class RingHead(Scheduler):
         """From any thread: the ring is gone; every session fails now, and new ones are refused."""
         self.inbox.put(("fail", message, code))
 
+    def pause(self, why: str) -> None:
+        """From any thread: a later stage is lost and being re-placed; nothing goes into the ring."""
+        self.inbox.put(("pause", why))
+
+    def resume(self) -> None:
+        """From any thread: the ring is whole again; every session that had frames in it replays."""
+        self.inbox.put(("resume",))
+
     def step(self) -> StepResult:
         result = StepResult()
         self._apply_cancels(result)
@@ -76,8 +86,9 @@ class RingHead(Scheduler):
         for item in self.inbox.take(0 if self._has_work() else WAIT_S):
             self._take(item, result)
         self._admit(result)
-        self._expire(result)
-        self._compute_one()
+        if self.paused is None:
+            self._expire(result)
+            self._compute_one()
         return result
 
     # --- tokens back -------------------------------------------------------------------------
@@ -85,8 +96,8 @@ class RingHead(Scheduler):
     def _take(self, item, result: StepResult) -> None:
         if isinstance(item, Token):
             session = self.sessions.get(item.session)
-            if session is None:  # ended here already (cancelled, stopped, failed)
-                return
+            if session is None or self.paused is not None or item.attempt != session.attempt:
+                return  # ended already; or it replays on resume; or an answer to a try that was given up
             if item.error and item.code == PREFIX_MISSING and session.confirming:
                 self._start_over(session, item.error)
                 return
@@ -103,6 +114,10 @@ class RingHead(Scheduler):
             session.answered(item.compute_ms, now)
             session.pending_logprob = item.logprob
             self._accept(session, item.token, now, result)
+        elif isinstance(item, tuple) and item[0] == "pause":
+            self._pause(item[1])
+        elif isinstance(item, tuple) and item[0] == "resume":
+            self._resume()
         elif isinstance(item, tuple) and item[0] == "fail":
             self.broken = RingFailure(item[1], item[2])
             for session in list(self.sessions.values()):
@@ -116,6 +131,31 @@ class RingHead(Scheduler):
             session.ready = True
             self.ready.append(session)
         return ended
+
+    def _pause(self, why: str) -> None:
+        self.paused = why
+        self.ready.clear()
+        for s in self.sessions.values():
+            s.ready, s.in_ring, s.confirming, s.decode_sent_at = False, 0, False, None
+            s.must_replay = s.must_replay or s.prefilled > s.first_pos or bool(s.output_ids)
+        log.warning("ring paused (%s): %d session(s) replay when it is whole again", why,
+                    sum(s.must_replay for s in self.sessions.values()))
+
+    def _resume(self) -> None:
+        """Every session that had frames in the ring prefills its prompt and its reply so far again,
+        from position 0 on every stage; the last piece's token is its next one."""
+        self.paused = None
+        for s in self.sessions.values():
+            if s.must_replay:
+                s.must_replay = False
+                s.cache.release()
+                s.cache = self.stage.new_cache()
+                s.history = s.prompt_ids + s.output_ids
+                s.prefilled = s.first_pos = 0
+                s.attempt += 1
+                s.replays += 1
+                self.replays += 1
+        log.info("ring resumed: %d session(s) replay", sum(s.history is not None for s in self.sessions.values()))
 
     def _expire(self, result: StepResult) -> None:
         now = time.perf_counter()
@@ -131,6 +171,7 @@ class RingHead(Scheduler):
         if self.prefix is not None:
             self.prefix.fit(self.budget.reserved, self.kv_tokens)  # the reservation is in: blocks make room
             session.prefilled = session.cached_tokens = self.prefix.start(session.cache, session.prompt_ids)
+            session.first_pos = session.cached_tokens
 
     def _start_over(self, session: RingSession, why: str) -> None:
         """A later stage lacks the prefix this session reused: prefill its whole prompt instead. Its
@@ -141,7 +182,8 @@ class RingHead(Scheduler):
         session.confirming = False
         session.cache.release()
         session.cache = self.stage.new_cache()
-        session.prefilled = session.cached_tokens = 0
+        session.prefilled = session.cached_tokens = session.first_pos = 0
+        session.attempt += 1
 
     def _fail(self, session: RingSession, error: RingFailure, result: StepResult) -> None:
         session.error = error
@@ -155,7 +197,7 @@ class RingHead(Scheduler):
                 and reason != "error")
         if keep:
             self.prefix.insert(session.prompt_ids + session.output_ids, session.cache)
-        if session.prefilled > session.cached_tokens:  # the later stages hold a cache for it
+        if session.prefilled > session.first_pos:  # the later stages hold a cache for it
             self.send(End(session=session.session_id, keep=keep))
         super()._finish(session, reason, result)
         if self.prefix is not None:
@@ -170,6 +212,8 @@ class RingHead(Scheduler):
     # --- compute -----------------------------------------------------------------------------
 
     def _has_work(self) -> bool:
+        if self.paused is not None:
+            return False
         return bool(self.ready) or any(self._can_piece(s) for s in self.sessions.values())
 
     def _can_piece(self, session: RingSession) -> bool:
@@ -207,6 +251,7 @@ class RingHead(Scheduler):
             session.stage0_steps += 1
             self.send(Hidden(session=session.session_id, pos=pos, positions=1, data=data, scale=scale,
                              kind=DECODE, batch=len(group), step=self._step_no, routes=self.route(),
+                             attempt=session.attempt,
                              ids=[session.next_input] if self.prefix is not None else []))
             session.sent(len(data) + len(scale), 1, now)
             session.decode_sent_at = now
@@ -217,21 +262,23 @@ class RingHead(Scheduler):
         if session is None:
             return False
         start = session.prefilled
-        left = len(session.prompt_ids) - start
+        feed = session.feed
+        left = len(feed) - start
         size = min(left, self.prefill_chunk or left, self.max_piece)
         if session.prefill_started_at is None:
             session.prefill_started_at = time.perf_counter()
-        piece = torch.tensor(session.prompt_ids[start : start + size], device=self.stage.input_device)
+        piece = torch.tensor(feed[start : start + size], device=self.stage.input_device)
         (data, scale), = self.codec.encode(self.stage.forward_piece(session.cache, piece))  # [1, q, H]
         session.prefilled += size
-        first = start == session.cached_tokens
-        reuse = session.prompt_ids[:start] if first else []
+        first = start == session.first_pos
+        reuse = feed[:start] if first else []
         session.confirming = bool(reuse)
         self.send(Hidden(session=session.session_id, pos=start, positions=size, data=data, scale=scale,
                          kind=PIECE if session.prefilling else LAST_PIECE,
                          sampling=ring_sampling(session) if first else None,
-                         ids=session.prompt_ids[start : start + size] if self.prefix is not None else [],
-                         reuse=reuse, reserve=session.reserved_tokens if first else 0, routes=self.route()))
+                         ids=feed[start : start + size] if self.prefix is not None else [],
+                         reuse=reuse, reserve=session.reserved_tokens if first else 0, routes=self.route(),
+                         attempt=session.attempt))
         session.sent(len(data) + len(scale), size, time.perf_counter())
         return True
 
@@ -244,4 +291,5 @@ def ring_sampling(session: Session) -> RingSampling:
                         repetition_penalty=s.repetition_penalty, logit_bias=list(s.logit_bias),
                         min_tokens=s.min_tokens, logprobs=s.logprobs,
                         stop_ids=sorted(session.stop_ids) if s.min_tokens else [],
-                        prompt_ids=session.prompt_ids if s.repetition_penalty != 1.0 else [])
+                        prompt_ids=session.prompt_ids if s.repetition_penalty != 1.0 else [],
+                        output_ids=list(session.output_ids))

@@ -8,7 +8,7 @@ import time
 
 from events import subjects
 from events.base import decode_event
-from events.loads import LoadFailed
+from events.loads import LoadFailed, StageReady, StageReplaced
 from events.stage import FailedReport, MetricsReport
 from fellow.runtime.engine.serving_loop import ServingLoop
 from fellow.runtime.ring.head import WAKE, RingHead
@@ -71,6 +71,9 @@ class RingHeadServer(StageServer):
         await self.link.start()
         self.engine.max_piece = max(1, (self.link.max_payload - 1024) // self.ring.sender.bytes_per_position)
         await self.nc.subscribe(subjects.event(LoadFailed.__struct_config__.tag), cb=self._on_load_failed)
+        self._replacing: set[int] = set()  # later stages being re-placed; the ring is paused meanwhile
+        for kind in (StageReplaced, StageReady):
+            await self.nc.subscribe(subjects.event(kind.__struct_config__.tag), cb=self._on_stage_event)
         started = time.perf_counter()
         try:
             await self.link.probe(PROBE_TIMEOUT_S)
@@ -92,6 +95,26 @@ class RingHeadServer(StageServer):
         if isinstance(evt, LoadFailed) and evt.load_id == self.load_id:
             log.warning("load failed (%s): failing every request in the ring", evt.reason)
             self.engine.fail_all(f"the ring serving this model failed: {evt.reason}", evt.code or "ring_failed")
+
+    async def _on_stage_event(self, msg) -> None:
+        """A later stage of this ring moved to another fellow: pause until it is ready and a probe has
+        gone round the ring again, then the sessions replay (fellow.runtime.ring.head)."""
+        try:
+            evt = decode_event(msg.data)
+        except Exception as exc:
+            log.warning("dropped a message on %s that is not an event: %s", msg.subject, type(exc).__name__)
+            return
+        if getattr(evt, "load_id", None) != self.load_id or getattr(evt, "replica", 0) != self.cfg.replica:
+            return
+        if isinstance(evt, StageReplaced):
+            self._replacing.add(evt.stage)
+            self.engine.pause(f"stage {evt.stage} moves from {evt.lost_fellow_id} to {evt.fellow_id}")
+        elif isinstance(evt, StageReady) and evt.stage in self._replacing:
+            self._replacing.discard(evt.stage)
+            if not self._replacing:
+                await self.link.probe(PROBE_TIMEOUT_S)
+                log.info("stage %d is back on %s: the ring resumes", evt.stage, evt.fellow_id)
+                self.engine.resume()
 
     async def _shutdown(self) -> None:
         await super()._shutdown()  # errors the requests in flight

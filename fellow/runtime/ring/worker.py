@@ -48,6 +48,7 @@ class _Held:
     pending_logprob: tuple | None = None
     ids: list[int] = field(default_factory=list)  # the token ids of its cache's positions, when frames carry them
     reserve: int = 0  # its KV reservation on stage 0's ledger
+    attempt: int = 0  # the session's try whose frames it runs (events.ring.Hidden.attempt)
 
     def sampled(self, token: int) -> tuple | None:
         """Take the token this stage drew; its logprob, if the request asked for them."""
@@ -138,11 +139,11 @@ class RingWorker:
                 self._fit_prefix()
             if not self.is_last:
                 self.send(frame)
-        else:
+        elif not self._stale(frame):
             try:
                 self._piece(frame)
             except Exception as exc:
-                self._fail(frame.session, exc)
+                self._fail(frame.session, exc, frame.attempt)
 
     def _piece(self, frame: Hidden) -> None:
         started = time.perf_counter()
@@ -154,7 +155,8 @@ class RingWorker:
             held = _Held(self.stage.new_cache(), params, generator,
                          prompt_ids=list(ring.prompt_ids) if ring else [],
                          stop_ids=frozenset(ring.stop_ids) if ring else frozenset(),
-                         ids=list(frame.reuse), reserve=frame.reserve)
+                         output_ids=list(ring.output_ids) if ring else [],
+                         ids=list(frame.reuse), reserve=frame.reserve, attempt=frame.attempt)
             self.held[frame.session] = held
             self._fit_prefix()
             if frame.reuse and (self.prefix is None or not self.prefix.take(held.cache, list(frame.reuse))):
@@ -170,13 +172,13 @@ class RingWorker:
             self.send(Hidden(session=frame.session, pos=frame.pos, positions=frame.positions, data=data,
                              scale=scale, kind=frame.kind, sampling=frame.sampling,
                              compute_ms=[*frame.compute_ms, _ms(started)], ids=frame.ids, reuse=frame.reuse,
-                             reserve=frame.reserve, routes=frame.routes + self.route()))
+                             reserve=frame.reserve, routes=frame.routes + self.route(), attempt=frame.attempt))
         elif frame.kind == LAST_PIECE:
             token = sample_next(out[None], [held])[0]
             self.send(Token(session=frame.session, token=token, compute_ms=[*frame.compute_ms, _ms(started)],
-                            logprob=held.sampled(token), routes=frame.routes + self.route()))
+                            logprob=held.sampled(token), routes=frame.routes + self.route(), attempt=frame.attempt))
         else:
-            self.send(Token(session=frame.session, token=NO_TOKEN))
+            self.send(Token(session=frame.session, token=NO_TOKEN, attempt=frame.attempt))
 
     # --- decode batches ----------------------------------------------------------------------
 
@@ -184,25 +186,27 @@ class RingWorker:
         self.frames += len(frames)
         runnable = []
         for frame in frames:
+            if self._stale(frame):
+                continue
             try:
                 self._held(frame)
                 runnable.append(frame)
             except FrameError as exc:
-                self._fail(frame.session, exc)
+                self._fail(frame.session, exc, frame.attempt)
         if not runnable:
             return
         try:
             self._decode_batch(runnable)
         except Exception as exc:
             if len(runnable) == 1:
-                self._fail(runnable[0].session, exc)
+                self._fail(runnable[0].session, exc, runnable[0].attempt)
                 return
             log.warning("a decode batch of %d failed; running its frames one at a time", len(runnable))
             for frame in runnable:
                 try:
                     self._decode_batch([frame])
                 except Exception as exc:
-                    self._fail(frame.session, exc)
+                    self._fail(frame.session, exc, frame.attempt)
 
     def _decode_batch(self, frames: list[Hidden]) -> None:
         started = time.perf_counter()
@@ -219,14 +223,14 @@ class RingWorker:
             for frame, token, h in zip(frames, tokens, held):
                 self.send(Token(session=frame.session, token=token, batch=len(frames), step=self._step_no,
                                 compute_ms=[*frame.compute_ms, elapsed], logprob=h.sampled(token),
-                                routes=frame.routes + self.route()))
+                                routes=frame.routes + self.route(), attempt=frame.attempt))
             return
         rows = self.ring.sender.encode(out)
         elapsed = _ms(started)
         for frame, (data, scale) in zip(frames, rows):
             self.send(Hidden(session=frame.session, pos=frame.pos, positions=1, data=data, scale=scale,
                              batch=len(frames), step=self._step_no, compute_ms=[*frame.compute_ms, elapsed],
-                             ids=frame.ids, routes=frame.routes + self.route()))
+                             ids=frame.ids, routes=frame.routes + self.route(), attempt=frame.attempt))
 
     # --- sessions ----------------------------------------------------------------------------
 
@@ -249,12 +253,17 @@ class RingWorker:
         if held is not None:
             held.cache.release()
 
-    def _fail(self, session: str, exc: Exception) -> None:
+    def _stale(self, frame: Hidden) -> bool:
+        """A frame of a try its session has given up (stage 0 replayed it or started it over): dropped."""
+        held = self.held.get(frame.session)
+        return held is not None and frame.attempt < held.attempt
+
+    def _fail(self, session: str, exc: Exception, attempt: int = 0) -> None:
         """This session alone ends: its cache goes, and stage 0 hears of it on the token lane."""
         log.warning("stage %d failed session %s: %s", self.ring.index, session, exc)
         self._drop(session)
         self.send(Token(session=session, token=NO_TOKEN, error=f"stage {self.ring.index}: {exc}",
-                        code=getattr(exc, "code", "stage_failed")), lane="tok")
+                        code=getattr(exc, "code", "stage_failed"), attempt=attempt), lane="tok")
 
 
 def _ms(started: float) -> float:
