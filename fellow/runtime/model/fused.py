@@ -147,7 +147,7 @@ def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 class FusedStack:
-    """The fused layers of one stage, and the three ways a forward attends (see ``StageModel``)."""
+    """The fused layers of one stage, and the four ways a forward attends (see ``StageModel``)."""
 
     def __init__(self, layers: Sequence[nn.Module], config, make_linear: MakeLinear) -> None:
         self.num_heads = config.num_attention_heads
@@ -178,7 +178,7 @@ class FusedStack:
             hidden = hidden + layer.down(F.silu(gate) * up)
         return hidden
 
-    # --- the three ways a forward attends ---------------------------------------------------------
+    # --- the four ways a forward attends ----------------------------------------------------------
 
     def attend_piece(self, cache, mask: torch.Tensor | None):
         """One session's next positions, into its cache: q [1, heads, q, D]."""
@@ -198,6 +198,42 @@ class FusedStack:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scaling,
                                                  enable_gqa=self.groups > 1)
             return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+        return attend
+
+    def attend_packed(self, caches, widths: Sequence[int]):
+        """Several sessions' next positions packed in one row, ``widths[i]`` of them for session i
+        (a verify pass: its last token and its drafts): q [1, heads, sum(widths), D].
+
+        Each session writes its positions into its own cache and attends to its past and, causally,
+        to its own new positions. A session of one position attends as ``attend_decode``'s rows do.
+        """
+        total = sum(widths)
+        out_shape = (1, total, self.num_heads * self.head_dim)
+        masks = []  # per session of more than one position: [w, past + w], True where a query sees a key
+        for cache, width in zip(caches, widths):
+            if width == 1:
+                masks.append(None)
+                continue
+            rows = torch.arange(cache.length, cache.length + width)[:, None]
+            masks.append(torch.arange(cache.length + width)[None, :] <= rows)
+
+        def attend(layer: FusedLayer, q, k, v):
+            out = q.new_empty(out_shape)
+            start = 0
+            for cache, width, mask in zip(caches, widths, masks):
+                end = start + width
+                keys, values = cache.write(layer.layer_idx, k[:, :, start:end], v[:, :, start:end])
+                if mask is None:
+                    queries = q[:, :, start].reshape(1, self.num_kv_heads, self.groups, self.head_dim)
+                    attended = F.scaled_dot_product_attention(queries, keys, values, scale=layer.scaling)
+                    out[0, start] = attended.view(-1)
+                else:
+                    attended = F.scaled_dot_product_attention(q[:, :, start:end], keys, values,
+                                                              attn_mask=mask.to(q.device), scale=layer.scaling,
+                                                              enable_gqa=self.groups > 1)
+                    out[0, start:end] = attended[0].transpose(0, 1).reshape(width, -1)
+                start = end
+            return out
         return attend
 
     def attend_decode(self, caches):
