@@ -9,8 +9,9 @@ drafts go on copying themselves (a repeating pattern is drafted as repeating on)
 
 from __future__ import annotations
 
+from events.loads import MAX_SPECULATIVE
+
 NGRAMS = (4, 3, 2)  # the tail lengths looked up, longest first
-MAX_SPECULATIVE = 8  # the most tokens one pass may draft (SWARM_SERVE_SPECULATIVE)
 FAILED_PASSES = 2  # passes in a row in which no draft stood before the guard pauses drafting
 PAUSE_PASSES = 16  # how long it pauses
 
