@@ -27,7 +27,8 @@ def request_events(now: float) -> list:
     finished("r-a", "m1", now - 190, 1.0, 5, 10,
              timing={"stage0_ms": 10.0, "link_ms": 4.0, "stage1_ms": 20.0, "prefill_ms": 40.0, "route": "relay"})
     finished("r-b", "m1", now - 70, 3.0, 6, 30,
-             timing={"stage0_ms": 20.0, "link_ms": 2.0, "stage1_ms": 30.0, "prefill_ms": 60.0, "route": "relay"})
+             timing={"stage0_ms": 20.0, "link_ms": 2.0, "stage1_ms": 30.0, "prefill_ms": 60.0, "route": "relay",
+                     "spec_k": 4, "spec_passes": 5, "spec_tokens": 15, "spec_drafted": 20, "spec_accepted": 10})
     finished("r-c", "m1", now - 5, 0.5, 4, 3, reason="cancelled", timing={"stage0_ms": 5.0, "route": "local"})
     finished("r-other", "m2", now - 5, 1.0, 9, 90)
     evts.append(RequestAccepted(request_id="r-long", model_id="m1", load_id="ld-1", at=now - 20))
@@ -77,6 +78,8 @@ async def test_performance_buckets_and_totals_match_the_requests_made(tmp_path, 
     assert list(t["split_ms"]) == ["stage0_ms", "link_ms", "stage1_ms"]  # ring order
     ttfts = [e.ttft_s * 1e3 for e in inside.values() if isinstance(e, RequestFinished)]
     assert abs(t["ttft_ms"] - sum(ttfts) / len(ttfts)) < 1e-3
+    assert t["spec_acceptance"] == 0.5 and t["spec_tokens_per_pass"] == 3.0  # r-b alone drafted
+    assert perf["buckets"][0]["spec_acceptance"] is None
     assert perf["load"] is None  # nothing loaded
 
 

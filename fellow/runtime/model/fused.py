@@ -205,17 +205,20 @@ class FusedStack:
         (a verify pass: its last token and its drafts): q [1, heads, sum(widths), D].
 
         Each session writes its positions into its own cache and attends to its past and, causally,
-        to its own new positions. A session of one position attends as ``attend_decode``'s rows do.
+        to its own new positions. As in ``attend_decode``, the query heads that share a key/value head
+        go in as that head's queries ([1, kv_heads, groups * w, D], the mask repeated per group):
+        sdpa with ``enable_gqa`` and a mask took 2.4 times as long on a CPU (0.34 ms against 0.14, 16
+        heads over 2, 3 positions on 1,208).
         """
         total = sum(widths)
         out_shape = (1, total, self.num_heads * self.head_dim)
-        masks = []  # per session of more than one position: [w, past + w], True where a query sees a key
+        masks = []  # per session of more than one position: [groups * w, past + w], True where a query sees a key
         for cache, width in zip(caches, widths):
             if width == 1:
                 masks.append(None)
                 continue
             rows = torch.arange(cache.length, cache.length + width)[:, None]
-            masks.append(torch.arange(cache.length + width)[None, :] <= rows)
+            masks.append((torch.arange(cache.length + width)[None, :] <= rows).repeat(self.groups, 1))
 
         def attend(layer: FusedLayer, q, k, v):
             out = q.new_empty(out_shape)
@@ -223,15 +226,14 @@ class FusedStack:
             for cache, width, mask in zip(caches, widths, masks):
                 end = start + width
                 keys, values = cache.write(layer.layer_idx, k[:, :, start:end], v[:, :, start:end])
+                queries = q[:, :, start:end].reshape(1, self.num_kv_heads, self.groups * width, self.head_dim)
+                attended = F.scaled_dot_product_attention(queries, keys, values, scale=layer.scaling,
+                                                          attn_mask=None if mask is None else mask.to(q.device))
                 if mask is None:
-                    queries = q[:, :, start].reshape(1, self.num_kv_heads, self.groups, self.head_dim)
-                    attended = F.scaled_dot_product_attention(queries, keys, values, scale=layer.scaling)
                     out[0, start] = attended.view(-1)
-                else:
-                    attended = F.scaled_dot_product_attention(q[:, :, start:end], keys, values,
-                                                              attn_mask=mask.to(q.device), scale=layer.scaling,
-                                                              enable_gqa=self.groups > 1)
-                    out[0, start:end] = attended[0].transpose(0, 1).reshape(width, -1)
+                else:  # [1, kv_heads, groups * w, D] is [heads, w, D]: each position's heads in a row
+                    out[0, start:end] = attended.view(self.num_heads, width, self.head_dim).transpose(0, 1).reshape(
+                        width, -1)
                 start = end
             return out
         return attend
