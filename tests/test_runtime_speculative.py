@@ -201,9 +201,14 @@ def test_a_seeded_sampled_reply_with_drafts_repeats_itself(stage):
 
 
 def test_draft_guard_stops_drafting_for_16_passes_and_resumes():
-    guard = DraftGuard()
-    assert guard.allows()
+    guard = DraftGuard(8)
+    assert guard.allows() and guard.limit == 8
+    guard.record(drafted=3, accepted=3)
+    assert guard.limit == 6  # all stood: twice as many next time
+    guard.record(drafted=6, accepted=6)
+    assert guard.limit == 8  # never above k
     guard.record(drafted=3, accepted=1)
+    assert guard.limit == 2  # one more than stood
     for _ in range(FAILED_PASSES - 1):
         guard.record(drafted=3, accepted=0)
     assert guard.allows() and guard.pauses == 0  # not yet: a draft stood before these
@@ -276,3 +281,42 @@ def test_a_session_cancelled_after_a_verify_pass_leaves_no_cache_and_no_drafts_b
     kept = [t for block in engine.prefix.blocks.values() for t in block.tokens]
     ids = session.prompt_ids + session.output_ids
     assert engine.prefix.tokens == len(ids) - 1 and kept == ids[: len(kept)]  # no fallen draft kept
+
+
+def test_a_stop_string_inside_a_pass_ends_the_reply_there_and_counts_only_what_was_sent():
+    """A verify pass can gain several tokens past a stop string: the reply ends at the string and
+    its completion_tokens count the ids sent, not the ones gained after it."""
+    import threading
+
+    from fellow.runtime.engine.serving_loop import Job, ServingLoop
+    from tests.tiny import _tokenizer
+
+    tok = _tokenizer()
+    ids = tok("abcdefghijklmnopqrstuvwxyz" * 4, add_special_tokens=False)["input_ids"]  # each id's successor is one
+    config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=128, intermediate_size=128,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    plant_bigrams(model, ids)
+    engine = Engine(StageModel.from_causal_lm(model), kv_tokens=4096, speculative=8)
+    outputs, done = [], threading.Event()
+
+    def deliver(batch):
+        outputs.extend(batch)
+        if any(o.finish_reason for o in batch):
+            done.set()
+
+    loop = ServingLoop(engine, tok, frozenset(), deliver)
+    loop.start()
+    try:
+        loop.submit(Job("j", ids, 40, GREEDY, stop=["mno"]))
+        assert done.wait(60)
+    finally:
+        loop.stop()
+    text = "".join(t for o in outputs for t in o.texts)
+    sent = [i for o in outputs for i in o.ids]
+    end = outputs[-1]
+    assert end.finish_reason == "stop" and text == "abcdefghijkl", text
+    assert end.completion_tokens == len(sent) and end.timing["spec_accepted"] > 0
+    assert end.timing["spec_tokens"] > end.timing["spec_passes"]

@@ -70,9 +70,16 @@ class PromptLookup:
 
 class DraftGuard:
     """Stops a session's drafting for PAUSE_PASSES passes after FAILED_PASSES passes in a row in
-    which none of its drafts stood; a pass with a draft that stood resets the count."""
+    which none of its drafts stood; a pass with a draft that stood resets the count.
 
-    def __init__(self) -> None:
+    It also sizes the next draft (``limit``): one more than stood last time when some fell, twice
+    as many when all stood, never above k. A reply that copies keeps drafting k; one whose drafts
+    stand one or two at a time stops paying for positions that fall.
+    """
+
+    def __init__(self, k: int = MAX_SPECULATIVE) -> None:
+        self.k = k
+        self.limit = k  # the most the next pass drafts
         self.failures = 0
         self.paused_for = 0  # passes left without drafting
         self.pauses = 0  # how often it paused, over the session
@@ -87,6 +94,7 @@ class DraftGuard:
     def record(self, drafted: int, accepted: int) -> None:
         if not drafted:
             return
+        self.limit = min(self.k, 2 * drafted if accepted == drafted else accepted + 1)
         if accepted:
             self.failures = 0
             return

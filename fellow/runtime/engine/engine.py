@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from fellow.runtime.engine.drafting import PromptLookup, check_speculative
+from fellow.runtime.engine.drafting import DraftGuard, PromptLookup, check_speculative
 from fellow.runtime.engine.prefix_cache import PrefixCache
 from fellow.runtime.engine.processors import sample_next
 from fellow.runtime.engine.sampling import make_generator
@@ -33,8 +33,8 @@ class Engine(Scheduler):
     (fellow.runtime.engine.drafting); a batch in which any session drafted runs as one verify pass
     (``StageModel.verify``: every session's last token and its drafts), ``verify_drafts`` keeps what
     the model agrees with plus one token of its own, and each cache is cropped to what stood.
-    Sessions with and without drafts share the pass; a session's DraftGuard pauses its drafting
-    while its drafts keep failing.
+    Sessions with and without drafts share the pass; a session's DraftGuard sizes its drafts by
+    how many stood, and pauses its drafting while they keep failing.
     """
 
     def __init__(self, stage: StageModel, *, kv_tokens: int, max_batch: int = 0, prefill_chunk: int = 256,
@@ -60,6 +60,7 @@ class Engine(Scheduler):
         session.generator = make_generator(session.sampling, self.stage.output_device)
         if self.speculative:
             session.spec_k = self.speculative
+            session.guard = DraftGuard(self.speculative)
             session.lookup = PromptLookup(session.prompt_ids)
         if self.prefix is not None:
             self._fit_prefix()  # the session's reservation is in: cached blocks make room for it
@@ -159,7 +160,7 @@ class Engine(Scheduler):
             return []
         lookup = session.lookup
         lookup.extend(session.output_ids[len(lookup.ids) - len(session.prompt_ids):])
-        return lookup.draft(min(session.spec_k, session.max_new_tokens - len(session.output_ids) - 1))
+        return lookup.draft(min(session.guard.limit, session.max_new_tokens - len(session.output_ids) - 1))
 
     def _verify(self, batch: list[Session], drafts: dict[str, list[int]], result: StepResult) -> None:
         """One pass of ``[next_input, *drafts]`` for every session of the batch (sessions without
