@@ -16,8 +16,10 @@ k in {2, 4, 8} over k = 0, on shapes of bench/bench_matrix.py, for a copying wor
   each drafting pass drafts and loses all of it: what DraftGuard leaves of the cost.
 
 The stage is the one a fellow serves (fused layers, kernels chosen at load), driven in this process;
-decode tokens/s is timed from the step after every reply's first token to the last, best of
-``--rounds`` rounds that each run every k in turn, so contention on the machine hits all of them.
+decode tokens/s is timed from the step after every reply's first token to the last, in CPU time of
+this process on one thread (``time.process_time``): on a machine shared with other work, wall time
+swung by 2x between identical runs, CPU time far less. Best of ``--rounds`` rounds that each run
+every k in turn.
 Also printed: what one verify pass of M positions costs against a one-position step (one session,
 on a cache of the copying prompt's length), the price of each drafted position.
 """
@@ -94,10 +96,10 @@ def decode_rate(stage, prompts: list[list[int]], tokens: int, k: int, prefix) ->
         engine.add(session)
     while any(s.first_token_at is None for s in sessions):  # the prompts and first tokens, not timed
         engine.step()
-    started = time.perf_counter()
+    started = time.process_time()
     while engine.busy:
         engine.step()
-    elapsed = time.perf_counter() - started
+    elapsed = time.process_time() - started
     decoded = sum(len(s.output_ids) - 1 for s in sessions)
     counts = {name: sum(getattr(s, name) for s in sessions)
               for name in ("spec_passes", "spec_tokens", "spec_drafted", "spec_accepted")}
@@ -114,9 +116,9 @@ def pass_costs(stage, context: int, widths: list[int], repeats: int = 5) -> dict
     for width in widths:
         best = float("inf")
         for _ in range(repeats):
-            started = time.perf_counter()
+            started = time.process_time()
             stage.verify([cache], [[5] * width])
-            best = min(best, time.perf_counter() - started)
+            best = min(best, time.process_time() - started)
             cache.crop_to(context)
         costs[width] = best * 1e3
     cache.release()
@@ -206,8 +208,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per reply")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default); 1 by default, "
-                    "as a stage sharing a busy machine gets steadier times with one")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default); 1 by default: "
+                    "the times are CPU times, which stand for wall time only on one thread")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

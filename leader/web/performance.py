@@ -69,7 +69,11 @@ class _Tally:
         timing = r.timing or {}
         parts = {k: float(v) for k, v in timing.items() if _PART.match(k) and isinstance(v, (int, float))}
         if not parts and isinstance(timing.get("decode_ms"), (int, float)):
-            parts = {"stage0_ms": float(timing["decode_ms"])}  # one stage: its decode step is the whole token
+            per_token = float(timing["decode_ms"])  # one stage: its decode step is the whole token ...
+            passes = timing.get("decode_passes")
+            if isinstance(passes, int) and r.completion_tokens and r.completion_tokens > 1:
+                per_token *= passes / (r.completion_tokens - 1)  # ... unless its passes gained drafted tokens
+            parts = {"stage0_ms": per_token}
         if parts:
             for k, v in parts.items():
                 self.parts[k] = self.parts.get(k, 0.0) + v * weight

@@ -105,7 +105,8 @@ class Session:
             timing["decode_ms"] = round(self.decode_s * 1e3 / self.decode_steps, 3)
         if self.spec_k:
             timing.update(spec_k=self.spec_k, spec_passes=self.spec_passes, spec_tokens=self.spec_tokens,
-                          spec_drafted=self.spec_drafted, spec_accepted=self.spec_accepted)
+                          spec_drafted=self.spec_drafted, spec_accepted=self.spec_accepted,
+                          decode_passes=self.decode_steps)  # decode_ms is per pass, and a pass may gain several
         return timing
 
 
