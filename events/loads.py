@@ -15,11 +15,14 @@ class StageAssignment(msgspec.Struct, frozen=True, kw_only=True):
     shards: list[int] = []  # trained shard indices this stage reads
 
 
+MAX_SPECULATIVE = 8  # the most tokens a decode pass may draft (SWARM_SERVE_SPECULATIVE, a load's speculative)
+
+
 class TransportPlan(msgspec.Struct, frozen=True, kw_only=True):
     max_in_flight: int = 1
     kv_tokens: int = 0
     max_batch: int = 0
-    speculative: int = 0
+    speculative: int = 0  # tokens drafted per decode pass by prompt lookup (0: off); one-stage loads only
     prefill_chunk: int = 256
     step_costs: bool = False  # every stage times its decode step at load (SWARM_SERVE_STEP_COSTS)
 

@@ -29,8 +29,10 @@ def request_events(now: float) -> list:
              timing={"stage0_ms": 10.0, "link_ms": 4.0, "stage1_ms": 20.0, "prefill_ms": 40.0, "route": "relay"})
     finished("r-b", "m1", now - 70, 3.0, 6, 30,
              timing={"stage0_ms": 20.0, "link_ms": 2.0, "stage1_ms": 30.0, "prefill_ms": 60.0, "route": "relay",
-                     "cached_tokens": 3})
+                     "cached_tokens": 3, "spec_k": 4, "spec_passes": 5, "spec_tokens": 15, "spec_drafted": 20,
+                     "spec_accepted": 10})
     finished("r-c", "m1", now - 5, 0.5, 4, 3, reason="cancelled", timing={"stage0_ms": 5.0, "route": "local"})
+    finished("r-spec", "m3", now - 8, 0.5, 4, 11, timing={"decode_ms": 6.0, "decode_passes": 4, "spec_k": 4})
     finished("r-other", "m2", now - 5, 1.0, 9, 90)
     evts.append(RequestAccepted(request_id="r-long", model_id="m1", load_id="ld-1", at=now - 20))
     evts.append(RequestFailed(request_id="r-long", model_id="m1", load_id="ld-1", at=now - 19,
@@ -40,7 +42,7 @@ def request_events(now: float) -> list:
 
 
 async def test_performance_buckets_and_totals_match_the_requests_made(tmp_path, nats_server, sqlite_url):
-    for model in ("m1", "m2"):  # a folder without a manifest: cataloged, unavailable, still a model
+    for model in ("m1", "m2", "m3"):  # a folder without a manifest: cataloged, unavailable, still a model
         (tmp_path / "servables" / model).mkdir(parents=True)
     async with leader_client(tmp_path, nats_server.url, sqlite_url,
                              SWARM_SERVABLE_MODELS_ROOT=tmp_path / "servables") as (app, c):
@@ -49,6 +51,7 @@ async def test_performance_buckets_and_totals_match_the_requests_made(tmp_path, 
         for evt in evts:
             await on_app(c, leader.publish, evt, ["requests"])
         perf = (await c.get(PERF)).json()
+        spec = (await c.get("/api/v1/models/m3/performance")).json()["totals"]
 
     since, bucket_s = perf["since"], perf["bucket_s"]
     assert perf["window_s"] == 900 and bucket_s == 60 and len(perf["buckets"]) == 15
@@ -85,6 +88,9 @@ async def test_performance_buckets_and_totals_match_the_requests_made(tmp_path, 
     assert hit["prefix_hit_rate"] == round(3 / hit["prompt_tokens"], 4)
     assert [b["prefix_hit_rate"] for b in perf["buckets"] if not b["prompt_tokens"]] == \
         [None] * sum(not b["prompt_tokens"] for b in perf["buckets"])
+    assert t["spec_acceptance"] == 0.5 and t["spec_tokens_per_pass"] == 3.0  # r-b alone drafted
+    assert perf["buckets"][0]["spec_acceptance"] is None
+    assert spec["split_ms"] == {"stage0_ms": 6.0 * 4 / 10}  # 4 passes of 6 ms gained 10 tokens after the first
     assert perf["load"] is None  # nothing loaded
 
 

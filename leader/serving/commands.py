@@ -58,7 +58,8 @@ class LoadCommands:
 
     async def load(self, model_id: str, num_stages: int | None = None, fellow_id: str | None = None,
                    quantization: dict | None = None, requested_by: str = "",
-                   fellow_ids: list[str] | None = None, replicas: int = 1) -> Load:
+                   fellow_ids: list[str] | None = None, replicas: int = 1,
+                   speculative: int | None = None) -> Load:
         # One load at a time per model: concurrent first requests (autoload) share the load the
         # first one placed instead of each placing its own.
         async with self._loading.setdefault(model_id, asyncio.Lock()):
@@ -71,11 +72,11 @@ class LoadCommands:
             existing = await active_load(self.leader.sessions, model_id)
             if existing is not None:
                 return existing
-            plan = self._plan(model, num_stages, fellow_id, fellow_ids, replicas, quantization)
+            plan = self._plan(model, num_stages, fellow_id, fellow_ids, replicas, quantization, speculative)
             return await self._place_and_command(model, plan, quantization, requested_by)
 
     def _plan(self, model: Model, num_stages: int | None, fellow_id: str | None, fellow_ids: list[str] | None,
-              replicas: int, quantization: dict | None) -> LoadPlan:
+              replicas: int, quantization: dict | None, speculative: int | None = None) -> LoadPlan:
         monitor = self.leader.fellows
         if replicas > 1 and num_stages is None:
             num_stages = 1  # replicas are one-stage copies unless num_stages asks for rings
@@ -83,6 +84,13 @@ class LoadCommands:
             num_stages = (len(fellow_ids) if fellow_ids else 1 if fellow_id else
                           ring_stage_count(model.num_stages, monitor.latest, set(monitor.online)))
         transport = transport_plan(self.leader.settings, num_stages)
+        if speculative:
+            if num_stages > 1:
+                raise ApiError(400, f"speculative decoding runs on one-stage loads; '{model.model_id}' would load "
+                                    f"as a ring of {num_stages} stages (ask for num_stages 1)",
+                               code="unsupported_parameter", param="speculative")
+        if speculative is not None:
+            transport = msgspec.structs.replace(transport, speculative=speculative if num_stages == 1 else 0)
         if num_stages == 1:
             if replicas > 1:
                 pinned = fellow_ids or ([fellow_id] if fellow_id else [])

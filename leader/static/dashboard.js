@@ -64,6 +64,8 @@
       card("tokens", "Tokens generated", fmt.num(t.completion_tokens, 0), `${fmt.num(t.prompt_tokens, 0)} prompt tokens read`),
       card("throughput", "Throughput", fmt.num(t.tokens_per_s, 2) + " tok/s", "averaged over the window"),
       card("decode", "Decode speed", t.decode_tokens_per_s === null ? "—" : fmt.num(t.decode_tokens_per_s) + " tok/s", "per request, token-weighted"),
+      card("spec", "Drafts accepted", t.spec_acceptance === null ? "—" : fmt.num(100 * t.spec_acceptance, 1) + " %",
+        t.spec_tokens_per_pass === null ? "no speculative decoding" : fmt.num(t.spec_tokens_per_pass, 2) + " tokens per pass with drafts"),
       card("ttft", "Time to first token", fmt.ms(t.ttft_ms), `p50 ${fmt.ms(t.ttft_ms_p50)} · p95 ${fmt.ms(t.ttft_ms_p95)}`),
       card("prefix", "Prefix cache hits", t.prefix_hit_rate === null ? "—" : fmt.num(t.prefix_hit_rate * 100, 1) + " %",
         `${fmt.num(t.cached_tokens, 0)} prompt tokens reused`),

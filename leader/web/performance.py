@@ -50,6 +50,7 @@ class _Tally:
         self.routes = Counter()
         self.errors = Counter()
         self.finish_reasons = Counter()
+        self.spec = Counter()  # speculative decoding: spec_drafted, spec_accepted, spec_passes, spec_tokens
 
     def add(self, r: Request) -> None:
         cancelled = r.status == "finished" and r.finish_reason == "cancelled"
@@ -71,7 +72,11 @@ class _Tally:
             self.cached_tokens += timing["cached_tokens"]
         parts = {k: float(v) for k, v in timing.items() if _PART.match(k) and isinstance(v, (int, float))}
         if not parts and isinstance(timing.get("decode_ms"), (int, float)):
-            parts = {"stage0_ms": float(timing["decode_ms"])}  # one stage: its decode step is the whole token
+            per_token = float(timing["decode_ms"])  # one stage: its decode step is the whole token ...
+            passes = timing.get("decode_passes")
+            if isinstance(passes, int) and r.completion_tokens and r.completion_tokens > 1:
+                per_token *= passes / (r.completion_tokens - 1)  # ... unless its passes gained drafted tokens
+            parts = {"stage0_ms": per_token}
         if parts:
             for k, v in parts.items():
                 self.parts[k] = self.parts.get(k, 0.0) + v * weight
@@ -82,6 +87,9 @@ class _Tally:
             self.bytes_per_token.append(float(timing["bytes_per_token"]))
         if timing.get("route"):
             self.routes[str(timing["route"])] += 1
+        for key in ("spec_drafted", "spec_accepted", "spec_passes", "spec_tokens"):
+            if isinstance(timing.get(key), int):
+                self.spec[key] += timing[key]
 
     def figures(self, seconds: float) -> dict:
         split = {k: round(self.parts[k] / self.parts_weight, 3) for k in sorted(self.parts, key=_part_order)}
@@ -100,6 +108,11 @@ class _Tally:
             "ttft_ms_p50": _quantile(self.ttfts, 0.5), "ttft_ms_p95": _quantile(self.ttfts, 0.95),
             "prefill_ms": _mean(self.prefill_ms), "bytes_per_token": _mean(self.bytes_per_token),
             "split_ms": split, "per_token_ms": round(sum(split.values()), 3) if split else None,
+            # speculative decoding: the share of drafted tokens that stood, and tokens per pass with drafts
+            "spec_acceptance": (round(self.spec["spec_accepted"] / self.spec["spec_drafted"], 4)
+                                if self.spec["spec_drafted"] else None),
+            "spec_tokens_per_pass": (round(self.spec["spec_tokens"] / self.spec["spec_passes"], 3)
+                                     if self.spec["spec_passes"] else None),
         }
 
 
