@@ -11,8 +11,10 @@ import msgspec
 
 STATS_LANE = "stats"
 
-# Hidden.kind: a decode position, a prompt piece with more to come, the prompt's last piece.
-DECODE, PIECE, LAST_PIECE = 0, 1, 2
+# Hidden.kind: a decode position, a prompt piece with more to come, the prompt's last piece, and a
+# speculative pass: the session's last token and the tokens drafted after it (Hidden.draft), which
+# the last stage verifies; the positions that do not stand are cropped on every stage.
+DECODE, PIECE, LAST_PIECE, VERIFY = 0, 1, 2, 3
 NO_TOKEN = -1  # the last stage's answer to a piece that is not the prompt's last: nothing sampled
 PREFIX_MISSING = "prefix_missing"  # Token.code: a stage no longer holds the prefix stage 0 reused
 
@@ -88,6 +90,7 @@ class Hidden(_Hot, tag="h"):
     reserve: int = 0
     routes: str = ""  # how each hop so far sent it: "d" direct, "r" relay, one letter per hop
     attempt: int = 0  # the session's try: a replay or a start-over begins the next, and older frames are dropped
+    draft: list[int] = []  # VERIFY: the drafted tokens (the frame's positions are the last token and these)
 
     @property
     def first(self) -> bool:
@@ -108,14 +111,18 @@ class Token(_Hot, tag="t"):
     logprob: tuple[int, float, list[tuple[int, float]]] | None = None  # when the request asked for logprobs
     routes: str = ""  # the frame's hops, as Hidden.routes, the last stage's hop back included
     attempt: int = 0  # the attempt of the frame it answers (Hidden.attempt)
+    tokens: list[int] = []  # a VERIFY frame's answer: every token the pass gained (``token`` unused)
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []  # theirs, when the request asked
 
 
 class End(_Hot, tag="e"):
     """The session ended on stage 0: every stage drops its cache, or with ``keep`` keeps its
-    positions in its prefix cache first (stage 0 kept them too)."""
+    positions in its prefix cache first (stage 0 kept them too). ``length``: the positions stage 0's
+    cache holds; a stage holding more (the drafts of a last VERIFY frame) crops to it first."""
 
     session: str
     keep: bool = False
+    length: int = -1
 
 
 class Probe(_Hot, tag="p"):

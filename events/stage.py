@@ -19,7 +19,7 @@ class Transport(msgspec.Struct, frozen=True, kw_only=True):
     prefill_chunk: int = 256
     step_costs: bool = False  # time the decode step at batch 1 and at the cap before ready
     prefix_cache: bool = True  # keep finished sessions' positions for prompts that start the same way
-    speculative: int = 0  # tokens drafted per decode pass by prompt lookup (0: off); one-stage loads only
+    speculative: int = 0  # tokens drafted per decode pass by prompt lookup (0: off); on a ring, stage 0 drafts
 
 
 class StageConfig(msgspec.Struct, frozen=True, kw_only=True):

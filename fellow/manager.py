@@ -80,8 +80,7 @@ class ModelManager:
                               transport=Transport(max_in_flight=t.max_in_flight, kv_tokens=t.kv_tokens,
                                                   step_costs=t.step_costs or self.settings.serve_step_costs,
                                                   prefix_cache=self.settings.serve_prefix_cache,
-                                                  speculative=(t.speculative or self.settings.serve_speculative
-                                                               if cmd.num_stages == 1 else 0),
+                                                  speculative=t.speculative or self.settings.serve_speculative,
                                                   max_batch=max_batch, prefill_chunk=t.prefill_chunk),
                               report_s=min(1.0, self.settings.heartbeat_s),
                               packed_linear=self.settings.serve_packed_linear != "off",

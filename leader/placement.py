@@ -33,13 +33,13 @@ def transport_plan(settings, num_stages: int) -> TransportPlan:
     In flight: SWARM_SERVE_IN_FLIGHT, else what a fellow holds (SWARM_SERVE_MAX_IN_FLIGHT) for one stage,
     else 4 per stage of a ring, so every stage has work while the others run theirs. KV tokens: a typical
     chat per request in flight, never below one whole SWARM_SERVE_CONTEXT_TOKENS conversation; each stage
-    lowers it to what it measures it can hold. Speculative decoding is for one stage only.
+    lowers it to what it measures it can hold. Speculative decoding: SWARM_SERVE_SPECULATIVE, one stage or a ring.
     """
     one = num_stages == 1
     in_flight = settings.serve_in_flight or (settings.serve_max_in_flight if one else 4 * num_stages)
     return TransportPlan(max_in_flight=in_flight,
                          kv_tokens=max(settings.serve_context_tokens, in_flight * settings.serve_typical_tokens),
-                         max_batch=settings.serve_max_batch or 0, speculative=settings.serve_speculative if one else 0,
+                         max_batch=settings.serve_max_batch or 0, speculative=settings.serve_speculative,
                          prefill_chunk=settings.serve_prefill_chunk, step_costs=settings.serve_step_costs)
 
 

@@ -47,9 +47,6 @@ async def test_refused_fields_and_open_mode_caller(tmp_path, nats_server, js, sq
             err = error_of(await c.post(load, json={"speculative": bad}), 400, "speculative", "invalid_value")
             assert "from 0 (off) to 8" in err["message"]
         error_of(await c.post(load, json={"speculative": "four"}), 400, "speculative", "invalid_value")
-        err = error_of(await c.post(load, json={"speculative": 2, "num_stages": 2}), 400, "speculative",
-                       "unsupported_parameter")
-        assert "one-stage loads" in err["message"]
         error_of(await c.post(load, json={"num_stages": "two"}), 400, "num_stages", "invalid_value")
         error_of(await c.post(load, json={"colour": "red"}), 400, None, "invalid_request")
         with pytest.raises(NotFoundError):  # nothing was requested for the refused bodies

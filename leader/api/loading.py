@@ -50,9 +50,6 @@ def check_load(body: LoadBody) -> None:
     if body.speculative is not None and not 0 <= body.speculative <= MAX_SPECULATIVE:
         raise _bad("speculative", f"speculative must be a whole number of drafted tokens per decode pass from 0 "
                                   f"(off) to {MAX_SPECULATIVE} (got {body.speculative})")
-    if body.speculative and body.num_stages is not None and body.num_stages > 1:
-        raise _bad("speculative", "speculative decoding runs on one-stage loads; a ring does not draft",
-                   code="unsupported_parameter")
     if body.quantization is not None:
         raise _bad("quantization", "quantization is not supported yet: stages serve the weights at their exported "
                                    "precision; leave it out", code="unsupported_parameter")

@@ -84,13 +84,8 @@ class LoadCommands:
             num_stages = (len(fellow_ids) if fellow_ids else 1 if fellow_id else
                           ring_stage_count(model.num_stages, monitor.latest, set(monitor.online)))
         transport = transport_plan(self.leader.settings, num_stages)
-        if speculative:
-            if num_stages > 1:
-                raise ApiError(400, f"speculative decoding runs on one-stage loads; '{model.model_id}' would load "
-                                    f"as a ring of {num_stages} stages (ask for num_stages 1)",
-                               code="unsupported_parameter", param="speculative")
         if speculative is not None:
-            transport = msgspec.structs.replace(transport, speculative=speculative if num_stages == 1 else 0)
+            transport = msgspec.structs.replace(transport, speculative=speculative)
         if num_stages == 1:
             if replicas > 1:
                 pinned = fellow_ids or ([fellow_id] if fellow_id else [])

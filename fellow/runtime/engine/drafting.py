@@ -68,6 +68,25 @@ class PromptLookup:
         return []
 
 
+def next_drafts(session) -> list[int]:
+    """Prompt lookup's drafts for a session's next pass (``spec_k``, ``guard``, ``lookup`` set). At
+    most the tokens its reply has left but one: a pass then never writes past the session's
+    reservation (the reserved prompt plus max_tokens holds the positions of the pass in flight)."""
+    if not session.spec_k or not session.guard.allows():
+        return []
+    lookup = session.lookup
+    lookup.extend(session.output_ids[len(lookup.ids) - len(session.prompt_ids):])
+    return lookup.draft(min(session.guard.limit, session.max_new_tokens - len(session.output_ids) - 1))
+
+
+def until_stop(gained: list, stop_ids) -> list:
+    """A pass's gained (token, logprob) pairs up to the first end-of-turn id: nothing after it counts."""
+    for i, (token, _) in enumerate(gained):
+        if token in stop_ids:
+            return gained[: i + 1]
+    return gained
+
+
 class DraftGuard:
     """Stops a session's drafting for PAUSE_PASSES passes after FAILED_PASSES passes in a row in
     which none of its drafts stood; a pass with a draft that stood resets the count.

@@ -176,6 +176,14 @@ class StageModel:
             cache.advance(width)
         return list(self._head_all(hidden)[0].split(widths))
 
+    @torch.inference_mode()
+    def piece_logits(self, cache: KVCache, inputs: torch.Tensor) -> torch.Tensor:
+        """The last stage of a ring: one session's next positions (hidden [1, q, H]) and the logits at
+        every one of them [q, V], for a verify pass."""
+        if not self.is_last:
+            raise ValueError("logits come from the stage that holds the head")
+        return self._head_all(self._piece(cache, inputs))[0]
+
     def _piece(self, cache: KVCache, inputs: torch.Tensor) -> torch.Tensor:
         hidden = self._embed(inputs.view(1, -1)) if self.is_first else inputs
         positions = hidden.shape[1]

@@ -10,7 +10,8 @@ from typing import Callable
 
 import torch
 
-from events.ring import DECODE, LAST_PIECE, NO_TOKEN, PIECE, PREFIX_MISSING, End, Hidden, RingSampling, Token
+from events.ring import DECODE, LAST_PIECE, NO_TOKEN, PIECE, PREFIX_MISSING, VERIFY, End, Hidden, RingSampling, Token
+from fellow.runtime.engine.drafting import DraftGuard, PromptLookup, check_speculative, next_drafts
 from fellow.runtime.engine.prefix_cache import PrefixCache
 from fellow.runtime.engine.scheduler import Scheduler, StepResult
 from fellow.runtime.ring.codec import WireCodec
@@ -40,12 +41,18 @@ class RingHead(Scheduler):
     its first frame names those ids, so each later stage copies the same positions from its own. That
     first piece goes alone; a later stage that no longer holds the prefix answers PREFIX_MISSING,
     and the session starts over from position 0 with no reuse (never a wrong reply).
+
+    With ``speculative`` k > 0 a ready session drafts up to k tokens by prompt lookup and goes round
+    as a VERIFY frame of its last token and the drafts, computed here as one piece. The last stage
+    verifies (exactly, as the one-stage engine does) and answers every token the pass gained; each
+    stage crops its cache to the positions that stood (the later ones when the session's next frame
+    comes, at the position it names). Sessions without drafts go in the decode groups as before.
     """
 
     def __init__(self, stage: StageModel, codec: WireCodec, send: Callable[[object], None], inbox: Inbox, *,
                  num_stages: int, kv_tokens: int, max_batch: int = 0, prefill_chunk: int = 256,
                  max_payload: int = 1 << 20, prefix_cache: bool = True,
-                 route: Callable[[], str] | None = None) -> None:
+                 route: Callable[[], str] | None = None, speculative: int = 0) -> None:
         if not stage.is_first or stage.is_last:
             raise ValueError("a ring's head holds the embeddings and not the head")
         super().__init__(kv_tokens, max_batch=max_batch, prefill_chunk=prefill_chunk)
@@ -60,6 +67,7 @@ class RingHead(Scheduler):
         self.prefix_fallbacks = 0  # sessions a later stage could not give their reused prefix
         self.route = route or (lambda: "r")  # how this stage's frames leave now: "d" direct, "r" relay
         self.paused: str | None = None  # why the ring is paused (a stage is being re-placed)
+        self.speculative = check_speculative(speculative)  # tokens a session drafts per pass (0: none)
         self.replays = 0
 
     def add(self, session: Session, reserved: bool = False) -> None:
@@ -107,6 +115,9 @@ class RingHead(Scheduler):
                 return
             session.in_ring -= 1
             session.confirming = False
+            if item.tokens:  # a verify pass's answer
+                self._take_verified(session, item, result)
+                return
             if item.token == NO_TOKEN:  # a piece went through; only the last one is answered
                 return
             now = time.perf_counter()
@@ -124,6 +135,27 @@ class RingHead(Scheduler):
                 self._fail(session, self.broken, result)
             while self.waiting:
                 self._fail(self.waiting.popleft(), self.broken, result)
+
+    def _take_verified(self, session: RingSession, item: Token, result: StepResult) -> None:
+        """Every token a VERIFY pass gained: the drafts that stood and one of the model's own. This
+        stage's cache keeps the last token and the drafts that stood."""
+        now = time.perf_counter()
+        session.routes = item.routes or session.routes
+        session.answered(item.compute_ms, now)
+        drafted, gained = session.verify_drafted, list(item.tokens)
+        session.cache.crop_to(session.verify_pos + len(gained))
+        accepted = min(len(gained) - 1, drafted)
+        session.guard.record(drafted, accepted)
+        session.spec_passes += 1
+        session.spec_tokens += len(gained)
+        session.spec_drafted += drafted
+        session.spec_accepted += accepted
+        for i, token in enumerate(gained):
+            session.pending_logprob = item.logprobs[i] if i < len(item.logprobs) else None
+            if Scheduler._accept(self, session, token, now, result):
+                return
+        session.ready = True
+        self.ready.append(session)
 
     def _accept(self, session: RingSession, token: int, now: float, result: StepResult) -> bool:
         ended = super()._accept(session, token, now, result)
@@ -168,6 +200,10 @@ class RingHead(Scheduler):
 
     def _start(self, session: RingSession) -> None:
         session.cache = self.stage.new_cache()
+        if self.speculative:
+            session.spec_k = self.speculative
+            session.guard = DraftGuard(self.speculative)
+            session.lookup = PromptLookup(session.prompt_ids)
         if self.prefix is not None:
             self.prefix.fit(self.budget.reserved, self.kv_tokens)  # the reservation is in: blocks make room
             session.prefilled = session.cached_tokens = self.prefix.start(session.cache, session.prompt_ids)
@@ -198,7 +234,8 @@ class RingHead(Scheduler):
         if keep:
             self.prefix.insert(session.prompt_ids + session.output_ids, session.cache)
         if session.prefilled > session.first_pos:  # the later stages hold a cache for it
-            self.send(End(session=session.session_id, keep=keep))
+            length = session.cache.length if session.cache is not None else -1
+            self.send(End(session=session.session_id, keep=keep, length=length))
         super()._finish(session, reason, result)
         if self.prefix is not None:
             self.prefix.fit(self.budget.reserved, self.kv_tokens)
@@ -238,6 +275,17 @@ class RingHead(Scheduler):
             return False
         size = self._group_size()
         group = [self.ready.popleft() for _ in range(min(size, len(self.ready)))]
+        if self.speculative:
+            plain = []
+            for session in group:
+                drafts = next_drafts(session)
+                if drafts:
+                    self._verify_pass(session, drafts)
+                else:
+                    plain.append(session)
+            if not plain:
+                return True
+            group = plain
         started = time.perf_counter()
         positions = [s.cache.length for s in group]
         ids = torch.tensor([s.next_input for s in group], device=self.stage.input_device)
@@ -256,6 +304,25 @@ class RingHead(Scheduler):
             session.sent(len(data) + len(scale), 1, now)
             session.decode_sent_at = now
         return True
+
+    def _verify_pass(self, session: RingSession, drafts: list[int]) -> None:
+        """The session's last token and its drafts as one piece here, sent on as a VERIFY frame."""
+        started = time.perf_counter()
+        pos = session.cache.length
+        inputs = [session.next_input, *drafts]
+        piece = torch.tensor(inputs, device=self.stage.input_device)
+        (data, scale), = self.codec.encode(self.stage.forward_piece(session.cache, piece))  # [1, q, H]
+        now = time.perf_counter()
+        self._step_no += 1
+        session.ready = False
+        session.verify_pos, session.verify_drafted = pos, len(drafts)
+        session.stage0_s += now - started
+        session.stage0_steps += 1
+        self.send(Hidden(session=session.session_id, pos=pos, positions=len(inputs), data=data, scale=scale,
+                         kind=VERIFY, step=self._step_no, routes=self.route(), attempt=session.attempt,
+                         draft=drafts, ids=inputs if self.prefix is not None else []))
+        session.sent(len(data) + len(scale), len(inputs), now)
+        session.decode_sent_at = now
 
     def _prefill_piece(self) -> bool:
         session = next((s for s in self.sessions.values() if self._can_piece(s)), None)

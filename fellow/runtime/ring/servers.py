@@ -60,7 +60,8 @@ class RingHeadServer(StageServer):
         self.engine = RingHead(self.stage, self.ring.sender, lambda frame: self.link.send(frame), self.inbox,
                                num_stages=self.cfg.num_stages, kv_tokens=self.kv_tokens, max_batch=t.max_batch,
                                prefill_chunk=t.prefill_chunk, prefix_cache=t.prefix_cache,
-                               route=lambda: self.link.route if self.link is not None else "r")
+                               route=lambda: self.link.route if self.link is not None else "r",
+                               speculative=t.speculative)
         self.serving = self.make_loop()
 
     def make_loop(self) -> ServingLoop:

@@ -32,6 +32,8 @@ class RingSession(Session):
     must_replay: bool = field(default=False, init=False)  # a paused ring lost its frames: replay on resume
     replays: int = field(default=0, init=False)
     attempt: int = field(default=0, init=False)  # its frames' try: what older frames answer is dropped
+    verify_pos: int = field(default=0, init=False)  # its VERIFY frame in the ring: where it starts,
+    verify_drafted: int = field(default=0, init=False)  # and how many tokens it drafted
 
     @property
     def feed(self) -> list[int]:

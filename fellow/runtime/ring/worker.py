@@ -10,7 +10,9 @@ from typing import Callable
 import torch
 
 from core.logs import stage_stats_s
-from events.ring import DECODE, LAST_PIECE, NO_TOKEN, PREFIX_MISSING, End, Hidden, Probe, Token
+from events.ring import DECODE, LAST_PIECE, NO_TOKEN, PREFIX_MISSING, VERIFY, End, Hidden, Probe, Token
+from fellow.runtime.engine.drafting import until_stop
+from fellow.runtime.engine.speculative import verify_drafts
 from fellow.runtime.engine.prefix_cache import PrefixCache
 from fellow.runtime.engine.serving_loop import StepStats
 from fellow.runtime.model.kv_cache import KVCache
@@ -49,6 +51,7 @@ class _Held:
     ids: list[int] = field(default_factory=list)  # the token ids of its cache's positions, when frames carry them
     reserve: int = 0  # its KV reservation on stage 0's ledger
     attempt: int = 0  # the session's try whose frames it runs (events.ring.Hidden.attempt)
+    unverified: int = 0  # positions of its last VERIFY frame that may not stand: its next frame says
 
     def sampled(self, token: int) -> tuple | None:
         """Take the token this stage drew; its logprob, if the request asked for them."""
@@ -131,11 +134,15 @@ class RingWorker:
         if isinstance(frame, Probe):
             self.send(Probe(nonce=frame.nonce, routes=frame.routes + self.route()))
         elif isinstance(frame, End):
-            held = self.held.pop(frame.session, None)
+            held = self.held.get(frame.session)
             if held is not None:
+                if 0 <= frame.length < held.cache.length:  # drafts of its last VERIFY frame that fell
+                    held.cache.crop_to(frame.length)
+                    del held.ids[frame.length:]
                 if frame.keep and self.prefix is not None and len(held.ids) == held.cache.length:
                     self.prefix.insert(held.ids, held.cache)
                 held.cache.release()
+                del self.held[frame.session]  # last: a session is gone from held once its blocks are kept
                 self._fit_prefix()
             if not self.is_last:
                 self.send(frame)
@@ -165,20 +172,39 @@ class RingWorker:
         held = self._held(frame)
         hidden = self.ring.receiver.decode([(frame.data, frame.scale)], frame.positions, self.stage.dtype,
                                            self.stage.input_device)
+        if frame.kind == VERIFY and self.is_last:
+            self._verify(frame, held, hidden, started)
+            return
         out = self.stage.forward_piece(held.cache, hidden)
         held.ids += frame.ids
+        held.unverified = frame.positions - 1 if frame.kind == VERIFY else 0
         if not self.is_last:
             (data, scale), = self.ring.sender.encode(out)
             self.send(Hidden(session=frame.session, pos=frame.pos, positions=frame.positions, data=data,
                              scale=scale, kind=frame.kind, sampling=frame.sampling,
                              compute_ms=[*frame.compute_ms, _ms(started)], ids=frame.ids, reuse=frame.reuse,
-                             reserve=frame.reserve, routes=frame.routes + self.route(), attempt=frame.attempt))
+                             reserve=frame.reserve, routes=frame.routes + self.route(), attempt=frame.attempt,
+                             draft=frame.draft))
         elif frame.kind == LAST_PIECE:
             token = sample_next(out[None], [held])[0]
             self.send(Token(session=frame.session, token=token, compute_ms=[*frame.compute_ms, _ms(started)],
                             logprob=held.sampled(token), routes=frame.routes + self.route(), attempt=frame.attempt))
         else:
             self.send(Token(session=frame.session, token=NO_TOKEN, attempt=frame.attempt))
+
+    def _verify(self, frame: Hidden, held: _Held, hidden: torch.Tensor, started: float) -> None:
+        """The last stage checks a VERIFY frame's drafts (fellow.runtime.engine.speculative, exact) and
+        answers every token the pass gained; its cache keeps the last token and the drafts that stood."""
+        logits = self.stage.piece_logits(held.cache, hidden)  # [1 + drafts, V]
+        gained = until_stop(verify_drafts(logits, list(frame.draft), held), held.stop_ids)
+        held.cache.crop_to(frame.pos + len(gained))
+        held.ids = (held.ids + frame.ids)[: held.cache.length] if frame.ids else held.ids
+        held.output_ids += [token for token, _ in gained]
+        wants = held.sampling.logprobs is not None
+        self.send(Token(session=frame.session, token=NO_TOKEN, tokens=[t for t, _ in gained],
+                        logprobs=[lp for _, lp in gained] if wants else [],
+                        compute_ms=[*frame.compute_ms, _ms(started)], routes=frame.routes + self.route(),
+                        attempt=frame.attempt))
 
     # --- decode batches ----------------------------------------------------------------------
 
@@ -238,6 +264,10 @@ class RingWorker:
         held = self.held.get(frame.session)
         if held is None:
             raise FrameError(f"stage {self.ring.index} holds no session {frame.session!r}")
+        if held.unverified and frame.pos < held.cache.length <= frame.pos + held.unverified:
+            held.cache.crop_to(frame.pos)  # the drafts of its last VERIFY frame that did not stand
+            del held.ids[frame.pos:]
+        held.unverified = 0
         if held.cache.length != frame.pos:
             raise FrameError(f"stage {self.ring.index} holds {held.cache.length} position(s) of this session; "
                              f"a frame for position {frame.pos} does not follow them")
