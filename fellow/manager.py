@@ -86,8 +86,10 @@ class ModelManager:
                               threads=self.settings.serve_threads)
             logs = self.settings.data_dir / "logs"
             logs.mkdir(parents=True, exist_ok=True)
+            creds = self.settings.nats_credentials  # the stage logs in to NATS as its fellow
             proc = StageProcess(cfg, self._on_report, self._on_exit,
-                                log_path=logs / f"{cmd.load_id}-stage{cmd.assignment.stage}.log")
+                                log_path=logs / f"{cmd.load_id}-stage{cmd.assignment.stage}.log",
+                                env={**os.environ, **creds.env()} if creds else None)
             self.procs[cmd.load_id] = proc
             try:
                 await proc.start()
@@ -150,7 +152,7 @@ class ModelManager:
         self._restarted = {k: t for k, t in self._restarted.items() if now - t < RESTART_WINDOW_S}
         self._restarted[proc.load_id] = now
         again = StageProcess(proc.cfg, self._on_report, self._on_exit, log_path=proc.log_path,
-                             restarts=proc.restarts + 1)
+                             restarts=proc.restarts + 1, env=proc.env)
         self.procs[proc.load_id] = again
         log.error("load %s: %s; restarting it", proc.load_id, reason)
         try:

@@ -1,0 +1,133 @@
+"""Scale-out on the engines themselves (issue 18): a 3-node NATS cluster with every stream R3
+(SWARM_NATS_REPLICAS=3) and NATS auth, one PostgreSQL, two leaders and a fellow, as real processes.
+
+During traffic one nats-server node and one leader are SIGKILLed. The other leader answers
+throughout; every request it accepted is answered and ends `finished`; every request row (the dead
+leader's too) reaches a final state; each event is projected once across the two leaders (the
+checkpoints reach the log's end, the fellow's join counter equals its joins in the log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import httpx
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from core.nats_auth import LEADER_USER, AuthDir, fellow_user
+from core.nats_server import local_cluster
+from tests.processes import SwarmProcess, swarm_env, wait_until
+from tests.request_helpers import FINAL, chat
+from tests.request_helpers import servables  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.slow
+BODY = chat("hello", max_tokens=4, temperature=0)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    auth = AuthDir(tmp_path / "auth")
+    auth.ensure(["f0"])
+    nodes = local_cluster(tmp_path / "nats", 3, config=auth.config)
+    try:
+        for node in nodes:
+            node.start()
+        yield nodes, auth
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+async def rows(database_url: str, query: str) -> list[tuple]:
+    engine = create_async_engine(database_url)
+    try:
+        async with engine.connect() as conn:
+            return [tuple(r) for r in await conn.execute(text(query))]
+    finally:
+        await engine.dispose()
+
+
+async def eventually(check, timeout: float, what: str):
+    """Poll the async `check` (an observation of real state) until it returns a truthy value."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        got = await check()
+        if got:
+            return got
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def post(http: httpx.AsyncClient, url: str) -> int | str:
+    try:
+        r = await http.post(url + "/v1/chat/completions", json=BODY, timeout=120)
+        return r.status_code
+    except httpx.HTTPError as exc:
+        return type(exc).__name__
+
+
+async def test_two_leaders_on_one_database_survive_a_lost_nats_node_and_a_lost_leader(
+        tmp_path, cluster, postgres, servables):  # noqa: F811
+    nodes, auth = cluster
+    db = postgres.create_db("two_leaders")
+    urls = ",".join(n.url for n in nodes)
+    # a node's loss moves stream leaders for a few seconds: a fellow is lost only after 15 s of silence
+    base = dict(SWARM_SERVABLE_MODELS_ROOT=servables, SWARM_NATS_REPLICAS=3, SWARM_MODEL_IDLE_UNLOAD_S=0,
+                SWARM_HEARTBEAT_S=1, SWARM_FELLOW_TIMEOUT_S=15)
+    leaders = [SwarmProcess(["leader"], swarm_env(tmp_path / f"l{i}", urls, db, **base,
+                                                  **auth.credentials(LEADER_USER).env()), tmp_path / f"leader{i}.log")
+               for i in range(2)]
+    fellow = SwarmProcess(["fellow", "--id", "f0"], swarm_env(tmp_path / "f0", urls, db, **base,
+                                                              **auth.credentials(fellow_user("f0")).env()),
+                          tmp_path / "fellow.log")
+    procs = [*leaders, fellow]
+    try:
+        for p in procs:
+            p.start()
+        for leader in leaders:
+            leader.wait_healthy(90)
+        survivor, doomed = leaders[1], leaders[0]
+        wait_until(lambda: any(f["status"] == "online" for f in survivor.get("/api/v1/fellows").json()["data"]),
+                   60, "the fellow online")
+
+        def loaded():  # placement waits for the fellow's heartbeat on this leader too
+            r = httpx.post(doomed.base_url + "/api/v1/models/tiny-a/load", json={"wait": True}, timeout=120)
+            assert r.status_code in (200, 409), r.text
+            return r.status_code == 200 and r.json()["state"] == "ready"
+
+        wait_until(loaded, 30, "the model loaded", interval=0.5)
+        # the other leader serves the load placed by the first, once its own projectors have seen it
+        wait_until(lambda: httpx.post(survivor.base_url + "/v1/chat/completions", json=BODY, timeout=60).status_code
+                   == 200, 30, "the other leader serving", interval=0.2)
+        async with httpx.AsyncClient() as http:
+            traffic = [asyncio.create_task(post(http, leader.base_url)) for _ in range(6) for leader in leaders]
+            await asyncio.sleep(0)
+            os.kill(nodes[0].process.pid, signal.SIGKILL)  # one of three nats-server nodes
+            doomed.kill(signal.SIGKILL)
+            during = await asyncio.gather(*traffic)
+            after = await asyncio.gather(*(post(http, survivor.base_url) for _ in range(6)))
+        served = during[1::2] + list(after)  # the survivor's answers
+        assert served == [200] * len(served), (served, survivor.tail())
+        assert survivor.get("/healthz").status_code == 200
+
+        async def settled():
+            got = await rows(db, "SELECT request_id, status FROM requests")
+            return got if got and all(status in FINAL for _, status in got) else None
+
+        final = await eventually(settled, 90, "every request row final")
+        assert sum(status == "finished" for _, status in final) >= len(served)
+        # projected once across both leaders: every checkpoint at the log's end, no event applied twice
+        health = wait_until(lambda: (h := survivor.get("/healthz").json()) and all(
+            p["lag"] == 0 for p in h["projectors"].values()) and h, 30, "projections caught up")
+        assert health["status"] == "ok", health
+        assert await rows(db, "SELECT joins, status FROM fellows WHERE fellow_id = 'f0'") == [(1, "online")]
+        assert (await rows(db, "SELECT count(*) FROM dead_letters"))[0][0] == 0
+        for leader in leaders:  # neither leader applied a batch the other had (a conflict, tried again)
+            assert "batch not applied" not in leader.tail(10**7)
+    finally:
+        for p in procs:
+            p.stop()

@@ -1,0 +1,200 @@
+"""NATS auth (issue 18): a real nats-server with the users and permissions of core/nats_auth.py.
+
+An anonymous client is refused; a fellow's user may publish its own heartbeat and the events a fellow
+reports, and take its own commands, but not another fellow's heartbeat or commands, a forged
+`api_token.*` or `load.placed` event, the event log, or the leader's inbox; a forged event never
+reaches a projection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import pytest
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+from sqlalchemy import select
+
+from core.bus import BusUnavailable, connect, ensure_streams, publish_event, publish_struct
+from core.nats_auth import LEADER_USER, OPS_USER, AuthDir, Credentials, fellow_user
+from core.nats_server import EmbeddedNats
+from events import subjects
+from events.api_tokens import ApiTokenMinted
+from events.base import encode
+from events.commands import StopFellow
+from events.loads import LoadPlaced
+from events.requests import RequestFinished
+from events.subjects import COMMANDS_STREAM, EVENTS_ALL, EVENTS_STREAM, HEARTBEATS_STREAM
+from tests.dbutil import projecting
+
+DENIED_WAIT_S = 1.0  # a denied JetStream publish gets no acknowledgement: how long to wait for one
+
+
+@pytest.fixture
+def auth(tmp_path):
+    a = AuthDir(tmp_path / "auth")
+    a.ensure(["f1", "f2"])
+    return a
+
+
+@pytest.fixture
+def secured(tmp_path, auth):
+    srv = EmbeddedNats(tmp_path / "js", config=auth.config).start()
+    yield srv
+    srv.stop()
+
+
+class Client:
+    """A connection as one user, keeping every error the server sent it."""
+
+    def __init__(self, nc, errors: list[str]):
+        self.nc, self.errors = nc, errors
+        self.js = nc.jetstream()
+
+    def denied(self, what: str) -> bool:
+        return any("permissions violation" in e.lower() and what.lower() in e.lower() for e in self.errors)
+
+
+async def login(url: str, creds: Credentials) -> Client:
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc))
+
+    return Client(await connect(url, name=creds.user, credentials=creds, error_cb=on_error), errors)
+
+
+async def leader_and_fellow(srv, auth):
+    leader = await login(srv.url, auth.credentials(LEADER_USER))
+    await ensure_streams(leader.js)
+    return leader, await login(srv.url, auth.credentials(fellow_user("f1")))
+
+
+async def stored(js, stream: str, subject: str) -> bool:
+    try:
+        await js.get_last_msg(stream, subject)
+        return True
+    except NotFoundError:
+        return False
+
+
+async def wait_denied(client: Client, what: str) -> None:
+    for _ in range(100):
+        if client.denied(what):
+            return
+        await client.nc.flush()
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no permissions violation for {what}: {client.errors}")
+
+
+async def test_anonymous_clients_and_wrong_passwords_are_refused(secured, auth):
+    for creds in (None, Credentials("fellow-f1", "not-its-password"), Credentials("nobody", "x")):
+        with pytest.raises(BusUnavailable, match="Authorization Violation"):
+            await connect(secured.url, name="intruder", credentials=creds, timeout=3, allow_reconnect=False)
+    ok = await connect(secured.url, name="ops", credentials=auth.credentials(OPS_USER))
+    await ok.close()
+
+
+async def test_a_fellow_publishes_what_a_fellow_reports_and_takes_its_own_commands(secured, auth):
+    leader, fellow = await leader_and_fellow(secured, auth)
+    try:
+        assert (await fellow.js.publish(subjects.heartbeat("f1"), b"{}")).stream == HEARTBEATS_STREAM
+        ack = await publish_event(fellow.js, RequestFinished(request_id="r1", model_id="m", load_id="l"))
+        assert ack.stream == EVENTS_STREAM
+        await publish_struct(leader.js, subjects.command("f1", "stop"), StopFellow(), "cmd-1")
+        durable = subjects.command_consumer("f1")
+        sub = await fellow.js.pull_subscribe(
+            subjects.commands_for("f1"), durable=durable, stream=COMMANDS_STREAM,
+            config=ConsumerConfig(durable_name=durable, deliver_policy=DeliverPolicy.ALL,
+                                  ack_policy=AckPolicy.EXPLICIT))
+        msgs = await sub.fetch(1, timeout=5)
+        await msgs[0].ack_sync()
+        assert msgs[0].subject == subjects.command("f1", "stop")
+        assert fellow.errors == []
+    finally:
+        await fellow.nc.close()
+        await leader.nc.close()
+
+
+@pytest.mark.parametrize("subject", [
+    subjects.heartbeat("f2"),  # another fellow's heartbeat
+    subjects.event("api_token.minted"),  # a forged token
+    subjects.event("load.placed"),  # a forged placement
+    subjects.event("fellow.joined"),
+    subjects.command("f2", "stop"),  # a command to another fellow
+    subjects.request("some-load"),  # a request only the gateway publishes
+])
+async def test_a_fellow_cannot_publish_what_is_not_its_own(secured, auth, subject):
+    leader, fellow = await leader_and_fellow(secured, auth)
+    try:
+        with pytest.raises(nats.errors.TimeoutError):
+            await fellow.js.publish(subject, b'{"type":"api_token.minted"}', timeout=DENIED_WAIT_S)
+        await wait_denied(fellow, subject)
+        stream = next(s.name for s in subjects.STREAMS if subject.startswith(s.subjects[0].rstrip(">*.")))
+        assert not await stored(leader.js, stream, subject)
+    finally:
+        await fellow.nc.close()
+        await leader.nc.close()
+
+
+async def test_a_fellow_cannot_read_the_log_another_fellows_commands_or_the_leaders_inbox(secured, auth):
+    leader, fellow = await leader_and_fellow(secured, auth)
+    try:
+        got: list = []
+
+        async def keep(msg):
+            got.append(msg.subject)
+
+        for subject in ("_INBOX.>", EVENTS_ALL, "swarm.cmd.f2.*", "swarm.hb.*", "swarm.logs.f2"):
+            await fellow.nc.subscribe(subject, cb=keep)
+            await wait_denied(fellow, subject)
+        # the leader's own replies and events flow, and none of them reaches the fellow
+        await publish_event(leader.js, LoadPlaced(load_id="l", model_id="m", stages=[]))
+        await leader.js.stream_info(EVENTS_STREAM)
+        await leader.nc.publish("swarm.logs.f2", b"")
+        await leader.nc.flush()
+        for denied in (f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}", f"$JS.API.CONSUMER.INFO.{COMMANDS_STREAM}.fellow-f2",
+                       f"$JS.API.STREAM.MSG.GET.{EVENTS_STREAM}", f"$JS.API.STREAM.DELETE.{HEARTBEATS_STREAM}"):
+            with pytest.raises(nats.errors.TimeoutError):
+                await fellow.nc.request(denied, b"{}", timeout=DENIED_WAIT_S)
+            await wait_denied(fellow, denied)
+        await fellow.nc.flush()
+        assert got == []
+        assert (await leader.js.stream_info(HEARTBEATS_STREAM)).config.name == HEARTBEATS_STREAM
+    finally:
+        await fellow.nc.close()
+        await leader.nc.close()
+
+
+async def test_a_forged_event_never_reaches_a_projection(secured, auth, sqlite_url):
+    from leader.db.tables import ApiToken
+
+    leader, fellow = await leader_and_fellow(secured, auth)
+    try:
+        async with projecting(leader.js, sqlite_url) as (sessions, runner):
+            forged = ApiTokenMinted(token_id="forged", label="x", scopes=["admin"], token_hash="f" * 64,
+                                    prefix="sk-forged")
+            await fellow.nc.publish(subjects.event(forged.type), encode(forged))
+            await wait_denied(fellow, subjects.event(forged.type))
+            real = ApiTokenMinted(token_id="real", label="ops", scopes=["read"], token_hash="a" * 64, prefix="sk-a")
+            ack = await publish_event(leader.js, real)
+            await runner.wait_for(ack.seq, timeout=10)
+            async with sessions() as session:
+                ids = (await session.execute(select(ApiToken.token_id))).scalars().all()
+            assert ids == ["real"]
+            assert (await leader.js.stream_info(EVENTS_STREAM)).state.messages == 1
+    finally:
+        await fellow.nc.close()
+        await leader.nc.close()
+
+
+def test_the_config_keeps_passwords_and_adds_fellows(tmp_path):
+    a = AuthDir(tmp_path / "auth")
+    first = a.ensure(["f1"])
+    again = a.ensure(["f1", "f2"])
+    assert {u: again[u] for u in first} == first and set(again) == {"leader", "ops", "fellow-f1", "fellow-f2"}
+    assert (a.path / "fellow-f2.env").read_text().startswith("SWARM_NATS_USER=fellow-f2\n")
+    assert oct(a.config.stat().st_mode & 0o777) == "0o600"
+    with pytest.raises(ValueError, match="subject token"):
+        a.ensure(["bad*id"])
