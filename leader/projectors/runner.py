@@ -144,7 +144,8 @@ class ProjectionRunner:
                     raise
                 except Exception as exc:  # not applied: try the same batch again
                     state.failures += 1
-                    level = logging.WARNING if isinstance(exc, OperationalError) else logging.ERROR
+                    away = isinstance(exc, (OperationalError, OSError))  # the database away for a while
+                    level = logging.WARNING if away else logging.ERROR
                     log.log(level, "projector %s: batch not applied (%s); trying again", p.name, exc,
                             exc_info=level == logging.ERROR and state.failures == 1)
                     await asyncio.sleep(RETRY_S)
