@@ -1,7 +1,7 @@
 """Soak: a real `swarm up` (nats-server with its users, leader, one fellow, autoload) under steady
 streaming load, first quiet, then with a fault injected at a fixed interval; then the count.
 
-    .venv/bin/python bench/soak.py [--minutes 10] [--concurrency 8] [--fault-every 30] [--tokens 16] [--demo]
+    .venv/bin/python bench/soak.py [--minutes 10] [--concurrency 8] [--fault-every 30] [--tokens 16] [--demo] [--keep]
 
 Half the time is quiet (the RSS growth is measured there, after a warm-up of a fifth of it); the
 other half SIGKILLs, in turn, the fellow's stage process, the fellow, the leader and nats-server
@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import statistics
@@ -216,7 +217,7 @@ async def soak(args) -> dict:
                                "mean": statistics.fmean(v) if v else None} for ph, v in tally.latency.items()},
             "rss_mib": {k: {ph: round(v[k] / 2**20, 1) for ph, v in samples.items()} for k in ("leader", "fellow")},
             "rss_growth_quiet": {k: round(v * 100, 2) for k, v in growth.items()},
-            "data": str(tmp),
+            "data": str(tmp) if args.keep else None,
         }
     finally:
         up.send_signal(signal.SIGTERM)
@@ -226,6 +227,8 @@ async def soak(args) -> dict:
             os.killpg(up.pid, signal.SIGKILL)
             up.wait()
         log.close()
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main() -> None:
@@ -235,6 +238,7 @@ def main() -> None:
     p.add_argument("--fault-every", type=float, default=30.0, help="seconds between faults in the fault phase")
     p.add_argument("--tokens", type=int, default=16, help="max_tokens of each request")
     p.add_argument("--demo", action="store_true", help="serve the demo model instead of a tiny one")
+    p.add_argument("--keep", action="store_true", help="keep the stack's data folder (logs, database)")
     args = p.parse_args()
     print(json.dumps(asyncio.run(soak(args)), indent=1))
 

@@ -9,6 +9,9 @@ reaches a projection.
 from __future__ import annotations
 
 import asyncio
+import shutil
+import subprocess
+from pathlib import Path
 
 import nats
 import pytest
@@ -198,3 +201,44 @@ def test_the_config_keeps_passwords_and_adds_fellows(tmp_path):
     assert oct(a.config.stat().st_mode & 0o777) == "0o600"
     with pytest.raises(ValueError, match="subject token"):
         a.ensure(["bad*id"])
+
+
+def make_certs(d: Path) -> tuple[Path, Path, Path]:
+    """A private CA and a certificate for 127.0.0.1 signed by it, made with the openssl command."""
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=swarm-test-ca",
+        "-keyout", "ca.key", "-out", "ca.pem")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "server.key", "-out", "server.csr")
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-days", "1",
+        "-extfile", "san.ext", "-out", "server.pem")
+    return d / "ca.pem", d / "server.pem", d / "server.key"
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="the openssl command is not installed")
+async def test_tls_with_a_private_ca_and_the_users(tmp_path, auth, monkeypatch):
+    """docs/deploy.md's TLS: nats-server with a `tls` block, clients on tls:// URLs trusting the CA
+    through SSL_CERT_FILE; a client that does not trust it is refused, and auth still applies."""
+    ca, cert, key = make_certs(tmp_path)
+    conf = tmp_path / "nats.conf"
+    conf.write_text(f'include "{auth.config.relative_to(tmp_path)}"\n'  # relative to this file
+                    f'tls {{\n cert_file: "{cert}"\n key_file: "{key}"\n}}\n')
+    srv = EmbeddedNats(tmp_path / "js", config=conf).start()
+    url = srv.url.replace("nats://", "tls://")
+    try:
+        with pytest.raises(BusUnavailable):  # the system's CAs do not know ours
+            await connect(url, name="untrusting", credentials=auth.credentials(LEADER_USER), timeout=3,
+                          allow_reconnect=False)
+        monkeypatch.setenv("SSL_CERT_FILE", str(ca))
+        with pytest.raises(BusUnavailable, match="Authorization Violation"):
+            await connect(url, name="anonymous", timeout=3, allow_reconnect=False)
+        leader = await login(url, auth.credentials(LEADER_USER))
+        await ensure_streams(leader.js)
+        fellow = await login(url, auth.credentials(fellow_user("f1")))
+        assert (await fellow.js.publish(subjects.heartbeat("f1"), b"{}")).stream == HEARTBEATS_STREAM
+        await fellow.nc.close()
+        await leader.nc.close()
+    finally:
+        srv.stop()
