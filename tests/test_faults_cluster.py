@@ -1,7 +1,8 @@
 """Scale-out on the engines themselves (issue 18): a 3-node NATS cluster with every stream R3
 (SWARM_NATS_REPLICAS=3) and NATS auth, one PostgreSQL, two leaders and a fellow, as real processes.
 
-During traffic one nats-server node and one leader are SIGKILLed. The other leader answers
+A token minted on one leader is honoured by the other (and the API is closed on both). During
+traffic one nats-server node and one leader are SIGKILLed. The other leader answers
 throughout; every request it accepted is answered and ends `finished`; every request row (the dead
 leader's too) reaches a final state; each event is projected once across the two leaders (the
 checkpoints reach the log's end, the fellow's join counter equals its joins in the log).
@@ -12,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -62,9 +65,9 @@ async def eventually(check, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-async def post(http: httpx.AsyncClient, url: str) -> int | str:
+async def post(http: httpx.AsyncClient, url: str, auth: dict) -> int | str:
     try:
-        r = await http.post(url + "/v1/chat/completions", json=BODY, timeout=120)
+        r = await http.post(url + "/v1/chat/completions", json=BODY, timeout=120, headers=auth)
         return r.status_code
     except httpx.HTTPError as exc:
         return type(exc).__name__
@@ -100,16 +103,21 @@ async def test_two_leaders_on_one_database_survive_a_lost_nats_node_and_a_lost_l
             return r.status_code == 200 and r.json()["state"] == "ready"
 
         wait_until(loaded, 30, "the model loaded", interval=0.5)
+        # a token minted on one leader is honoured by the other, and the API is closed on both
+        minted = httpx.post(doomed.base_url + "/api/v1/api-tokens", json={"label": "ops", "scopes": ["admin"]})
+        assert minted.status_code == 201, minted.text
+        auth = {"Authorization": "Bearer " + minted.json()["token"]}
         # the other leader serves the load placed by the first, once its own projectors have seen it
-        wait_until(lambda: httpx.post(survivor.base_url + "/v1/chat/completions", json=BODY, timeout=60).status_code
-                   == 200, 30, "the other leader serving", interval=0.2)
+        wait_until(lambda: httpx.post(survivor.base_url + "/v1/chat/completions", json=BODY, timeout=60,
+                                      headers=auth).status_code == 200, 30, "the other leader serving", interval=0.2)
+        assert httpx.post(survivor.base_url + "/v1/chat/completions", json=BODY, timeout=60).status_code == 401
         async with httpx.AsyncClient() as http:
-            traffic = [asyncio.create_task(post(http, leader.base_url)) for _ in range(6) for leader in leaders]
+            traffic = [asyncio.create_task(post(http, leader.base_url, auth)) for _ in range(6) for leader in leaders]
             await asyncio.sleep(0)
             os.kill(nodes[0].process.pid, signal.SIGKILL)  # one of three nats-server nodes
             doomed.kill(signal.SIGKILL)
             during = await asyncio.gather(*traffic)
-            after = await asyncio.gather(*(post(http, survivor.base_url) for _ in range(6)))
+            after = await asyncio.gather(*(post(http, survivor.base_url, auth) for _ in range(6)))
         served = during[1::2] + list(after)  # the survivor's answers
         assert served == [200] * len(served), (served, survivor.tail())
         assert survivor.get("/healthz").status_code == 200
@@ -131,3 +139,46 @@ async def test_two_leaders_on_one_database_survive_a_lost_nats_node_and_a_lost_l
     finally:
         for p in procs:
             p.stop()
+
+
+async def test_the_documented_commands_form_a_cluster_with_users(tmp_path):
+    """docs/deploy.md sections 1 and 2: `swarm nats-auth`, then `swarm nats` on three nodes with
+    --config, --server-name, --cluster-port and --routes; the leader creates R3 streams."""
+    from core.bus import BusUnavailable, connect, ensure_streams
+    from core.nats_server import free_port
+
+    env = swarm_env(tmp_path, None)
+    made = subprocess.run([sys.executable, "-m", "core.cli", "nats-auth", str(tmp_path / "auth"), "--fellow", "gpu1"],
+                          env=env, capture_output=True, text=True)
+    assert made.returncode == 0 and "3 NATS users" in made.stdout, made.stderr
+    auth = AuthDir(tmp_path / "auth")
+    ports, routes = [free_port() for _ in range(3)], [free_port() for _ in range(3)]
+    nodes = [SwarmProcess(["nats", "--port", str(ports[i]), "--store-dir", str(tmp_path / f"n{i}"),
+                           "--config", str(auth.config), "--server-name", f"n{i}", "--cluster-port", str(routes[i]),
+                           "--routes", ",".join(f"nats://127.0.0.1:{r}" for r in routes if r != routes[i])],
+                          env, tmp_path / f"n{i}.log") for i in range(3)]
+    try:
+        for n in nodes:
+            n.start()
+        urls = ",".join(f"nats://127.0.0.1:{p}" for p in ports)
+
+        async def refused() -> bool:  # False while the nodes start; an anonymous login must never pass
+            try:
+                nc = await connect(urls, "anonymous", timeout=2, allow_reconnect=False)
+            except BusUnavailable as exc:
+                return "Authorization Violation" in str(exc)
+            await nc.close()
+            raise AssertionError("an anonymous client logged in")
+
+        await eventually(refused, 30, "the nodes refusing anonymous clients")
+        nc = await connect(urls, "leader", credentials=auth.credentials(LEADER_USER), timeout=30)
+        try:
+            js = nc.jetstream()
+            await ensure_streams(js, replicas=3)
+            info = await js.stream_info("SWARM_EVENTS")
+            assert info.config.num_replicas == 3 and len(info.cluster.replicas) == 2, info.cluster
+        finally:
+            await nc.close()
+    finally:
+        for n in nodes:
+            n.stop()

@@ -114,6 +114,27 @@ async def test_a_fellow_publishes_what_a_fellow_reports_and_takes_its_own_comman
         msgs = await sub.fetch(1, timeout=5)
         await msgs[0].ack_sync()
         assert msgs[0].subject == subjects.command("f1", "stop")
+        # core NATS: it answers the leader's logs request, hears cancels, sends and hears ring frames
+        heard: list[str] = []
+
+        async def answer(msg):
+            await msg.respond(b"lines")
+
+        async def hear(msg):
+            heard.append(msg.subject)
+
+        await fellow.nc.subscribe(subjects.logs("f1"), cb=answer)
+        await fellow.nc.subscribe(subjects.cancels_of("l"), cb=hear)
+        await fellow.nc.subscribe(subjects.ring("l", "1"), cb=hear)
+        await fellow.nc.flush()
+        assert (await leader.nc.request(subjects.logs("f1"), b"", timeout=5)).data == b"lines"
+        await leader.nc.publish(subjects.cancel("l", "r1"), b"")
+        await fellow.nc.publish(subjects.ring("l", "1"), b"frame")
+        for _ in range(500):
+            if len(heard) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert sorted(heard) == [subjects.cancel("l", "r1"), subjects.ring("l", "1")], fellow.errors
         assert fellow.errors == []
     finally:
         await fellow.nc.close()
