@@ -56,3 +56,29 @@ async def test_two_leaders_project_each_event_once(js, postgres):
             await r.stop()
         for e in engines:
             await e.dispose()
+
+
+async def test_a_token_either_leader_projected_is_known_to_both(js, postgres):
+    """Each leader's token table follows every token event, also those the other leader applied."""
+    from events.api_tokens import ApiTokenMinted
+    from leader.auth.registry import TokenRegistry
+    from leader.projectors.api_tokens import ApiTokensProjector
+
+    url = postgres.create_db("t" + uuid.uuid4().hex[:12])
+    await upgrade(url)
+    engines = [make_engine(url) for _ in range(2)]
+    runners = [ProjectionRunner(js, session_factory(e), [ApiTokensProjector()]) for e in engines]
+    try:
+        await asyncio.gather(*(r.start() for r in runners))
+        registries = [TokenRegistry(r.sessions, r) for r in runners]
+        assert [(await reg.current()).live for reg in registries] == [0, 0]
+        ack = await publish_event(js, ApiTokenMinted(token_id="t1", label="ops", scopes=["read"],
+                                                     token_hash="a" * 64, prefix="sk-a"))
+        for r in runners:
+            await r.wait_for(ack.seq, timeout=10)
+        assert [sorted((await reg.current()).by_id) for reg in registries] == [["t1"], ["t1"]]
+    finally:
+        for r in runners:
+            await r.stop()
+        for e in engines:
+            await e.dispose()

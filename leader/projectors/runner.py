@@ -163,6 +163,9 @@ class ProjectionRunner:
             # its next own event, and a restart re-reads these as the no-ops they are.
         async with self.sessions() as session, session.begin():
             await apply_batch(session, p, batch)
+        for e in batch:
+            if e.seq > position and p.wants(e.event):
+                p.committed(e.event, e.seq)
         return [e.event for e in batch if e.seq > position and e.event is not None]
 
     async def _tell(self, name: str, applied: list) -> None:
