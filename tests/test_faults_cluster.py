@@ -80,7 +80,7 @@ async def test_two_leaders_on_one_database_survive_a_lost_nats_node_and_a_lost_l
     urls = ",".join(n.url for n in nodes)
     # a node's loss moves stream leaders for a few seconds: a fellow is lost only after 15 s of silence
     base = dict(SWARM_SERVABLE_MODELS_ROOT=servables, SWARM_NATS_REPLICAS=3, SWARM_MODEL_IDLE_UNLOAD_S=0,
-                SWARM_HEARTBEAT_S=1, SWARM_FELLOW_TIMEOUT_S=15)
+                SWARM_HEARTBEAT_S=1, SWARM_FELLOW_TIMEOUT_S=15, SWARM_AUTOLOAD=1)
     leaders = [SwarmProcess(["leader"], swarm_env(tmp_path / f"l{i}", urls, db, **base,
                                                   **auth.credentials(LEADER_USER).env()), tmp_path / f"leader{i}.log")
                for i in range(2)]
@@ -94,15 +94,12 @@ async def test_two_leaders_on_one_database_survive_a_lost_nats_node_and_a_lost_l
         for leader in leaders:
             leader.wait_healthy(90)
         survivor, doomed = leaders[1], leaders[0]
-        wait_until(lambda: any(f["status"] == "online" for f in survivor.get("/api/v1/fellows").json()["data"]),
-                   60, "the fellow online")
-
-        def loaded():  # placement waits for the fellow's heartbeat on this leader too
-            r = httpx.post(doomed.base_url + "/api/v1/models/tiny-a/load", json={"wait": True}, timeout=120)
-            assert r.status_code in (200, 409), r.text
-            return r.status_code == 200 and r.json()["state"] == "ready"
-
-        wait_until(loaded, 30, "the model loaded", interval=0.5)
+        for leader in leaders:  # each has the fellow's heartbeat in hand (its placement needs it)
+            wait_until(lambda: "swarm:fellows_online 1.0" in leader.get("/metrics").text, 60, "the fellow online")
+        async with httpx.AsyncClient() as http:  # first requests on both leaders at once: one load between them
+            first = await asyncio.gather(*(post(http, leader.base_url, {}) for _ in range(3) for leader in leaders))
+        assert first == [200] * 6, first
+        assert await rows(db, "SELECT model_id, state FROM loads") == [("tiny-a", "ready")]
         # a token minted on one leader is honoured by the other, and the API is closed on both
         minted = httpx.post(doomed.base_url + "/api/v1/api-tokens", json={"label": "ops", "scopes": ["admin"]})
         assert minted.status_code == 201, minted.text
