@@ -9,10 +9,12 @@ reaches a projection.
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import subprocess
 from pathlib import Path
 
+import httpx
 import nats
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -263,3 +265,46 @@ async def test_tls_with_a_private_ca_and_the_users(tmp_path, auth, monkeypatch):
         await leader.nc.close()
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+def test_a_ring_over_two_fellows_serves_with_their_own_users(tmp_path, auth, secured):
+    """Every right a fellow and its stage processes need, end to end: a leader and two fellows, each
+    with its own user, load a 2-stage ring, stream a whole reply through it, and unload it."""
+    from tests.processes import SwarmProcess, swarm_env, wait_until
+    from tests.serving_fixtures import make_servable
+
+    _, servable = make_servable(tmp_path / "models", "tiny", layers=4, hidden=64, stages=2)
+    db = f"sqlite+aiosqlite:///{tmp_path / 'swarm.db'}"
+
+    def env(user: str) -> dict:
+        return swarm_env(tmp_path, secured.url, db, port=port, SWARM_SERVABLE_MODELS_ROOT=servable.parent,
+                         OMP_NUM_THREADS=1, **auth.credentials(user).env())
+
+    port = None
+    leader = SwarmProcess(["leader"], env(LEADER_USER), tmp_path / "leader.log")
+    port = leader.env["SWARM_LEADER_PORT"]
+    fellows = [SwarmProcess(["fellow", "--id", f], env(fellow_user(f)), tmp_path / f"{f}.log") for f in ("f1", "f2")]
+    try:
+        for p in (leader, *fellows):
+            p.start()
+        leader.wait_healthy()
+        wait_until(lambda: sum(f["status"] == "online" for f in leader.get("/api/v1/fellows").json()["data"]) == 2,
+                   60, "both fellows online")
+        r = httpx.post(leader.base_url + "/api/v1/models/tiny/load",
+                       json={"num_stages": 2, "fellow_ids": ["f1", "f2"], "wait": True}, timeout=180)
+        assert r.status_code == 200 and r.json()["state"] == "ready", (r.text, fellows[1].tail())
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6,
+                "temperature": 0, "stream": True}
+        with httpx.stream("POST", leader.base_url + "/v1/chat/completions", json=body, timeout=120) as s:
+            lines = [line for line in s.iter_lines() if line]
+        chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert lines[-1] == "data: [DONE]" and not any("error" in c for c in chunks), lines
+        assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length"), chunks[-1]
+        r = httpx.post(leader.base_url + "/api/v1/models/tiny/unload", json={"wait": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        wait_until(lambda: leader.get("/api/v1/models/tiny").json()["load_state"] in (None, "unloaded"), 30,
+                   "the load ended")
+    finally:
+        for p in (*fellows, leader):
+            p.stop()
