@@ -97,6 +97,8 @@ def run_stack(settings: Settings, fellows: int = 1, demo: bool = True) -> int:
         print(f"swarm is up: {base}  (nats {env['SWARM_NATS_URL']}, data {settings.data_dir})", flush=True)
         print(f"  chat: {base}/v1/chat/completions   fellows: {base}/api/v1/fellows   Ctrl-C stops",
               flush=True)
+        if not settings.nats_url:
+            print(f"  NATS users (leader, ops, each fellow): {settings.data_dir / 'nats-auth'}", flush=True)
         while not stop.is_set() and sup.tick():
             stop.wait(0.2)
         return 0
