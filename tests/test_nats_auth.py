@@ -193,6 +193,27 @@ async def test_a_fellow_cannot_read_the_log_another_fellows_commands_or_the_lead
         await leader.nc.close()
 
 
+async def test_ops_reads_the_log_and_heartbeats_and_publishes_nothing(secured, auth):
+    leader = await login(secured.url, auth.credentials(LEADER_USER))
+    await ensure_streams(leader.js)
+    ops = await login(secured.url, auth.credentials(OPS_USER))
+    try:
+        ack = await publish_event(leader.js, RequestFinished(request_id="r1", model_id="m", load_id="l"))
+        sub = await ops.js.pull_subscribe(EVENTS_ALL, stream=EVENTS_STREAM,
+                                          config=ConsumerConfig(ack_policy=AckPolicy.NONE))
+        assert [m.metadata.sequence.stream for m in await sub.fetch(1, timeout=5)] == [ack.seq]
+        assert (await ops.js.get_last_msg(EVENTS_STREAM, subjects.event("request.finished"))).seq == ack.seq
+        for subject in (subjects.event("api_token.minted"), subjects.heartbeat("f1")):
+            with pytest.raises(nats.errors.TimeoutError):
+                await ops.js.publish(subject, b"{}", timeout=DENIED_WAIT_S)
+            await wait_denied(ops, subject)
+        with pytest.raises(nats.errors.TimeoutError):  # nor the work queues
+            await ops.nc.request(f"$JS.API.CONSUMER.INFO.{COMMANDS_STREAM}.fellow-f1", b"", timeout=DENIED_WAIT_S)
+    finally:
+        await ops.nc.close()
+        await leader.nc.close()
+
+
 async def test_a_forged_event_never_reaches_a_projection(secured, auth, sqlite_url):
     from leader.db.tables import ApiToken
 
