@@ -65,9 +65,9 @@ async def eventually(check, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-async def post(http: httpx.AsyncClient, url: str, auth: dict) -> int | str:
+async def post(http: httpx.AsyncClient, url: str, headers: dict) -> int | str:
     try:
-        r = await http.post(url + "/v1/chat/completions", json=BODY, timeout=120, headers=auth)
+        r = await http.post(url + "/v1/chat/completions", json=BODY, timeout=120, headers=headers)
         return r.status_code
     except httpx.HTTPError as exc:
         return type(exc).__name__
@@ -103,18 +103,18 @@ async def test_two_leaders_on_one_database_survive_a_lost_nats_node_and_a_lost_l
         # a token minted on one leader is honoured by the other, and the API is closed on both
         minted = httpx.post(doomed.base_url + "/api/v1/api-tokens", json={"label": "ops", "scopes": ["admin"]})
         assert minted.status_code == 201, minted.text
-        auth = {"Authorization": "Bearer " + minted.json()["token"]}
+        bearer = {"Authorization": "Bearer " + minted.json()["token"]}
         # the other leader serves the load placed by the first, once its own projectors have seen it
         wait_until(lambda: httpx.post(survivor.base_url + "/v1/chat/completions", json=BODY, timeout=60,
-                                      headers=auth).status_code == 200, 30, "the other leader serving", interval=0.2)
+                                      headers=bearer).status_code == 200, 30, "the other leader serving", interval=0.2)
         assert httpx.post(survivor.base_url + "/v1/chat/completions", json=BODY, timeout=60).status_code == 401
         async with httpx.AsyncClient() as http:
-            traffic = [asyncio.create_task(post(http, leader.base_url, auth)) for _ in range(6) for leader in leaders]
+            traffic = [asyncio.create_task(post(http, leader.base_url, bearer)) for _ in range(6) for leader in leaders]
             await asyncio.sleep(0)
             os.kill(nodes[0].process.pid, signal.SIGKILL)  # one of three nats-server nodes
             doomed.kill(signal.SIGKILL)
             during = await asyncio.gather(*traffic)
-            after = await asyncio.gather(*(post(http, survivor.base_url, auth) for _ in range(6)))
+            after = await asyncio.gather(*(post(http, survivor.base_url, bearer) for _ in range(6)))
         served = during[1::2] + list(after)  # the survivor's answers
         assert served == [200] * len(served), (served, survivor.tail())
         assert survivor.get("/healthz").status_code == 200
