@@ -12,6 +12,7 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NoStreamResponseError, ServiceUnavailableError
 
+from core.nats_auth import Credentials
 from events.base import Event, encode
 from events.subjects import STREAMS, StreamSpec, event
 
@@ -22,8 +23,11 @@ class BusUnavailable(RuntimeError):
     """NATS could not be reached; the message names the URL."""
 
 
-async def connect(url: str, name: str, timeout: float = 5.0, **options) -> Client:
-    """Connect to one or more comma-separated NATS URLs, failing fast with a clear error."""
+async def connect(url: str, name: str, timeout: float = 5.0, credentials: Credentials | None = None,
+                  **options) -> Client:
+    """Connect to one or more comma-separated NATS URLs, failing fast with a clear error.
+
+    With `credentials` the client logs in as that user and takes its replies on its own inbox."""
     servers = [u.strip() for u in url.split(",") if u.strip()]
     errors: list[str] = []
 
@@ -34,11 +38,15 @@ async def connect(url: str, name: str, timeout: float = 5.0, **options) -> Clien
         name=name, connect_timeout=min(timeout, 2.0), allow_reconnect=True,
         max_reconnect_attempts=-1, reconnect_time_wait=0.5, error_cb=_err,
     )
+    if credentials is not None:
+        opts.update(credentials.connect_options())
     opts.update(options)
     try:
         return await asyncio.wait_for(nats.connect(servers, **opts), timeout)
     except (asyncio.TimeoutError, OSError, nats.errors.NoServersError) as exc:
         raise BusUnavailable(f"cannot reach NATS at {url}: {errors[-1] if errors else exc or type(exc).__name__}") from None
+    except nats.errors.Error as exc:  # refused: an authorization violation, a bad server answer
+        raise BusUnavailable(f"NATS at {url} refused {name}: {errors[-1] if errors else exc}") from None
 
 
 async def close_quietly(nc: Client, timeout: float = 2.0) -> None:
@@ -64,8 +72,9 @@ async def unsubscribe_quietly(sub) -> None:
         pass
 
 
-def stream_config(spec: StreamSpec) -> StreamConfig:
+def stream_config(spec: StreamSpec, replicas: int = 1) -> StreamConfig:
     return StreamConfig(
+        num_replicas=replicas,
         name=spec.name,
         subjects=list(spec.subjects),
         retention=RetentionPolicy.WORK_QUEUE if spec.retention == "workqueue" else RetentionPolicy.LIMITS,
@@ -76,21 +85,50 @@ def stream_config(spec: StreamSpec) -> StreamConfig:
     )
 
 
-async def ensure_streams(js: JetStreamContext) -> None:
-    """Create every stream, or bring an existing one to the declared configuration."""
+async def ensure_streams(js: JetStreamContext, replicas: int = 1, wait_s: float = 30.0) -> None:
+    """Create every stream, or bring an existing one to the declared configuration (`replicas`
+    copies of each in a cluster: SWARM_NATS_REPLICAS). A cluster that is still electing its JetStream
+    leader does not answer yet: each step is tried again for up to `wait_s`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
     for spec in STREAMS:
-        cfg = stream_config(spec)
-        try:
-            await js.add_stream(cfg)
-        except BadRequestError:
-            await js.update_stream(cfg)
+        cfg = stream_config(spec, replicas)
+        while True:
+            try:
+                try:
+                    await js.add_stream(cfg)
+                except BadRequestError:
+                    await js.update_stream(cfg)
+                break
+            except _RETRYABLE as exc:
+                if loop.time() > deadline:
+                    raise
+                log.info("JetStream not ready for stream %s (%s); trying again", spec.name, type(exc).__name__)
+                await asyncio.sleep(0.5)
+
+
+async def wait_streams(js: JetStreamContext, timeout: float = 60.0) -> None:
+    """Wait until every stream exists: what a fellow does when it may not create them (NATS auth
+    on: the leader creates them)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    for spec in STREAMS:
+        while True:
+            try:
+                await js.stream_info(spec.name)
+                break
+            except Exception as exc:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise BusUnavailable(f"stream {spec.name} does not exist after {timeout:.0f}s "
+                                         f"(the leader creates it): {exc or type(exc).__name__}") from None
+                await asyncio.sleep(0.5)
 
 
 # What a retry can cure: no answer in time, or JetStream not (yet) answering, as while a
-# nats-server restarts and recovers its streams. Nats-Msg-Id makes a retry that did land a no-op.
+# nats-server restarts and recovers its streams, or a cluster that lost a node elects new stream
+# leaders (up to about 10 s). Nats-Msg-Id makes a retry that did land a no-op.
 _RETRYABLE = (nats.errors.TimeoutError, nats.errors.NoRespondersError, NoStreamResponseError,
               ServiceUnavailableError)
-RETRY_DELAYS_S = (0.2, 0.5, 1.0, 2.0)
+RETRY_DELAYS_S = (0.2, 0.5, 1.0, 2.0, 2.0, 3.0, 3.0, 3.0)  # about 15 s in all
 
 
 async def publish_with_id(js: JetStreamContext, subject: str, payload: bytes, msg_id: str,

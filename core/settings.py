@@ -84,6 +84,7 @@ NOT_IMPLEMENTED = {
     "SWARM_SERVE_4BIT_FLOAT32": "quantized serving, issue 14",
     "SWARM_SERVE_ATTENTION": "a choice of attention kernels, issue 13",
     "SWARM_API_TOKENS_FILE": "no issue: API tokens are kept in the database",
+    "SWARM_NATS_CREDS": "NATS .creds files, issue 18; use SWARM_NATS_USER and SWARM_NATS_PASSWORD",
 }
 
 
@@ -129,6 +130,15 @@ class Settings:
     serve_speculative: int = 0  # SWARM_SERVE_SPECULATIVE: tokens drafted per decode pass (0 off, at most 8)
     log_format: str = "text"  # SWARM_LOG_FORMAT: text | json (core/logs.py)
     stage_stats_s: float = 30.0  # SWARM_STAGE_STATS_S: a stage's stats line, once per this much traffic
+    nats_user: str | None = None  # SWARM_NATS_USER / SWARM_NATS_PASSWORD: this process's NATS user
+    nats_password: str | None = None
+    nats_replicas: int = 1  # SWARM_NATS_REPLICAS: each stream's replicas in a NATS cluster
+
+    @property
+    def nats_credentials(self):
+        from core.nats_auth import Credentials
+
+        return Credentials(self.nats_user, self.nats_password) if self.nats_user else None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -151,6 +161,13 @@ class Settings:
         port = _int(env, "SWARM_LEADER_PORT", 8000)
         if port > 65535:
             raise SettingsError(f"SWARM_LEADER_PORT={port} is not a TCP port")
+        nats_user = (env.get("SWARM_NATS_USER") or "").strip() or None
+        nats_password = env.get("SWARM_NATS_PASSWORD") or None
+        if bool(nats_user) != bool(nats_password):
+            raise SettingsError("SWARM_NATS_USER and SWARM_NATS_PASSWORD go together: set both or neither")
+        replicas = _int(env, "SWARM_NATS_REPLICAS", 1, minimum=1)
+        if replicas > 5:
+            raise SettingsError(f"SWARM_NATS_REPLICAS={replicas} must be at most 5 (JetStream's limit)")
         max_batch_raw = env.get("SWARM_SERVE_MAX_BATCH")
         in_flight_raw = env.get("SWARM_SERVE_IN_FLIGHT")
         return cls(
@@ -190,6 +207,9 @@ class Settings:
             stage_stats_s=_float(env, "SWARM_STAGE_STATS_S", 30.0, minimum=0.05),
             http_max_body_bytes=_int(env, "SWARM_HTTP_MAX_BODY_BYTES", 8 * 1024 * 1024, minimum=1),
             stream_resume_s=_float(env, "SWARM_STREAM_RESUME_S", 10.0),
+            nats_user=nats_user,
+            nats_password=nats_password,
+            nats_replicas=replicas,
         )
 
     def replace(self, **changes) -> "Settings":

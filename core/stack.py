@@ -11,6 +11,7 @@ import time
 
 import httpx
 
+from core.nats_auth import LEADER_USER, AuthDir, fellow_user
 from core.nats_server import EmbeddedNats
 from core.procs import spawn_child, stop_child
 from core.settings import Settings
@@ -46,10 +47,19 @@ def ensure_demo_model(settings: Settings) -> None:
 
 
 def _children(settings: Settings, env: dict, fellows: int) -> list[Child]:
-    """nats-server (unless SWARM_NATS_URL names one), the leader, the fellows: each restarted when it dies."""
+    """nats-server (unless SWARM_NATS_URL names one), the leader, the fellows: each restarted when it dies.
+
+    The embedded nats-server runs with a user per role (core/nats_auth.py, passwords kept under
+    SWARM_DATA_DIR/nats-auth): the leader and each fellow get their own credentials in their environment.
+    With SWARM_NATS_URL, every child uses the SWARM_NATS_USER/PASSWORD it inherits, if any."""
     out = []
+    creds: dict[str, dict] = {}  # child name -> its NATS credentials' variables
     if not settings.nats_url:
-        nats = EmbeddedNats(settings.nats_store_dir)
+        auth = AuthDir(settings.data_dir / "nats-auth")
+        auth.ensure([f"local-{i}" for i in range(fellows)])
+        creds["leader"] = auth.credentials(LEADER_USER).env()
+        creds.update({f"local-{i}": auth.credentials(fellow_user(f"local-{i}")).env() for i in range(fellows)})
+        nats = EmbeddedNats(settings.nats_store_dir, config=auth.config)
 
         def start_nats() -> subprocess.Popen:  # the same store, and after the first start the same port
             nats.start()
@@ -58,12 +68,12 @@ def _children(settings: Settings, env: dict, fellows: int) -> list[Child]:
 
         out.append(Child("nats-server", start_nats, lambda proc: stop_child(proc)))
 
-    def part(*args: str):
-        return lambda: spawn_child([sys.executable, "-m", "core.cli", *args], env=env)
+    def part(who: str, *args: str):  # env read at each start: SWARM_NATS_URL is set by nats-server's
+        return lambda: spawn_child([sys.executable, "-m", "core.cli", *args], env={**env, **creds.get(who, {})})
 
-    out.append(Child("the leader", part("leader"), stop_child))
-    out += [Child(f"fellow local-{i}", part("fellow", "--id", f"local-{i}"), stop_child, essential=False)
-            for i in range(fellows)]
+    out.append(Child("the leader", part("leader", "leader"), stop_child))
+    out += [Child(f"fellow local-{i}", part(f"local-{i}", "fellow", "--id", f"local-{i}"), stop_child,
+                  essential=False) for i in range(fellows)]
     return out
 
 
@@ -87,6 +97,8 @@ def run_stack(settings: Settings, fellows: int = 1, demo: bool = True) -> int:
         print(f"swarm is up: {base}  (nats {env['SWARM_NATS_URL']}, data {settings.data_dir})", flush=True)
         print(f"  chat: {base}/v1/chat/completions   fellows: {base}/api/v1/fellows   Ctrl-C stops",
               flush=True)
+        if not settings.nats_url:
+            print(f"  NATS users (leader, ops, each fellow): {settings.data_dir / 'nats-auth'}", flush=True)
         while not stop.is_set() and sup.tick():
             stop.wait(0.2)
         return 0

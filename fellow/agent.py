@@ -12,7 +12,7 @@ from typing import Awaitable, Callable
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from core.bus import close_quietly, connect, ensure_streams, publish_struct
+from core.bus import close_quietly, connect, ensure_streams, publish_struct, wait_streams
 from core.procs import run_hooks
 from core.settings import Settings
 from core.tasks import cancel_and_wait
@@ -58,9 +58,12 @@ class FellowAgent:
 
     async def start(self) -> None:
         self.nc = await connect(self.settings.nats_url or "nats://127.0.0.1:4222",
-                                name=f"swarm-fellow-{self.fellow_id}")
+                                name=f"swarm-fellow-{self.fellow_id}", credentials=self.settings.nats_credentials)
         self.js = self.nc.jetstream()
-        await ensure_streams(self.js)
+        if self.settings.nats_credentials is None:
+            await ensure_streams(self.js, self.settings.nats_replicas)
+        else:  # a fellow's NATS user may not create streams: the leader does
+            await wait_streams(self.js)
         await self.logs.start()
         await self.beat()
         self._loops = [self._supervised(self._heartbeats(), "heartbeats"),

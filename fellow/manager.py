@@ -88,8 +88,10 @@ class ModelManager:
                               link_host=self.settings.serve_link_host, link_port=self.settings.serve_link_port)
             logs = self.settings.data_dir / "logs"
             logs.mkdir(parents=True, exist_ok=True)
+            creds = self.settings.nats_credentials  # the stage logs in to NATS as its fellow
             proc = StageProcess(cfg, self._on_report, self._on_exit,
-                                log_path=logs / f"{cmd.load_id}-stage{cmd.assignment.stage}.log")
+                                log_path=logs / f"{cmd.load_id}-stage{cmd.assignment.stage}.log",
+                                env={**os.environ, **creds.env()} if creds else None)
             self.procs[cmd.load_id] = proc
             try:
                 await proc.start()
@@ -154,7 +156,7 @@ class ModelManager:
         self._restarted = {k: t for k, t in self._restarted.items() if now - t < RESTART_WINDOW_S}
         self._restarted[proc.load_id] = now
         again = StageProcess(proc.cfg, self._on_report, self._on_exit, log_path=proc.log_path,
-                             restarts=proc.restarts + 1)
+                             restarts=proc.restarts + 1, env=proc.env)
         self.procs[proc.load_id] = again
         log.error("load %s: %s; restarting it", proc.load_id, reason)
         try:

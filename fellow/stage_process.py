@@ -26,8 +26,10 @@ class StageProcess:
     """
 
     def __init__(self, cfg: StageConfig, on_report: Callable[["StageProcess", StageReport], Awaitable[None]],
-                 on_exit: Callable[["StageProcess", int], Awaitable[None]], log_path=None, restarts: int = 0):
+                 on_exit: Callable[["StageProcess", int], Awaitable[None]], log_path=None, restarts: int = 0,
+                 env: dict | None = None):
         self.cfg = cfg
+        self.env = env  # its environment (None: its fellow's); carries the fellow's NATS credentials
         self.restarts = restarts  # how many times its fellow started this stage again after it died
         self.on_report = on_report
         self.on_exit = on_exit
@@ -72,7 +74,7 @@ class StageProcess:
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "fellow.runtime", encode(cfg).decode(),
                 stdout=asyncio.subprocess.PIPE, stderr=stderr, stdin=asyncio.subprocess.DEVNULL,
-                start_new_session=True)
+                start_new_session=True, env=self.env)
         finally:
             if stderr:
                 stderr.close()

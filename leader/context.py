@@ -58,9 +58,10 @@ class Leader:
         await upgrade(s.database_url)
         self.engine = make_engine(s.database_url)
         self.sessions = session_factory(self.engine)
-        self.nc = await connect(s.nats_url or "nats://127.0.0.1:4222", name="swarm-leader")
+        self.nc = await connect(s.nats_url or "nats://127.0.0.1:4222", name="swarm-leader",
+                                credentials=s.nats_credentials)
         self.js = self.nc.jetstream()
-        await ensure_streams(self.js)
+        await ensure_streams(self.js, s.nats_replicas)
         self.projections = ProjectionRunner(self.js, self.sessions, all_projectors())
         await self.projections.start()
         self.fellows = FellowMonitor(self.js, self.sessions, timeout_s=s.fellow_timeout_s)

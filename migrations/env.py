@@ -3,6 +3,7 @@
 import asyncio
 
 from alembic import context
+from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from leader.db.engine import make_engine
@@ -10,12 +11,15 @@ from leader.db.tables import Base
 
 config = context.config
 target_metadata = Base.metadata
+MIGRATION_LOCK = 0x5357524D  # "SWRM": the advisory lock a PostgreSQL migration holds
 
 
 def _run(connection: Connection) -> None:
     context.configure(connection=connection, target_metadata=target_metadata,
                       render_as_batch=connection.dialect.name == "sqlite")
     with context.begin_transaction():
+        if connection.dialect.name == "postgresql":  # leaders starting together migrate one at a time
+            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
         context.run_migrations()
 
 

@@ -45,8 +45,7 @@ class Postgres:
             shutil.chown(self.dir, self.user)
             os.chmod(self.dir, 0o700)
         self._run(str(self.bin / "initdb"), "-D", str(data), "-A", "trust", "-U", "swarm", "--no-sync")
-        self._run(str(self.bin / "pg_ctl"), "-D", str(data), "-l", str(self.dir / "log"), "-w", "-o",
-                  f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off", "start")
+        self.resume()
         return self
 
     def url(self, db: str = "postgres") -> str:
@@ -56,9 +55,17 @@ class Postgres:
         self._run(str(self.bin / "createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "swarm", name)
         return self.url(name)
 
-    def stop(self) -> None:
+    def halt(self) -> None:
+        """Stop the server at once (a crash, for what its clients see); `resume` starts it again."""
         try:
             self._run(str(self.bin / "pg_ctl"), "-D", str(self.dir / "data"), "-m", "immediate", "stop")
         except subprocess.CalledProcessError:
             pass
+
+    def resume(self) -> None:
+        self._run(str(self.bin / "pg_ctl"), "-D", str(self.dir / "data"), "-l", str(self.dir / "log"), "-w", "-o",
+                  f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off", "start")
+
+    def stop(self) -> None:
+        self.halt()
         shutil.rmtree(self.dir, ignore_errors=True)

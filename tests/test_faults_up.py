@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import sqlite3
 import time
@@ -76,6 +77,21 @@ def up(tmp_path_factory, servables):  # noqa: F811
         yield proc
     finally:
         proc.stop()
+
+
+async def test_its_nats_server_refuses_anonymous_clients_and_each_part_has_its_user(up):
+    """The stack above served its first reply with NATS auth on: the leader and the fellow log in with
+    their own users (SWARM_DATA_DIR/nats-auth), and a client without one is refused."""
+    from core.bus import BusUnavailable, connect
+    from core.nats_auth import AuthDir, fellow_user
+
+    url = re.search(r"\(nats (nats://[^,]+),", (up.log_path.read_text())).group(1)
+    with pytest.raises(BusUnavailable, match="Authorization Violation"):
+        await connect(url, name="anonymous", timeout=3, allow_reconnect=False)
+    env = {pid: Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") for pid in children_of(up.proc.pid)}
+    users = {v.split(b"=", 1)[1].decode() for e in env.values() for v in e if v.startswith(b"SWARM_NATS_USER=")}
+    assert users == {"leader", fellow_user("local-0")}
+    assert set(AuthDir(Path(up.env["SWARM_DATA_DIR"]) / "nats-auth").passwords()) >= users
 
 
 async def test_a_killed_leader_is_restarted_and_its_streaming_client_resumes(up):

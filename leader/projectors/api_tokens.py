@@ -11,7 +11,8 @@ from leader.projectors.projector import Projector
 
 
 class ApiTokensProjector(Projector):
-    """Also remembers the stream sequence of the last token event it applied (`changed_seq`).
+    """Also remembers the stream sequence of the last token event committed (`changed_seq`), by this
+    leader or by another one on the same database.
 
     The auth hot path keeps the table in memory and reloads it only once the projection's committed
     position has reached `changed_seq`; every other event on the log leaves it untouched.
@@ -42,4 +43,7 @@ class ApiTokensProjector(Projector):
                     await session.delete(row)
             case _:
                 return
+        self.changed_seq = max(self.changed_seq, seq)
+
+    def committed(self, evt: Event, seq: int) -> None:
         self.changed_seq = max(self.changed_seq, seq)

@@ -6,6 +6,8 @@ import logging
 import time
 from typing import NamedTuple
 
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from events.base import Event
@@ -55,11 +57,16 @@ async def read_checkpoint(session: AsyncSession, name: str) -> int:
 async def apply_batch(session: AsyncSession, projector: Projector, batch: list[Entry],
                       applied: list | None = None) -> int:
     """Apply every event above the checkpoint and advance it past the whole batch; returns the new
-    checkpoint. Events applied are appended to `applied` when given (for reactions after the commit)."""
-    row = await session.get(ProjectorCheckpoint, projector.name)
-    if row is None:
-        row = ProjectorCheckpoint(name=projector.name, seq=0)
-        session.add(row)
+    checkpoint. Events applied are appended to `applied` when given (for reactions after the commit).
+
+    The checkpoint row is read FOR UPDATE (PostgreSQL): two leaders on one database take each batch
+    in turn, and the second finds the first's checkpoint and skips what it applied, so each event is
+    projected once across them. (SQLite takes one writer at a time anyway.)"""
+    row = await session.get(ProjectorCheckpoint, projector.name, with_for_update=True)
+    if row is None:  # its first batch; another leader may be creating the row right now
+        insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+        await session.execute(insert(ProjectorCheckpoint).values(name=projector.name, seq=0).on_conflict_do_nothing())
+        row = await session.get(ProjectorCheckpoint, projector.name, with_for_update=True)
     checkpoint = row.seq
     for e in batch:
         if e.seq <= checkpoint:

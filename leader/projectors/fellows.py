@@ -23,6 +23,8 @@ class FellowsProjector(Projector):
                 if row is None:
                     row = Fellow(fellow_id=evt.fellow_id, joins=0)
                     session.add(row)
+                # each leader announces the join it saw (two leaders: two events); one start online is one join
+                again = row.status == "online" and row.started_at == evt.started_at and row.joins
                 row.hostname = evt.hostname
                 row.version = evt.version
                 row.status = "online"
@@ -33,7 +35,7 @@ class FellowsProjector(Projector):
                 row.joined_at = evt.at
                 row.lost_at = None
                 row.last_seen = evt.at
-                row.joins = (row.joins or 0) + 1
+                row.joins = (row.joins or 0) + (0 if again else 1)
             case FellowLost():
                 row = await session.get(Fellow, evt.fellow_id)
                 if row is not None:

@@ -27,6 +27,10 @@ class Projector:
     async def apply(self, session: AsyncSession, evt: Event, seq: int) -> None:
         raise NotImplementedError
 
+    def committed(self, evt: Event, seq: int) -> None:
+        """Told after the commit of each wanted event this leader had not seen, whether it applied it
+        or another leader on the same database did (then `apply` was skipped). Default: nothing."""
+
     async def clear(self, session: AsyncSession) -> None:
         for table in self.tables:
             await session.execute(delete(table))

@@ -144,7 +144,8 @@ class ProjectionRunner:
                     raise
                 except Exception as exc:  # not applied: try the same batch again
                     state.failures += 1
-                    level = logging.WARNING if isinstance(exc, OperationalError) else logging.ERROR
+                    away = isinstance(exc, (OperationalError, OSError))  # the database away for a while
+                    level = logging.WARNING if away else logging.ERROR
                     log.log(level, "projector %s: batch not applied (%s); trying again", p.name, exc,
                             exc_info=level == logging.ERROR and state.failures == 1)
                     await asyncio.sleep(RETRY_S)
@@ -153,14 +154,19 @@ class ProjectionRunner:
             await self._tell(p.name, applied)
 
     async def _apply(self, p: Projector, batch: list[Entry]) -> list:
-        applied: list = []
+        """Apply the batch; returns the events this leader had not seen yet, for its listeners: also
+        those another leader on the same database applied first (apply_batch then skips them), so
+        each leader's own state (its ready view) follows every event."""
         position = self.positions.get(p.name, 0)
-        if any(e.seq > position and p.wants(e.event) for e in batch):
-            async with self.sessions() as session, session.begin():
-                await apply_batch(session, p, batch, applied)
-        # else nothing here for this projector: no SQL write. Its stored checkpoint lags until its
-        # next own event, and a restart re-reads these as the no-ops they are.
-        return applied
+        if not any(e.seq > position and p.wants(e.event) for e in batch):
+            return []  # nothing here for this projector: no SQL write. Its stored checkpoint lags until
+            # its next own event, and a restart re-reads these as the no-ops they are.
+        async with self.sessions() as session, session.begin():
+            await apply_batch(session, p, batch)
+        for e in batch:
+            if e.seq > position and p.wants(e.event):
+                p.committed(e.event, e.seq)
+        return [e.event for e in batch if e.seq > position and e.event is not None]
 
     async def _tell(self, name: str, applied: list) -> None:
         for listener in self.listeners.get(name, ()):

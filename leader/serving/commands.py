@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Callable
 
 import msgspec
+from sqlalchemy import text
 
 from core.bus import publish_struct
 from core.servable import ServableError, load_manifest
@@ -50,6 +52,24 @@ class LoadPlan:
     place: Callable[[], list[StageAssignment]]  # from the fellows' heartbeats at the time it is called
 
 
+@asynccontextmanager
+async def model_lock(sessions, model_id: str):
+    """On PostgreSQL, a transaction holding an advisory lock on the model for the block: another
+    leader's load of the same model waits, then finds this one's load (the block waits for the loads
+    projection, which commits before the lock goes). On SQLite (one leader), nothing."""
+    async with sessions() as session:
+        if session.get_bind().dialect.name != "postgresql":
+            yield
+            return
+        async with session.begin():
+            await session.execute(text("SELECT pg_advisory_xact_lock(:ns, hashtext(:model))"),
+                                  {"ns": LOAD_LOCK_NS, "model": model_id})
+            yield
+
+
+LOAD_LOCK_NS = 0x4C4F4144  # "LOAD": the advisory lock namespace of model loads
+
+
 class LoadCommands:
     def __init__(self, leader, catalog: Catalog):
         self.leader = leader
@@ -61,8 +81,8 @@ class LoadCommands:
                    fellow_ids: list[str] | None = None, replicas: int = 1,
                    speculative: int | None = None) -> Load:
         # One load at a time per model: concurrent first requests (autoload) share the load the
-        # first one placed instead of each placing its own.
-        async with self._loading.setdefault(model_id, asyncio.Lock()):
+        # first one placed instead of each placing its own; across leaders on one PostgreSQL too.
+        async with self._loading.setdefault(model_id, asyncio.Lock()), model_lock(self.leader.sessions, model_id):
             model = await self.catalog.get(model_id)
             if model is None:
                 raise model_not_found(model_id)

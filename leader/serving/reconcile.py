@@ -13,6 +13,7 @@ import logging
 import time
 
 from sqlalchemy import select
+from sqlalchemy.exc import DBAPIError
 
 from core.bus import publish_struct
 from core.tasks import cancel_and_wait
@@ -61,6 +62,8 @@ class Reconciler:
             for hb in beats.values():
                 try:
                     await self._check(hb)
+                except (OSError, DBAPIError) as exc:  # the database away for a while: the next beat tries again
+                    log.warning("reconciling fellow %s failed: %s", hb.fellow_id, exc.__class__.__name__)
                 except Exception:
                     log.exception("reconciling fellow %s failed", hb.fellow_id)
 

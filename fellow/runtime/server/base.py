@@ -13,6 +13,7 @@ import time
 import torch
 
 from core.bus import close_quietly, connect
+from core.nats_auth import Credentials
 from core.tasks import cancel_and_wait
 from events.stage import MetricsReport, ReadyReport, Report, StageConfig, Transport, encode
 from fellow.runtime.model.kernels import step_costs
@@ -168,7 +169,8 @@ class StageServerBase:
             self.stop_compute()
 
     async def _run(self) -> None:
-        self.nc = await connect(self.cfg.nats_url, name=f"swarm-stage{self.cfg.stage}-{self.load_id}")
+        self.nc = await connect(self.cfg.nats_url, name=f"swarm-stage{self.cfg.stage}-{self.load_id}",
+                                credentials=Credentials.from_env())  # its fellow's, in its environment
         self.js = self.nc.jetstream()
         try:
             await self._start()

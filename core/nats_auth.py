@@ -1,0 +1,167 @@
+"""NATS users and permissions: one user per role (leader, ops, each fellow), written as a nats-server
+config; and the credentials a process connects with (SWARM_NATS_USER, SWARM_NATS_PASSWORD).
+
+A leader may do anything. Ops may only read the event log and the heartbeats. A fellow may publish
+its own heartbeat, the events a fellow reports (stage ready, replica lost, unloaded, load failed,
+request finished or failed), token frames and ring frames; it may take only its own commands, pull
+from the request queues, and read only its own inbox. Nothing else: not `load.placed`, not
+`api_token.*`, not another fellow's heartbeat or commands, not the event log. A client without a
+user is refused (the config has no `no_auth_user`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from events.subjects import (COMMANDS_STREAM, EVENTS_STREAM, HEARTBEATS_STREAM, REQUESTS_STREAM, TOKENS_STREAM,
+                             heartbeat)
+
+LEADER_USER = "leader"
+OPS_USER = "ops"
+
+# What a fellow (and its stage processes) publishes on swarm.evt.<type>; every other type is refused.
+FELLOW_EVENTS = ("load.stage_ready", "load.replica_lost", "load.unloaded", "load.failed",
+                 "request.finished", "request.failed")
+
+
+def fellow_user(fellow_id: str) -> str:
+    return "fellow-" + fellow_id
+
+
+def inbox_prefix(user: str) -> str:
+    """Each user's replies come on its own inbox subjects, which only it may read."""
+    return "_INBOX." + user
+
+
+@dataclass(frozen=True)
+class Credentials:
+    user: str
+    password: str
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Credentials | None":
+        """SWARM_NATS_USER and SWARM_NATS_PASSWORD, both or neither (Settings validates them)."""
+        env = os.environ if env is None else env
+        user, password = (env.get("SWARM_NATS_USER") or "").strip(), env.get("SWARM_NATS_PASSWORD") or ""
+        return cls(user, password) if user and password else None
+
+    def env(self) -> dict[str, str]:
+        return {"SWARM_NATS_USER": self.user, "SWARM_NATS_PASSWORD": self.password}
+
+    def connect_options(self) -> dict:
+        return {"user": self.user, "password": self.password, "inbox_prefix": inbox_prefix(self.user)}
+
+
+def _consumer_api(stream: str, consumer: str) -> list[str]:
+    """Publish rights to create, inspect, pull from and ack one durable consumer (`*`: any)."""
+    return [
+        f"$JS.API.CONSUMER.INFO.{stream}.{consumer}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.{consumer}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.{consumer}.>",
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{consumer}",
+        f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}",
+        f"$JS.ACK.{stream}.{consumer}.>",
+    ]
+
+
+def _reader_api(stream: str) -> list[str]:
+    """Publish rights to read a stream through ephemeral consumers, and to get its messages."""
+    return [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}",
+            f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",
+            f"$JS.API.CONSUMER.INFO.{stream}.*", f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
+            f"$JS.API.CONSUMER.DELETE.{stream}.*"]
+
+
+def leader_permissions() -> dict:
+    return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
+
+
+def ops_permissions() -> dict:
+    return {
+        "publish": {"allow": ["$JS.API.INFO", *_reader_api(EVENTS_STREAM), *_reader_api(HEARTBEATS_STREAM)]},
+        "subscribe": {"allow": [inbox_prefix(OPS_USER) + ".>"]},
+    }
+
+
+def fellow_permissions(fellow_id: str) -> dict:
+    user = fellow_user(fellow_id)
+    command_consumer = "fellow-" + fellow_id  # events.subjects.command_consumer
+    return {
+        "publish": {"allow": [
+            heartbeat(fellow_id),  # raises ValueError on an id that is not a subject token
+            *(f"swarm.evt.{kind}" for kind in FELLOW_EVENTS),
+            "swarm.tok.*", "swarm.ring.>",
+            "$JS.API.STREAM.INFO.*", f"$JS.API.STREAM.MSG.GET.{TOKENS_STREAM}",
+            *_consumer_api(COMMANDS_STREAM, command_consumer),
+            *_consumer_api(REQUESTS_STREAM, "*"),
+        ]},
+        "subscribe": {"allow": [
+            inbox_prefix(user) + ".>", f"swarm.logs.{fellow_id}", "swarm.cancel.*.*", "swarm.ring.>",
+            # a ring stage's watches, core NATS: its load failed, a later stage was re-placed and is ready
+            "swarm.evt.load.failed", "swarm.evt.load.stage_replaced", "swarm.evt.load.stage_ready",
+        ]},
+        "allow_responses": True,  # the answer to a logs request
+    }
+
+
+def server_config(passwords: Mapping[str, str]) -> str:
+    """The `authorization` block for nats-server: `passwords` maps each user to its password.
+
+    A user is `leader`, `ops`, or `fellow-<id>`. JSON is valid nats-server config syntax."""
+    users = []
+    for user, password in sorted(passwords.items()):
+        if user == LEADER_USER:
+            perms = leader_permissions()
+        elif user == OPS_USER:
+            perms = ops_permissions()
+        elif user.startswith("fellow-"):
+            perms = fellow_permissions(user[len("fellow-"):])
+        else:
+            raise ValueError(f"unknown NATS user {user!r} (leader, ops or fellow-<id>)")
+        users.append({"user": user, "password": password, "permissions": perms})
+    return "authorization: " + json.dumps({"users": users}, indent=1) + "\n"
+
+
+class AuthDir:
+    """A folder holding `users.json` (user -> password; kept, so restarts keep the same passwords),
+    the nats-server config `auth.conf` built from it, and one `<user>.env` per user."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    @property
+    def config(self) -> Path:
+        return self.path / "auth.conf"
+
+    def passwords(self) -> dict[str, str]:
+        f = self.path / "users.json"
+        return json.loads(f.read_text()) if f.exists() else {}
+
+    def ensure(self, fellow_ids: list[str]) -> dict[str, str]:
+        """Add the leader, ops and these fellows (new passwords for new users); rewrite the files."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.path, 0o700)
+        passwords = self.passwords()
+        for user in (LEADER_USER, OPS_USER, *(fellow_user(f) for f in fellow_ids)):
+            passwords.setdefault(user, secrets.token_urlsafe(24))
+        self._write("users.json", json.dumps(passwords, indent=1, sort_keys=True) + "\n")
+        self._write("auth.conf", server_config(passwords))
+        for user, password in passwords.items():
+            self._write(f"{user}.env", "".join(f"{k}={v}\n" for k, v in Credentials(user, password).env().items()))
+        return passwords
+
+    def credentials(self, user: str) -> Credentials:
+        return Credentials(user, self.passwords()[user])
+
+    def _write(self, name: str, text: str) -> None:
+        target = self.path / name
+        tmp = target.with_suffix(target.suffix + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, target)
