@@ -6,6 +6,7 @@ import math
 
 import msgspec
 
+from core.quantization import QuantizationError, method_of
 from leader.api.body import StructBody
 from leader.db.tables import Load
 from leader.errors import ApiError
@@ -16,7 +17,7 @@ class LoadBody(msgspec.Struct, forbid_unknown_fields=True):
     num_stages: int | None = None
     fellow_id: str | None = None
     fellow_ids: list[str] | None = None  # one per stage of a ring, in ring order
-    quantization: dict | None = None  # refused until quantized serving lands
+    quantization: dict | None = None  # core.quantization: none, nf4, {"bits": 8}, int4-fast; default the manifest's
     replicas: int | None = None  # one-stage copies on as many fellows, sharing the request queue (default 1)
     wait: bool = False
     timeout_s: float = 600.0  # with wait: the longest wait for ready or failed, above 0
@@ -46,8 +47,10 @@ def check_load(body: LoadBody) -> None:
     if not (math.isfinite(body.timeout_s) and body.timeout_s > 0):
         raise _bad("timeout_s", f"timeout_s must be a number of seconds above 0 (got {body.timeout_s:g})")
     if body.quantization is not None:
-        raise _bad("quantization", "quantization is not supported yet: stages serve the weights at their exported "
-                                   "precision; leave it out", code="unsupported_parameter")
+        try:
+            method_of(body.quantization)
+        except QuantizationError as exc:
+            raise _bad("quantization", str(exc)) from None
 
 
 def conflict(body: LoadBody, load: Load, stages: list) -> ApiError | None:
@@ -61,6 +64,8 @@ def conflict(body: LoadBody, load: Load, stages: list) -> ApiError | None:
 
     if body.num_stages is not None and load.num_stages and body.num_stages != load.num_stages:
         return differs("num_stages", body.num_stages, load.num_stages)
+    if body.quantization is not None and method_of(body.quantization) != method_of(load.quantization_requested):
+        return differs("quantization", method_of(body.quantization), method_of(load.quantization_requested))
     if not stages:
         return None
     replicas = len({s.replica for s in stages})
