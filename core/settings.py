@@ -110,6 +110,7 @@ class Settings:
     serve_step_costs: bool = False
     serve_prefix_cache: bool = True
     serve_threads: int = 0  # SWARM_SERVE_THREADS: torch CPU threads per stage process; 0: one per core
+    serve_quantized: bool = True  # SWARM_SERVE_QUANTIZED: a fellow probes its quantized kernels and declares them
     http_max_body_bytes: int = 8 * 1024 * 1024  # a larger HTTP request body is refused with 413
     stream_resume_s: float = 10.0  # a streaming client that hung up may resume this long; its reply goes on
     serve_speculative: int = 0  # refused while not implemented (NOT_IMPLEMENTED); always 0
@@ -167,6 +168,7 @@ class Settings:
             serve_packed_linear=_choice(env, "SWARM_SERVE_PACKED_LINEAR", "auto", ("auto", "off")),
             serve_step_costs=_bool(env, "SWARM_SERVE_STEP_COSTS", False),
             serve_threads=_int(env, "SWARM_SERVE_THREADS", 0),
+            serve_quantized=_choice(env, "SWARM_SERVE_QUANTIZED", "auto", ("auto", "off")) == "auto",
             serve_prefix_cache=_choice(env, "SWARM_SERVE_PREFIX_CACHE", "on", ("on", "off")) == "on",
             log_format=_choice(env, "SWARM_LOG_FORMAT", "text", ("text", "json")),
             stage_stats_s=_float(env, "SWARM_STAGE_STATS_S", 30.0, minimum=0.05),

@@ -72,7 +72,8 @@ async def run_fellow(settings: Settings, fellow_id: str | None = None) -> int:
         loop.add_signal_handler(sig, agent.stopped.set)
     await agent.start()
     manager.start()
-    probing = asyncio.create_task(declare_probed(agent), name="probe")  # loads until then serve full precision
+    # quantized loads placed before the probe answers serve full precision (their status says why)
+    probing = asyncio.create_task(declare_probed(agent) if settings.serve_quantized else asyncio.sleep(0), name="probe")
     try:
         await agent.stopped.wait()
     finally:
