@@ -147,6 +147,8 @@ def _prepare_quantized(stage, quantizer: StageQuantizer) -> dict:
         chooser.done()
         log.info("HF layers (%s), %d linear weights %s", quantizer.why_not_fused, quantizer.swapped, quantizer.method)
         stage.kernels = {"path": "hf", "why": quantizer.why_not_fused}
+    if stage.head is not None:
+        stage.kernels["head"] = getattr(getattr(stage.head, "linear", None), "kernel", "float")
     return stage.kernels
 
 
