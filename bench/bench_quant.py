@@ -2,7 +2,7 @@
 HF `generate` (float32), the float32 stage, and the int8 and int4-fast stages, each driven by the engine
 as a fellow serves it (bench/bench_matrix.py's `engine_alone`), on shapes of bench/bench_matrix.py.
 
-    .venv/bin/python bench/bench_quant.py [--shapes q46m-v4k llama-deep] [--streams 1 8] [--tokens 48]
+    .venv/bin/python bench/bench_quant.py [--shapes q46m-v4k llama-deep] [--streams 1 8] [--tokens 48] [--threads N]
 
 Also prints each stage's measured weight bytes (fellow.runtime.model.quant.stage_weights) against float32's.
 """
@@ -83,7 +83,10 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["q46m-v4k", "llama-deep"], choices=list(SHAPES))
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--tokens", type=int, default=48, help="new tokens per stream")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, one per core)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"{torch.get_num_threads()} threads, {args.tokens} new tokens per stream", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="swarm-bench-quant-"))
     rows = []

@@ -128,9 +128,10 @@ def test_layers_are_quantized_one_by_one_as_they_load(servable):
     quantizer = quant.StageQuantizer(INT8, hf_config(manifest), torch.device("cpu"), quant_chooser(INT8, 4))
     float_layers_seen = []
 
-    def on_layer(index, layer):
+    def on_layer(index, layer, adapters):
+        assert adapters == {}
         float_layers_seen.append(sum(type(m) is torch.nn.Linear for m in (*built, layer) for m in m.modules()))
-        quantizer.layer(index, layer)
+        quantizer.layer(index, layer, adapters)
         built.append(layer)
 
     built: list = []
@@ -139,10 +140,14 @@ def test_layers_are_quantized_one_by_one_as_they_load(servable):
     assert all(sum(type(m) is torch.nn.Linear for m in layer.modules()) == 0 for layer in built)
 
 
-def test_int4_needs_inputs_in_multiples_of_32_and_the_hf_path_quantizes_too():
+def test_int4_pads_inputs_to_multiples_of_32_and_the_hf_path_quantizes_too():
     assert quant.int4_layout(256) == (64, 8) and quant.int4_layout(96) == (32, 2) and quant.int4_layout(48) is None
-    with pytest.raises(ValueError, match="multiples of 32"):
-        quant.QuantLinear(torch.randn(8, 48), None, INT4_FAST)
+    weight, x = torch.randn(40, 48), torch.randn(3, 48)
+    linear = quant.QuantLinear(weight, None, INT4_FAST)  # 48 inputs: zero columns to 64
+    assert linear.pad == 16 and linear.dequantized().shape == (40, 48)
+    # the kernel rounds its result to bfloat16: within half a bfloat16 step of the exact product
+    assert torch.allclose(linear(x), x.to(torch.bfloat16).float() @ linear.dequantized().t(), atol=0.02, rtol=0.01)
+    assert torch.allclose(linear.dequantized(), weight, atol=0.5)
     layer = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.GELU(), torch.nn.Linear(32, 64, bias=False))
     x = torch.randn(3, 64)
     want = layer(x)
@@ -153,3 +158,45 @@ def test_int4_needs_inputs_in_multiples_of_32_and_the_hf_path_quantizes_too():
 
 def test_the_probe_declares_the_kernels_that_run_here():
     assert quant.probe() == ["serve-cpu-int8", "serve-cpu-int4"]
+
+
+def test_lean_lora_computes_what_peft_does_on_a_fused_weight(tmp_path):
+    """[q; k; v] with adapters on q and v only: the stacked A's and block-diagonal B give PEFT's outputs."""
+    from fellow.runtime.model.fused import Linear
+    from tests.test_servable_adapters import tiny_lora
+
+    peft_model = tiny_lora(tmp_path, keep_model=True)
+    attn = peft_model.base_model.model.model.layers[1].self_attn
+    x = torch.randn(3, 5, attn.q_proj.in_features)
+    with torch.no_grad():
+        want = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+    base = [m.base_layer.weight if hasattr(m, "base_layer") else m.weight for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    q_rows, k_rows = base[0].shape[0], base[1].shape[0]
+    parts = [(0, attn.q_proj.lora_A["default"].weight, attn.q_proj.lora_B["default"].weight),
+             (q_rows + k_rows, attn.v_proj.lora_A["default"].weight, attn.v_proj.lora_B["default"].weight)]
+    lean = quant.LeanLoRA(Linear(torch.cat(base), None, "mkl"), parts, attn.q_proj.scaling["default"])
+    assert torch.allclose(lean(x), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", [INT8, INT4_FAST])
+def test_qlora_a_quantized_base_plus_adapters_serves_the_tuned_model(tmp_path, method):
+    """Adapters stay apart over a quantized stage (no second rounding): its logits are the tuned model's
+    within quantization error, far closer than the base model's."""
+    from fellow.runtime.tools.export import export
+    from tests.test_servable_adapters import IDS, tiny_lora
+
+    hf, lora, tuned = tiny_lora(tmp_path)
+    manifest = export(hf, tmp_path / "sv", stages=1, adapters=lora)
+    stage = build_stage(manifest, 0, tmp_path / "sv", 1, torch.device("cpu"), quantization=method)[1]
+    kinds = {entry["kernel"] for entry in stage.kernels["shapes"].values()}
+    assert kinds == {quant.QUANT_KERNELS[method]}  # the kernels time the base weights
+    adapted = [name for name in ("qkv", "down") if isinstance(getattr(stage.fused.layers[0], name), quant.LeanLoRA)]
+    assert adapted == ["qkv", "down"] and not isinstance(stage.fused.layers[0].o, quant.LeanLoRA)
+    got = stage.prefill(stage.new_cache(), IDS[0])
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(str(hf)).eval()(input_ids=IDS).logits[0, -1]
+    error, effect = float((got - tuned[0, -1]).abs().max()), float((base - tuned[0, -1]).abs().max())
+    print(f"\n{method} + LoRA: max logit error against the tuned model {error:.4f}; the adapters move logits {effect:.4f}")
+    assert error < effect / 4

@@ -11,6 +11,7 @@ import torch
 from core.quantization import NONE
 from core.servable import TOKENIZER_DIR, Manifest, ServableError, load_manifest
 from fellow.runtime.model.kernels import prepare_stage, quant_chooser
+from fellow.runtime.model.lora_merge import lora_scale
 from fellow.runtime.model.quant import QUANT_KERNELS, StageQuantizer, weights_report
 from fellow.runtime.model.stage import StageModel
 from fellow.runtime.model.weights import StageModules, build_stage_modules, hf_config
@@ -59,15 +60,20 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
 
     ``quantization`` (core.quantization's method): with int8 or int4-fast each layer is quantized as
     it loads (fellow.runtime.model.quant); the stage's ``weights`` says what it serves and measures.
+    An adapters export's LoRA pairs are merged into a full-precision stage, and kept apart over a
+    quantized one (quant.LeanLoRA), so a QLoRA run serves as it trained, without a second rounding.
     """
     quantizer = None
     if quantization != NONE:
         if quantization not in QUANT_KERNELS:
             raise ServableError(f"{quantization} weights are not served by this fellow's stages "
                                 f"(served: {', '.join(QUANT_KERNELS)} on the CPU)")
-        quantizer = StageQuantizer(quantization, hf_config(manifest), device, quant_chooser(quantization, batch_cap))
+        scale = lora_scale(manifest.adapter_config or {}) if manifest.export == "adapters" else None
+        quantizer = StageQuantizer(quantization, hf_config(manifest), device, quant_chooser(quantization, batch_cap),
+                                   lora_scale=scale)
     mods = build_stage_modules(manifest, stage_index, model_dir, num_stages=num_stages, dtype=pick_dtype(device),
-                               device=device, on_layer=quantizer.layer if quantizer else None)
+                               device=device, on_layer=quantizer.layer if quantizer else None,
+                               keep_adapters=quantizer is not None and manifest.export == "adapters")
     mods.config._attn_implementation = attention
     stage = StageModel(config=mods.config, layers=mods.layers, first_layer=mods.layer_indices[0],
                        rotary_emb=mods.rotary_emb, embed=mods.embed, norm=mods.norm, head=mods.lm_head)

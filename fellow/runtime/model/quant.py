@@ -31,6 +31,7 @@ from torch import nn
 
 from core.quantization import INT4_FAST, INT8, NONE
 from events.fellow import CAP_CPU_INT4, CAP_CPU_INT8
+from fellow.runtime.model.fused import FusedLayer, bias_of, fusable, strip_linears
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,8 @@ ACT = torch.bfloat16  # what the kernels read rows in
 
 
 def int4_layout(in_features: int) -> tuple[int, int] | None:
-    """(group size, inner K tiles) the int4 kernel takes for ``in_features`` inputs; None where none fits."""
+    """(group size, inner K tiles) the int4 kernel takes for ``in_features`` inputs; None where none fits
+    (QuantLinear pads a weight's inputs to a multiple of 32 first)."""
     for group in INT4_GROUPS:
         if in_features % group == 0:
             tiles = next(t for t in (8, 4, 2) if in_features % (t * 16) == 0) if in_features % 32 == 0 else None
@@ -74,23 +76,24 @@ def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
 class QuantLinear:
     """A weight quantized to int8 or int4 and called like ``F.linear`` (fused.Linear's protocol)."""
 
-    __slots__ = ("kernel", "weight", "scales", "bias", "out_features", "in_features", "group")
+    __slots__ = ("kernel", "weight", "scales", "bias", "out_features", "in_features", "group", "pad")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, method: str) -> None:
         if weight.device.type != "cpu":
             raise ValueError(f"int8 / int4 weight-only kernels run on the CPU; this weight is on {weight.device}")
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float()
-        self.group = 0
+        self.group = self.pad = 0
         if method == INT8:
             self.kernel = QUANT_KERNELS[INT8]
             self.weight, self.scales = quantize_int8(weight)
         elif method == INT4_FAST:
-            layout = int4_layout(self.in_features)
-            if layout is None:
-                raise ValueError(f"int4 weights need inputs in multiples of 32; this one has {self.in_features}")
             self.kernel = QUANT_KERNELS[INT4_FAST]
-            self.group, tiles = layout
+            # the kernel takes inputs in multiples of 32 and outputs in multiples of 16: zeros fill up
+            self.pad = -self.in_features % 32
+            if self.pad or self.out_features % 16:
+                weight = F.pad(weight.detach(), (0, self.pad, 0, -self.out_features % 16))
+            self.group, tiles = int4_layout(self.in_features + self.pad)
             values, self.scales = quantize_int4(weight, self.group)
             self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, tiles)
         else:
@@ -98,8 +101,12 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(ACT)
+        if self.pad:
+            rows = F.pad(rows, (0, self.pad))
         if self.group:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight, self.group, self.scales)
+            if out.shape[-1] != self.out_features:
+                out = out[:, : self.out_features]
         else:
             out = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
         out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
@@ -107,7 +114,7 @@ class QuantLinear:
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this one multiplies by (for tests and error reports)."""
-        eye = torch.eye(self.in_features, dtype=ACT)
+        eye = torch.eye(self.in_features)
         bias, self.bias = self.bias, None
         try:
             return self(eye.float()).t().contiguous()
@@ -118,6 +125,38 @@ class QuantLinear:
     def bytes(self) -> int:
         extra = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
         return self.weight.numel() * self.weight.element_size() + self.scales.numel() * self.scales.element_size() + extra
+
+
+class LeanLoRA:
+    """A linear with LoRA adapters kept apart (lean LoRA, the spec's TS7): ``base(x) + (x A^T) B^T`` with
+    PEFT's scale folded into B, the add one ``addmm``, and no per-call Python beyond that. One weight of
+    a fused layer ([q; k; v], [gate; up]) takes its modules' adapters side by side: their A's stacked,
+    their B's block-diagonal, each in its module's rows of the output."""
+
+    __slots__ = ("base", "a", "b", "kernel", "in_features", "out_features")
+
+    def __init__(self, base, parts: Sequence[tuple[int, torch.Tensor, torch.Tensor]], scale: float) -> None:
+        """``parts``: (first output row, A [r, in], B [rows, r]) per adapted module of ``base``."""
+        self.base = base
+        self.kernel = f"{base.kernel}+lora"
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.a = torch.cat([a.detach().float() for _, a, _ in parts]).contiguous()
+        self.b = torch.zeros(self.out_features, self.a.shape[0])
+        col = 0
+        for row, a, b in parts:
+            self.b[row : row + b.shape[0], col : col + a.shape[0]] = b.detach().float() * scale
+            col += a.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        rows = x.reshape(-1, self.in_features)
+        flat = out.view(-1, self.out_features)
+        torch.addmm(flat, rows @ self.a.t(), self.b.t(), out=flat)
+        return out
+
+    @property
+    def bytes(self) -> int:
+        return self.base.bytes + (self.a.numel() + self.b.numel()) * 4
 
 
 class QuantModule(nn.Module):
@@ -140,15 +179,11 @@ def quantize_children(module: nn.Module, method: str) -> int:
     swapped = 0
     for name, child in module.named_children():
         if type(child) is nn.Linear:
-            setattr(module, name, QuantModule(QuantLinear(child.weight.detach(), fused_bias(child), method)))
+            setattr(module, name, QuantModule(QuantLinear(child.weight.detach(), bias_of(child), method)))
             swapped += 1
         else:
             swapped += quantize_children(child, method)
     return swapped
-
-
-def fused_bias(linear: nn.Linear) -> torch.Tensor | None:
-    return None if linear.bias is None else linear.bias.detach()
 
 
 # --- what this machine runs ----------------------------------------------------------------------
@@ -186,7 +221,7 @@ class StageQuantizer:
     each quantized weight: ``chooser.linear`` (kernels.quant_chooser's, which times each shape for the status).
     """
 
-    def __init__(self, method: str, config, device: torch.device, chooser) -> None:
+    def __init__(self, method: str, config, device: torch.device, chooser, lora_scale: float | None = None) -> None:
         if method == NONE:
             raise ValueError("StageQuantizer quantizes; a 'none' stage takes the float path")
         if device.type != "cpu":
@@ -199,18 +234,34 @@ class StageQuantizer:
         self.fused: dict[int, object] = {}  # absolute layer index -> FusedLayer
         self.swapped = 0  # nn.Linear swapped in layers that keep their HF forward
         self.why_not_fused: str | None = None
+        self.lora_scale = lora_scale  # PEFT's alpha / r of the adapters kept unmerged (None: no adapters)
+        self.adapted = 0  # modules whose adapters stay apart
 
-    def layer(self, index: int, layer: nn.Module) -> None:
-        from fellow.runtime.model.fused import FusedLayer, fusable, strip_linears
-
+    def layer(self, index: int, layer: nn.Module, adapters: dict[str, torch.Tensor] | None = None) -> None:
+        pairs = _lora_pairs(adapters or {})
+        if pairs and self.lora_scale is None:
+            raise ValueError("LoRA adapters kept apart need their scale (the adapter config)")
         why = fusable([layer], self.config, self.device)
         if why is None:
             heads = self.config.num_attention_heads
-            self.fused[index] = FusedLayer(layer, self.make, heads, self.config.num_key_value_heads)
+            offsets = {name: _rows_before(layer, group, name) for group in FUSED_GROUPS.values() for name in group}
+            fused = FusedLayer(layer, self.make, heads, self.config.num_key_value_heads)
+            for attr, group in FUSED_GROUPS.items():
+                parts = [(offsets[name], *pairs.pop(name)) for name in group if name in pairs]
+                if parts:
+                    setattr(fused, attr, LeanLoRA(getattr(fused, attr), parts, self.lora_scale))
+                    self.adapted += len(parts)
+            self.fused[index] = fused
             strip_linears(layer)
         else:
             self.why_not_fused = why
             self.swapped += quantize_children(layer, self.method)
+            for name in list(pairs):
+                module = layer.get_submodule(name)
+                module.linear = LeanLoRA(module.linear, [(0, *pairs.pop(name))], self.lora_scale)
+                self.adapted += 1
+        if pairs:
+            raise ValueError(f"LoRA adapters on {', '.join(sorted(pairs))} are not served unmerged")
 
     def fused_layers(self, indices: Sequence[int]):
         """The fused layers in order, or None when some layer kept its HF forward."""
@@ -222,7 +273,33 @@ class StageQuantizer:
         """The head, quantized with HEAD_METHOD (a tied head's copy; the embeddings stay as they are)."""
         if type(head) is not nn.Linear:
             return head
-        return QuantModule(QuantLinear(head.weight.detach(), fused_bias(head), HEAD_METHOD[self.method]))
+        return QuantModule(QuantLinear(head.weight.detach(), bias_of(head), HEAD_METHOD[self.method]))
+
+
+# the fused layer's weights and the HF modules each stacks, in output order
+FUSED_GROUPS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+                "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+
+
+def _rows_before(layer: nn.Module, group: Sequence[str], name: str) -> int:
+    """The first output row of module ``name`` in its fused weight (the modules before it, stacked)."""
+    return sum(layer.get_submodule(n).out_features for n in group[: group.index(name)])
+
+
+def _lora_pairs(adapters: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """module -> (A, B) from ``<module>.lora_A.weight`` / ``<module>.lora_B.weight``."""
+    pairs = {}
+    for key, a in adapters.items():
+        if ".lora_A." not in key:
+            if ".lora_B." not in key:
+                raise ValueError(f"adapter tensor {key} is of a LoRA kind not served unmerged")
+            continue
+        module = key.split(".lora_A.")[0]
+        b = adapters.get(f"{module}.lora_B.weight")
+        if b is None:
+            raise ValueError(f"LoRA weight {key} has no partner lora_B")
+        pairs[module] = (a, b)
+    return pairs
 
 
 def weights_report(stage, method: str) -> dict:
@@ -254,6 +331,9 @@ def stage_weights(stage) -> tuple[int, int]:
         totals[1] += t.numel() if parameters is None else parameters
 
     def add_linear(linear) -> None:
+        if isinstance(linear, LeanLoRA):
+            add(linear.a, 0), add(linear.b, 0)  # held beside the base weights; not base parameters
+            linear = linear.base
         if isinstance(linear, QuantLinear):
             add(linear.weight, linear.out_features * linear.in_features)
             add(linear.scales, 0)

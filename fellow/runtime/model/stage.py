@@ -87,13 +87,6 @@ class StageModel:
             self.head = _HeadLinear(make_linear(self.head.weight.detach(), bias_of(self.head)))
         return self.fused
 
-    @property
-    def weight_bytes(self) -> int:
-        """What the layers' weights take (fused or not; the embeddings and head not counted)."""
-        params = sum(p.numel() * p.element_size() for layer in self.layers for p in layer.parameters())
-        buffers = sum(b.numel() * b.element_size() for layer in self.layers for b in layer.buffers())
-        return params + buffers + (self.fused.bytes if self.fused is not None else 0)
-
     @classmethod
     def from_causal_lm(cls, model: nn.Module, start: int = 0, end: int | None = None) -> "StageModel":
         """Layers [start, end) of an HF causal LM, with embeddings when start is 0 and the head when end is the last."""

@@ -117,6 +117,16 @@ class _StageState:
             return own
         return merge_lora(self.base.take(prefix), own, self.adapter_config)
 
+    def take_unmerged(self, prefix: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(the piece's weights, its LoRA tensors kept apart, named below ``prefix``): saved module copies
+        still replace their base tensors; only the lora_A / lora_B pairs stay out of the weights."""
+        own = self.own.take(prefix)
+        if self.base is None:
+            return own, {}
+        lora = {k[len(prefix):]: v for k, v in own.items() if ".lora_" in k}
+        rest = {k: v for k, v in own.items() if ".lora_" not in k}
+        return merge_lora(self.base.take(prefix), rest, self.adapter_config), lora
+
 
 def _base_tensors(m: Manifest, plan: StagePlan, model_cache) -> _Tensors:
     """The base checkpoint's tensors for this stage, by stage name, read when taken (adapters-only exports)."""
@@ -201,11 +211,14 @@ def _materialize(module: nn.Module, state: dict[str, torch.Tensor], prefix: str,
 def build_stage_modules(manifest: Manifest, stage_index: int, servable_dir: str | Path, *,
                         num_stages: int | None = None, dtype: torch.dtype | None = None,
                         device: str | torch.device = "cpu", model_cache=None,
-                        on_layer: Callable[[int, nn.Module], None] | None = None) -> StageModules:
+                        on_layer: Callable[[int, nn.Module, dict], None] | None = None,
+                        keep_adapters: bool = False) -> StageModules:
     """Build the model skeleton on the meta device and materialize only this stage's pieces, layer by layer.
 
-    ``on_layer(index, layer)`` runs on each layer as soon as it is built, before the next is read (a
-    quantized load quantizes it there), so the stage's full-precision weights never exist all at once.
+    ``on_layer(index, layer, adapters)`` runs on each layer as soon as it is built, before the next is
+    read (a quantized load quantizes it there), so the stage's full-precision weights never exist all at
+    once. ``keep_adapters``: an adapters export's LoRA pairs are not merged into the layers but handed
+    to ``on_layer`` (``{"self_attn.q_proj.lora_A.weight": ...}``); otherwise ``adapters`` is empty.
     """
     from transformers import AutoModelForCausalLM
 
@@ -217,10 +230,14 @@ def build_stage_modules(manifest: Manifest, stage_index: int, servable_dir: str 
     inner = skeleton.model
     indices = list(range(*plan.layers))
     layers = []
+    if keep_adapters and on_layer is None:
+        raise ValueError("adapters kept unmerged go to on_layer; pass one")
     for i in indices:  # one layer's tensors at a time: read, built, handed on (quantized, say), dropped
-        layers.append(_materialize(inner.layers[i], state.take(f"layers.{i}."), f"layers.{i}.", dtype, device))
+        prefix = f"layers.{i}."
+        weights, adapters = state.take_unmerged(prefix) if keep_adapters else (state.take(prefix), {})
+        layers.append(_materialize(inner.layers[i], weights, prefix, dtype, device))
         if on_layer is not None:
-            on_layer(i, layers[-1])
+            on_layer(i, layers[-1], adapters)
     rotary = type(inner.rotary_emb)(config=config).to(device)
     codec = {p: {k[len(p):]: v for k, v in state.take(p).items()} for p in (SEND, RECV)}
     cast = (lambda t: t.to(device=device, dtype=dtype or t.dtype))
