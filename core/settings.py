@@ -68,7 +68,7 @@ def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str,
 NOT_IMPLEMENTED = {
     "SWARM_SERVE_SPECULATIVE": "speculative decoding, issue 15",
     "SWARM_SERVE_DRAFT_MODEL": "speculative decoding, issue 15",
-    "SWARM_SERVE_LORA": "lean LoRA, issue 14",
+    "SWARM_SERVE_LORA": "lean16 or peft adapters, issue 14: unmerged adapters are served lean",
     "SWARM_SERVE_4BIT_ROWS": "quantized serving, issue 14",
     "SWARM_SERVE_4BIT_FLOAT32": "quantized serving, issue 14",
     "SWARM_SERVE_ATTENTION": "a choice of attention kernels, issue 13",
