@@ -89,6 +89,7 @@ class LoadStage(Base):
     kernels: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # the stage's StageReady.kernels
     # its quantization and priced weight bytes (LoadPlaced), then what it serves and measures (StageReady.weights)
     weights: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    replaced: Mapped[list | None] = mapped_column(JSON, nullable=True)  # [{from, to, at, reason}] per StageReplaced
 
 
 class Request(Base):

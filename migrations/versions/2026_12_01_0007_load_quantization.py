@@ -1,8 +1,8 @@
 """loads.quantization_requested / quantization_reason, load_stages.weights: what a load asked, what its
 stages serve and why they differ, and each stage's priced and measured weight bytes
 
-Revision ID: 0006
-Revises: 0005
+Revision ID: 0007
+Revises: 0006
 Create Date: 2026-12-01 04:00:00
 
 Filled from LoadRequested, LoadPlaced and StageReady. The loads projection is the log's to rebuild, so
@@ -12,8 +12,8 @@ from alembic import op
 import sqlalchemy as sa
 
 
-revision = '0006'
-down_revision = '0005'
+revision = '0007'
+down_revision = '0006'
 branch_labels = None
 depends_on = None
 
