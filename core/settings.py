@@ -79,7 +79,7 @@ def _speculative(env: Mapping[str, str]) -> int:
 # refused at start rather than validated and ignored.
 NOT_IMPLEMENTED = {
     "SWARM_SERVE_DRAFT_MODEL": "speculative decoding, issue 15",
-    "SWARM_SERVE_LORA": "lean LoRA, issue 14",
+    "SWARM_SERVE_LORA": "lean16 or peft adapters, issue 14: unmerged adapters are served lean",
     "SWARM_SERVE_4BIT_ROWS": "quantized serving, issue 14",
     "SWARM_SERVE_4BIT_FLOAT32": "quantized serving, issue 14",
     "SWARM_SERVE_ATTENTION": "a choice of attention kernels, issue 13",
@@ -125,6 +125,7 @@ class Settings:
     serve_link_host: str = "127.0.0.1"  # SWARM_SERVE_LINK_HOST: the address a fellow's ring stages listen on and give
     serve_link_port: int = 0  # SWARM_SERVE_LINK_PORT: 0, an ephemeral port per stage
     serve_threads: int = 0  # SWARM_SERVE_THREADS: torch CPU threads per stage process; 0: one per core
+    serve_quantized: bool = True  # SWARM_SERVE_QUANTIZED: a fellow probes its quantized kernels and declares them
     http_max_body_bytes: int = 8 * 1024 * 1024  # a larger HTTP request body is refused with 413
     stream_resume_s: float = 10.0  # a streaming client that hung up may resume this long; its reply goes on
     serve_speculative: int = 0  # SWARM_SERVE_SPECULATIVE: tokens drafted per decode pass (0 off, at most 8)
@@ -198,6 +199,7 @@ class Settings:
             serve_packed_linear=_choice(env, "SWARM_SERVE_PACKED_LINEAR", "auto", ("auto", "off")),
             serve_step_costs=_bool(env, "SWARM_SERVE_STEP_COSTS", False),
             serve_threads=_int(env, "SWARM_SERVE_THREADS", 0),
+            serve_quantized=_choice(env, "SWARM_SERVE_QUANTIZED", "auto", ("auto", "off")) == "auto",
             serve_prefix_cache=_choice(env, "SWARM_SERVE_PREFIX_CACHE", "on", ("on", "off")) == "on",
             serve_links=_choice(env, "SWARM_SERVE_LINKS", "direct", ("direct", "relay")),
             serve_link_host=env.get("SWARM_SERVE_LINK_HOST", "").strip() or "127.0.0.1",

@@ -13,6 +13,7 @@ class StageAssignment(msgspec.Struct, frozen=True, kw_only=True):
     replica: int = 0  # which copy of the load: replicas share its request queue, one fellow each
     layers: tuple[int, int] = (0, 0)  # [first, last) decoder layers
     shards: list[int] = []  # trained shard indices this stage reads
+    weights_estimate: int = 0  # what placement priced its weights at, in bytes (its share of parameters x price)
 
 
 MAX_SPECULATIVE = 8  # the most tokens a decode pass may draft (SWARM_SERVE_SPECULATIVE, a load's speculative)
@@ -42,7 +43,8 @@ class LoadPlaced(Event, frozen=True, tag="load.placed"):
     model_id: str
     stages: list[StageAssignment]
     transport: TransportPlan = TransportPlan()
-    quantization: dict | None = None
+    quantization: dict | None = None  # what the stages are told to serve (core.quantization.as_request)
+    quantization_reason: str = ""  # why that differs from what was asked, when it does
 
 
 class StageReady(Event, frozen=True, tag="load.stage_ready"):
@@ -57,6 +59,7 @@ class StageReady(Event, frozen=True, tag="load.stage_ready"):
     vram_bytes: int = 0
     load_s: float = 0.0
     kernels: dict = {}  # how the stage computes: its path, kernel per weight shape, step costs when measured
+    weights: dict = {}  # the quantization it really serves, its measured weight bytes and their float size
 
 
 class ModelLoaded(Event, frozen=True, tag="load.loaded"):

@@ -35,6 +35,7 @@ class StageConfig(msgspec.Struct, frozen=True, kw_only=True):
     transport: Transport = Transport()
     report_s: float = 1.0  # how often it writes a metrics report
     packed_linear: bool = True  # float32 CPU stages pack their linear weights for oneDNN
+    quantization: str = "none"  # the weights' method placement chose (core.quantization): none, int8, int4-fast, nf4
     threads: int = 0  # torch's CPU threads in this stage (SWARM_SERVE_THREADS); 0: torch's default, one per core
     agent_pid: int = 0  # the stage exits at once when its parent is not this process
     links: str = "direct"  # a ring stage dials the next one directly where that beats the relay; or "relay"
@@ -55,6 +56,7 @@ class ReadyReport(Report, frozen=True, tag="ready"):
     vram_bytes: int
     load_s: float
     kernels: dict = {}  # StageModel.kernels: path, kernel choices and their timings, step costs
+    weights: dict = {}  # StageModel.weights: the quantization it serves, measured weight bytes, float bytes
 
 
 class MetricsReport(Report, frozen=True, tag="metrics"):

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
+import logging
 import signal
+import sys
 
 from core.settings import Settings
 from events.fellow import CAP_CONCURRENT, CAP_KV_BUDGET, CAP_N_STAGE, CAP_ONE_STAGE
 from fellow.agent import FellowAgent
 from fellow.manager import ModelManager
+
+log = logging.getLogger(__name__)
+PROBE_TIMEOUT_S = 120.0
 
 
 def capabilities() -> list[str]:
@@ -17,6 +23,44 @@ def capabilities() -> list[str]:
     if importlib.util.find_spec("torch") is None:
         return []
     return [CAP_ONE_STAGE, CAP_N_STAGE, CAP_CONCURRENT, CAP_KV_BUDGET]
+
+
+async def probed_capabilities() -> list[str]:
+    """What ``python -m fellow.runtime.probe`` finds runs here (quantized kernels); [] when it fails."""
+    if importlib.util.find_spec("torch") is None:
+        return []
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "fellow.runtime.probe",
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), PROBE_TIMEOUT_S)
+    except asyncio.CancelledError:  # the fellow stops first
+        proc.kill()
+        raise
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        log.warning("the kernel probe took over %.0f s; no quantized capability declared", PROBE_TIMEOUT_S)
+        return []
+    lines = out.decode().strip().splitlines()
+    try:
+        found = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
+    except json.JSONDecodeError:
+        found = None
+    if not isinstance(found, list):
+        log.warning("the kernel probe failed (exit %s): %s", proc.returncode, err.decode().strip()[-300:])
+        return []
+    for line in err.decode().strip().splitlines():
+        log.info("kernel probe: %s", line)
+    return [str(c) for c in found]
+
+
+async def declare_probed(agent: FellowAgent) -> None:
+    """Add what the probe finds to the agent's capabilities, and beat so the leader sees them at once."""
+    found = await probed_capabilities()
+    if found:
+        agent.capabilities = sorted(set(agent.capabilities) | set(found))
+        log.info("fellow %s declares %s after probing its kernels", agent.fellow_id, ",".join(found))
+        await agent.beat()
 
 
 async def run_fellow(settings: Settings, fellow_id: str | None = None) -> int:
@@ -28,8 +72,11 @@ async def run_fellow(settings: Settings, fellow_id: str | None = None) -> int:
         loop.add_signal_handler(sig, agent.stopped.set)
     await agent.start()
     manager.start()
+    # quantized loads placed before the probe answers serve full precision (their status says why)
+    probing = asyncio.create_task(declare_probed(agent) if settings.serve_quantized else asyncio.sleep(0), name="probe")
     try:
         await agent.stopped.wait()
     finally:
+        probing.cancel()
         await agent.stop()
     return 1 if agent.failure else 0

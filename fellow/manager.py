@@ -11,6 +11,7 @@ import tarfile
 import time
 
 from core.bus import publish_event
+from core.quantization import QuantizationError, method_of
 from events.commands import LoadStage, StopFellow, UnloadStage, UpdateFellow
 from events.fellow import LoadedModel
 from events.loads import (STAGE_RESTARTING, LoadFailed, ModelUnloaded, ReplicaLost, StageReady, load_failed_id,
@@ -71,6 +72,11 @@ class ModelManager:
                 oldest = next(iter(self.procs.values()))
                 log.info("evicting %s (%s) to load %s", oldest.model_id, oldest.load_id, cmd.model_id)
                 await self._stop(oldest, "evicted")
+            try:
+                quantization = method_of(cmd.quantization)
+            except QuantizationError as exc:
+                await self._fail(cmd.load_id, cmd.model_id, str(exc), cmd.assignment.replica, cmd.replicas)
+                return
             t = cmd.transport
             max_batch = t.max_batch or (self.settings.serve_max_batch or 0)
             cfg = StageConfig(load_id=cmd.load_id, model_id=cmd.model_id, model_dir=str(model_dir),
@@ -84,6 +90,7 @@ class ModelManager:
                                                   max_batch=max_batch, prefill_chunk=t.prefill_chunk),
                               report_s=min(1.0, self.settings.heartbeat_s),
                               packed_linear=self.settings.serve_packed_linear != "off",
+                              quantization=quantization,
                               threads=self.settings.serve_threads, links=self.settings.serve_links,
                               link_host=self.settings.serve_link_host, link_port=self.settings.serve_link_port)
             logs = self.settings.data_dir / "logs"
@@ -112,7 +119,7 @@ class ModelManager:
                 stage=proc.stage, replica=proc.replica, fellow_id=self.agent.fellow_id, pid=proc.pid,
                 kv_tokens=report.kv_tokens, kv_tokens_planned=report.kv_tokens_planned,
                 max_in_flight=report.max_in_flight, vram_bytes=report.vram_bytes, load_s=report.load_s,
-                kernels=report.kernels))
+                kernels=report.kernels, weights=report.weights))
             await self.agent.beat()
         elif isinstance(report, FailedReport):
             proc.stop_reason = "failed"

@@ -6,12 +6,10 @@ from dataclasses import dataclass
 
 from msgspec import structs
 
+from core.quantization import NONE, bytes_per_param, capability_for
 from events.fellow import CAP_CONCURRENT, CAP_N_STAGE, CAP_ONE_STAGE, Heartbeat
 from events.loads import StageAssignment, TransportPlan
 
-# Bytes per parameter of the base checkpoint, as the spec prices them.
-PRICE_4BIT = 0.55
-PRICE_8BIT = 1.05
 HEADROOM = 1.2  # activations, allocator slack
 
 
@@ -43,17 +41,6 @@ def transport_plan(settings, num_stages: int) -> TransportPlan:
                          prefill_chunk=settings.serve_prefill_chunk, step_costs=settings.serve_step_costs)
 
 
-def bytes_per_param(quantization: dict | None, has_gpu: bool) -> float:
-    q = quantization or {}
-    method = str(q.get("method", "")).lower()
-    bits = q.get("bits")
-    if method in ("nf4", "int4-fast", "fp4") or bits == 4:
-        return PRICE_4BIT
-    if method in ("int8", "llm.int8") or bits == 8:
-        return PRICE_8BIT
-    return 2.0 if has_gpu else 4.0  # half precision on a GPU, float32 on a CPU
-
-
 def candidate(hb: Heartbeat) -> Candidate:
     if hb.gpus:
         free = sum(g.free_bytes for g in hb.gpus)
@@ -62,9 +49,21 @@ def candidate(hb: Heartbeat) -> Candidate:
     return Candidate(hb.fellow_id, free, len(hb.loaded_models), bool(hb.gpus))
 
 
+def _lacks(hb: Heartbeat, needs: tuple[str, ...], method: str = NONE) -> list[str]:
+    """What of ``needs``, and of what serving ``method`` on its device takes, the fellow does not declare."""
+    quant = capability_for(method, bool(hb.gpus))
+    return [cap for cap in (*needs, *((quant,) if quant else ())) if cap not in hb.capabilities]
+
+
+def weights_estimate(parameters: float, method: str, has_gpu: bool) -> int:
+    """The bytes a stage's weights are priced at (no headroom): what status shows beside the measured bytes."""
+    return int(parameters * bytes_per_param(method, has_gpu))
+
+
 def place_one_stage(parameters: int, num_layers: int, fellows: dict[str, Heartbeat], online: set[str],
-                    pinned: str | None = None, quantization: dict | None = None) -> StageAssignment:
-    """The fellow with the most free memory among those that declare CAP_ONE_STAGE and fit it."""
+                    pinned: str | None = None, method: str = NONE) -> StageAssignment:
+    """The fellow with the most free memory among those that declare CAP_ONE_STAGE (and what ``method``
+    takes on their device: core.quantization.capability_for) and fit it at ``method``'s price."""
     if pinned is not None:
         if pinned not in online or pinned not in fellows:
             raise PlacementError(f"fellow {pinned!r} is not online")
@@ -73,24 +72,26 @@ def place_one_stage(parameters: int, num_layers: int, fellows: dict[str, Heartbe
         pool = {fid: hb for fid, hb in fellows.items() if fid in online}
     if not pool:
         raise PlacementError("no fellow is online")
-    lacking = sorted(fid for fid, hb in pool.items() if CAP_ONE_STAGE not in hb.capabilities)
+    lacking = {fid: _lacks(hb, (CAP_ONE_STAGE,), method) for fid, hb in pool.items() if _lacks(hb, (CAP_ONE_STAGE,), method)}
     able = [candidate(hb) for fid, hb in pool.items() if fid not in lacking]
     if not able:
-        raise PlacementError(f"fellow(s) {', '.join(lacking)} do not declare {CAP_ONE_STAGE}")
+        raise PlacementError("; ".join(f"fellow {fid} does not declare {', '.join(caps)}"
+                                       for fid, caps in sorted(lacking.items())))
     fitting = [c for c in able
-               if c.free_bytes >= parameters * bytes_per_param(quantization, c.has_gpu) * HEADROOM]
+               if c.free_bytes >= parameters * bytes_per_param(method, c.has_gpu) * HEADROOM]
     if not fitting:
         best = max(able, key=lambda c: c.free_bytes)
-        need = parameters * bytes_per_param(quantization, best.has_gpu) * HEADROOM
+        need = parameters * bytes_per_param(method, best.has_gpu) * HEADROOM
         raise PlacementError(f"no fellow has room: the model needs about {need / 2**30:.2f} GiB, "
                              f"the most free is {best.free_bytes / 2**30:.2f} GiB on {best.fellow_id}")
     best = max(fitting, key=lambda c: (c.free_bytes, -c.loaded, c.fellow_id))
-    return StageAssignment(stage=0, fellow_id=best.fellow_id, layers=(0, num_layers), shards=[])
+    return StageAssignment(stage=0, fellow_id=best.fellow_id, layers=(0, num_layers), shards=[],
+                           weights_estimate=weights_estimate(parameters, method, best.has_gpu))
 
 
 def place_replicas(parameters: int, num_layers: int, replicas: int, fellows: dict[str, Heartbeat],
                    online: set[str], pinned: list[str] | None = None,
-                   quantization: dict | None = None) -> list[StageAssignment]:
+                   method: str = NONE) -> list[StageAssignment]:
     """``replicas`` one-stage copies of a model, each on its own fellow: pinned in order, else the
     fellows with the most free memory that fit it. A refusal says how many could take one."""
     if pinned:
@@ -98,14 +99,14 @@ def place_replicas(parameters: int, num_layers: int, replicas: int, fellows: dic
             raise PlacementError(f"{len(pinned)} fellow_ids for {replicas} replicas")
         if len(set(pinned)) != replicas:
             raise PlacementError(f"each replica needs its own fellow; fellow_ids {pinned} repeat one")
-        out = [place_one_stage(parameters, num_layers, fellows, online, fid, quantization) for fid in pinned]
+        out = [place_one_stage(parameters, num_layers, fellows, online, fid, method) for fid in pinned]
         return [structs.replace(a, replica=i) for i, a in enumerate(out)]
     out: list[StageAssignment] = []
     taken: set[str] = set()
     for replica in range(replicas):
         rest = {fid: hb for fid, hb in fellows.items() if fid not in taken}
         try:
-            a = place_one_stage(parameters, num_layers, rest, online - taken, None, quantization)
+            a = place_one_stage(parameters, num_layers, rest, online - taken, None, method)
         except PlacementError as exc:
             raise PlacementError(f"{replicas} replicas need {replicas} fellows with room, "
                                  f"{replica} found ({exc})") from None
@@ -127,16 +128,13 @@ def ring_stage_count(manifest_stages: int, fellows: dict[str, Heartbeat], online
     return manifest_stages if manifest_stages > 1 and able >= manifest_stages else 1
 
 
-def _lacks(hb: Heartbeat, needs: tuple[str, ...]) -> list[str]:
-    return [cap for cap in needs if cap not in hb.capabilities]
-
-
 def place_ring(parameters: int, ranges: list[tuple[int, int]], shards: list[list[int]],
                fellows: dict[str, Heartbeat], online: set[str], pinned: list[str] | None = None,
-               quantization: dict | None = None, needs: tuple[str, ...] = (CAP_N_STAGE,)) -> list[StageAssignment]:
+               method: str = NONE, needs: tuple[str, ...] = (CAP_N_STAGE,)) -> list[StageAssignment]:
     """One fellow per stage: pinned in order, else the heaviest stage on the fellow with the most room.
 
-    Every fellow must declare ``needs``; a refusal names the fellow that lacks one.
+    Every fellow must declare ``needs`` and what ``method`` takes on its device; a refusal names the
+    fellow that lacks one.
     """
     n = len(ranges)
     num_layers = ranges[-1][1]
@@ -148,18 +146,20 @@ def place_ring(parameters: int, ranges: list[tuple[int, int]], shards: list[list
         for fid in pinned:
             if fid not in online or fid not in fellows:
                 raise PlacementError(f"fellow {fid!r} is not online")
-            if missing := _lacks(fellows[fid], needs):
+            if missing := _lacks(fellows[fid], needs, method):
                 raise PlacementError(f"fellow {fid} does not declare {', '.join(missing)}, "
                                      f"which a ring of {n} stages needs")
         order = [candidate(fellows[fid]) for fid in pinned]
     else:
         pool = {fid: hb for fid, hb in fellows.items() if fid in online}
-        lacking = {fid: _lacks(hb, needs) for fid, hb in pool.items() if _lacks(hb, needs)}
+        lacking = {fid: _lacks(hb, needs, method) for fid, hb in pool.items() if _lacks(hb, needs, method)}
         able = sorted((candidate(hb) for fid, hb in pool.items() if fid not in lacking),
                       key=lambda c: (-c.free_bytes, c.loaded, c.fellow_id))
         if len(able) < n:
             why = "; ".join(f"fellow {fid} does not declare {', '.join(caps)}" for fid, caps in sorted(lacking.items()))
-            raise PlacementError(f"a ring of {n} stages needs {n} fellows that declare {', '.join(needs)}, "
+            quant = {capability_for(method, False), capability_for(method, True)} - {None}
+            asked = ", ".join([*needs, *([" or ".join(sorted(quant))] if quant else [])])
+            raise PlacementError(f"a ring of {n} stages needs {n} fellows that declare {asked}, "
                                  f"{len(able)} online do" + (f" ({why})" if why else ""))
         heaviest = sorted(range(n), key=lambda i: ranges[i][0] - ranges[i][1])
         order = [None] * n
@@ -167,17 +167,19 @@ def place_ring(parameters: int, ranges: list[tuple[int, int]], shards: list[list
             order[stage] = fellow
     out = []
     for stage, (c, layers) in enumerate(zip(order, ranges)):
-        need = parameters * (layers[1] - layers[0]) / num_layers * bytes_per_param(quantization, c.has_gpu) * HEADROOM
+        share = parameters * (layers[1] - layers[0]) / num_layers
+        need = share * bytes_per_param(method, c.has_gpu) * HEADROOM
         if c.free_bytes < need:
             raise PlacementError(f"fellow {c.fellow_id} has no room for stage {stage}: it needs about "
                                  f"{need / 2**30:.2f} GiB, {c.free_bytes / 2**30:.2f} GiB are free")
-        out.append(StageAssignment(stage=stage, fellow_id=c.fellow_id, layers=tuple(layers), shards=list(shards[stage])))
+        out.append(StageAssignment(stage=stage, fellow_id=c.fellow_id, layers=tuple(layers), shards=list(shards[stage]),
+                                   weights_estimate=weights_estimate(share, method, c.has_gpu)))
     return out
 
 
 def place_ring_replicas(parameters: int, ranges: list[tuple[int, int]], shards: list[list[int]], replicas: int,
                         fellows: dict[str, Heartbeat], online: set[str], pinned: list[str] | None = None,
-                        quantization: dict | None = None,
+                        method: str = NONE,
                         needs: tuple[str, ...] = (CAP_N_STAGE,)) -> list[StageAssignment]:
     """``replicas`` rings of ``len(ranges)`` stages, no fellow in two of them: ``pinned`` lists every
     replica's fellows in turn (replica 0's stages, then replica 1's ...), else each ring is placed as
@@ -193,7 +195,7 @@ def place_ring_replicas(parameters: int, ranges: list[tuple[int, int]], shards: 
         used = {a.fellow_id for a in out}
         try:
             ring = place_ring(parameters, ranges, shards, {f: hb for f, hb in fellows.items() if f not in used},
-                              online, pinned[replica * n:(replica + 1) * n] if pinned else None, quantization, needs)
+                              online, pinned[replica * n:(replica + 1) * n] if pinned else None, method, needs)
         except PlacementError as exc:
             raise PlacementError(f"{replicas} rings of {n} stages: ring {replica} could not be placed ({exc})") from None
         out += [structs.replace(a, replica=replica) for a in ring]
@@ -201,16 +203,17 @@ def place_ring_replicas(parameters: int, ranges: list[tuple[int, int]], shards: 
 
 
 def place_replacement(parameters: int, layers: tuple[int, int], num_layers: int, fellows: dict[str, Heartbeat],
-                      online: set[str], exclude: set[str], quantization: dict | None = None,
+                      online: set[str], exclude: set[str], method: str = NONE,
                       needs: tuple[str, ...] = (CAP_N_STAGE,)) -> str:
     """The fellow that takes over a ring stage whose fellow was lost: the one with the most room among
-    the online ones outside the ring that declare ``needs`` and hold the stage's layers."""
+    the online ones outside the ring that declare ``needs`` (and what ``method`` takes) and hold the
+    stage's layers at ``method``'s price."""
     share = parameters * (layers[1] - layers[0]) / num_layers
     able = sorted((candidate(hb) for fid, hb in fellows.items()
-                   if fid in online and fid not in exclude and not _lacks(hb, needs)),
+                   if fid in online and fid not in exclude and not _lacks(hb, needs, method)),
                   key=lambda c: (-c.free_bytes, c.loaded, c.fellow_id))
     for c in able:
-        if c.free_bytes >= share * bytes_per_param(quantization, c.has_gpu) * HEADROOM:
+        if c.free_bytes >= share * bytes_per_param(method, c.has_gpu) * HEADROOM:
             return c.fellow_id
     raise PlacementError(f"no online fellow outside the ring declares {', '.join(needs)} and has room for "
                          f"layers {layers[0]}-{layers[1]} ({len(able)} without room)")

@@ -36,9 +36,11 @@ async def test_refused_fields_and_open_mode_caller(tmp_path, nats_server, js, sq
     cataloged_servable(root, "cataloged")
     async with leader_client(tmp_path, nats_server.url, sqlite_url, SWARM_SERVABLE_MODELS_ROOT=root) as (app, c):
         load = "/api/v1/models/cataloged/load"
-        err = error_of(await c.post(load, json={"quantization": {"bits": 4}}), 400, "quantization",
-                       "unsupported_parameter")
-        assert "not supported" in err["message"]
+        for quantization, says in (({"bits": 3}, "4 or 8"), ({"method": "fp4"}, "not served"),
+                                   ({"method": "nf4", "group": 64}, "not group"), ("nf4", "object")):
+            err = error_of(await c.post(load, json={"quantization": quantization}), 400, "quantization",
+                           "invalid_value")
+            assert says in err["message"], err
         for timeout in (-1, 0):
             err = error_of(await c.post(load, json={"wait": True, "timeout_s": timeout}), 400, "timeout_s")
             assert "above 0" in err["message"]
@@ -88,6 +90,7 @@ async def test_loads_name_the_token_and_conflicting_reloads_are_409(tmp_path, na
             again = await c.post("/api/v1/models/tiny/load", json={"fellow_id": fellow}, headers=auth)
             assert again.status_code == 200 and again.json()["load_id"] == loaded["load_id"]  # same shape: same load
             for body, param in (({"num_stages": 2}, "num_stages"), ({"replicas": 2}, "replicas"),
+                                ({"quantization": {"bits": 8}}, "quantization"),
                                 ({"fellow_id": "elsewhere"}, "fellow_id"), ({"fellow_ids": ["a", "b"]}, "fellow_ids")):
                 err = error_of(await c.post("/api/v1/models/tiny/load", json=body, headers=auth), 409, param,
                                "load_conflict")

@@ -73,7 +73,8 @@ def test_swarm_up_refuses_a_setting_not_implemented(tmp_path):
     out = run_cli(["up", "--no-demo"], swarm_env(tmp_path, None, SWARM_SERVE_LORA="lean"))
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "swarm: error: SWARM_SERVE_LORA is not implemented yet (lean LoRA, issue 14); unset it"]
+        "swarm: error: SWARM_SERVE_LORA is not implemented yet (lean16 or peft adapters, issue 14: unmerged adapters "
+        "are served lean); unset it"]
     assert not (tmp_path / "data").exists()  # refused before anything started
 
 

@@ -17,13 +17,16 @@ from tests.tiny import make_tiny_checkpoint
 IDS = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 64]])
 
 
-def tiny_lora(tmp_path):
+def tiny_lora(tmp_path, keep_model: bool = False):
+    """(base checkpoint, saved adapters, the tuned model's logits over IDS); ``keep_model``: the PEFT model."""
     hf = make_tiny_checkpoint(tmp_path / "hf", layers=4, hidden=64)
     model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32)
     torch.manual_seed(1)
     # init_lora_weights=False: B is random too, so the adapters change every output.
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
     peft_model = get_peft_model(model, config)
+    if keep_model:
+        return peft_model.eval()
     peft_model.save_pretrained(str(tmp_path / "lora"))
     with torch.no_grad():
         expected = peft_model(input_ids=IDS).logits

@@ -6,6 +6,7 @@ import math
 
 import msgspec
 
+from core.quantization import QuantizationError, method_of
 from events.loads import MAX_SPECULATIVE
 from leader.api.body import StructBody
 from leader.db.tables import Load
@@ -17,7 +18,7 @@ class LoadBody(msgspec.Struct, forbid_unknown_fields=True):
     num_stages: int | None = None
     fellow_id: str | None = None
     fellow_ids: list[str] | None = None  # one per stage of a ring, in ring order
-    quantization: dict | None = None  # refused until quantized serving lands
+    quantization: dict | None = None  # core.quantization: none, nf4, {"bits": 8}, int4-fast; default the manifest's
     replicas: int | None = None  # copies (one-stage, or rings of num_stages) sharing the request queue (default 1)
     speculative: int | None = None  # tokens drafted per decode pass (0 off, at most 8); default SWARM_SERVE_SPECULATIVE
     wait: bool = False
@@ -51,8 +52,10 @@ def check_load(body: LoadBody) -> None:
         raise _bad("speculative", f"speculative must be a whole number of drafted tokens per decode pass from 0 "
                                   f"(off) to {MAX_SPECULATIVE} (got {body.speculative})")
     if body.quantization is not None:
-        raise _bad("quantization", "quantization is not supported yet: stages serve the weights at their exported "
-                                   "precision; leave it out", code="unsupported_parameter")
+        try:
+            method_of(body.quantization)
+        except QuantizationError as exc:
+            raise _bad("quantization", str(exc)) from None
 
 
 def conflict(body: LoadBody, load: Load, stages: list) -> ApiError | None:
@@ -66,6 +69,8 @@ def conflict(body: LoadBody, load: Load, stages: list) -> ApiError | None:
 
     if body.num_stages is not None and load.num_stages and body.num_stages != load.num_stages:
         return differs("num_stages", body.num_stages, load.num_stages)
+    if body.quantization is not None and method_of(body.quantization) != method_of(load.quantization_requested):
+        return differs("quantization", method_of(body.quantization), method_of(load.quantization_requested))
     planned = (load.transport or {}).get("speculative", 0)
     if body.speculative is not None and load.transport is not None and body.speculative != planned:
         return differs("speculative", body.speculative, planned)

@@ -23,6 +23,8 @@ class StageView(msgspec.Struct, kw_only=True):
     max_in_flight: int
     vram_bytes: int
     kernels: dict | None = None  # how it computes: path, kernel per weight shape, step costs when measured
+    # the quantization it serves; estimate_bytes as placement priced its weights, bytes as it measured them
+    weights: dict | None = None
     replaced: list[dict] | None = None  # [{from, to, at, reason}]: the fellows a ring stage was re-placed from
     metrics: dict[str, float | None] | UnsetType = UNSET  # from the fellow's latest heartbeat, when it lists the stage
 
@@ -37,6 +39,9 @@ class LoadView(msgspec.Struct, kw_only=True):
     ready_at: float | None
     ended_at: float | None
     transport: dict | None
+    quantization: dict | None = None  # what its stages serve
+    quantization_requested: dict | None = None  # what the load asked (or the servable's manifest recorded)
+    quantization_reason: str | None = None  # why the two differ, when they do
     replicas: int
     stages: list[StageView]
     metrics: dict[str, float | None]  # stage 0's, summed over replicas
@@ -51,7 +56,8 @@ def load_view(load: Load, stages, latest: dict) -> LoadView:
         stage = StageView(stage=s.stage, replica=s.replica or 0, fellow_id=s.fellow_id,
                           layers=[s.layer_first, s.layer_last], state=s.state, pid=s.pid, kv_tokens=s.kv_tokens,
                           kv_tokens_planned=s.kv_tokens_planned, max_in_flight=s.max_in_flight,
-                          vram_bytes=s.vram_bytes, kernels=s.kernels, replaced=s.replaced or None)
+                          vram_bytes=s.vram_bytes, kernels=s.kernels, weights=s.weights,
+                          replaced=s.replaced or None)
         hb = latest.get(s.fellow_id)
         for lm in (hb.loaded_models if hb else []):
             if lm.load_id == load.load_id and lm.stage == s.stage and lm.replica == (s.replica or 0):
@@ -62,7 +68,9 @@ def load_view(load: Load, stages, latest: dict) -> LoadView:
         views.append(stage)
     return LoadView(load_id=load.load_id, model_id=load.model_id, state=load.state, reason=load.reason or None,
                     num_stages=load.num_stages, requested_at=load.requested_at, ready_at=load.ready_at,
-                    ended_at=load.ended_at, transport=load.transport, replicas=len({s.replica for s in stages}) or 1,
+                    ended_at=load.ended_at, transport=load.transport, quantization=load.quantization,
+                    quantization_requested=load.quantization_requested,
+                    quantization_reason=load.quantization_reason or None, replicas=len({s.replica for s in stages}) or 1,
                     stages=views, metrics=admitting[0] if len(admitting) == 1 else _summed(admitting))
 
 

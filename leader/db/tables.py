@@ -65,7 +65,9 @@ class Load(Base):
     ended_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     reason: Mapped[str] = mapped_column(Text, default="")
     transport: Mapped[dict | None] = mapped_column(JSON, nullable=True)
-    quantization: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    quantization: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # what the stages serve (LoadPlaced)
+    quantization_requested: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # asked, or the manifest's
+    quantization_reason: Mapped[str] = mapped_column(Text, default="")  # why the two differ, when they do
     requested_by: Mapped[str] = mapped_column(String(128), default="")  # the API token id that asked
     unload_requested_by: Mapped[str] = mapped_column(String(128), default="")
 
@@ -85,6 +87,8 @@ class LoadStage(Base):
     max_in_flight: Mapped[int] = mapped_column(Integer, default=1)
     vram_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     kernels: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # the stage's StageReady.kernels
+    # its quantization and priced weight bytes (LoadPlaced), then what it serves and measures (StageReady.weights)
+    weights: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     replaced: Mapped[list | None] = mapped_column(JSON, nullable=True)  # [{from, to, at, reason}] per StageReplaced
 
 

@@ -6,6 +6,7 @@ import msgspec
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from core.quantization import method_of
 from events.base import Event
 from events.loads import (STAGE_RESTARTING, LoadFailed, LoadPlaced, LoadRequested, ModelLoaded, ModelUnloaded,
                           ReplicaLost, StageReady, StageReplaced, UnloadRequested)
@@ -27,7 +28,8 @@ class LoadsProjector(Projector):
                 if await session.get(Load, evt.load_id) is None:
                     session.add(Load(load_id=evt.load_id, model_id=evt.model_id, state="requested",
                                      num_stages=evt.num_stages, requested_at=evt.at,
-                                     quantization=evt.quantization, reason="", requested_by=evt.requested_by))
+                                     quantization=evt.quantization, quantization_requested=evt.quantization,
+                                     quantization_reason="", reason="", requested_by=evt.requested_by))
             case LoadPlaced():
                 load = await session.get(Load, evt.load_id)
                 if load is None or load.state in ENDED:
@@ -37,11 +39,14 @@ class LoadsProjector(Projector):
                 load.num_stages = len({a.stage for a in evt.stages})
                 load.transport = msgspec.to_builtins(evt.transport)
                 load.quantization = evt.quantization
+                load.quantization_reason = evt.quantization_reason
+                placed = method_of(evt.quantization)
                 for a in evt.stages:
                     session.add(LoadStage(load_id=evt.load_id, stage=a.stage, replica=a.replica, fellow_id=a.fellow_id,
                                           layer_first=a.layers[0], layer_last=a.layers[1],
                                           state="loading", pid=0, kv_tokens=0, kv_tokens_planned=0,
-                                          max_in_flight=evt.transport.max_in_flight, vram_bytes=0))
+                                          max_in_flight=evt.transport.max_in_flight, vram_bytes=0,
+                                          weights={"quantization": placed, "estimate_bytes": a.weights_estimate}))
             case StageReady():
                 stage = await session.get(LoadStage, (evt.load_id, evt.stage, evt.replica))
                 if stage is None or stage.state != "loading":
@@ -53,6 +58,8 @@ class LoadsProjector(Projector):
                 stage.max_in_flight = evt.max_in_flight
                 stage.vram_bytes = evt.vram_bytes
                 stage.kernels = evt.kernels or None
+                if evt.weights:  # what it serves and measures, beside what placement priced
+                    stage.weights = {**(stage.weights or {}), **evt.weights}
             case ModelLoaded():
                 load = await session.get(Load, evt.load_id)
                 if load is not None and load.state not in ENDED:

@@ -16,6 +16,7 @@ import msgspec
 from sqlalchemy import text
 
 from core.bus import publish_struct
+from core.quantization import NONE, QuantizationError, as_request, manifest_method, method_of
 from core.servable import ServableError, load_manifest
 from core.servable_plan import plan_stage, serving_ranges
 from events import subjects
@@ -31,6 +32,23 @@ from leader.serving.rows import active_load, get_load, load_stages, model_not_fo
 
 
 log = logging.getLogger(__name__)
+
+
+def place_keeping_price(place: Callable[[str], list[StageAssignment]],
+                        asked: str) -> tuple[list[StageAssignment], str, str]:
+    """(assignments, the method served, why it differs from ``asked``): quantized where enough fellows
+    declare its kernels and fit it at its price, else in full precision, priced as such. A load is never
+    priced quantized and served otherwise: each stage is told the method it was priced at."""
+    if asked == NONE:
+        return place(NONE), NONE, ""
+    try:
+        return place(asked), asked, ""
+    except PlacementError as quantized:
+        try:
+            assignments = place(NONE)
+        except PlacementError:
+            raise quantized from None
+        return assignments, NONE, f"{asked} asked, served in full precision: {quantized}"
 
 
 def load_msg_id(load_id: str, a: StageAssignment) -> str:
@@ -49,7 +67,7 @@ class LoadPlan:
     replicas: int
     pinned: list[str]
     transport: TransportPlan
-    place: Callable[[], list[StageAssignment]]  # from the fellows' heartbeats at the time it is called
+    place: Callable[[str], list[StageAssignment]]  # at a quantization method, from the fellows' latest heartbeats
 
 
 @asynccontextmanager
@@ -92,11 +110,15 @@ class LoadCommands:
             existing = await active_load(self.leader.sessions, model_id)
             if existing is not None:
                 return existing
-            plan = self._plan(model, num_stages, fellow_id, fellow_ids, replicas, quantization, speculative)
-            return await self._place_and_command(model, plan, quantization, requested_by)
+            plan = self._plan(model, num_stages, fellow_id, fellow_ids, replicas, speculative)
+            try:
+                asked = method_of(quantization) if quantization is not None else manifest_method(model.quantization)
+            except QuantizationError as exc:
+                raise ApiError(400, str(exc), code="invalid_value", param="quantization") from None
+            return await self._place_and_command(model, plan, asked, requested_by)
 
     def _plan(self, model: Model, num_stages: int | None, fellow_id: str | None, fellow_ids: list[str] | None,
-              replicas: int, quantization: dict | None, speculative: int | None = None) -> LoadPlan:
+              replicas: int, speculative: int | None = None) -> LoadPlan:
         monitor = self.leader.fellows
         if replicas > 1 and num_stages is None:
             num_stages = 1  # replicas are one-stage copies unless num_stages asks for rings
@@ -111,9 +133,9 @@ class LoadCommands:
                 pinned = fellow_ids or ([fellow_id] if fellow_id else [])
             else:
                 pinned = [fellow_id] if fellow_id else (fellow_ids or [])[:1]
-            return LoadPlan(1, replicas, pinned, transport, lambda: place_replicas(
+            return LoadPlan(1, replicas, pinned, transport, lambda method: place_replicas(
                 model.parameters, model.num_layers, replicas, monitor.latest, set(monitor.online), pinned or None,
-                quantization))
+                method))
         try:
             manifest = load_manifest(model.path)
             ranges = serving_ranges(manifest, num_stages)
@@ -122,27 +144,28 @@ class LoadCommands:
             raise ApiError(409, f"Cannot serve '{model.model_id}' over {num_stages} stages: {exc}",
                            code="unsupported_num_stages", param="num_stages") from None
         pinned = fellow_ids or ([fellow_id] if fellow_id else [])
-        return LoadPlan(num_stages, replicas, pinned, transport, lambda: place_ring_replicas(
+        return LoadPlan(num_stages, replicas, pinned, transport, lambda method: place_ring_replicas(
             model.parameters, ranges, shards, replicas, monitor.latest, set(monitor.online), pinned or None,
-            quantization, ring_needs(transport.max_in_flight)))
+            method, ring_needs(transport.max_in_flight)))
 
-    async def _place_and_command(self, model: Model, plan: LoadPlan, quantization: dict | None,
-                                 requested_by: str) -> Load:
+    async def _place_and_command(self, model: Model, plan: LoadPlan, asked: str, requested_by: str) -> Load:
         """Request, place, record the placement, and send each stage's fellow its load command."""
         model_id = model.model_id
         load_id = "ld-" + uuid.uuid4().hex[:16]
         await self.leader.publish(LoadRequested(load_id=load_id, model_id=model_id, num_stages=plan.num_stages,
-                                                fellow_ids=plan.pinned, quantization=quantization,
+                                                fellow_ids=plan.pinned, quantization=as_request(asked),
                                                 requested_by=requested_by, replicas=plan.replicas),
                                   wait=["loads"])
         try:
-            assignments = plan.place()
+            assignments, served, reason = place_keeping_price(plan.place, asked)
         except PlacementError as exc:
             await self.leader.publish(LoadFailed(id=load_failed_id(load_id), load_id=load_id, model_id=model_id,
                                                  reason=str(exc), code="placement_failed"), wait=["loads"])
             raise ApiError(409, f"Cannot load '{model_id}': {exc}", code="placement_failed") from None
+        quantization = as_request(served)
         await self.leader.publish(LoadPlaced(load_id=load_id, model_id=model_id, stages=assignments,
-                                             transport=plan.transport, quantization=quantization), wait=["loads"])
+                                             transport=plan.transport, quantization=quantization,
+                                             quantization_reason=reason), wait=["loads"])
         for a in assignments:
             cmd = LoadStage(load_id=load_id, model_id=model_id, assignment=a, num_stages=plan.num_stages,
                             stage_fellows=[x.fellow_id for x in assignments if x.replica == a.replica],
@@ -176,7 +199,7 @@ class LoadCommands:
             shards = plan_stage(manifest, lost.stage, load.num_stages).shards
             fellow = place_replacement(model.parameters, (lost.layer_first, lost.layer_last), model.num_layers,
                                        monitor.latest, set(monitor.online), {s.fellow_id for s in stages},
-                                       load.quantization, ring_needs(transport.max_in_flight))
+                                       method_of(load.quantization), ring_needs(transport.max_in_flight))
         except (PlacementError, ServableError) as exc:
             log.warning("load %s: stage %d cannot be re-placed: %s", load.load_id, lost.stage, exc)
             return False

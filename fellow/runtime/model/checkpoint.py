@@ -72,10 +72,8 @@ class Checkpoint:
         """Load just these tensors, opening each file once."""
         by_file: dict[Path, list[str]] = {}
         for key in keys:
-            full = key if key in self._where else self.prefix + key
-            if full not in self._where:
-                raise ServableError(f"{self.folder}: no tensor {key!r}")
-            by_file.setdefault(self._where[full], []).append(full)
+            path, full = self.locate(key)
+            by_file.setdefault(path, []).append(full)
         out: dict[str, torch.Tensor] = {}
         for path, fulls in by_file.items():
             if path.suffix == ".safetensors":
@@ -86,11 +84,18 @@ class Checkpoint:
             out.update({(k[len(self.prefix):] if k.startswith(self.prefix) else k): t for k, t in loaded.items()})
         return out
 
-    def read_stage(self, first: int, last: int, *, is_first: bool, is_last: bool, renumber_from: int = 0,
-                   copy_tied_head: bool = True) -> dict[str, torch.Tensor]:
-        """One stage's tensors: layers [first, last) as ``layers.<index - renumber_from>.<name>``, the
-        embeddings when ``is_first``, the norm and head when ``is_last``. A last stage of a checkpoint
-        with tied embeddings gets its own copy of the head (``copy_tied_head``) rather than stage 0's."""
+    def locate(self, key: str) -> tuple[Path, str]:
+        """(file, full key) of a tensor, by its key with or without ``prefix``."""
+        full = key if key in self._where else self.prefix + key
+        if full not in self._where:
+            raise ServableError(f"{self.folder}: no tensor {key!r}")
+        return self._where[full], full
+
+    def stage_names(self, first: int, last: int, *, is_first: bool, is_last: bool,
+                    renumber_from: int = 0) -> dict[str, str]:
+        """Checkpoint key -> stage name of one stage's tensors: layers [first, last) as
+        ``layers.<index - renumber_from>.<name>``, the embeddings when ``is_first``, the norm and head
+        when ``is_last``."""
         wanted: dict[str, str] = {}
         for key in self.keys():
             kind = classify(key)
@@ -101,6 +106,13 @@ class Checkpoint:
                 wanted[key] = f"layers.{layer - renumber_from}.{name}"
             elif (piece == "embed_tokens" and is_first) or (piece in ("norm", "lm_head") and is_last):
                 wanted[key] = f"{piece}.{name}"
+        return wanted
+
+    def read_stage(self, first: int, last: int, *, is_first: bool, is_last: bool, renumber_from: int = 0,
+                   copy_tied_head: bool = True) -> dict[str, torch.Tensor]:
+        """One stage's tensors, named as ``stage_names`` names them. A last stage of a checkpoint
+        with tied embeddings gets its own copy of the head (``copy_tied_head``) rather than stage 0's."""
+        wanted = self.stage_names(first, last, is_first=is_first, is_last=is_last, renumber_from=renumber_from)
         tensors = {wanted[k]: t.contiguous() for k, t in self.read(list(wanted)).items()}
         if copy_tied_head and is_last and "lm_head.weight" not in tensors:
             tensors["lm_head.weight"] = self.read(["model.embed_tokens.weight"])["model.embed_tokens.weight"].clone()

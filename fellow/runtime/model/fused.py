@@ -120,7 +120,15 @@ class FusedLayer:
         return sum(linear.bytes for linear in linears) + sum(w.numel() * w.element_size() for w in norms)
 
 
-MakeLinear = Callable[[torch.Tensor, "torch.Tensor | None"], Linear]
+MakeLinear = Callable[[torch.Tensor, "torch.Tensor | None"], Linear]  # or a quant.QuantLinear, called alike
+
+
+def strip_linears(layer: nn.Module) -> None:
+    """Drop an HF layer's linear weights once its fused layer holds them, so the stage holds each once."""
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        setattr(layer.self_attn, name, None)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        setattr(layer.mlp, name, None)
 
 
 def bias_of(linear: nn.Linear) -> torch.Tensor | None:
@@ -149,12 +157,14 @@ def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, t
 class FusedStack:
     """The fused layers of one stage, and the four ways a forward attends (see ``StageModel``)."""
 
-    def __init__(self, layers: Sequence[nn.Module], config, make_linear: MakeLinear) -> None:
+    def __init__(self, layers: Sequence[nn.Module | FusedLayer], config, make_linear: MakeLinear) -> None:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.groups = self.num_heads // self.num_kv_heads
-        self.layers = [FusedLayer(layer, make_linear, self.num_heads, self.num_kv_heads) for layer in layers]
+        # a layer fused already (quantized as it loaded: fellow.runtime.model.quant) is taken as it is
+        self.layers = [layer if isinstance(layer, FusedLayer) else
+                       FusedLayer(layer, make_linear, self.num_heads, self.num_kv_heads) for layer in layers]
 
     @property
     def bytes(self) -> int:

@@ -18,6 +18,7 @@ import torch
 
 from fellow.runtime.model.fused import Linear, fusable, onednn_available
 from fellow.runtime.model.packed_linear import pack_stage
+from fellow.runtime.model.quant import QUANT_KERNELS, QuantLinear, StageQuantizer
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,9 @@ def _time(linear: Linear, x: torch.Tensor, flush: torch.Tensor) -> float:
 class KernelChooser:
     """Makes each ``Linear`` in the kernel that measured fastest for its shape (one timing per shape)."""
 
-    def __init__(self, kernels: list[str], batch_cap: int) -> None:
+    def __init__(self, kernels: list[str], batch_cap: int, make=Linear) -> None:
         self.kernels = kernels
+        self.make = make  # (weight, bias, kernel) -> the linear; quant.QuantLinear's maker for a quantized stage
         self.rows = sorted({1, max(1, batch_cap)})
         self.choices: dict[tuple[int, int], str] = {}
         self.timings: dict[tuple[int, int], dict[str, list[float]]] = {}
@@ -61,12 +63,12 @@ class KernelChooser:
         shape = tuple(weight.shape)
         kernel = self.choices.get(shape)
         if kernel is not None:
-            return Linear(weight, bias, kernel)
+            return self.make(weight, bias, kernel)
         started = time.perf_counter()
         best: tuple[float, Linear] | None = None
         timings: dict[str, list[float]] = {}
         for name in self.kernels:
-            candidate = Linear(weight, bias, name)
+            candidate = self.make(weight, bias, name)
             if self._flush is None or self._flush.device != weight.device:
                 self._flush = torch.ones(FLUSH_BYTES // 4, device=weight.device)
             costs = [_time(candidate, torch.randn(rows, shape[1], dtype=weight.dtype, device=weight.device),
@@ -98,13 +100,23 @@ class KernelChooser:
         return f"kernels chosen in {self.seconds:.2f} s (ms at rows {self.rows}): " + "; ".join(parts)
 
 
-def prepare_stage(stage, *, packed: bool = True, batch_cap: int = 8) -> dict:
+def quant_chooser(method: str, batch_cap: int) -> KernelChooser:
+    """The chooser of a quantized stage: one kernel per method, timed per shape for the status."""
+    kernel = QUANT_KERNELS[method]
+    return KernelChooser([kernel], batch_cap, make=lambda weight, bias, _: QuantLinear(weight, bias, method))
+
+
+def prepare_stage(stage, *, packed: bool = True, batch_cap: int = 8, quantizer: StageQuantizer | None = None) -> dict:
     """Make a freshly loaded StageModel ready to serve: fused layers with measured kernels where the
     family allows (fellow.runtime.model.fused), else the HF layers, packed for oneDNN where that serves.
+    ``quantizer``: the StageQuantizer its layers went through as they loaded (a quantized stage); its
+    head is quantized here.
 
     Returns what the load's status shows of it: the path, and the kernel choices with their timings
     (or why the layers could not be fused).
     """
+    if quantizer is not None:
+        return _prepare_quantized(stage, quantizer)
     devices = set(stage.layer_devices)
     why = "layers spread over several devices" if len(devices) > 1 else \
         fusable(stage.layers, stage.config, stage.layer_devices[0])
@@ -118,6 +130,25 @@ def prepare_stage(stage, *, packed: bool = True, batch_cap: int = 8) -> dict:
         packed_layers = pack_stage(stage) if packed else 0
         log.info("HF layers (%s)%s", why, ", packed for oneDNN" if packed_layers else "")
         stage.kernels = {"path": "hf+onednn" if packed_layers else "hf", "why": why}
+    return stage.kernels
+
+
+def _prepare_quantized(stage, quantizer: StageQuantizer) -> dict:
+    chooser = quantizer.chooser
+    if stage.head is not None:
+        stage.head = quantizer.head(stage.head)
+    layers = quantizer.fused_layers([stage.first_layer + i for i in range(len(stage.layers))])
+    if layers is not None:
+        stage.fuse(quantizer.make, layers)
+        chooser.done()
+        log.info("fused %s layers; %s", quantizer.method, chooser.log_line())
+        stage.kernels = {"path": "fused", **chooser.summary()}
+    else:
+        chooser.done()
+        log.info("HF layers (%s), %d linear weights %s", quantizer.why_not_fused, quantizer.swapped, quantizer.method)
+        stage.kernels = {"path": "hf", "why": quantizer.why_not_fused}
+    if stage.head is not None:
+        stage.kernels["head"] = getattr(getattr(stage.head, "linear", None), "kernel", "float")
     return stage.kernels
 
 

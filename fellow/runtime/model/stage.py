@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fellow.runtime.model.fused import FusedStack, Linear, MakeLinear, bias_of, rotary_tables
+from fellow.runtime.model.fused import FusedLayer, FusedStack, Linear, MakeLinear, bias_of, rotary_tables, strip_linears
 from fellow.runtime.model.kv_cache import BatchedView, FreshBatchView, KVCache, SessionView
 
 BATCHABLE_ATTENTION = ("sdpa", "eager")  # implementations that take an explicit additive 4D mask
@@ -74,26 +74,18 @@ class StageModel:
         self._head_device = _module_device(head) if head is not None else None
         self.fused: FusedStack | None = None  # set by ``fuse``: the layers then run by hand
         self.kernels: dict = {"path": "hf"}  # how it computes, for the load's status (kernels.prepare_stage)
+        self.weights: dict = {}  # its quantization and measured weight bytes, for the status (quant.weights_report)
 
-    def fuse(self, make_linear: MakeLinear) -> FusedStack:
+    def fuse(self, make_linear: MakeLinear, fused_layers: Sequence[FusedLayer] | None = None) -> FusedStack:
         """Run the layers fused (fellow.runtime.model.fused), each weight made by ``make_linear`` (which
-        picks its kernel); the HF layers' linear weights are dropped, so the stage holds each weight once."""
-        self.fused = FusedStack(self.layers, self.config, make_linear)
+        picks its kernel); the HF layers' linear weights are dropped, so the stage holds each weight once.
+        ``fused_layers``: the layers fused already as they loaded (a quantized stage), in order."""
+        self.fused = FusedStack(fused_layers or self.layers, self.config, make_linear)
         for layer in self.layers:
-            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                setattr(layer.self_attn, name, None)
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                setattr(layer.mlp, name, None)
+            strip_linears(layer)
         if type(self.head) is nn.Linear:
             self.head = _HeadLinear(make_linear(self.head.weight.detach(), bias_of(self.head)))
         return self.fused
-
-    @property
-    def weight_bytes(self) -> int:
-        """What the layers' weights take (fused or not; the embeddings and head not counted)."""
-        params = sum(p.numel() * p.element_size() for layer in self.layers for p in layer.parameters())
-        buffers = sum(b.numel() * b.element_size() for layer in self.layers for b in layer.buffers())
-        return params + buffers + (self.fused.bytes if self.fused is not None else 0)
 
     @classmethod
     def from_causal_lm(cls, model: nn.Module, start: int = 0, end: int | None = None) -> "StageModel":

@@ -2,24 +2,64 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 from torch import nn
 
-from core.servable import BottleneckCompressor, LEGACY_SHARD_FILE, Manifest, ServableError, load_manifest, resolve_base
+from core.servable import BottleneckCompressor, Manifest, ServableError, load_manifest, resolve_base
 from core.servable_plan import StagePlan, plan_stage
 from fellow.runtime.tools.bottleneck import RECV, SEND, BottleneckDecoder, BottleneckEncoder
 from fellow.runtime.model.checkpoint import Checkpoint
 from fellow.runtime.model.lora_merge import merge_lora
 
 
-def _read_shard(path: Path) -> dict[str, torch.Tensor]:
-    if path.name == LEGACY_SHARD_FILE:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    return load_file(str(path))
+class _Tensors:
+    """Named tensors read from their files only when taken, so a stage never holds all of them at once.
+
+    ``where`` maps each name to (file, key in the file); a file not in safetensors (a legacy ``weights.pt``,
+    a ``.bin``) loads whole when first read.
+    """
+
+    def __init__(self) -> None:
+        self.where: dict[str, tuple[Path, str]] = {}
+        self._whole: dict[Path, dict[str, torch.Tensor]] = {}
+
+    def add_file(self, path: Path, rename) -> None:
+        """Every key of ``path`` that ``rename(key)`` names (None: not wanted)."""
+        if path.suffix != ".safetensors":  # weights.pt, pytorch_model.bin: loaded whole
+            keys = list(self._load_whole(path))
+        else:
+            with safe_open(str(path), framework="pt") as fh:
+                keys = list(fh.keys())
+        for key in keys:
+            if (name := rename(key)) is not None:
+                self.where[name] = (path, key)
+
+    def _load_whole(self, path: Path) -> dict[str, torch.Tensor]:
+        if path not in self._whole:
+            self._whole[path] = torch.load(path, map_location="cpu", weights_only=True)
+        return self._whole[path]
+
+    def take(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """The tensors whose names start with ``prefix``, read now and forgotten here."""
+        names = [n for n in self.where if n.startswith(prefix)]
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.where[name][0], []).append(name)
+        out: dict[str, torch.Tensor] = {}
+        for path, wanted in by_file.items():
+            if path.suffix != ".safetensors":  # weights.pt, pytorch_model.bin: loaded whole
+                out.update({n: self._load_whole(path)[self.where[n][1]] for n in wanted})
+            else:
+                with safe_open(str(path), framework="pt") as fh:
+                    out.update({n: fh.get_tensor(self.where[n][1]) for n in wanted})
+        for name in names:
+            del self.where[name]
+        return out
 
 
 def _absolute(key: str, shard_range: tuple[int, int], plan: StagePlan) -> str | None:
@@ -40,15 +80,13 @@ def _absolute(key: str, shard_range: tuple[int, int], plan: StagePlan) -> str | 
     raise ServableError(f"shard tensor {key!r} is not part of the servable format")
 
 
-def _stage_state(m: Manifest, servable_dir: Path, plan: StagePlan) -> dict[str, torch.Tensor]:
+def _stage_tensors(m: Manifest, servable_dir: Path, plan: StagePlan) -> _Tensors:
     exported = m.stage_ranges()
-    state: dict[str, torch.Tensor] = {}
+    tensors = _Tensors()
     for shard in plan.shards:
         for f in m.shards[shard].files:
-            for key, tensor in _read_shard(servable_dir / f.path).items():
-                if (name := _absolute(key, exported[shard], plan)) is not None:
-                    state[name] = tensor
-    return state
+            tensors.add_file(servable_dir / f.path, lambda key, r=exported[shard]: _absolute(key, r, plan))
+    return tensors
 
 
 def load_stage_state(servable_dir: str | Path, stage: int, num_stages: int | None = None) -> dict[str, torch.Tensor]:
@@ -59,15 +97,51 @@ def load_stage_state(servable_dir: str | Path, stage: int, num_stages: int | Non
     only where this stage's cut is a trained one. For export "adapters" these are the LoRA tensors.
     """
     m = load_manifest(servable_dir)
-    return _stage_state(m, Path(servable_dir), plan_stage(m, stage, num_stages))
+    return _stage_tensors(m, Path(servable_dir), plan_stage(m, stage, num_stages)).take()
 
 
-def _base_state(m: Manifest, plan: StagePlan, model_cache) -> dict[str, torch.Tensor]:
-    """The base checkpoint's tensors for this stage, read file by file (adapters-only exports)."""
+class _StageState:
+    """One stage's tensors, taken piece by piece (a layer, the embeddings, ...); over an adapters export
+    each piece's base tensors are read from the base checkpoint and its adapters merged as it is taken."""
+
+    def __init__(self, m: Manifest, servable_dir: Path, plan: StagePlan, model_cache) -> None:
+        self.own = _stage_tensors(m, servable_dir, plan)
+        self.base: _Tensors | None = None
+        self.adapter_config = m.adapter_config or {}
+        if m.export == "adapters":
+            self.base = _base_tensors(m, plan, model_cache)
+
+    def take(self, prefix: str) -> dict[str, torch.Tensor]:
+        own = self.own.take(prefix)
+        if self.base is None:
+            return own
+        return merge_lora(self.base.take(prefix), own, self.adapter_config)
+
+    def take_unmerged(self, prefix: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(the piece's weights, its LoRA tensors kept apart, named below ``prefix``): saved module copies
+        still replace their base tensors; only the lora_A / lora_B pairs stay out of the weights."""
+        own = self.own.take(prefix)
+        if self.base is None:
+            return own, {}
+        lora = {k[len(prefix):]: v for k, v in own.items() if ".lora_" in k}
+        rest = {k: v for k, v in own.items() if ".lora_" not in k}
+        return merge_lora(self.base.take(prefix), rest, self.adapter_config), lora
+
+
+def _base_tensors(m: Manifest, plan: StagePlan, model_cache) -> _Tensors:
+    """The base checkpoint's tensors for this stage, by stage name, read when taken (adapters-only exports)."""
     base_dir = resolve_base(m.base, model_cache)
     if base_dir is None:
         raise ServableError(f"{m.model_id}: base checkpoint {m.base!r} is not on this machine")
-    return Checkpoint(base_dir).read_stage(*plan.layers, is_first=plan.is_first, is_last=plan.is_last)
+    checkpoint = Checkpoint(base_dir)
+    tensors = _Tensors()
+    names = checkpoint.stage_names(*plan.layers, is_first=plan.is_first, is_last=plan.is_last)
+    for key, name in names.items():
+        path, full = checkpoint.locate(key)
+        tensors.where[name] = (path, full)
+    if plan.is_last and "lm_head.weight" not in tensors.where:  # tied: the head is a copy of the embeddings
+        tensors.where["lm_head.weight"] = checkpoint.locate("model.embed_tokens.weight")
+    return tensors
 
 
 def hf_config(manifest: Manifest):
@@ -126,7 +200,7 @@ def _causal_masks(config, h: torch.Tensor, position_ids: torch.Tensor) -> dict[i
 
 
 def _materialize(module: nn.Module, state: dict[str, torch.Tensor], prefix: str, dtype, device) -> nn.Module:
-    sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    sub = {k[len(prefix):]: v.contiguous() for k, v in state.items() if k.startswith(prefix)}
     missing = set(module.state_dict()) - set(sub)
     if missing:
         raise ServableError(f"shards lack {prefix}{sorted(missing)[0]} (and {len(missing) - 1} more)")
@@ -136,29 +210,45 @@ def _materialize(module: nn.Module, state: dict[str, torch.Tensor], prefix: str,
 
 def build_stage_modules(manifest: Manifest, stage_index: int, servable_dir: str | Path, *,
                         num_stages: int | None = None, dtype: torch.dtype | None = None,
-                        device: str | torch.device = "cpu", model_cache=None) -> StageModules:
-    """Build the model skeleton on the meta device and materialize only this stage's pieces."""
+                        device: str | torch.device = "cpu", model_cache=None,
+                        on_layer: Callable[[int, nn.Module, dict], None] | None = None,
+                        keep_adapters: bool = False) -> StageModules:
+    """Build the model skeleton on the meta device and materialize only this stage's pieces, layer by layer.
+
+    ``on_layer(index, layer, adapters)`` runs on each layer as soon as it is built, before the next is
+    read (a quantized load quantizes it there), so the stage's full-precision weights never exist all at
+    once. ``keep_adapters``: an adapters export's LoRA pairs are not merged into the layers but handed
+    to ``on_layer`` (``{"self_attn.q_proj.lora_A.weight": ...}``); otherwise ``adapters`` is empty.
+    """
     from transformers import AutoModelForCausalLM
 
     plan = plan_stage(manifest, stage_index, num_stages)
-    state = _stage_state(manifest, Path(servable_dir), plan)
-    if manifest.export == "adapters":
-        state = merge_lora(_base_state(manifest, plan, model_cache), state, manifest.adapter_config or {})
+    state = _StageState(manifest, Path(servable_dir), plan, model_cache)
     config = hf_config(manifest)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     inner = skeleton.model
     indices = list(range(*plan.layers))
-    layers = [_materialize(inner.layers[i], state, f"layers.{i}.", dtype, device) for i in indices]
+    layers = []
+    if keep_adapters and on_layer is None:
+        raise ValueError("adapters kept unmerged go to on_layer; pass one")
+    for i in indices:  # one layer's tensors at a time: read, built, handed on (quantized, say), dropped
+        prefix = f"layers.{i}."
+        weights, adapters = state.take_unmerged(prefix) if keep_adapters else (state.take(prefix), {})
+        layers.append(_materialize(inner.layers[i], weights, prefix, dtype, device))
+        if on_layer is not None:
+            on_layer(i, layers[-1], adapters)
     rotary = type(inner.rotary_emb)(config=config).to(device)
-    codec = {p: {k[len(p):]: v for k, v in state.items() if k.startswith(p)} for p in (SEND, RECV)}
+    codec = {p: {k[len(p):]: v for k, v in state.take(p).items()} for p in (SEND, RECV)}
     cast = (lambda t: t.to(device=device, dtype=dtype or t.dtype))
     return StageModules(
         plan=plan, config=config,
-        embed=_materialize(inner.embed_tokens, state, "embed_tokens.", dtype, device) if plan.is_first else None,
+        embed=_materialize(inner.embed_tokens, state.take("embed_tokens."), "embed_tokens.", dtype, device)
+        if plan.is_first else None,
         layers=layers, layer_indices=indices,
-        norm=_materialize(inner.norm, state, "norm.", dtype, device) if plan.is_last else None,
-        lm_head=_materialize(skeleton.lm_head, state, "lm_head.", dtype, device) if plan.is_last else None,
+        norm=_materialize(inner.norm, state.take("norm."), "norm.", dtype, device) if plan.is_last else None,
+        lm_head=_materialize(skeleton.lm_head, state.take("lm_head."), "lm_head.", dtype, device)
+        if plan.is_last else None,
         rotary_emb=rotary,
         encoder=BottleneckEncoder(cast(codec[SEND]["weight"]), cast(codec[SEND]["mean"])) if codec[SEND] else None,
         decoder=BottleneckDecoder(cast(codec[RECV]["weight"]), cast(codec[RECV]["mean"])) if codec[RECV] else None,

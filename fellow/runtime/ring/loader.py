@@ -7,13 +7,12 @@ from pathlib import Path
 
 import torch
 
+from core.quantization import NONE
 from core.servable import Manifest, load_manifest
 from core.servable_plan import StagePlan
-from fellow.runtime.model.kernels import prepare_stage
 from fellow.runtime.ring.codec import WireCodec
 from fellow.runtime.model.stage import StageModel
-from fellow.runtime.model.loader import load_tokenizer, pick_device, pick_dtype, stop_ids_for
-from fellow.runtime.model.weights import build_stage_modules
+from fellow.runtime.model.loader import build_stage, load_tokenizer, pick_device, stop_ids_for
 
 
 @dataclass
@@ -39,18 +38,15 @@ class RingStage:
 
 
 def load_ring_stage(model_dir: str | Path, stage: int, num_stages: int, device: str | None = None,
-                    attention: str = "sdpa", packed: bool = True, batch_cap: int = 8) -> RingStage:
+                    attention: str = "sdpa", packed: bool = True, batch_cap: int = 8,
+                    quantization: str = NONE) -> RingStage:
     """Stage ``stage`` of ``num_stages``: the trained split when the counts match, else an even one
     reading every overlapping shard (an untrained cut is served uncompressed); a servable without
     recorded boundaries refuses any count but its own (ServableError)."""
     model_dir = Path(model_dir)
     manifest = load_manifest(model_dir)
     dev = pick_device(device)
-    mods = build_stage_modules(manifest, stage, model_dir, num_stages=num_stages, dtype=pick_dtype(dev), device=dev)
-    mods.config._attn_implementation = attention
-    model = StageModel(config=mods.config, layers=mods.layers, first_layer=mods.layer_indices[0],
-                       rotary_emb=mods.rotary_emb, embed=mods.embed, norm=mods.norm, head=mods.lm_head)
-    prepare_stage(model, packed=packed, batch_cap=batch_cap)
+    mods, model = build_stage(manifest, stage, model_dir, num_stages, dev, attention, packed, batch_cap, quantization)
     plan = mods.plan
     hidden = manifest.hidden_size
     loaded = RingStage(

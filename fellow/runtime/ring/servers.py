@@ -50,7 +50,7 @@ class RingHeadServer(StageServer):
 
     def _load(self) -> None:
         self.ring = load_ring_stage(self.cfg.model_dir, 0, self.cfg.num_stages, packed=self.cfg.packed_linear,
-                                    batch_cap=self.batch_cap)
+                                    batch_cap=self.batch_cap, quantization=self.cfg.quantization)
         self.stage, self.device = self.ring.stage, self.ring.device
         self.tokenizer, self.stop_ids = self.ring.tokenizer, self.ring.stop_ids
 
@@ -130,7 +130,8 @@ class RingStageServer(StageServerBase):
 
     def _load(self) -> None:
         self.ring = load_ring_stage(self.cfg.model_dir, self.cfg.stage, self.cfg.num_stages,
-                                    packed=self.cfg.packed_linear, batch_cap=self.batch_cap)
+                                    packed=self.cfg.packed_linear, batch_cap=self.batch_cap,
+                                    quantization=self.cfg.quantization)
         self.stage, self.device = self.ring.stage, self.ring.device
 
     def _build(self) -> None:

@@ -18,6 +18,7 @@ from core.tasks import cancel_and_wait
 from events.stage import MetricsReport, ReadyReport, Report, StageConfig, Transport, encode
 from fellow.runtime.model.kernels import step_costs
 from fellow.runtime.model.kv_budget import measured_kv_tokens
+from fellow.runtime.model.quant import stage_weights
 from fellow.runtime.model.stage import StageModel
 
 log = logging.getLogger("swarm.serve")
@@ -134,7 +135,7 @@ class StageServerBase:
     def vram_bytes(self) -> int:
         if self.device.type == "cuda":
             return int(torch.cuda.memory_allocated(self.device))
-        return self.stage.weight_bytes + self.cache_bytes()
+        return stage_weights(self.stage)[0] + self.cache_bytes()
 
     def serve(self) -> int:
         """Serve until stopped; the exit code: 0 after a clean stop, 1 when the bus side failed."""
@@ -176,7 +177,8 @@ class StageServerBase:
             await self._start()
             report(ReadyReport(kv_tokens=self.kv_tokens, kv_tokens_planned=self.kv_planned,
                                max_in_flight=max(1, self.cfg.transport.max_in_flight), vram_bytes=self.vram_bytes(),
-                               load_s=round(self.load_s, 3), kernels=self.stage.kernels))
+                               load_s=round(self.load_s, 3), kernels=self.stage.kernels,
+                               weights=self.stage.weights))
             self.spawn(self._report_metrics(), "metrics")
             await self._serve_bus()
         finally:

@@ -27,7 +27,8 @@ class StageServer(StageServerBase):
     intake: Intake | None = None
 
     def _load(self) -> None:
-        loaded = load_one_stage(self.cfg.model_dir, packed=self.cfg.packed_linear, batch_cap=self.batch_cap)
+        loaded = load_one_stage(self.cfg.model_dir, packed=self.cfg.packed_linear, batch_cap=self.batch_cap,
+                                quantization=self.cfg.quantization)
         self.stage, self.device = loaded.stage, loaded.device
         self.tokenizer, self.stop_ids = loaded.tokenizer, loaded.stop_ids
 

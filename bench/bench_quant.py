@@ -1,0 +1,103 @@
+"""CPU weight-only int8 / int4 stages against float32, all in one run: decode tokens/s at 1 and 8 streams of
+HF `generate` (float32), the float32 stage, and the int8 and int4-fast stages, each driven by the engine
+as a fellow serves it (bench/bench_matrix.py's `engine_alone`), on shapes of bench/bench_matrix.py.
+
+    .venv/bin/python bench/bench_quant.py [--shapes q46m-v4k llama-deep] [--streams 1 8] [--tokens 48] [--threads N]
+
+Also prints each stage's measured weight bytes (fellow.runtime.model.quant.stage_weights) against float32's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.bench_matrix import SHAPES, engine_alone, hf_generate, make_checkpoint  # noqa: E402
+
+METHODS = ("none", "int8", "int4-fast")
+
+
+def run_shape(name: str, tmp: Path, tokens: int, streams: list[int]) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fellow.runtime.model.loader import load_one_stage
+    from fellow.runtime.tools.export import export
+
+    ckpt = make_checkpoint(tmp / name / "hf", SHAPES[name])
+    export(ckpt, tmp / "servables" / name, stages=1, model_id=name)
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    row = {"name": name, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+           "generate": {b: hf_generate(model, tok, b, tokens) for b in streams}}
+    del model
+    for method in METHODS:
+        stage = load_one_stage(tmp / "servables" / name, device="cpu", batch_cap=max(streams),
+                               quantization=method).stage
+        row[method] = {b: engine_alone(stage, tok, b, tokens)[0] for b in streams}
+        row[f"{method}_mb"] = stage.weights["bytes"] / 1e6
+        del stage
+    return row
+
+
+def table(rows: list[dict], streams: list[int]) -> str:
+    head = "| shape | params |"
+    for b in streams:
+        head += f" generate {b} | fp32 stage {b} | int8 {b} | int4 {b} | int8/gen {b} | int4/gen {b} |" \
+                f" int8/fp32 stage {b} | int4/fp32 stage {b} |"
+    head += " weights MB fp32 / int8 / int4 |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        cells = [r["name"], f"{r['params_m']:.0f}M"]
+        for b in streams:
+            g, f, i8, i4 = r["generate"][b], r["none"][b], r["int8"][b], r["int4-fast"][b]
+            cells += [f"{g:.1f}", f"{f:.1f}", f"{i8:.1f}", f"{i4:.1f}", f"{i8 / g:.2f}x", f"{i4 / g:.2f}x",
+                      f"{i8 / f:.2f}x", f"{i4 / f:.2f}x"]
+        cells.append(f"{r['none_mb']:.1f} / {r['int8_mb']:.1f} / {r['int4-fast_mb']:.1f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def summary(rows: list[dict], streams: list[int]) -> str:
+    out = []
+    for b in streams:
+        for method in ("int8", "int4-fast"):
+            for base, label in (("generate", "generate"), ("none", "float32 stage")):
+                ratios = sorted(r[method][b] / r[base][b] for r in rows)
+                out.append(f"{method} / {label} at {b} stream(s): min {ratios[0]:.2f}x, "
+                           f"median {statistics.median(ratios):.2f}x")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=["q46m-v4k", "llama-deep"], choices=list(SHAPES))
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--tokens", type=int, default=48, help="new tokens per stream")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, one per core)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"{torch.get_num_threads()} threads, {args.tokens} new tokens per stream", flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix="swarm-bench-quant-"))
+    rows = []
+    for name in args.shapes:
+        rows.append(run_shape(name, tmp, args.tokens, args.streams))
+        print(json.dumps(rows[-1], default=str), flush=True)
+    print()
+    print(table(rows, args.streams))
+    print()
+    print(summary(rows, args.streams))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Placement of quantized loads (core.quantization, leader.placement): what a request may ask, which
+fellows may serve it, what it is priced at, and the full-precision fallback that keeps the price honest."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.quantization import (INT4_FAST, INT8, NF4, NONE, QuantizationError, as_request, bytes_per_param,
+                               manifest_method, method_of)
+from events.fellow import (CAP_CONCURRENT, CAP_CPU_INT4, CAP_CPU_INT8, CAP_INT4_FAST, CAP_N_STAGE, CAP_ONE_STAGE,
+                           CAP_QUANTIZED, Gpu, Heartbeat)
+from leader.placement import PlacementError, place_replicas, place_ring
+from leader.serving.commands import place_keeping_price
+
+GIB = 1 << 30
+PARAMS = 1_000_000_000
+BASE = (CAP_ONE_STAGE, CAP_N_STAGE, CAP_CONCURRENT)
+
+
+def cpu(fellow_id: str, free_gib: float, *caps: str) -> Heartbeat:
+    return Heartbeat(fellow_id=fellow_id, hostname="h", seq=1, interval_s=1.0, capabilities=[*BASE, *caps],
+                     memory_free_bytes=int(free_gib * GIB))
+
+
+def gpu(fellow_id: str, free_gib: float, *caps: str) -> Heartbeat:
+    return Heartbeat(fellow_id=fellow_id, hostname="h", seq=1, interval_s=1.0, capabilities=[*BASE, *caps],
+                     gpus=[Gpu(index=0, name="card", total_bytes=int(24 * GIB), free_bytes=int(free_gib * GIB))])
+
+
+def test_requests_name_one_of_four_methods_and_anything_else_is_refused():
+    assert [method_of(q) for q in ({"method": "none"}, {"method": "nf4"}, {"bits": 8}, {"method": "int4-fast"},
+                                   {"bits": 4}, {"method": "INT8"}, {"backend": "torchao"}, None)] == \
+        [NONE, NF4, INT8, INT4_FAST, NF4, INT8, INT4_FAST, NONE]
+    for bad, says in (({"bits": 3}, "4 or 8"), ({"method": "fp4"}, "not served"), ({"method": "nf4", "bits": 8},
+                      "not 8-bit"), ({"colour": 1}, "not colour"), ({}, "names no method"), ([8], "an object"),
+                      ({"bits": True}, "4 or 8"), ({"backend": "torchao", "method": "nf4"}, "int4-fast only")):
+        with pytest.raises(QuantizationError, match=says):
+            method_of(bad)
+    assert [as_request(m) for m in (INT8, NF4)] == [{"bits": 8}, {"method": "nf4"}]
+    # the manifest's own: an HF quantization_config, or one of ours; an unserved one is full precision
+    assert manifest_method({"quant_method": "bitsandbytes", "load_in_4bit": True}) == NF4
+    assert manifest_method({"quant_method": "bitsandbytes", "load_in_8bit": True}) == INT8
+    assert manifest_method({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "fp4"}) == NONE
+    assert manifest_method({"quant_method": "gptq", "bits": 4}) == NONE and manifest_method(None) == NONE
+    assert bytes_per_param(NF4, True) == bytes_per_param(INT4_FAST, False) == 0.55
+    assert bytes_per_param(INT8, False) == 1.05 and bytes_per_param(NONE, False) == 4.0
+
+
+def test_a_quantized_load_goes_only_to_fellows_that_declare_its_kernels_priced_as_quantized():
+    fellows = {"big": cpu("big", 64), "small": cpu("small", 2, CAP_CPU_INT8, CAP_CPU_INT4)}
+    online = set(fellows)
+    # full precision: 4.8 GB with headroom, only "big" fits
+    [a] = place_replicas(PARAMS, 8, 1, fellows, online, method=NONE)
+    assert a.fellow_id == "big" and a.weights_estimate == 4 * PARAMS
+    # int8 fits "small" (1.26 GB) and only "small" declares the CPU int8 kernel
+    [a] = place_replicas(PARAMS, 8, 1, fellows, online, method=INT8)
+    assert a.fellow_id == "small" and a.weights_estimate == int(1.05 * PARAMS)
+    [a] = place_replicas(PARAMS, 8, 1, fellows, online, method=INT4_FAST)
+    assert a.fellow_id == "small" and a.weights_estimate == int(0.55 * PARAMS)
+    # NF4 needs bitsandbytes' kernels (serve-quantized): nobody declares them
+    with pytest.raises(PlacementError, match="big does not declare serve-quantized.*small does not declare"):
+        place_replicas(PARAMS, 8, 1, fellows, online, method=NF4)
+    # on a GPU the same int8 request needs bitsandbytes, and int4-fast torchao's kernels
+    cards = {"g": gpu("g", 20, CAP_CPU_INT8, CAP_CPU_INT4)}
+    with pytest.raises(PlacementError, match="g does not declare serve-quantized"):
+        place_replicas(PARAMS, 8, 1, cards, {"g"}, method=INT8)
+    with pytest.raises(PlacementError, match="serve-int4-fast"):
+        place_replicas(PARAMS, 8, 1, cards, {"g"}, method=INT4_FAST)
+    cards = {"g": gpu("g", 20, CAP_QUANTIZED, CAP_INT4_FAST)}
+    assert place_replicas(PARAMS, 8, 1, cards, {"g"}, method=INT4_FAST)[0].weights_estimate == int(0.55 * PARAMS)
+
+
+def test_a_ring_needs_every_fellow_capable_and_prices_each_stage_by_its_share():
+    ranges, shards = [(0, 6), (6, 8)], [[0], [1]]
+    fellows = {"a": cpu("a", 8, CAP_CPU_INT8), "b": cpu("b", 8, CAP_CPU_INT8)}
+    placed = place_ring(PARAMS, ranges, shards, fellows, set(fellows), method=INT8)
+    assert sorted(a.weights_estimate for a in placed) == [int(1.05 * PARAMS * 2 / 8), int(1.05 * PARAMS * 6 / 8)]
+    fellows["b"] = cpu("b", 8)
+    with pytest.raises(PlacementError, match="declare serve-n-stage, serve-cpu-int8 or serve-quantized"):
+        place_ring(PARAMS, ranges, shards, fellows, set(fellows), method=INT8)
+
+
+def test_too_few_capable_fellows_serve_full_precision_and_say_why_never_priced_4bit():
+    fellows = {"plain": cpu("plain", 64)}
+    place = lambda method: place_replicas(PARAMS, 8, 1, fellows, set(fellows), method=method)
+    assignments, served, why = place_keeping_price(place, INT4_FAST)
+    assert served == NONE and assignments[0].weights_estimate == 4 * PARAMS  # priced as it is served
+    assert why.startswith("int4-fast asked, served in full precision: ") and "serve-cpu-int4" in why
+    fellows["q"] = cpu("q", 4, CAP_CPU_INT4)
+    assignments, served, why = place_keeping_price(place, INT4_FAST)
+    assert (served, why, assignments[0].fellow_id) == (INT4_FAST, "", "q")
+    assert assignments[0].weights_estimate == int(0.55 * PARAMS)
+    # where full precision does not fit either, the quantized refusal is the one reported
+    fellows = {"tiny": cpu("tiny", 1)}
+    with pytest.raises(PlacementError, match="tiny does not declare serve-cpu-int4"):
+        place_keeping_price(place, INT4_FAST)

@@ -1,0 +1,101 @@
+"""Quantized loads end to end (real leader, fellows, stage processes): a fellow that does not declare the
+kernels gets the load in full precision and the status says why; one that does serves it quantized,
+and the status shows the method and the measured weight bytes beside the estimate. No stage serves
+another method than the one it was priced at."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from core.quantization import method_of
+from tests.processes import SwarmProcess, wait_until
+from tests.serving_fixtures import Stack, make_servable
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def servables(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    make_servable(root, MODEL, layers=8, hidden=256, stages=1, seed=2)
+    return root / "servables"
+
+
+def status(stack: Stack) -> dict:
+    r = stack.get(f"/api/v1/models/{MODEL}/status")
+    assert r.status_code == 200, r.text
+    return r.json()["load"]
+
+
+def priced_as_served(load: dict) -> None:
+    """Every stage serves the method it was priced at, and says so itself (StageReady.weights)."""
+    placed = method_of(load["quantization"])
+    for stage in load["stages"]:
+        assert stage["weights"]["quantization"] == placed, load
+
+
+def declares(stack: Stack, fellow_id: str, cap: str) -> bool:
+    fellows = stack.get("/api/v1/fellows").json()["data"]
+    return any(f["id"] == fellow_id and cap in f["capabilities"] for f in fellows)
+
+
+def test_fallback_without_capable_fellows_then_quantized_on_one_that_declares_them(tmp_path, nats_server, servables):
+    stack = Stack(tmp_path, nats_server.url, servables, fellows=1, SWARM_SERVE_QUANTIZED="off").start()
+    capable = None
+    try:
+        # f0 declares no quantized kernel: an int4-fast load serves full precision, priced and shown as such
+        load = stack.load(MODEL, quantization={"method": "int4-fast"})
+        assert load["quantization"] == {"method": "none"}
+        assert load["quantization_requested"] == {"method": "int4-fast"}
+        assert "int4-fast asked, served in full precision" in load["quantization_reason"]
+        assert "f0 does not declare serve-cpu-int4" in load["quantization_reason"]
+        priced_as_served(load)
+        [stage] = load["stages"]
+        weights = stage["weights"]
+        parameters = stack.get(f"/api/v1/models/{MODEL}").json()["parameters"]  # tied head once; the stage has a copy
+        assert weights["estimate_bytes"] == 4 * parameters  # the float32 price, not 0.55
+        assert weights["bytes"] >= weights["float_bytes"]
+        assert stack.post(f"/api/v1/models/{MODEL}/unload").status_code == 200
+        wait_until(lambda: stack.get(f"/api/v1/models/{MODEL}").json()["load_state"] == "unloaded", 60, "unloaded")
+
+        # a fellow that probes its kernels declares them, and the same request is served int4 there
+        env = {k: v for k, v in stack.env.items() if k != "SWARM_SERVE_QUANTIZED"}
+        capable = SwarmProcess(["fellow", "--id", "f1"], env, tmp_path / "fellow1.log")
+        capable.start()
+        wait_until(lambda: declares(stack, "f1", "serve-cpu-int4"), 120, "f1 declares serve-cpu-int4")
+        assert not declares(stack, "f0", "serve-cpu-int4")
+        load = stack.load(MODEL, quantization={"method": "int4-fast"})
+        assert load["quantization"] == {"method": "int4-fast"} and load["quantization_reason"] is None
+        priced_as_served(load)
+        [stage] = load["stages"]
+        assert stage["fellow_id"] == "f1"
+        weights = stage["weights"]
+        assert weights["estimate_bytes"] == int(0.55 * parameters)
+        assert weights["bytes"] <= 0.17 * weights["float_bytes"]  # embeddings and norms counted, in float32
+        assert status(stack)["stages"][0]["weights"] == weights
+        assert {e["kernel"] for e in stage["kernels"]["shapes"].values()} == {"int4"}
+        assert stage["kernels"]["head"] == "int8"
+        r = stack.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 8,
+                                                "messages": [{"role": "user", "content": "hello"}]})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0, r.text
+        # the same model asked at another quantization while loaded: a conflict, not a silent reuse
+        r = stack.post(f"/api/v1/models/{MODEL}/load", {"quantization": {"bits": 8}})
+        assert r.status_code == 409 and r.json()["error"]["param"] == "quantization", r.text
+        assert stack.post(f"/api/v1/models/{MODEL}/unload").status_code == 200
+        wait_until(lambda: stack.get(f"/api/v1/models/{MODEL}").json()["load_state"] == "unloaded", 60, "unloaded")
+
+        # the CLI asks the same: int8 on f1
+        cli = subprocess.run([sys.executable, "-m", "core.cli", "model-load", MODEL, "--wait", "--quantization", "8",
+                              "--fellow-id", "f1"], env=stack.env, capture_output=True, text=True, timeout=300)
+        assert cli.returncode == 0, cli.stderr
+        assert "int8 weights" in cli.stdout and "stage 0 on f1" in cli.stdout, cli.stdout
+        load = status(stack)
+        assert load["quantization"] == {"bits": 8} and load["stages"][0]["weights"]["quantization"] == "int8"
+        assert load["stages"][0]["weights"]["bytes"] <= 0.30 * load["stages"][0]["weights"]["float_bytes"]
+    finally:
+        if capable is not None:
+            capable.stop()
+        stack.stop()

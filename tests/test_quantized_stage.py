@@ -1,0 +1,202 @@
+"""CPU int8 / int4 weight-only stages (fellow.runtime.model.quant): quantized layer by layer as they load,
+close to the float32 stage, batched equal to alone, and a fraction of its weight bytes.
+
+The model: a random tiny Qwen3 of 8 layers, hidden 256, MLP 512, vocabulary 384, tied embeddings (4.9M
+parameters). Its layers hold 96 % of the parameters, so the weight-byte claims are about the quantized
+part; what stays in full precision (the float32 embedding table, norms) is counted in the measured bytes.
+Random weights give nearly flat logits (top-1 margins of a few hundredths), the hardest case for greedy
+agreement; the numbers are printed for the record (pytest -s).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.quantization import INT4_FAST, INT8, NONE
+from core.servable import load_manifest
+from fellow.runtime.model import quant
+from fellow.runtime.model.kernels import quant_chooser
+from fellow.runtime.model.loader import build_stage
+from fellow.runtime.model.weights import build_stage_modules, hf_config
+from tests.serving_fixtures import make_servable
+
+PROMPTS, NEW_TOKENS = 8, 64
+SHAPE = dict(layers=8, hidden=256)
+# the measured bytes over the float32 stage's, at most (the issue's bar)
+RATIO = {INT8: 0.30, INT4_FAST: 0.17}
+# the least share of greedy tokens equal to float32's (free-running, 64 tokens x 8 prompts), and of
+# teacher-forced top-1 agreement; set below what was measured (see the module docstring)
+GREEDY = {INT8: 0.9, INT4_FAST: 0.25}
+FORCED = {INT8: 0.97, INT4_FAST: 0.6}
+
+
+@pytest.fixture(scope="module")
+def servable(tmp_path_factory):
+    _, out = make_servable(tmp_path_factory.mktemp("quant"), "tiny", stages=1, **SHAPE)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stages(servable):
+    manifest = load_manifest(servable)
+    return {m: build_stage(manifest, 0, servable, 1, torch.device("cpu"), quantization=m)[1]
+            for m in (NONE, INT8, INT4_FAST)}
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 380, (int(n),), generator=g).tolist() for n in torch.randint(5, 30, (PROMPTS,), generator=g)]
+
+
+def greedy(stage, ids: list[int], forced: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
+    """64 greedy tokens and each step's logits; ``forced``: feed these tokens instead (teacher forcing)."""
+    cache = stage.new_cache()
+    logits = stage.prefill(cache, torch.tensor(ids))
+    out, steps = [], []
+    for i in range(NEW_TOKENS):
+        steps.append(logits)
+        out.append(int(logits.argmax()))
+        logits = stage.decode([cache], torch.tensor([forced[i] if forced else out[-1]]))[0]
+    return out, torch.stack(steps)
+
+
+@pytest.fixture(scope="module")
+def reference(stages):
+    return [greedy(stages[NONE], ids) for ids in prompts()]
+
+
+@pytest.mark.parametrize("method", [INT8, INT4_FAST])
+def test_quantized_stage_agrees_with_float32(stages, reference, method):
+    same = forced_same = 0
+    error = 0.0
+    for ids, (want, want_logits) in zip(prompts(), reference):
+        got, _ = greedy(stages[method], ids)
+        same += sum(a == b for a, b in zip(got, want))
+        _, logits = greedy(stages[method], ids, forced=want)  # the float32 stage's context at every step
+        forced_same += int((logits.argmax(-1) == want_logits.argmax(-1)).sum())
+        error = max(error, float((logits - want_logits).abs().max()))
+    total = PROMPTS * NEW_TOKENS
+    scale = max(float(l.abs().max()) for _, l in reference)
+    print(f"\n{method}: greedy tokens equal to float32's {same}/{total} = {same / total:.3f}; teacher-forced "
+          f"top-1 {forced_same / total:.3f}; max logit error {error:.4f} (largest float32 logit {scale:.3f})")
+    assert same / total >= GREEDY[method]
+    assert forced_same / total >= FORCED[method]
+    assert error < scale  # errors stay below the logits' own size
+
+
+@pytest.mark.parametrize("method", [INT8, INT4_FAST])
+def test_batched_equals_alone_within_the_quantized_path(stages, method):
+    """Decode steps of several sessions at once give each session's own tokens, token for token; a
+    fresh batch's left-padded prompts give each prompt's logits to rounding (its attention is padded)."""
+    stage = stages[method]
+    ids = prompts()[:4]
+    alone = [greedy(stage, p)[0][:16] for p in ids]
+    caches = [stage.new_cache() for _ in ids]
+    firsts = [stage.prefill(cache, torch.tensor(p)) for cache, p in zip(caches, ids)]
+    outs = [[int(logits.argmax())] for logits in firsts]
+    for _ in range(15):
+        logits = stage.decode(caches, torch.tensor([o[-1] for o in outs]))
+        for out, token in zip(outs, logits.argmax(-1).tolist()):
+            out.append(token)
+    assert outs == alone
+    fresh = stage.prefill_fresh([stage.new_cache() for _ in ids], ids)
+    assert torch.allclose(fresh, torch.stack(firsts), atol=0.02)
+
+
+@pytest.mark.parametrize("method", [INT8, INT4_FAST])
+def test_measured_weight_bytes_and_the_kernels_in_the_status(stages, method):
+    stage, full = stages[method], stages[NONE]
+    w = stage.weights
+    assert w["quantization"] == method and full.weights["quantization"] == NONE
+    assert w["parameters"] == full.weights["parameters"]  # the same weights, counted alike
+    assert w["float_bytes"] == 4 * w["parameters"]
+    ratio = w["bytes"] / full.weights["bytes"]
+    print(f"\n{method}: {w['bytes']} bytes measured against {full.weights['bytes']} in float32: {ratio:.3f}")
+    assert ratio <= RATIO[method]
+    assert stage.kernels["path"] == "fused"
+    kernels = {entry["kernel"] for entry in stage.kernels["shapes"].values()}
+    assert kernels == {quant.QUANT_KERNELS[method]}
+    assert isinstance(stage.head, quant.QuantModule) and stage.head.linear.kernel == "int8"  # the head: int8
+    assert isinstance(stage.fused.layers[0].qkv, quant.QuantLinear)
+
+
+def test_layers_are_quantized_one_by_one_as_they_load(servable):
+    """When a layer is read, every layer before it holds quantized weights only: the stage's float
+    copy never exists whole."""
+    manifest = load_manifest(servable)
+    quantizer = quant.StageQuantizer(INT8, hf_config(manifest), torch.device("cpu"), quant_chooser(INT8, 4))
+    float_layers_seen = []
+
+    def on_layer(index, layer, adapters):
+        assert adapters == {}
+        float_layers_seen.append(sum(type(m) is torch.nn.Linear for m in (*built, layer) for m in m.modules()))
+        quantizer.layer(index, layer, adapters)
+        built.append(layer)
+
+    built: list = []
+    build_stage_modules(manifest, 0, servable, num_stages=1, dtype=torch.float32, on_layer=on_layer)
+    assert float_layers_seen == [7] * SHAPE["layers"]  # the new layer's seven linears, none of earlier layers'
+    assert all(sum(type(m) is torch.nn.Linear for m in layer.modules()) == 0 for layer in built)
+
+
+def test_int4_pads_inputs_to_multiples_of_32_and_the_hf_path_quantizes_too():
+    assert quant.int4_layout(256) == (64, 8) and quant.int4_layout(96) == (32, 2) and quant.int4_layout(48) is None
+    weight, x = torch.randn(40, 48), torch.randn(3, 48)
+    linear = quant.QuantLinear(weight, None, INT4_FAST)  # 48 inputs: zero columns to 64
+    assert linear.pad == 16 and linear.dequantized().shape == (40, 48)
+    # the kernel rounds its result to bfloat16: within half a bfloat16 step of the exact product
+    assert torch.allclose(linear(x), x.to(torch.bfloat16).float() @ linear.dequantized().t(), atol=0.02, rtol=0.01)
+    assert torch.allclose(linear.dequantized(), weight, atol=0.5)
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.GELU(), torch.nn.Linear(32, 64, bias=False))
+    x = torch.randn(3, 64)
+    want = layer(x)
+    assert quant.quantize_children(layer, INT8) == 2
+    assert all(isinstance(layer[i], quant.QuantModule) for i in (0, 2))
+    assert torch.allclose(layer(x), want, atol=0.05)
+
+
+def test_the_probe_declares_the_kernels_that_run_here():
+    assert quant.probe() == ["serve-cpu-int8", "serve-cpu-int4"]
+
+
+def test_lean_lora_computes_what_peft_does_on_a_fused_weight(tmp_path):
+    """[q; k; v] with adapters on q and v only: the stacked A's and block-diagonal B give PEFT's outputs."""
+    from fellow.runtime.model.fused import Linear
+    from tests.test_servable_adapters import tiny_lora
+
+    peft_model = tiny_lora(tmp_path, keep_model=True)
+    attn = peft_model.base_model.model.model.layers[1].self_attn
+    x = torch.randn(3, 5, attn.q_proj.in_features)
+    with torch.no_grad():
+        want = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+    base = [m.base_layer.weight if hasattr(m, "base_layer") else m.weight for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    q_rows, k_rows = base[0].shape[0], base[1].shape[0]
+    parts = [(0, attn.q_proj.lora_A["default"].weight, attn.q_proj.lora_B["default"].weight),
+             (q_rows + k_rows, attn.v_proj.lora_A["default"].weight, attn.v_proj.lora_B["default"].weight)]
+    lean = quant.LeanLoRA(Linear(torch.cat(base), None, "mkl"), parts, attn.q_proj.scaling["default"])
+    assert torch.allclose(lean(x), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", [INT8, INT4_FAST])
+def test_qlora_a_quantized_base_plus_adapters_serves_the_tuned_model(tmp_path, method):
+    """Adapters stay apart over a quantized stage (no second rounding): its logits are the tuned model's
+    within quantization error, far closer than the base model's."""
+    from fellow.runtime.tools.export import export
+    from tests.test_servable_adapters import IDS, tiny_lora
+
+    hf, lora, tuned = tiny_lora(tmp_path)
+    manifest = export(hf, tmp_path / "sv", stages=1, adapters=lora)
+    stage = build_stage(manifest, 0, tmp_path / "sv", 1, torch.device("cpu"), quantization=method)[1]
+    kinds = {entry["kernel"] for entry in stage.kernels["shapes"].values()}
+    assert kinds == {quant.QUANT_KERNELS[method]}  # the kernels time the base weights
+    adapted = [name for name in ("qkv", "down") if isinstance(getattr(stage.fused.layers[0], name), quant.LeanLoRA)]
+    assert adapted == ["qkv", "down"] and not isinstance(stage.fused.layers[0].o, quant.LeanLoRA)
+    got = stage.prefill(stage.new_cache(), IDS[0])
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(str(hf)).eval()(input_ids=IDS).logits[0, -1]
+    error, effect = float((got - tuned[0, -1]).abs().max()), float((base - tuned[0, -1]).abs().max())
+    print(f"\n{method} + LoRA: max logit error against the tuned model {error:.4f}; the adapters move logits {effect:.4f}")
+    assert error < effect / 4
