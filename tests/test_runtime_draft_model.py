@@ -170,3 +170,39 @@ def test_the_budget_counts_the_draft_models_cache_and_never_over_commits(pair):
     _, ends = run(engine, sessions, watch)
     assert {s.finish_reason for s in ends.values()} == {"length"} and max(seen) > 0
     assert sum(s.spec_model_drafted for s in ends.values()) > 0
+
+
+def test_the_draft_model_setting_names_a_folder_or_an_id_in_the_model_cache(tmp_path):
+    from core.servable import MANIFEST_NAME
+    from core.settings import Settings
+    from fellow.fetch import draft_model_dir
+
+    cached = tmp_path / "cache" / "small-0123456789abcdef"
+    cached.mkdir(parents=True)
+    (cached / MANIFEST_NAME).write_text("{}")
+    settings = Settings.from_env({"SWARM_DATA_DIR": str(tmp_path), "SWARM_FELLOW_MODEL_CACHE": str(tmp_path / "cache"),
+                                  "SWARM_SERVE_DRAFT_MODEL": "small"})
+    assert draft_model_dir(settings) == cached
+    assert draft_model_dir(settings.replace(serve_draft_model=str(cached))) == cached
+    with pytest.raises(FileNotFoundError, match="SWARM_SERVE_DRAFT_MODEL='nowhere' is neither a servable's folder"):
+        draft_model_dir(settings.replace(serve_draft_model="nowhere"))
+
+
+def test_a_one_stage_load_drafts_with_the_fellows_draft_model(tmp_path, nats_server):
+    """SWARM_SERVE_DRAFT_MODEL on the fellow: a load with speculative k drafts with it, and the reply's
+    timing says how many of the draft model's tokens stood (greedy equality: the engine tests above)."""
+    from tests.serving_fixtures import Stack, make_servable
+
+    _, served = make_servable(tmp_path / "models", "tiny", layers=2, hidden=64, stages=1, seed=1)
+    _, small = make_servable(tmp_path / "models", "tiny-draft", layers=1, hidden=32, stages=1, seed=2)
+    body = {"model": "tiny", "max_tokens": 10, "temperature": 0,
+            "messages": [{"role": "user", "content": "tell me something new"}]}
+    stack = Stack(tmp_path, nats_server.url, served.parent, SWARM_SERVE_DRAFT_MODEL=str(small)).start()
+    try:
+        stack.load("tiny", speculative=2)
+        reply = stack.post("/v1/chat/completions", body).json()
+        timing = reply["swarm"]["timing"]
+        assert timing["spec_k"] == 2 and timing["spec_model_drafted"] > 0, timing
+        assert 0 <= timing["spec_model_accepted"] <= timing["spec_model_drafted"]
+    finally:
+        stack.stop()

@@ -138,20 +138,6 @@ class DraftModel:
         return drafts
 
 
-def resolve_draft_model(value: str, model_cache: Path) -> Path:
-    """SWARM_SERVE_DRAFT_MODEL's folder: a servable's path, or a servable id in the fellow's model cache."""
-    from core.servable import MANIFEST_NAME
-
-    path = Path(value).expanduser()
-    if (path / MANIFEST_NAME).is_file():
-        return path
-    found = sorted(p.parent for p in Path(model_cache).glob(f"{value}-*/{MANIFEST_NAME}"))
-    if found:
-        return found[-1]
-    raise FileNotFoundError(f"SWARM_SERVE_DRAFT_MODEL={value!r} is neither a servable's folder nor a servable "
-                            f"in this fellow's model cache")
-
-
 def load_draft_model(draft_dir: str | Path, target_stage: StageModel, target_tokenizer, device: torch.device,
                      *, packed: bool = True, batch_cap: int = 8) -> DraftModel:
     """Load the servable at ``draft_dir`` as a whole model on ``device`` and check it against the served one."""
