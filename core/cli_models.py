@@ -161,11 +161,12 @@ class ProgressBar:
 
 
 def cmd_demo_model(args) -> int:
-    from fellow.runtime.tools.demo_model import make_demo_model
+    from fellow.runtime.tools.demo_model import make_demo_draft, make_demo_model
 
-    m = make_demo_model(args.out, seed=args.seed, progress=ProgressBar("training the demo model"),
-                        **({"steps": args.steps} if args.steps else {}))
-    print(f"demo model {m.model_id} written to {args.out}")
+    make, what = (make_demo_draft, "demo draft model") if args.draft else (make_demo_model, "demo model")
+    m = make(args.out, seed=args.seed, progress=ProgressBar(f"training the {what}"),
+             **({"steps": args.steps} if args.steps else {}))
+    print(f"{what} {m.model_id} written to {args.out}")
     return 0
 
 
@@ -213,4 +214,6 @@ def add_commands(sub) -> None:
     demo.add_argument("out")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--steps", type=int, default=None)
+    demo.add_argument("--draft", action="store_true",
+                      help="train the demo model's small draft model instead (for SWARM_SERVE_DRAFT_MODEL)")
     demo.set_defaults(func=cmd_demo_model)

@@ -78,7 +78,6 @@ def _speculative(env: Mapping[str, str]) -> int:
 # Variables the spec names whose feature is not built yet, and the issue that builds it. Setting one is
 # refused at start rather than validated and ignored.
 NOT_IMPLEMENTED = {
-    "SWARM_SERVE_DRAFT_MODEL": "speculative decoding, issue 15",
     "SWARM_SERVE_LORA": "lean16 or peft adapters, issue 14: unmerged adapters are served lean",
     "SWARM_SERVE_4BIT_ROWS": "quantized serving, issue 14",
     "SWARM_SERVE_4BIT_FLOAT32": "quantized serving, issue 14",
@@ -129,6 +128,7 @@ class Settings:
     http_max_body_bytes: int = 8 * 1024 * 1024  # a larger HTTP request body is refused with 413
     stream_resume_s: float = 10.0  # a streaming client that hung up may resume this long; its reply goes on
     serve_speculative: int = 0  # SWARM_SERVE_SPECULATIVE: tokens drafted per decode pass (0 off, at most 8)
+    serve_draft_model: str = ""  # SWARM_SERVE_DRAFT_MODEL (fellow): a servable's folder or id that drafts
     log_format: str = "text"  # SWARM_LOG_FORMAT: text | json (core/logs.py)
     stage_stats_s: float = 30.0  # SWARM_STAGE_STATS_S: a stage's stats line, once per this much traffic
     nats_user: str | None = None  # SWARM_NATS_USER / SWARM_NATS_PASSWORD: this process's NATS user
@@ -205,6 +205,7 @@ class Settings:
             serve_link_host=env.get("SWARM_SERVE_LINK_HOST", "").strip() or "127.0.0.1",
             serve_link_port=_int(env, "SWARM_SERVE_LINK_PORT", 0),
             serve_speculative=_speculative(env),
+            serve_draft_model=(env.get("SWARM_SERVE_DRAFT_MODEL") or "").strip(),
             log_format=_choice(env, "SWARM_LOG_FORMAT", "text", ("text", "json")),
             stage_stats_s=_float(env, "SWARM_STAGE_STATS_S", 30.0, minimum=0.05),
             http_max_body_bytes=_int(env, "SWARM_HTTP_MAX_BODY_BYTES", 8 * 1024 * 1024, minimum=1),

@@ -41,6 +41,7 @@ class StageConfig(msgspec.Struct, frozen=True, kw_only=True):
     links: str = "direct"  # a ring stage dials the next one directly where that beats the relay; or "relay"
     link_host: str = "127.0.0.1"  # where a ring stage listens for its predecessor, and the address it gives
     link_port: int = 0  # 0: an ephemeral port
+    draft_model_dir: str = ""  # a one-stage load's draft model (SWARM_SERVE_DRAFT_MODEL), when it drafts
 
 
 class Report(msgspec.Struct, frozen=True, kw_only=True, tag_field="event"):

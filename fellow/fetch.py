@@ -32,6 +32,19 @@ def local_model_dir(settings: Settings, model_id: str, model_path: str, manifest
     return cached if (cached / MANIFEST_NAME).is_file() else None
 
 
+def draft_model_dir(settings: Settings) -> Path:
+    """SWARM_SERVE_DRAFT_MODEL's folder: a servable's path, or a servable id in the fellow's model cache."""
+    value = settings.serve_draft_model
+    path = Path(value).expanduser()
+    if (path / MANIFEST_NAME).is_file():
+        return path
+    found = sorted(p.parent for p in settings.fellow_model_cache.glob(f"{value}-*/{MANIFEST_NAME}"))
+    if found:
+        return found[-1]
+    raise FileNotFoundError(f"SWARM_SERVE_DRAFT_MODEL={value!r} is neither a servable's folder nor a servable "
+                            f"in this fellow's model cache ({settings.fellow_model_cache})")
+
+
 def fetch_model(settings: Settings, model_id: str, manifest_sha256: str, attempts: int = 3) -> Path:
     """Download (resuming a partial file with Range), check the sha256, unpack; returns the folder."""
     target = cached_dir(settings, model_id, manifest_sha256)

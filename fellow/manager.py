@@ -17,7 +17,7 @@ from events.fellow import LoadedModel
 from events.loads import (STAGE_RESTARTING, LoadFailed, ModelUnloaded, ReplicaLost, StageReady, load_failed_id,
                           replica_lost_id, replica_part, stage_restart_id)
 from events.stage import FailedReport, MetricsReport, ReadyReport, StageConfig, StageReport, Transport
-from fellow.fetch import FetchError, fetch_model, local_model_dir
+from fellow.fetch import FetchError, draft_model_dir, fetch_model, local_model_dir
 from fellow.stage_process import StageProcess
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,15 @@ class ModelManager:
                 return
             t = cmd.transport
             max_batch = t.max_batch or (self.settings.serve_max_batch or 0)
+            speculative = t.speculative or self.settings.serve_speculative  # rings draft on stage 0
+            draft_dir = ""
+            if speculative and cmd.num_stages == 1 and self.settings.serve_draft_model:  # one-stage loads only
+                try:
+                    draft_dir = str(draft_model_dir(self.settings))
+                except FileNotFoundError as exc:
+                    await self._fail(cmd.load_id, cmd.model_id, str(exc),
+                                     replica=cmd.assignment.replica, replicas=cmd.replicas)
+                    return
             cfg = StageConfig(load_id=cmd.load_id, model_id=cmd.model_id, model_dir=str(model_dir),
                               nats_url=self.settings.nats_url or "nats://127.0.0.1:4222",
                               fellow_id=self.agent.fellow_id, stage=cmd.assignment.stage, num_stages=cmd.num_stages,
@@ -86,13 +95,14 @@ class ModelManager:
                               transport=Transport(max_in_flight=t.max_in_flight, kv_tokens=t.kv_tokens,
                                                   step_costs=t.step_costs or self.settings.serve_step_costs,
                                                   prefix_cache=self.settings.serve_prefix_cache,
-                                                  speculative=t.speculative or self.settings.serve_speculative,
+                                                  speculative=speculative,
                                                   max_batch=max_batch, prefill_chunk=t.prefill_chunk),
                               report_s=min(1.0, self.settings.heartbeat_s),
                               packed_linear=self.settings.serve_packed_linear != "off",
                               quantization=quantization,
                               threads=self.settings.serve_threads, links=self.settings.serve_links,
-                              link_host=self.settings.serve_link_host, link_port=self.settings.serve_link_port)
+                              link_host=self.settings.serve_link_host, link_port=self.settings.serve_link_port,
+                              draft_model_dir=draft_dir)
             logs = self.settings.data_dir / "logs"
             logs.mkdir(parents=True, exist_ok=True)
             creds = self.settings.nats_credentials  # the stage logs in to NATS as its fellow

@@ -29,7 +29,7 @@ def test_bad_values_name_the_variable(env, needle):
         Settings.from_env(env)
 
 
-NOT_IMPLEMENTED = ["SWARM_SERVE_DRAFT_MODEL", "SWARM_SERVE_LORA", "SWARM_SERVE_4BIT_ROWS",
+NOT_IMPLEMENTED = ["SWARM_SERVE_LORA", "SWARM_SERVE_4BIT_ROWS",
                    "SWARM_SERVE_4BIT_FLOAT32", "SWARM_SERVE_ATTENTION", "SWARM_API_TOKENS_FILE"]
 
 

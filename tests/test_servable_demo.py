@@ -62,3 +62,45 @@ def test_demo_servable_chats_in_chatml_with_think(tmp_path):
     for stage in range(2):
         x = build_stage_modules(load_manifest(tmp_path / "sv"), stage, tmp_path / "sv").forward(x)
     assert x.shape == (1, ids.shape[1], len(tokenizer))
+
+
+def test_the_demo_draft_shares_the_demo_models_tokenizer_and_drafts_for_it(tmp_path):
+    """`swarm demo-model --draft`: a smaller model trained on the same text, with the same tokenizer,
+    exported in one stage; it loads as the demo model's draft model, and greedy replies stay the same."""
+    from fellow.runtime.engine.draft_model import load_draft_model
+    from fellow.runtime.engine.engine import Engine
+    from fellow.runtime.engine.sampling import SamplingParams
+    from fellow.runtime.engine.session import Session
+    from fellow.runtime.model.loader import load_one_stage
+    from fellow.runtime.tools.demo_model import DRAFT_SHAPE, make_demo_draft
+
+    make_demo_model(tmp_path / "demo", seed=0, steps=2, **SMALL)
+    small = {k: v for k, v in SMALL.items() if k not in DRAFT_SHAPE}
+    manifest = make_demo_draft(tmp_path / "draft", seed=0, steps=2, **small)
+    assert manifest.model_id == "swarm-demo-draft" and manifest.num_stages == 1
+    target = load_one_stage(tmp_path / "demo", "cpu")
+    draft = load_draft_model(tmp_path / "draft", target.stage, target.tokenizer, target.device)
+    assert len(draft.stage.layers) == DRAFT_SHAPE["layers"] and draft.stage.config.hidden_size == DRAFT_SHAPE["hidden"]
+
+    def replies(**spec):
+        engine = Engine(target.stage, kv_tokens=4096, **spec)
+        sessions = [Session(f"s{i}", target.tokenizer(demo_examples()[i], add_special_tokens=False)["input_ids"][:24],
+                            10, SamplingParams(temperature=0.0)) for i in range(2)]
+        for session in sessions:
+            engine.add(session)
+        while engine.busy:
+            engine.step()
+        return [s.output_ids for s in sessions], sessions
+
+    off, _ = replies()
+    on, sessions = replies(speculative=2, draft=draft)
+    assert on == off and sum(s.spec_model_drafted for s in sessions) > 0
+
+
+def test_demo_model_command_trains_the_draft(tmp_path):
+    swarm = str(Path(sys.executable).parent / "swarm")
+    out = subprocess.run([swarm, "demo-model", "--draft", str(tmp_path / "draft"), "--steps", "1"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "training the demo draft model" in out.stderr and "swarm-demo-draft written" in out.stdout
+    assert load_manifest(tmp_path / "draft").num_stages == 1

@@ -50,9 +50,13 @@ class PromptLookup:
 
     def draft(self, k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the sequence's tail."""
+        return self.draft_run(k)[0]
+
+    def draft_run(self, k: int) -> tuple[list[int], int]:
+        """``draft(k)`` and the length of the tail it matched (0: none)."""
         length = len(self.ids)
         if k <= 0 or length < NGRAMS[-1] + 1:
-            return []
+            return [], 0
         self._index_to(length - 1)
         for n in NGRAMS:
             if length <= n:
@@ -64,8 +68,8 @@ class PromptLookup:
             for j in range(k):
                 position = start + j
                 drafts.append(self.ids[position] if position < length else drafts[position - length])
-            return drafts
-        return []
+            return drafts, n
+        return [], 0
 
 
 def next_drafts(session) -> list[int]:

@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from fellow.runtime.engine.draft_model import LOOKUP_FIRST_RUN, DraftModel
 from fellow.runtime.engine.drafting import DraftGuard, PromptLookup, check_speculative
 from fellow.runtime.engine.prefix_cache import PrefixCache
 from fellow.runtime.engine.processors import sample_next
@@ -35,12 +36,22 @@ class Engine(Scheduler):
     the model agrees with plus one token of its own, and each cache is cropped to what stood.
     Sessions with and without drafts share the pass; a session's DraftGuard sizes its drafts by
     how many stood, and pauses its drafting while they keep failing.
+
+    With a ``draft`` model (fellow.runtime.engine.draft_model) too, prompt lookup still drafts first
+    when it matched a tail of LOOKUP_FIRST_RUN tokens or more and has a full set of drafts; every
+    other drafting session asks the draft model, in one batch. The budget's tokens then each hold
+    a position of both models (``DraftModel.budget_tokens``).
     """
 
     def __init__(self, stage: StageModel, *, kv_tokens: int, max_batch: int = 0, prefill_chunk: int = 256,
-                 prefix_cache: bool = True, speculative: int = 0) -> None:
+                 prefix_cache: bool = True, speculative: int = 0, draft: DraftModel | None = None) -> None:
         if not (stage.is_first and stage.is_last):
             raise ValueError("the engine serves a stage that holds the embeddings and the head")
+        if draft is not None:
+            if not speculative:
+                raise ValueError("a draft model drafts only with speculative k > 0")
+            kv_tokens = draft.budget_tokens(kv_tokens)
+        self.draft = draft
         super().__init__(kv_tokens, max_batch=max_batch, prefill_chunk=prefill_chunk)
         self.stage = stage
         self.speculative = check_speculative(speculative)
@@ -70,6 +81,8 @@ class Engine(Scheduler):
         if self.prefix is not None and session.cache is not None and session.error is None and reason != "error":
             self.prefix.insert(session.prompt_ids + session.output_ids, session.cache)
         super()._finish(session, reason, result)
+        if self.draft is not None:
+            self.draft.release(session.session_id)
         if self.prefix is not None:
             self.prefix.fit(self.budget.reserved, self.kv_tokens)
 
@@ -77,6 +90,8 @@ class Engine(Scheduler):
         stats = super().stats()
         if self.prefix is not None:
             stats.update(self.prefix.stats())
+        if self.draft is not None:
+            stats["draft_positions"] = self.draft.positions
         return stats
 
     def _prefill(self, result: StepResult) -> None:
@@ -126,7 +141,7 @@ class Engine(Scheduler):
 
     def _decode(self, result: StepResult) -> None:
         decoding = [s for s in self.sessions.values() if not s.prefilling]
-        drafts = {s.session_id: self._drafts(s) for s in decoding} if self.speculative else {}
+        drafts = self._all_drafts(decoding) if self.speculative else {}
         batches = self._decode_batches(decoding)
         self.last_batches = [len(batch) for batch in batches]
         for batch in batches:
@@ -143,15 +158,35 @@ class Engine(Scheduler):
                 session.decode_steps += 1
                 self._accept(session, token, now, result)
 
-    def _drafts(self, session: Session) -> list[int]:
-        """Prompt lookup's drafts for the session's next pass. At most the tokens its reply has left
-        but one: a pass then never writes past the session's reservation (the reserved prompt plus
+    def _all_drafts(self, decoding: list[Session]) -> dict[str, list[int]]:
+        """Every decoding session's drafts for this pass: prompt lookup's, else the draft model's
+        (all asked in one batch)."""
+        drafts: dict[str, list[int]] = {}
+        asks = []
+        for session in decoding:
+            limit = self._draft_limit(session)
+            if limit <= 0:
+                continue
+            lookup = session.lookup
+            lookup.extend(session.output_ids[len(lookup.ids) - len(session.prompt_ids):])
+            found, run = lookup.draft_run(limit)
+            if self.draft is None or (run >= LOOKUP_FIRST_RUN and len(found) == limit):
+                drafts[session.session_id] = found
+                session.model_drafting = False
+            else:
+                asks.append((session.session_id, lookup.ids, limit, session.stop_ids))
+                session.model_drafting = True
+        if asks:
+            drafts.update(self.draft.propose(asks))
+        return drafts
+
+    def _draft_limit(self, session: Session) -> int:
+        """How many tokens the session may draft this pass. At most the tokens its reply has left but
+        one: a pass then never writes past the session's reservation (the reserved prompt plus
         max_tokens holds the positions of the pass in flight)."""
         if not session.spec_k or not session.guard.allows():
-            return []
-        lookup = session.lookup
-        lookup.extend(session.output_ids[len(lookup.ids) - len(session.prompt_ids):])
-        return lookup.draft(min(session.guard.limit, session.max_new_tokens - len(session.output_ids) - 1))
+            return 0
+        return min(session.guard.limit, session.max_new_tokens - len(session.output_ids) - 1)
 
     def _verify(self, batch: list[Session], drafts: dict[str, list[int]], result: StepResult) -> None:
         """One pass of ``[next_input, *drafts]`` for every session of the batch (sessions without
@@ -178,6 +213,9 @@ class Engine(Scheduler):
                 session.spec_tokens += len(gained)
                 session.spec_drafted += drafted
                 session.spec_accepted += accepted
+                if session.model_drafting:
+                    session.spec_model_drafted += drafted
+                    session.spec_model_accepted += accepted
             for token, logprob in gained:
                 session.pending_logprob = logprob
                 if self._accept(session, token, now, result):

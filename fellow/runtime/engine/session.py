@@ -53,6 +53,9 @@ class Session:
     spec_tokens: int = field(default=0, init=False)  # tokens those passes gained
     spec_drafted: int = field(default=0, init=False)
     spec_accepted: int = field(default=0, init=False)  # drafts that stood
+    model_drafting: bool = field(default=False, init=False)  # this pass's drafts are the draft model's
+    spec_model_drafted: int = field(default=0, init=False)  # of spec_drafted, the draft model's
+    spec_model_accepted: int = field(default=0, init=False)  # of spec_accepted, the draft model's
 
     def __post_init__(self) -> None:
         self.prompt_ids = _ids(self.prompt_ids)
@@ -107,6 +110,9 @@ class Session:
             timing.update(spec_k=self.spec_k, spec_passes=self.spec_passes, spec_tokens=self.spec_tokens,
                           spec_drafted=self.spec_drafted, spec_accepted=self.spec_accepted,
                           decode_passes=self.decode_steps)  # decode_ms is per pass, and a pass may gain several
+            if self.spec_model_drafted:
+                timing.update(spec_model_drafted=self.spec_model_drafted,
+                              spec_model_accepted=self.spec_model_accepted)
         return timing
 
 

@@ -7,11 +7,12 @@ import time
 
 from events import subjects
 from events.stage import MetricsReport
+from fellow.runtime.engine.draft_model import DraftModel, load_draft_model
 from fellow.runtime.engine.engine import Engine
 from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.engine.serving_loop import ServingLoop
 from fellow.runtime.model.loader import load_one_stage
-from fellow.runtime.server.base import StageServerBase
+from fellow.runtime.server.base import StageServerBase, log, warm_up
 from fellow.runtime.server.intake import Intake
 
 
@@ -25,18 +26,26 @@ class StageServer(StageServerBase):
     tokenizer: object
     stop_ids: frozenset[int]
     intake: Intake | None = None
+    draft: DraftModel | None = None
 
     def _load(self) -> None:
         loaded = load_one_stage(self.cfg.model_dir, packed=self.cfg.packed_linear, batch_cap=self.batch_cap,
                                 quantization=self.cfg.quantization)
         self.stage, self.device = loaded.stage, loaded.device
         self.tokenizer, self.stop_ids = loaded.tokenizer, loaded.stop_ids
+        if self.cfg.draft_model_dir and self.cfg.transport.speculative:
+            self.draft = load_draft_model(self.cfg.draft_model_dir, self.stage, self.tokenizer, self.device,
+                                          packed=self.cfg.packed_linear, batch_cap=self.batch_cap)
+            warm_up(self.draft.stage)
+            log.info("[stage%d draft] %s drafts beside the served model: %d bytes a position (%.3f of the "
+                     "served model's)", self.cfg.stage, self.draft.name, self.draft.position_bytes, self.draft.ratio)
 
     def _build(self) -> None:
         t = self.cfg.transport
         self.engine = Engine(self.stage, kv_tokens=self.kv_tokens, max_batch=t.max_batch,
                              prefill_chunk=t.prefill_chunk, prefix_cache=t.prefix_cache,
-                             speculative=t.speculative)
+                             speculative=t.speculative, draft=self.draft)
+        self.kv_tokens = self.engine.kv_tokens  # with a draft model, each token holds a position of both
         self.serving = self.make_loop()
 
     def make_loop(self) -> ServingLoop:

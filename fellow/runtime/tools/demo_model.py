@@ -17,6 +17,8 @@ from fellow.runtime.tools.chat_tokenizer import chat_turn, generation_config_val
 
 MODEL_ID = "swarm-demo"
 DEFAULT_STEPS = 260  # about two minutes on two CPU cores
+DRAFT_ID = "swarm-demo-draft"
+DRAFT_SHAPE = {"hidden": 96, "layers": 2}  # the demo model's draft: 1/4 of its KV a position
 _QUESTIONS = ("What is {}?", "Tell me about {}.", "Explain {} in Python.", "How does {} work?")
 
 Progress = Callable[[int, int, float], None]  # (step, steps, loss)
@@ -106,9 +108,23 @@ def make_demo_model(out_dir: str | Path, seed: int = 0, steps: int = DEFAULT_STE
 
     The HF checkpoint goes to ``checkpoint_dir`` when given, else to a temporary folder.
     """
+    model, tokenizer = train_demo(seed, steps, progress, **train_options)
+    return _export(model, tokenizer, out_dir, 2, MODEL_ID, checkpoint_dir)
+
+
+def make_demo_draft(out_dir: str | Path, seed: int = 0, steps: int = DEFAULT_STEPS,
+                    progress: Progress | None = None, **train_options) -> Manifest:
+    """Train a small draft model for the demo model (SWARM_SERVE_DRAFT_MODEL) on the same text, and
+    export it to ``out_dir`` as servable "swarm-demo-draft" in one stage. The tokenizer is trained
+    from the same texts at the same size, so it is the demo model's (a fellow checks that at load)."""
+    model, tokenizer = train_demo(seed, steps, progress, **{**DRAFT_SHAPE, **train_options})
+    return _export(model, tokenizer, out_dir, 1, DRAFT_ID, None)
+
+
+def _export(model, tokenizer, out_dir: str | Path, stages: int, model_id: str,
+            checkpoint_dir: str | Path | None) -> Manifest:
     from fellow.runtime.tools.export import export
 
-    model, tokenizer = train_demo(seed, steps, progress, **train_options)
     with tempfile.TemporaryDirectory(prefix="swarm-demo-") as tmp:
         ckpt = Path(checkpoint_dir) if checkpoint_dir else Path(tmp)
         ckpt.mkdir(parents=True, exist_ok=True)
@@ -117,4 +133,4 @@ def make_demo_model(out_dir: str | Path, seed: int = 0, steps: int = DEFAULT_STE
         model.save_pretrained(str(ckpt))
         tokenizer.save_pretrained(str(ckpt))
         (ckpt / "generation_config.json").write_text(json.dumps(generation_config_values(tokenizer), indent=2))
-        return export(ckpt, out_dir, stages=2, model_id=MODEL_ID)
+        return export(ckpt, out_dir, stages=stages, model_id=model_id)
