@@ -22,11 +22,12 @@ from events.requests import ChatRequest, RequestAccepted, RequestFailed, request
 from leader.api.body import StructBody
 from leader.api.deps import Caller, ChatTimeout, LeaderDep, ServingDep, StreamsDep
 from leader.errors import ApiError
-from leader.openai.replies import (DONE, Answer, ChatCompletion, ChunkEncoder, completion, error_event,
-                                   frame_error)
+from leader.openai.replies import (DONE, Answer, ChatCompletion, ChunkEncoder, calls_reason, completion,
+                                   error_event, frame_error)
 from leader.openai.schema import ChatBody, decode_body, empty_body
-from leader.openai.tokenizer import check_bias_ids
-from leader.openai.validate import chat_request, check_body
+from leader.openai.tokenizer import check_bias_ids, tokenizer_for
+from leader.openai.tools import CallStream, check_template
+from leader.openai.validate import chat_request, check_body, request_tools
 from leader.serving.limits import check_payload
 from leader.resume import resume
 from leader.token_stream import FrameTimeout, TokenStream, event_id
@@ -72,6 +73,7 @@ class Relay:
         """SSE bytes: the role chunk at once (not on a resumed stream), a chunk per frame, the finish, then
         [DONE]. Each chunk's id names the next frame, for a client that reconnects (leader.resume)."""
         rid = self.chat.request_id
+        calls = CallStream(tool_names(self.chat)) if self.chat.tools else None
         try:
             if not resumed:
                 yield event_id(rid, self.stream.next_seq) + enc.role()
@@ -79,10 +81,18 @@ class Relay:
                 frame = await self.next_frame()
                 if isinstance(frame, TokenFrame):
                     text = frame.text or "".join(frame.texts)
-                    if text or frame.logprobs:
+                    if calls is not None:
+                        pieces = tool_pieces(enc, calls, calls.feed(text))
+                        if pieces:
+                            yield event_id(rid, self.stream.next_seq) + pieces
+                    elif text or frame.logprobs:
                         yield event_id(rid, self.stream.next_seq) + enc.text(text, logprobs=frame.logprobs)
                 elif isinstance(frame, DoneFrame):
-                    yield event_id(rid, self.stream.next_seq) + enc.finish(frame) + DONE
+                    tail, reason = b"", None
+                    if calls is not None:
+                        tail = tool_pieces(enc, calls, calls.flush())
+                        reason = calls_reason(frame.finish_reason, calls.calls)
+                    yield event_id(rid, self.stream.next_seq) + tail + enc.finish(frame, reason) + DONE
                     return
                 else:
                     yield error_event(frame_error(frame))
@@ -100,7 +110,8 @@ class Relay:
                 answer.add(frame)
             elif isinstance(frame, DoneFrame):
                 answer.done = frame
-                body = completion(self.completion_id, self.created, self.chat.model_id, [answer])
+                body = completion(self.completion_id, self.created, self.chat.model_id, [answer],
+                                  tool_names(self.chat) if self.chat.tools else None)
                 return Response(body, media_type="application/json")
             else:
                 raise frame_error(frame)
@@ -119,6 +130,22 @@ class Relay:
         if collect.done() and not collect.cancelled():
             return collect.result()
         return Response(b"", status_code=499)  # nobody is listening any more
+
+
+def tool_names(chat: ChatRequest) -> set[str]:
+    return {t["function"]["name"] for t in chat.tools}
+
+
+def tool_pieces(enc: ChunkEncoder, calls: CallStream, pieces: list) -> bytes:
+    """Settled text and whole tool calls as chunks (a call's number counts the calls before it)."""
+    out, number = [], calls.calls - sum(1 for kind, _ in pieces if kind == "call")
+    for kind, piece in pieces:
+        if kind == "text":
+            out.append(enc.text(piece))
+        else:
+            out.append(enc.tool_call(number, piece))
+            number += 1
+    return b"".join(out)
 
 
 async def disconnected(request: Request) -> None:
@@ -166,6 +193,8 @@ async def chat_completions(request: Request, leader: LeaderDep, serving: Serving
     messages = check_body(body)
     ready = await serving.ready_load(body.model, leader.settings.autoload)
     check_bias_ids(ready.model_dir, body.logit_bias)
+    if request_tools(body)[0]:
+        check_template(tokenizer_for(ready.model_dir).chat_template)
     if (body.n or 1) > 1:
         from leader.api.choices import chat_choices  # built on this module's Relay
 

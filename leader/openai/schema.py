@@ -30,6 +30,7 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 
 class ResponseFormat(msgspec.Struct, kw_only=True):
     type: str
+    json_schema: dict | None = None  # {"name", "schema", "strict", "description"} for type json_schema
 
 
 class ChatBody(msgspec.Struct, kw_only=True):

@@ -30,6 +30,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     min_tokens: int = 0
     logprobs: int | None = None  # None: none; k: the sampled token's and the top k candidates'
+    grammar: str = ""  # an llguidance grammar the reply must follow (processors.Constraint); "" for none
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -81,6 +82,7 @@ class SamplingParams:
             logit_bias=tuple(sorted((int(k), float(v)) for k, v in pairs)),
             min_tokens=int(getattr(sampling, "min_tokens", 0)),
             logprobs=None if logprobs is None or logprobs < 0 else int(logprobs),
+            grammar=str(getattr(sampling, "grammar", "") or ""),
         )
 
 

@@ -43,6 +43,7 @@ class Session:
     error: Exception | None = field(default=None, init=False)  # why it failed (finish_reason "error")
     pending_logprob: tuple | None = field(default=None, init=False)  # the sampler's, for the token it drew
     logprobs: list[tuple] = field(default_factory=list, init=False)  # one per output id, when asked for
+    constraint: object | None = field(default=None, init=False, repr=False)  # processors.Constraint, if any
 
     def __post_init__(self) -> None:
         self.prompt_ids = _ids(self.prompt_ids)

@@ -27,6 +27,8 @@ PROBE_TIMEOUT_S = 600.0  # the later stages may still be loading (or fetching th
 class RingServingLoop(ServingLoop):
     """The one-stage serving loop over a RingHead: new jobs wake it from its wait for tokens."""
 
+    samples_here = False  # the ring's last stage samples, and holds the request's grammar
+
     def submit(self, job) -> None:
         super().submit(job)
         self.engine.inbox.put(WAKE)
