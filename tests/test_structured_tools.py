@@ -181,3 +181,57 @@ async def test_tool_requests_that_cannot_be_served_are_refused(client):
         await client.chat.completions.create(model="tiny", max_tokens=4,
                                              messages=PROMPT + [{"role": "tool", "content": "x"}])
     assert err.value.body["param"] == "messages[1].tool_call_id"
+
+
+async def test_responses_whole_and_streamed(client):
+    common = dict(model="tiny", instructions="Answer briefly.", input="Name a colour.", max_output_tokens=8,
+                  temperature=0, store=False)
+    whole = await client.responses.create(**common)
+    assert whole.object == "response" and whole.id.startswith("resp_")
+    assert whole.status in ("completed", "incomplete") and whole.output[0].type == "message"
+    assert whole.usage.output_tokens <= 8 and whole.usage.input_tokens > 0
+    chat = await client.chat.completions.create(model="tiny", max_tokens=8, temperature=0, messages=[
+        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a colour."}])
+    assert whole.output_text == chat.choices[0].message.content  # the same request as chat runs it
+    assert (whole.status == "incomplete") == (chat.choices[0].finish_reason == "length")
+    if whole.status == "incomplete":
+        assert whole.incomplete_details.reason == "max_output_tokens"
+    kinds, deltas, final = [], [], None
+    async with await client.responses.create(stream=True, **common) as stream:
+        async for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+            if event.type in ("response.completed", "response.incomplete"):
+                final = event.response
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert "response.output_item.added" in kinds and "response.output_text.done" in kinds
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert "".join(deltas) == whole.output_text == final.output_text
+
+
+async def test_responses_structured_output_and_a_tool_call_and_refusals(client):
+    reply = await client.responses.create(model="tiny", input=[{"role": "user", "content": "A colour?"}],
+                                          max_output_tokens=120, temperature=1.0, store=False,
+                                          text={"format": {"type": "json_schema", "name": "thing",
+                                                           "schema": SCHEMA, "strict": True}})
+    assert reply.status == "completed"
+    jsonschema.validate(json.loads(reply.output_text), SCHEMA)
+    flat = [{"type": "function", **TIME["function"]}]
+    called = await client.responses.create(model="tiny", input="What time is it?", tools=flat,
+                                           tool_choice="required", max_output_tokens=120, store=False)
+    item = called.output[0]
+    assert item.type == "function_call" and item.name == "get_time" and item.call_id.startswith("call_")
+    assert json.loads(item.arguments)["zone"] in ("UTC", "CET")
+    followed = await client.responses.create(model="tiny", max_output_tokens=6, store=False, tools=flat, input=[
+        {"role": "user", "content": "What time is it?"},
+        {"type": "function_call", "call_id": item.call_id, "name": item.name, "arguments": item.arguments},
+        {"type": "function_call_output", "call_id": item.call_id, "output": "12:00"}])
+    assert followed.usage.input_tokens > called.usage.input_tokens
+    for extra, param in ((dict(previous_response_id="resp_x"), "previous_response_id"),
+                         (dict(store=True), "store"), (dict(reasoning={"effort": "low"}), "reasoning"),
+                         (dict(max_output_tokens=0), "max_output_tokens"),
+                         (dict(tools=[{"type": "web_search"}]), "tools[0].type")):
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.responses.create(model="tiny", input="hi", **{"store": False, **extra})
+        assert err.value.body["param"] == param, (extra, err.value.body)

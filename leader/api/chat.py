@@ -102,7 +102,8 @@ class Relay:
         finally:  # a hang-up cancels after a grace, unless the client resumes; a no-op once the last frame came
             self.stream.close(cancel=True, grace_s=self.leader.settings.stream_resume_s)
 
-    async def collect(self) -> Response:
+    async def answer(self) -> Answer:
+        """Every frame of the reply, collected."""
         answer = Answer(0, self.chat.sampling.logprobs is not None)
         while True:
             frame = await self.next_frame()
@@ -110,15 +111,20 @@ class Relay:
                 answer.add(frame)
             elif isinstance(frame, DoneFrame):
                 answer.done = frame
-                body = completion(self.completion_id, self.created, self.chat.model_id, [answer],
-                                  tool_names(self.chat) if self.chat.tools else None)
-                return Response(body, media_type="application/json")
+                return answer
             else:
                 raise frame_error(frame)
 
-    async def complete(self, request: Request) -> Response:
-        """The whole reply at once; a client that hangs up first cancels the generation."""
-        collect = asyncio.ensure_future(self.collect())
+    async def collect(self) -> Response:
+        answer = await self.answer()
+        body = completion(self.completion_id, self.created, self.chat.model_id, [answer],
+                          tool_names(self.chat) if self.chat.tools else None)
+        return Response(body, media_type="application/json")
+
+    async def complete(self, request: Request, collect=None) -> Response:
+        """The whole reply at once (``collect()``'s, chat's by default); a client that hangs up first
+        cancels the generation."""
+        collect = asyncio.ensure_future((collect or self.collect)())
         gone = asyncio.ensure_future(disconnected(request))
         try:
             await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -199,6 +205,14 @@ async def chat_completions(request: Request, leader: LeaderDep, serving: Serving
         from leader.api.choices import chat_choices  # built on this module's Relay
 
         return await chat_choices(request, leader, streams, caller, chat_timeout_s, body, messages, ready)
+    relay = await open_relay(leader, streams, caller, chat_timeout_s, body, messages, ready)
+    if body.stream:
+        return Stream(relay.events(chunk_encoder(relay, body)), media_type="text/event-stream", headers=SSE_HEADERS)
+    return await relay.complete(request)
+
+
+async def open_relay(leader, streams, caller, timeout: float, body: ChatBody, messages: list, ready) -> Relay:
+    """One checked chat body as an accepted request on ``ready``'s load, its frames subscribed first."""
     chat = chat_request(body, messages, new_id(), ready.load_id, ready.generation, ready.context_tokens)
     check_payload(leader.nc, chat)  # a 413 before anything is recorded
     try:
@@ -211,7 +225,4 @@ async def chat_completions(request: Request, leader: LeaderDep, serving: Serving
     except BaseException:
         stream.close(cancel=True)
         raise
-    relay = Relay(leader, stream, chat, chat_timeout_s)
-    if body.stream:
-        return Stream(relay.events(chunk_encoder(relay, body)), media_type="text/event-stream", headers=SSE_HEADERS)
-    return await relay.complete(request)
+    return Relay(leader, stream, chat, timeout)
