@@ -235,3 +235,47 @@ async def test_responses_structured_output_and_a_tool_call_and_refusals(client):
         with pytest.raises(openai.BadRequestError) as err:
             await client.responses.create(model="tiny", input="hi", **{"store": False, **extra})
         assert err.value.body["param"] == param, (extra, err.value.body)
+
+
+@pytest.fixture(scope="module")
+def ring(tmp_path_factory):
+    """The same tiny model as a 2-stage ring on two fellows: the last stage samples, so it holds the grammar."""
+    from core.nats_server import EmbeddedNats
+    from tests.serving_fixtures import Stack, make_servable
+
+    root = tmp_path_factory.mktemp("structured-ring")
+    _, servable = make_servable(root / "models", "tiny", layers=2, hidden=64, stages=2)
+    nats = EmbeddedNats(root / "jetstream").start()
+    stack = Stack(root, nats.url, servable.parent, fellows=2, OMP_NUM_THREADS=1)
+    try:
+        stack.start()
+        load = stack.load("tiny", num_stages=2, fellow_ids=["f0", "f1"])
+        assert len(load["stages"]) == 2
+        yield stack
+    finally:
+        stack.stop()
+        nats.stop()
+
+
+async def test_structured_outputs_and_tool_calls_on_a_two_stage_ring(ring):
+    async with openai.AsyncOpenAI(base_url=ring.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        batch = await client.chat.completions.create(model="tiny", messages=PROMPT, response_format=json_format(),
+                                                     n=8, max_tokens=120, temperature=1.0, seed=7)
+        for choice in batch.choices:
+            assert choice.finish_reason == "stop", choice
+            jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+        parsed = await client.chat.completions.parse(model="tiny", messages=PROMPT, response_format=Colour,
+                                                     max_tokens=120, temperature=1.0, seed=8)
+        assert isinstance(parsed.choices[0].message.parsed, Colour)
+        reply = await client.chat.completions.create(model="tiny", messages=PROMPT, tools=TOOLS,
+                                                     tool_choice="required", max_tokens=120, seed=4)
+        assert reply.choices[0].finish_reason == "tool_calls"
+        check_call(reply.choices[0].message.tool_calls[0])
+        deltas = []
+        stream = await client.chat.completions.create(model="tiny", messages=PROMPT, tools=TOOLS, stream=True,
+                                                      tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                                      max_tokens=120, seed=5)
+        async for chunk in stream:
+            deltas += chunk.choices[0].delta.tool_calls or []
+        assert len(deltas) == 1 and deltas[0].function.name == "get_weather"
+        jsonschema.validate(json.loads(deltas[0].function.arguments), WEATHER["function"]["parameters"])

@@ -192,4 +192,4 @@ def ring_sampling(session: Session) -> RingSampling:
                         repetition_penalty=s.repetition_penalty, logit_bias=list(s.logit_bias),
                         min_tokens=s.min_tokens, logprobs=s.logprobs,
                         stop_ids=sorted(session.stop_ids) if s.min_tokens else [],
-                        prompt_ids=session.prompt_ids if s.repetition_penalty != 1.0 else [])
+                        prompt_ids=session.prompt_ids if s.repetition_penalty != 1.0 else [], grammar=s.grammar)

@@ -18,7 +18,8 @@ from fellow.runtime.model.weights import build_stage_modules
 
 @dataclass
 class RingStage:
-    """What a ring's stage process serves with; the tokenizer and stop ids only on stage 0."""
+    """What a ring's stage process serves with; the tokenizer and stop ids on stage 0 (it tokenizes and
+    detokenizes) and on the last stage (it compiles the grammars it samples with)."""
 
     manifest: Manifest
     plan: StagePlan
@@ -57,7 +58,7 @@ def load_ring_stage(model_dir: str | Path, stage: int, num_stages: int, device: 
         manifest=manifest, plan=plan, stage=model, device=dev,
         sender=None if plan.is_last else WireCodec(plan.send, hidden, encoder=mods.encoder),
         receiver=None if plan.is_first else WireCodec(plan.recv, hidden, decoder=mods.decoder))
-    if plan.is_first:
+    if plan.is_first or plan.is_last:
         loaded.tokenizer = load_tokenizer(model_dir)
         loaded.stop_ids = stop_ids_for(manifest, loaded.tokenizer)
     return loaded

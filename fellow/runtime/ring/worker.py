@@ -15,7 +15,7 @@ from fellow.runtime.engine.serving_loop import StepStats
 from fellow.runtime.model.kv_cache import KVCache
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.loader import RingStage
-from fellow.runtime.engine.processors import sample_next
+from fellow.runtime.engine.processors import constraint_for, sample_next
 from fellow.runtime.engine.sampling import SamplingParams, make_generator
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ class _Held:
     stop_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)
     pending_logprob: tuple | None = None
+    constraint: object | None = None  # processors.Constraint of the request's grammar, if any
 
     def sampled(self, token: int) -> tuple | None:
         """Take the token this stage drew; its logprob, if the request asked for them."""
@@ -129,9 +130,12 @@ class RingWorker:
             params = SamplingParams.of(frame.sampling) if frame.sampling is not None else SamplingParams()
             generator = make_generator(params, self.stage.output_device) if self.is_last else None
             ring = frame.sampling
+            constraint = (constraint_for(self.ring.tokenizer, params.grammar, self.ring.stop_ids)
+                          if self.is_last else None)
             self.held[frame.session] = _Held(self.stage.new_cache(), params, generator,
                                              prompt_ids=list(ring.prompt_ids) if ring else [],
-                                             stop_ids=frozenset(ring.stop_ids) if ring else frozenset())
+                                             stop_ids=frozenset(ring.stop_ids) if ring else frozenset(),
+                                             constraint=constraint)
         held = self._held(frame)
         hidden = self.ring.receiver.decode([(frame.data, frame.scale)], frame.positions, self.stage.dtype,
                                            self.stage.input_device)
