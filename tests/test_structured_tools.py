@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Literal
 
 import jsonschema
 import openai
@@ -279,3 +280,21 @@ async def test_structured_outputs_and_tool_calls_on_a_two_stage_ring(ring):
             deltas += chunk.choices[0].delta.tool_calls or []
         assert len(deltas) == 1 and deltas[0].function.name == "get_weather"
         jsonschema.validate(json.loads(deltas[0].function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_langchain_chat_openai_structured_output_and_a_tool_call(stack):
+    """A second real client: LangChain's ChatOpenAI, once with a pydantic schema and once binding a tool."""
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model="tiny", base_url=stack.url + "/v1", api_key="unused", max_tokens=120, temperature=1.0,
+                     seed=11, max_retries=0, timeout=120)
+    colour = llm.with_structured_output(Colour, method="json_schema").invoke("Name a colour.")
+    assert isinstance(colour, Colour) and 0 <= colour.score <= 9
+
+    def get_time(zone: Literal["UTC", "CET"]) -> str:
+        """The time in a zone."""
+        return "12:00"
+
+    message = llm.bind_tools([get_time], tool_choice="get_time").invoke("What time is it?")
+    assert len(message.tool_calls) == 1 and message.tool_calls[0]["name"] == "get_time"
+    assert message.tool_calls[0]["args"]["zone"] in ("UTC", "CET") and message.tool_calls[0]["id"].startswith("call_")
