@@ -22,6 +22,7 @@ A row is anything with ``sampling``, ``generator``, ``prompt_ids``, ``output_ids
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Sequence
 
@@ -165,8 +166,8 @@ def allowed_tokens(constraints: Sequence[Constraint], vocab: int) -> torch.Tenso
 
     words = max((c.vocab + 31) // 32 for c in constraints)
     bitmask = torch.zeros(len(constraints), words, dtype=torch.int32)
-    if _executor is None:
-        _executor = LLExecutor()
+    if _executor is None:  # half the cores: the masks are computed beside torch's own threads
+        _executor = LLExecutor(num_threads=max(1, min(16, (os.cpu_count() or 2) // 2)))
     _executor.unsafe_compute_mask_ptr([(c.matcher, i) for i, c in enumerate(constraints)], bitmask.data_ptr(),
                                       words * 4, len(constraints))
     bits = ((bitmask.unsqueeze(-1) >> _BITS) & 1).bool().reshape(len(constraints), -1)
