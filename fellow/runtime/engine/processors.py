@@ -26,6 +26,7 @@ import os
 import threading
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from fellow.runtime.engine.sampling import sample
@@ -99,10 +100,10 @@ def logprob_of(scores: torch.Tensor, token: int, temperature: float, top: int) -
 
 # --- grammars (structured outputs and constrained tool calls) -------------------------------------
 
-_BITS = torch.arange(32, dtype=torch.int32)
 _tokenizers: dict[tuple[int, frozenset[int]], object] = {}
 _tokenizers_lock = threading.Lock()
 _executor = None
+MASK_THREADS = max(1, min(16, (os.cpu_count() or 2) // 2))  # half the cores: torch's threads run beside them
 
 
 class Constraint:
@@ -160,18 +161,24 @@ def constraint_for(tokenizer, grammar: str, stop_ids: frozenset[int]) -> Constra
 def allowed_tokens(constraints: Sequence[Constraint], vocab: int) -> torch.Tensor:
     """[R, vocab] booleans: the tokens each constraint allows next (ids past its tokenizer: none).
 
-    The masks are computed together on llguidance's thread pool, into one int32 bitmask."""
+    The masks are computed together on llguidance's thread pool (one at a time where the pool would
+    have one thread), into one bitmask, unpacked with numpy: small tensor ops would wake torch's
+    intra-op threads, which costs more than the masks on a busy CPU."""
     global _executor
     from llguidance import LLExecutor
 
     words = max((c.vocab + 31) // 32 for c in constraints)
-    bitmask = torch.zeros(len(constraints), words, dtype=torch.int32)
-    if _executor is None:  # half the cores: the masks are computed beside torch's own threads
-        _executor = LLExecutor(num_threads=max(1, min(16, (os.cpu_count() or 2) // 2)))
-    _executor.unsafe_compute_mask_ptr([(c.matcher, i) for i, c in enumerate(constraints)], bitmask.data_ptr(),
-                                      words * 4, len(constraints))
-    bits = ((bitmask.unsqueeze(-1) >> _BITS) & 1).bool().reshape(len(constraints), -1)
-    allowed = torch.zeros(len(constraints), vocab, dtype=torch.bool)
+    bitmask = np.zeros((len(constraints), words), dtype=np.int32)
+    if len(constraints) == 1 or MASK_THREADS == 1:  # no pool to hand the work to and back
+        for i, c in enumerate(constraints):
+            c.matcher.unsafe_compute_mask_ptr(bitmask[i].ctypes.data, words * 4)
+    else:
+        if _executor is None:
+            _executor = LLExecutor(num_threads=MASK_THREADS)
+        _executor.unsafe_compute_mask_ptr([(c.matcher, i) for i, c in enumerate(constraints)],
+                                          bitmask.ctypes.data, words * 4, len(constraints))
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little").astype(bool)  # [R, 32 * words]
+    allowed = np.zeros((len(constraints), vocab), dtype=bool)
     width = min(vocab, bits.shape[1])
     allowed[:, :width] = bits[:, :width]
-    return allowed
+    return torch.from_numpy(allowed)
