@@ -79,6 +79,7 @@ BAD = [
     (body(functions=[{"name": "f"}]), "functions"),
     (body(tool_choice="required"), "tool_choice"),
     (body(tool_choice="sometimes"), "tool_choice"),
+    (body(tools=[{"type": "function", "function": {"name": "f"}}], parallel_tool_calls=False), "parallel_tool_calls"),
     (body(response_format={"type": "xml"}), "response_format.type"),
     (body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
      "response_format.json_schema.schema"),

@@ -178,6 +178,7 @@ def chat_body(body: ResponsesBody) -> ChatBody:
     return ChatBody(model=body.model, messages=_messages(body), stream=body.stream,
                     max_completion_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
                     tools=_tools(body), tool_choice=_tool_choice(body.tool_choice),
+                    parallel_tool_calls=body.parallel_tool_calls,
                     response_format=_format(body.text))
 
 

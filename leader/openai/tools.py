@@ -11,6 +11,9 @@ templates that carry that format (a 400 names ``tools`` otherwise).
   to exactly one well-formed call, of the named tool if one is named, with arguments that follow
   that tool's parameters schema.
 - "none": the tools are left out of the prompt, and the reply is plain text.
+
+``parallel_tool_calls`` false is served where decoding is constrained (one call); with "auto" it
+is refused, since nothing would stop the model from writing several calls.
 """
 
 from __future__ import annotations

@@ -222,6 +222,9 @@ def request_tools(body: ChatBody) -> tuple[list[dict], str]:
     choice = choice_of(body.tool_choice, tools)
     if choice == "none":
         return [], choice
+    if body.parallel_tool_calls is False and choice == "auto":
+        raise unsupported("parallel_tool_calls", "false is served with tool_choice 'required' or a named function "
+                                                 "(one constrained call); with 'auto' the model may write several")
     if body.logprobs:
         raise unsupported("logprobs", "logprobs are not served together with 'tools'")
     if body.response_format is not None and body.response_format.type != "text":
