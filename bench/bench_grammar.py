@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from bench.bench_engine import build_model
+from bench.bench_engine import build_model, shape_arguments
 from fellow.runtime.engine.engine import Engine
 from fellow.runtime.engine.processors import constraint_for
 from fellow.runtime.engine.sampling import SamplingParams
@@ -133,14 +133,7 @@ def mask_costs(tokenizer, rows: int, steps: int, seed: int, xgrammar_first: bool
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--prompt", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = shape_arguments(argparse.ArgumentParser(description=__doc__))
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--masks", action="store_true", help="only the mask cost per step: llguidance against "
                         "xgrammar (when importable), same schema and draws, the two alternating")

@@ -69,17 +69,24 @@ class Choice(msgspec.Struct, kw_only=True):
     finish_reason: str
 
 
-class ChatCompletion(msgspec.Struct, kw_only=True):
-    """OpenAI's ``chat.completion``; ``swarm.timing`` holds the spec's per-token time split."""
+class Reply(msgspec.Struct, kw_only=True):
+    """What OpenAI's whole replies share (a ``chat.completion``, a ``text_completion``); ``swarm.timing``
+    holds the spec's per-token time split."""
 
     id: str
-    object: str = "chat.completion"
+    object: str
     created: int
     model: str
-    choices: list[Choice]
     usage: Usage
     system_fingerprint: str | None = None
     swarm: dict | UnsetType = UNSET
+
+
+class ChatCompletion(Reply, kw_only=True):
+    """OpenAI's ``chat.completion``."""
+
+    object: str = "chat.completion"
+    choices: list[Choice]
 
 
 class Answer:
