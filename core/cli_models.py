@@ -53,6 +53,8 @@ def cmd_model_load(args) -> int:
         body["fellow_id"] = args.fellow_id
     if args.replicas != 1:
         body["replicas"] = args.replicas
+    if args.speculative is not None:
+        body["speculative"] = args.speculative
     if args.quantization:
         q = args.quantization
         body["quantization"] = {"bits": int(q)} if q.isdigit() else {"method": q}
@@ -164,7 +166,10 @@ def add_commands(sub) -> None:
     load.add_argument("--wait", action="store_true", help="wait until it is ready")
     load.add_argument("--num-stages", type=int, default=None)
     load.add_argument("--fellow-id", default=None)
-    load.add_argument("--replicas", type=int, default=1, help="one-stage copies on as many fellows, sharing the requests")
+    load.add_argument("--replicas", type=int, default=1,
+                      help="copies sharing the requests: one stage each, or rings of --num-stages")
+    load.add_argument("--speculative", type=int, default=None, metavar="K",
+                      help="tokens drafted per decode pass by prompt lookup, 0 (off) to 8; one-stage loads")
     load.add_argument("--quantization", default=None, help="nf4, int4-fast, 8, none")
     load.add_argument("--timeout", type=float, default=600.0)
     load.set_defaults(func=cmd_model_load)

@@ -63,10 +63,21 @@ def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str,
     return v
 
 
+def _speculative(env: Mapping[str, str]) -> int:
+    from events.loads import MAX_SPECULATIVE
+
+    raw = (env.get("SWARM_SERVE_SPECULATIVE") or "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit() or int(raw) > MAX_SPECULATIVE:
+        raise SettingsError(f"SWARM_SERVE_SPECULATIVE={raw!r} must be a whole number of drafted tokens per "
+                            f"decode pass from 0 (off) to {MAX_SPECULATIVE}")
+    return int(raw)
+
+
 # Variables the spec names whose feature is not built yet, and the issue that builds it. Setting one is
 # refused at start rather than validated and ignored.
 NOT_IMPLEMENTED = {
-    "SWARM_SERVE_SPECULATIVE": "speculative decoding, issue 15",
     "SWARM_SERVE_DRAFT_MODEL": "speculative decoding, issue 15",
     "SWARM_SERVE_LORA": "lean LoRA, issue 14",
     "SWARM_SERVE_4BIT_ROWS": "quantized serving, issue 14",
@@ -109,10 +120,13 @@ class Settings:
     serve_packed_linear: str
     serve_step_costs: bool = False
     serve_prefix_cache: bool = True
+    serve_links: str = "direct"  # SWARM_SERVE_LINKS: ring stages dial each other (relay as fallback), or relay only
+    serve_link_host: str = "127.0.0.1"  # SWARM_SERVE_LINK_HOST: the address a fellow's ring stages listen on and give
+    serve_link_port: int = 0  # SWARM_SERVE_LINK_PORT: 0, an ephemeral port per stage
     serve_threads: int = 0  # SWARM_SERVE_THREADS: torch CPU threads per stage process; 0: one per core
     http_max_body_bytes: int = 8 * 1024 * 1024  # a larger HTTP request body is refused with 413
     stream_resume_s: float = 10.0  # a streaming client that hung up may resume this long; its reply goes on
-    serve_speculative: int = 0  # refused while not implemented (NOT_IMPLEMENTED); always 0
+    serve_speculative: int = 0  # SWARM_SERVE_SPECULATIVE: tokens drafted per decode pass (0 off, at most 8)
     log_format: str = "text"  # SWARM_LOG_FORMAT: text | json (core/logs.py)
     stage_stats_s: float = 30.0  # SWARM_STAGE_STATS_S: a stage's stats line, once per this much traffic
 
@@ -168,6 +182,10 @@ class Settings:
             serve_step_costs=_bool(env, "SWARM_SERVE_STEP_COSTS", False),
             serve_threads=_int(env, "SWARM_SERVE_THREADS", 0),
             serve_prefix_cache=_choice(env, "SWARM_SERVE_PREFIX_CACHE", "on", ("on", "off")) == "on",
+            serve_links=_choice(env, "SWARM_SERVE_LINKS", "direct", ("direct", "relay")),
+            serve_link_host=env.get("SWARM_SERVE_LINK_HOST", "").strip() or "127.0.0.1",
+            serve_link_port=_int(env, "SWARM_SERVE_LINK_PORT", 0),
+            serve_speculative=_speculative(env),
             log_format=_choice(env, "SWARM_LOG_FORMAT", "text", ("text", "json")),
             stage_stats_s=_float(env, "SWARM_STAGE_STATS_S", 30.0, minimum=0.05),
             http_max_body_bytes=_int(env, "SWARM_HTTP_MAX_BODY_BYTES", 8 * 1024 * 1024, minimum=1),

@@ -15,11 +15,14 @@ class StageAssignment(msgspec.Struct, frozen=True, kw_only=True):
     shards: list[int] = []  # trained shard indices this stage reads
 
 
+MAX_SPECULATIVE = 8  # the most tokens a decode pass may draft (SWARM_SERVE_SPECULATIVE, a load's speculative)
+
+
 class TransportPlan(msgspec.Struct, frozen=True, kw_only=True):
     max_in_flight: int = 1
     kv_tokens: int = 0
     max_batch: int = 0
-    speculative: int = 0
+    speculative: int = 0  # tokens drafted per decode pass by prompt lookup (0: off); one-stage loads only
     prefill_chunk: int = 256
     step_costs: bool = False  # every stage times its decode step at load (SWARM_SERVE_STEP_COSTS)
 
@@ -117,3 +120,22 @@ class ModelUnloaded(Event, frozen=True, tag="load.unloaded"):
     model_id: str
     reason: str = "requested"  # requested | idle | evicted | stopped | fellow_lost
     fellow_id: str = ""
+
+
+class StageReplaced(Event, frozen=True, tag="load.stage_replaced"):
+    """A later stage of a ring lost its fellow, and the leader placed that stage on another one (which
+    gets a LoadStage command next). Stage 0 pauses the ring's sessions; once the new stage is ready,
+    it replays each session's tokens to rebuild every stage's cache, and the sessions go on."""
+
+    load_id: str
+    model_id: str
+    stage: int
+    fellow_id: str  # the fellow that takes the stage now
+    lost_fellow_id: str
+    replica: int = 0
+    reason: str = ""
+
+
+def stage_replaced_id(load_id: str, stage: int, replica: int, lost_fellow_id: str) -> str:
+    """One re-placement per lost (stage, fellow): a second leader deciding the same is deduplicated."""
+    return f"replaced-{load_id}-{stage}{replica_part(replica)}-{lost_fellow_id}"

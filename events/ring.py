@@ -14,6 +14,7 @@ STATS_LANE = "stats"
 # Hidden.kind: a decode position, a prompt piece with more to come, the prompt's last piece.
 DECODE, PIECE, LAST_PIECE = 0, 1, 2
 NO_TOKEN = -1  # the last stage's answer to a piece that is not the prompt's last: nothing sampled
+PREFIX_MISSING = "prefix_missing"  # Token.code: a stage no longer holds the prefix stage 0 reused
 
 
 def send_lane(stage: int, num_stages: int) -> str:
@@ -56,6 +57,7 @@ class RingSampling(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     logprobs: int | None = None
     stop_ids: list[int] = []
     prompt_ids: list[int] = []
+    output_ids: list[int] = []  # a replayed session's reply so far (its frames replay them after the prompt)
     grammar: str = ""  # an llguidance grammar the reply must follow; the last stage masks with it
 
 
@@ -65,6 +67,13 @@ class Hidden(_Hot, tag="h"):
     ``data`` holds the rows, ``scale`` a quantizer's per-position scales. ``batch`` frames were
     sent together in sender step ``step``; the receiver waits briefly for all of them.
     ``compute_ms`` collects each later stage's compute for this frame, in ring order.
+
+    Prefix caching (each stage keeps its own finished sessions' positions, keyed by token ids):
+    ``ids`` are the token ids of this frame's positions, sent while the load keeps a prefix cache.
+    A session's first frame is the one whose ``pos`` equals ``len(reuse)``: ``reuse`` holds the ids
+    of the positions [0, pos) that stage 0 took from its prefix cache, and every later stage takes
+    them from its own or answers PREFIX_MISSING. ``reserve`` is the session's KV reservation, so
+    that a later stage evicts its kept blocks by the same ledger as stage 0.
     """
 
     session: str
@@ -77,6 +86,16 @@ class Hidden(_Hot, tag="h"):
     step: int = 0
     sampling: RingSampling | None = None
     compute_ms: list[float] = []
+    ids: list[int] = []
+    reuse: list[int] = []
+    reserve: int = 0
+    routes: str = ""  # how each hop so far sent it: "d" direct, "r" relay, one letter per hop
+    attempt: int = 0  # the session's try: a replay or a start-over begins the next, and older frames are dropped
+
+    @property
+    def first(self) -> bool:
+        """Whether this is its session's first frame (later frames have pos > 0 and no reuse)."""
+        return self.pos == len(self.reuse)
 
 
 class Token(_Hot, tag="t"):
@@ -90,18 +109,45 @@ class Token(_Hot, tag="t"):
     error: str = ""
     code: str = ""
     logprob: tuple[int, float, list[tuple[int, float]]] | None = None  # when the request asked for logprobs
+    routes: str = ""  # the frame's hops, as Hidden.routes, the last stage's hop back included
+    attempt: int = 0  # the attempt of the frame it answers (Hidden.attempt)
 
 
 class End(_Hot, tag="e"):
-    """The session ended on stage 0: every stage drops its cache."""
+    """The session ended on stage 0: every stage drops its cache, or with ``keep`` keeps its
+    positions in its prefix cache first (stage 0 kept them too)."""
 
     session: str
+    keep: bool = False
 
 
 class Probe(_Hot, tag="p"):
-    """Goes once round the ring; back on stage 0, every stage is listening."""
+    """Goes once round the ring; back on stage 0, every stage is listening. ``routes`` says how each
+    hop sent it: "d" direct, "r" relay, "?" still dialing its next stage."""
 
     nonce: str
+    routes: str = ""
+
+
+class Hop(_Hot, tag="o"):
+    """A frame on a stage's own lane, numbered per hop, so the receiver keeps the sender's order
+    whichever route (direct link or relay) each one took, and drops one that came both ways."""
+
+    epoch: int  # the sending link's own number: a restarted sender starts a new count
+    seq: int
+    data: bytes  # the encoded frame
+
+
+class Ack(_Hot, tag="a"):
+    """Direct link, receiver to sender: every Hop up to ``seq`` is in."""
+
+    seq: int
+
+
+class Ping(_Hot, tag="g"):
+    """Direct link: a round trip of the link probe; the receiver sends it straight back."""
+
+    nonce: int
 
 
 class LaneStats(_Hot, tag="s"):
@@ -110,9 +156,10 @@ class LaneStats(_Hot, tag="s"):
     stage: int
     lanes: dict[str, list[int]] = {}
     dropped: int = 0
+    replica: int = 0
 
 
-RingFrame = Hidden | Token | End | Probe | LaneStats
+RingFrame = Hidden | Token | End | Probe | LaneStats | Hop | Ack | Ping
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(RingFrame)

@@ -19,6 +19,7 @@ class Transport(msgspec.Struct, frozen=True, kw_only=True):
     prefill_chunk: int = 256
     step_costs: bool = False  # time the decode step at batch 1 and at the cap before ready
     prefix_cache: bool = True  # keep finished sessions' positions for prompts that start the same way
+    speculative: int = 0  # tokens drafted per decode pass by prompt lookup (0: off); one-stage loads only
 
 
 class StageConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -36,6 +37,9 @@ class StageConfig(msgspec.Struct, frozen=True, kw_only=True):
     packed_linear: bool = True  # float32 CPU stages pack their linear weights for oneDNN
     threads: int = 0  # torch's CPU threads in this stage (SWARM_SERVE_THREADS); 0: torch's default, one per core
     agent_pid: int = 0  # the stage exits at once when its parent is not this process
+    links: str = "direct"  # a ring stage dials the next one directly where that beats the relay; or "relay"
+    link_host: str = "127.0.0.1"  # where a ring stage listens for its predecessor, and the address it gives
+    link_port: int = 0  # 0: an ephemeral port
 
 
 class Report(msgspec.Struct, frozen=True, kw_only=True, tag_field="event"):

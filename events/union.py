@@ -15,13 +15,14 @@ from events.base import Event
 from events.catalog import ModelCataloged, ModelUncataloged
 from events.fellow import FellowJoined, FellowLost
 from events.loads import (LoadFailed, LoadPlaced, LoadRequested, ModelLoaded, ModelUnloaded, ReplicaLost,
-                          StageReady, UnloadRequested)
+                          StageReady, StageReplaced, UnloadRequested)
 from events.requests import RequestAccepted, RequestFailed, RequestFinished
 
 EVENT_TYPES: tuple[type[Event], ...] = (
     FellowJoined, FellowLost,
     ModelCataloged, ModelUncataloged,
     LoadRequested, LoadPlaced, StageReady, ModelLoaded, UnloadRequested, LoadFailed, ModelUnloaded, ReplicaLost,
+    StageReplaced,
     RequestAccepted, RequestFinished, RequestFailed,
     ApiTokenMinted, ApiTokenRevoked, ApiTokenPruned,
 )

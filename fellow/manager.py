@@ -80,10 +80,13 @@ class ModelManager:
                               transport=Transport(max_in_flight=t.max_in_flight, kv_tokens=t.kv_tokens,
                                                   step_costs=t.step_costs or self.settings.serve_step_costs,
                                                   prefix_cache=self.settings.serve_prefix_cache,
+                                                  speculative=(t.speculative or self.settings.serve_speculative
+                                                               if cmd.num_stages == 1 else 0),
                                                   max_batch=max_batch, prefill_chunk=t.prefill_chunk),
                               report_s=min(1.0, self.settings.heartbeat_s),
                               packed_linear=self.settings.serve_packed_linear != "off",
-                              threads=self.settings.serve_threads)
+                              threads=self.settings.serve_threads, links=self.settings.serve_links,
+                              link_host=self.settings.serve_link_host, link_port=self.settings.serve_link_port)
             logs = self.settings.data_dir / "logs"
             logs.mkdir(parents=True, exist_ok=True)
             proc = StageProcess(cfg, self._on_report, self._on_exit,
@@ -101,7 +104,9 @@ class ModelManager:
     async def _on_report(self, proc: StageProcess, report: StageReport) -> None:
         if isinstance(report, ReadyReport):
             await publish_event(self.agent.js, StageReady(
-                id=stage_restart_id(f"ready-{proc.load_id}-{proc.stage}{replica_part(proc.replica)}", proc.restarts),
+                # the fellow in the id: a ring stage re-placed on another fellow is ready anew (StageReplaced)
+                id=stage_restart_id(f"ready-{proc.load_id}-{proc.stage}{replica_part(proc.replica)}"
+                                    f"-{self.agent.fellow_id}", proc.restarts),
                 load_id=proc.load_id,
                 stage=proc.stage, replica=proc.replica, fellow_id=self.agent.fellow_id, pid=proc.pid,
                 kv_tokens=report.kv_tokens, kv_tokens_planned=report.kv_tokens_planned,

@@ -182,7 +182,7 @@ class _LiveGauges:
         relay = getattr(leader.serving, "relay", None)
         for load_id, stages in (list(relay.loads.items()) if relay is not None else []):
             model = self.metrics.models.get(load_id, "")
-            for stage, stats in sorted(stages.items()):
+            for (_, stage), stats in sorted(stages.items()):  # a ring replica's lanes carry its prefix (r1-act)
                 for lane, (nbytes, count) in sorted(stats.lanes.items()):
                     sent.add_metric([model, load_id, str(stage), lane], nbytes)
                     frames.add_metric([model, load_id, str(stage), lane], count)

@@ -173,3 +173,44 @@ def place_ring(parameters: int, ranges: list[tuple[int, int]], shards: list[list
                                  f"{need / 2**30:.2f} GiB, {c.free_bytes / 2**30:.2f} GiB are free")
         out.append(StageAssignment(stage=stage, fellow_id=c.fellow_id, layers=tuple(layers), shards=list(shards[stage])))
     return out
+
+
+def place_ring_replicas(parameters: int, ranges: list[tuple[int, int]], shards: list[list[int]], replicas: int,
+                        fellows: dict[str, Heartbeat], online: set[str], pinned: list[str] | None = None,
+                        quantization: dict | None = None,
+                        needs: tuple[str, ...] = (CAP_N_STAGE,)) -> list[StageAssignment]:
+    """``replicas`` rings of ``len(ranges)`` stages, no fellow in two of them: ``pinned`` lists every
+    replica's fellows in turn (replica 0's stages, then replica 1's ...), else each ring is placed as
+    ``place_ring`` places one, on the fellows the rings before it left."""
+    n = len(ranges)
+    if pinned:
+        if len(pinned) != n * replicas:
+            raise PlacementError(f"{len(pinned)} fellow_ids for {replicas} rings of {n} stages (give {n * replicas})")
+        if len(set(pinned)) != len(pinned):
+            raise PlacementError(f"each stage of each ring needs its own fellow; fellow_ids {pinned} repeat one")
+    out: list[StageAssignment] = []
+    for replica in range(replicas):
+        used = {a.fellow_id for a in out}
+        try:
+            ring = place_ring(parameters, ranges, shards, {f: hb for f, hb in fellows.items() if f not in used},
+                              online, pinned[replica * n:(replica + 1) * n] if pinned else None, quantization, needs)
+        except PlacementError as exc:
+            raise PlacementError(f"{replicas} rings of {n} stages: ring {replica} could not be placed ({exc})") from None
+        out += [structs.replace(a, replica=replica) for a in ring]
+    return out
+
+
+def place_replacement(parameters: int, layers: tuple[int, int], num_layers: int, fellows: dict[str, Heartbeat],
+                      online: set[str], exclude: set[str], quantization: dict | None = None,
+                      needs: tuple[str, ...] = (CAP_N_STAGE,)) -> str:
+    """The fellow that takes over a ring stage whose fellow was lost: the one with the most room among
+    the online ones outside the ring that declare ``needs`` and hold the stage's layers."""
+    share = parameters * (layers[1] - layers[0]) / num_layers
+    able = sorted((candidate(hb) for fid, hb in fellows.items()
+                   if fid in online and fid not in exclude and not _lacks(hb, needs)),
+                  key=lambda c: (-c.free_bytes, c.loaded, c.fellow_id))
+    for c in able:
+        if c.free_bytes >= share * bytes_per_param(quantization, c.has_gpu) * HEADROOM:
+            return c.fellow_id
+    raise PlacementError(f"no online fellow outside the ring declares {', '.join(needs)} and has room for "
+                         f"layers {layers[0]}-{layers[1]} ({len(able)} without room)")

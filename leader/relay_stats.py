@@ -37,15 +37,16 @@ class RelayStats:
             log.warning("dropped malformed lane stats on %s", msg.subject)
             return
         if isinstance(frame, LaneStats):
-            self.loads.setdefault(msg.subject.split(".")[2], {})[frame.stage] = frame
+            self.loads.setdefault(msg.subject.split(".")[2], {})[(frame.replica, frame.stage)] = frame
 
     def lanes(self, load_id: str) -> dict[str, dict]:
         """lane -> {"stage", "bytes", "frames"} for one load; empty before its stages reported."""
         stages = self.loads.get(load_id, {})
         out = {}
-        for stage, stats in sorted(stages.items()):
+        last = max(stage for _, stage in stages) if stages else 0
+        for _, stats in sorted(stages.items()):
             for lane, (sent_bytes, frames) in stats.lanes.items():
-                entry = out.setdefault(lane, {"stage": _owner(lane, max(stages)), "bytes": 0, "frames": 0})
+                entry = out.setdefault(lane, {"stage": _owner(lane, last), "bytes": 0, "frames": 0})
                 entry["bytes"] += sent_bytes  # a middle stage's error answers ride on tok too
                 entry["frames"] += frames
         return out
@@ -55,7 +56,9 @@ class RelayStats:
 
 
 def _owner(lane: str, last_stage: int) -> int:
-    """The stage whose lane it is: act is stage 0's, act<i> stage i's, tok the last stage's."""
+    """The stage whose lane it is: act is stage 0's, act<i> stage i's, tok the last stage's (a ring
+    replica's lanes are prefixed: r1-act ...)."""
+    lane = lane.split("-", 1)[-1]
     if lane == "act":
         return 0
     if lane.startswith("act") and lane[3:].isdigit():

@@ -43,6 +43,13 @@ async def test_refused_fields_and_open_mode_caller(tmp_path, nats_server, js, sq
             err = error_of(await c.post(load, json={"wait": True, "timeout_s": timeout}), 400, "timeout_s")
             assert "above 0" in err["message"]
         error_of(await c.post(load, json={"replicas": 0}), 400, "replicas")
+        for bad in (9, -1):
+            err = error_of(await c.post(load, json={"speculative": bad}), 400, "speculative", "invalid_value")
+            assert "from 0 (off) to 8" in err["message"]
+        error_of(await c.post(load, json={"speculative": "four"}), 400, "speculative", "invalid_value")
+        err = error_of(await c.post(load, json={"speculative": 2, "num_stages": 2}), 400, "speculative",
+                       "unsupported_parameter")
+        assert "one-stage loads" in err["message"]
         error_of(await c.post(load, json={"num_stages": "two"}), 400, "num_stages", "invalid_value")
         error_of(await c.post(load, json={"colour": "red"}), 400, None, "invalid_request")
         with pytest.raises(NotFoundError):  # nothing was requested for the refused bodies
@@ -68,9 +75,18 @@ async def test_loads_name_the_token_and_conflicting_reloads_are_409(tmp_path, na
             admin = (await c.post(TOKENS, json={"label": "admin", "scopes": ["admin"]})).json()
             op = await mint(c, "operator", ["operate"], secret=admin["token"])
             auth = bearer(op["token"])
-            loaded = (await c.post("/api/v1/models/tiny/load", json={"wait": True}, headers=auth)).json()
+            loaded = (await c.post("/api/v1/models/tiny/load", json={"wait": True, "speculative": 3},
+                                   headers=auth)).json()
             assert loaded["state"] == "ready", loaded
             fellow = loaded["stages"][0]["fellow_id"]
+            reply = await c.post("/v1/chat/completions", headers=bearer(admin["token"]), json={
+                "model": "tiny", "max_tokens": 6, "messages": [{"role": "user", "content": "ab ab ab ab ab ab"}]})
+            assert reply.status_code == 200, reply.text
+            timing = reply.json()["swarm"]["timing"]
+            assert timing["spec_k"] == 3 and timing["spec_passes"] <= timing["completion_tokens"], timing
+            assert {"spec_tokens", "spec_drafted", "spec_accepted"} <= set(timing)
+            error_of(await c.post("/api/v1/models/tiny/load", json={"speculative": 0}, headers=auth), 409,
+                     "speculative", "load_conflict")
 
             again = await c.post("/api/v1/models/tiny/load", json={"fellow_id": fellow}, headers=auth)
             assert again.status_code == 200 and again.json()["load_id"] == loaded["load_id"]  # same shape: same load

@@ -93,7 +93,8 @@ def test_demo_model_command_writes_a_two_stage_servable(tmp_path):
 
 
 @pytest.mark.parametrize("args", [["models"], ["infer", "nope", "hi"], ["model-load", "nope", "--wait"],
-                                  ["model-load", "good", "--replicas", "0"], ["model-unload", "good"]])
+                                  ["model-load", "good", "--replicas", "0"], ["model-load", "good", "--speculative", "9"],
+                                  ["model-unload", "good"]])
 def test_model_commands_fail_with_one_line(leader, args):
     import os
 
@@ -110,4 +111,6 @@ def test_model_commands_fail_with_one_line(leader, args):
                 "model-load": "The model 'nope' does not exist", "model-unload": "is not loaded"}[args[0]]
     if "--replicas" in args:
         expected = "replicas must be at least 1"
+    if "--speculative" in args:
+        expected = "speculative must be a whole number of drafted tokens per decode pass from 0 (off) to 8"
     assert expected in lines[0]

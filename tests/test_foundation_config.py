@@ -20,13 +20,16 @@ from tests.processes import free_port, swarm_env
     ({"SWARM_NATS_URL": "http://x:4222"}, "SWARM_NATS_URL entry 'http://x:4222'"),
     ({"SWARM_SERVE_PACKED_LINEAR": "fast"}, "SWARM_SERVE_PACKED_LINEAR='fast' must be one of"),
     ({"SWARM_SERVE_STEP_COSTS": "sometimes"}, "SWARM_SERVE_STEP_COSTS"),
+    ({"SWARM_SERVE_SPECULATIVE": "9"}, "SWARM_SERVE_SPECULATIVE='9' must be a whole number of drafted tokens"),
+    ({"SWARM_SERVE_SPECULATIVE": "-1"}, "SWARM_SERVE_SPECULATIVE='-1' must be"),
+    ({"SWARM_SERVE_SPECULATIVE": "on"}, "SWARM_SERVE_SPECULATIVE='on' must be"),
 ])
 def test_bad_values_name_the_variable(env, needle):
     with pytest.raises(SettingsError, match=needle.replace("(", r"\(").replace("?", r"\?")):
         Settings.from_env(env)
 
 
-NOT_IMPLEMENTED = ["SWARM_SERVE_SPECULATIVE", "SWARM_SERVE_DRAFT_MODEL", "SWARM_SERVE_LORA", "SWARM_SERVE_4BIT_ROWS",
+NOT_IMPLEMENTED = ["SWARM_SERVE_DRAFT_MODEL", "SWARM_SERVE_LORA", "SWARM_SERVE_4BIT_ROWS",
                    "SWARM_SERVE_4BIT_FLOAT32", "SWARM_SERVE_ATTENTION", "SWARM_API_TOKENS_FILE"]
 
 
@@ -45,6 +48,8 @@ def test_defaults_follow_the_spec():
     assert (s.max_loaded_models, s.model_idle_unload_s, s.serve_prefill_chunk) == (1, 900.0, 256)
     assert (s.serve_typical_tokens, s.serve_context_tokens, s.serve_max_in_flight) == (1024, 4096, 8)
     assert str(s.servable_models_root) == "/srv/x/servable_models"
+    assert s.serve_speculative == 0  # off until the benchmark says when it pays
+    assert Settings.from_env({"SWARM_SERVE_SPECULATIVE": "4"}).serve_speculative == 4
 
 
 def run_cli(args, env, timeout=30):

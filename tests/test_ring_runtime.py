@@ -48,14 +48,17 @@ def servables(tmp_path_factory):
 class LocalRing:
     """Stage 0's head and the later stages' workers on threads; every frame is encoded and decoded."""
 
-    def __init__(self, model_dir, num_stages: int, prefill_chunk: int = 8, max_batch: int = 0):
+    def __init__(self, model_dir, num_stages: int, prefill_chunk: int = 8, max_batch: int = 0,
+                 prefix: bool = False, kv_tokens: int = 4096):
         self.inboxes = [Inbox() for _ in range(num_stages)]
         self.stages = [load_ring_stage(model_dir, i, num_stages, device="cpu") for i in range(num_stages)]
         self.sent: list = []
         self.timings: dict[str, dict] = {}
         self.head = RingHead(self.stages[0].stage, self.stages[0].sender, self._sender(0), self.inboxes[0],
-                             num_stages=num_stages, kv_tokens=4096, max_batch=max_batch, prefill_chunk=prefill_chunk)
-        self.workers = [RingWorker(self.stages[i], self.inboxes[i], self._sender(i)) for i in range(1, num_stages)]
+                             num_stages=num_stages, kv_tokens=kv_tokens, max_batch=max_batch,
+                             prefill_chunk=prefill_chunk, prefix_cache=prefix)
+        self.workers = [RingWorker(self.stages[i], self.inboxes[i], self._sender(i),
+                                   prefix_tokens=kv_tokens if prefix else 0) for i in range(1, num_stages)]
         self.threads = [threading.Thread(target=w.run, daemon=True) for w in self.workers]
         for t in self.threads:
             t.start()
@@ -246,3 +249,117 @@ def test_a_servable_without_boundaries_serves_only_its_own_count(servables, tmp_
     with pytest.raises(ServableError, match="records no boundaries"):
         load_ring_stage(legacy, 0, 3, device="cpu")
     assert load_ring_stage(legacy, 1, 2, device="cpu").plan.layers == (2, 4)
+
+
+def ring_chat(ring: LocalRing, turns: int, tag: str) -> list[tuple[list[int], dict]]:
+    """A chat over the ring whose every turn sends the whole conversation again: (reply, timing) per turn."""
+    history, out = [], []
+    for turn in range(turns):
+        prompt = history + PROMPTS[turn % len(PROMPTS)][:9 + turn]
+        sid = f"{tag}{turn}"
+        ring.head.add(Session(sid, prompt, 10, sampling=GREEDY))
+        reply: list[int] = []
+        while ring.head.busy:
+            result = ring.head.step()
+            reply += result.tokens.get(sid, [])
+            ring.timings.update({s.session_id: s.timing() for s in result.finished})
+        out.append((reply, ring.timings[sid]))
+        history = prompt + reply
+        # the End went round: every later stage kept this turn's positions before the next turn goes
+        wait_until(lambda: all(not w.held for w in ring.workers), 10, "every stage ended the turn")
+    return out
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_ring_reuses_the_last_turn_on_every_stage_and_replies_as_without(servables, stages):
+    model = servables["three"]
+    off, on = LocalRing(model, stages), LocalRing(model, stages, prefix=True)
+    try:
+        without, with_cache = ring_chat(off, 4, "c"), ring_chat(on, 4, "c")
+    finally:
+        off.close()
+        on.close()
+    assert [r for r, _ in with_cache] == [r for r, _ in without] and all(r for r, _ in without)
+    assert [t["cached_tokens"] for _, t in without] == [0] * 4
+    for (before, t0), (_, t1) in zip(with_cache, with_cache[1:]):
+        # exactly the positions the last turn's caches held: its prompt and its reply less the token never fed
+        assert t1["cached_tokens"] == t0["prompt_tokens"] + len(before) - 1
+    first = [f for s, f in on.sent if s == 0 and isinstance(f, Hidden) and f.first]
+    assert [len(f.reuse) for f in first][1:] == [t["cached_tokens"] for _, t in with_cache[1:]]
+    assert on.head.prefix_fallbacks == 0 and all(w.prefix.tokens == on.head.prefix.tokens for w in on.workers)
+
+
+@pytest.mark.parametrize("lost", [0, -1])
+def test_a_stage_that_lost_the_prefix_makes_the_session_start_over_with_the_same_reply(servables, lost):
+    model = servables["three"]
+    expected = ring_chat(ring := LocalRing(model, 3), 2, "c")
+    ring.close()
+    ring = LocalRing(model, 3, prefix=True)
+    try:
+        first = ring_chat(ring, 1, "c")
+        ring.workers[lost].prefix.clear()  # idle: every stage ended the turn
+        history = PROMPTS[0][:9] + first[0][0]
+        second = ring_chat_turn(ring, history + PROMPTS[1][:10], "c1")
+        wait_until(lambda: all(not w.held for w in ring.workers), 10, "every stage dropped its caches")
+    finally:
+        ring.close()
+    assert second[0] == expected[1][0] and second[1]["cached_tokens"] == 0
+    assert ring.head.prefix_fallbacks == 1 and ring.head.budget.reserved == 0
+    missing = [f for _, f in ring.sent if isinstance(f, Token) and f.error]
+    assert [f.code for f in missing] == ["prefix_missing"]
+
+
+def ring_chat_turn(ring: LocalRing, prompt: list[int], sid: str) -> tuple[list[int], dict]:
+    ring.head.add(Session(sid, prompt, 10, sampling=GREEDY))
+    reply: list[int] = []
+    while ring.head.busy:
+        result = ring.head.step()
+        reply += result.tokens.get(sid, [])
+        ring.timings.update({s.session_id: s.timing() for s in result.finished})
+    return reply, ring.timings[sid]
+
+
+def test_a_later_stage_evicts_by_stage_zeros_ledger(servables):
+    """Kept blocks on a later stage give way to live reservations as stage 0's do."""
+    ring = LocalRing(servables["two"], 2, prefix=True, kv_tokens=160)
+    try:
+        ring_chat(ring, 1, "a")
+        kept = ring.workers[0].prefix.tokens
+        assert kept and kept == ring.head.prefix.tokens
+        ring.generate([list(range(100, 240))], 10)  # 150 positions reserved: almost no room left
+        wait_until(lambda: not ring.workers[0].held, 10, "the stage ended the session")
+    finally:
+        ring.close()
+    assert ring.workers[0].prefix.tokens <= 160 and ring.head.prefix.tokens <= 160
+
+
+def test_a_ring_whose_middle_stage_is_replaced_replays_its_sessions_to_the_same_replies(servables):
+    """Stage 0 pauses while a lost stage is re-placed (a fresh stage, no caches, an empty lane), then
+    every session prefills its prompt and its reply so far again and goes on: greedy replies unchanged."""
+    model = servables["three"]
+    expected = one_stage(model, PROMPTS[:3], 30)
+    ring = LocalRing(model, 3, prefill_chunk=8)
+    got: dict[str, list[int]] = {}
+    finished = []
+    try:
+        for i, prompt in enumerate(PROMPTS[:3]):
+            ring.head.add(Session(f"s{i}", prompt, 30, sampling=GREEDY))
+        replaced = False
+        while ring.head.busy:
+            result = ring.head.step()
+            for sid, tokens in result.tokens.items():
+                got.setdefault(sid, []).extend(tokens)
+            finished += result.finished
+            if not replaced and sum(map(len, got.values())) >= 6:
+                replaced = True
+                ring.head.pause("stage 1 is lost")
+                ring.head.step()  # paused: nothing more goes in, and what comes back is dropped
+                ring.workers[0].stop()  # the lost stage, with its caches and whatever waited for it
+                ring.inboxes[1] = Inbox()
+                ring.workers[0] = RingWorker(ring.stages[1], ring.inboxes[1], ring._sender(1))
+                threading.Thread(target=ring.workers[0].run, daemon=True).start()
+                ring.head.resume()
+    finally:
+        ring.close()
+    assert replaced and got == expected, {k: (got[k], expected[k]) for k in got if got[k] != expected[k]}
+    assert [s.timing()["replays"] for s in finished] == [1, 1, 1] and ring.head.replays == 3

@@ -14,7 +14,7 @@ import pytest
 
 from core.bus import connect
 from core.nats_server import EmbeddedNats
-from events.frames import DoneFrame, ErrorFrame, TokenFrame, frame_decoder
+from events.frames import DoneFrame, ErrorFrame, StartFrame, TokenFrame, frame_decoder
 from events.requests import ChatMessage, ChatRequest, Sampling
 from tests.processes import pid_alive, wait_until
 from tests.serving_fixtures import Stack, chat_over_bus, hf_greedy, make_servable
@@ -34,7 +34,7 @@ def ring_stack(tmp_path_factory):
     (legacy / "servable.json").write_text(json.dumps({**manifest, "model_id": "legacy", "boundaries": None}))
     nats = EmbeddedNats(root / "jetstream").start()
     # pieces of 8 tokens, so every prompt crosses the ring in several; one torch thread per stage process
-    stack = Stack(root, nats.url, servable.parent, fellows=3, SWARM_SERVE_PREFILL_CHUNK=8, OMP_NUM_THREADS=1)
+    stack = Stack(root, nats.url, servable.parent, fellows=4, SWARM_SERVE_PREFILL_CHUNK=8, OMP_NUM_THREADS=1)
     try:
         stack.start()
         yield stack, nats.url, hf
@@ -62,7 +62,7 @@ async def _greedy_ring_equals_hf(stack, url, hf, num_stages: int, fellow_ids: li
             assert isinstance(done, DoneFrame), (done, stack.logs())
             assert tokens == hf_greedy(hf, prompt, 20)
             t = done.timing
-            assert t["route"] == "relay" and t["bytes_per_token"] == HIDDEN * 2
+            assert t["route"] == "direct" and t["bytes_per_token"] == HIDDEN * 2  # loopback: direct beats the relay
             assert {"stage0_ms", "link_ms", "prefill_ms"} <= set(t)
             assert all(f"stage{i}_ms" in t for i in range(1, num_stages)) or len(tokens) < 2
         # garbage on every ring lane is dropped, and the ring serves on
@@ -71,6 +71,9 @@ async def _greedy_ring_equals_hf(stack, url, hf, num_stages: int, fellow_ids: li
         await nc.publish("swarm.evt.load.failed", b"[" * 100_000)  # and on the stages' load watch
         _, frames, tokens, _ = await chat_over_bus(nc, js, load["load_id"], "tiny", PROMPTS[0], max_tokens=20)
         assert isinstance(frames[-1], DoneFrame) and tokens == hf_greedy(hf, PROMPTS[0], 20)
+        # the same prompt again: every stage took its whole blocks (16 positions each) from its prefix cache
+        t = frames[-1].timing
+        assert t["cached_tokens"] == (t["prompt_tokens"] - 1) // 16 * 16 > 0
         def relay_counted():
             status = stack.get("/api/v1/models/tiny/status").json()
             lanes = status["load"]["relay"]
@@ -96,6 +99,31 @@ async def test_two_and_three_stage_rings_equal_hf_greedy_with_sessions_in_flight
     await _greedy_ring_equals_hf(stack, url, hf, 3, ["f0", "f1", "f2"])
 
 
+async def test_two_ring_replicas_share_one_request_queue(ring_stack):
+    stack, url, hf = ring_stack
+    load = await asyncio.to_thread(stack.load, "tiny", num_stages=2, replicas=2)
+    assert sorted((s["replica"], s["stage"]) for s in load["stages"]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert len({s["fellow_id"] for s in load["stages"]}) == 4 and load["replicas"] == 2
+    pids = [s["pid"] for s in load["stages"]]
+    nc, js = await _bus(url)
+    try:
+        prompts = PROMPTS * 2
+        replies = await asyncio.gather(*(chat_over_bus(nc, js, load["load_id"], "tiny", p, max_tokens=12)
+                                         for p in prompts))
+        for prompt, (_, frames, tokens, _) in zip(prompts, replies):
+            assert isinstance(frames[-1], DoneFrame), (frames[-1], stack.logs())
+            assert tokens == hf_greedy(hf, prompt, 12)
+        # both rings pulled from the one queue: each request's start frame names the replica that took it
+        assert {f.replica for _, frames, _, _ in replies for f in frames if isinstance(f, StartFrame)} == {0, 1}
+    finally:
+        await nc.close()
+    r = await asyncio.to_thread(stack.post, "/api/v1/models/tiny/unload")
+    assert r.status_code == 200, r.text
+    await asyncio.to_thread(wait_until, lambda: not any(pid_alive(p) for p in pids), 30, "stage processes gone")
+    await asyncio.to_thread(wait_until, lambda: stack.get("/api/v1/models/tiny").json()["load_state"] == "unloaded",
+                            30, "unloaded")
+
+
 async def test_a_servable_without_boundaries_is_refused_over_another_count(ring_stack):
     stack, _, _ = ring_stack
     r = await asyncio.to_thread(stack.post, "/api/v1/models/legacy/load", {"num_stages": 3, "wait": True})
@@ -106,7 +134,7 @@ async def test_a_servable_without_boundaries_is_refused_over_another_count(ring_
     assert r.status_code == 409 and "repeat" in r.json()["error"]["message"]
 
 
-async def _first_tokens_then_end(nc, js, load_id: str, content: str, started: asyncio.Event):
+async def _first_tokens_then_end(nc, js, load_id: str, content: str, started: asyncio.Event, timeout: float = 60):
     rid = "rq-" + uuid.uuid4().hex[:12]
     frames, ended = [], asyncio.Event()
 
@@ -123,13 +151,46 @@ async def _first_tokens_then_end(nc, js, load_id: str, content: str, started: as
                       messages=[ChatMessage(role="user", content=content)], max_tokens=1500,
                       sampling=Sampling(temperature=0.0), created=time.time())
     await js.publish(f"swarm.req.{load_id}", msgspec.json.encode(req), headers={"Nats-Msg-Id": rid})
-    await asyncio.wait_for(ended.wait(), 60)
+    await asyncio.wait_for(ended.wait(), timeout)
     return frames
 
 
-async def test_killing_a_middle_fellow_fails_its_requests_and_leaves_no_stage_process(ring_stack):
-    stack, url, _ = ring_stack
+async def test_a_middle_stage_killed_mid_stream_is_replaced_and_the_replies_finish_as_before(ring_stack):
+    """f1 holds stage 1 of three and dies mid-stream: the leader places stage 1 on the spare f3, stage 0
+    replays its sessions into the new ring, and each reply is what the model gives alone."""
+    stack, url, hf = ring_stack
     load = await asyncio.to_thread(stack.load, "tiny", num_stages=3, fellow_ids=["f0", "f1", "f2"])
+    lost_pid = load["stages"][1]["pid"]
+    prompts = ["Tell me a story " * (i + 1) for i in range(2)]
+    nc, js = await _bus(url)
+    try:
+        started = [asyncio.Event() for _ in prompts]
+        replies = [asyncio.create_task(_first_tokens_then_end(nc, js, load["load_id"], p, started[i], timeout=120))
+                   for i, p in enumerate(prompts)]
+        await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
+        stack.fellows[1].kill(signal.SIGKILL)
+        for prompt, frames in zip(prompts, await asyncio.gather(*replies)):
+            done = frames[-1]
+            assert isinstance(done, DoneFrame), (done, stack.logs())
+            tokens = [t for f in sorted(frames, key=lambda f: f.seq) if isinstance(f, TokenFrame) for t in f.token_ids]
+            assert tokens == hf_greedy(hf, prompt, 1500)
+            assert done.timing["replays"] == 1  # it was in flight when the stage went, and replayed
+    finally:
+        await nc.close()
+    assert not pid_alive(lost_pid)
+    status = stack.get("/api/v1/models/tiny/status").json()["load"]
+    moved = status["stages"][1]
+    assert moved["fellow_id"] == "f3" and moved["state"] == "ready" and status["state"] == "ready"
+    assert [(r["from"], r["to"]) for r in moved["replaced"]] == [("f1", "f3")]
+    perf = stack.get("/api/v1/models/tiny/performance").json()["load"]
+    assert perf["stages"][1]["replaced"][0]["from"] == "f1"
+
+
+async def test_a_stage_no_fellow_can_take_over_fails_its_requests_and_leaves_no_stage_process(ring_stack):
+    """The ring of the test before (f0, f3, f2) loses f3 with no fellow left to take stage 1: the load fails."""
+    stack, url, _ = ring_stack
+    load = stack.get("/api/v1/models/tiny/status").json()["load"]
+    assert [s["fellow_id"] for s in load["stages"]] == ["f0", "f3", "f2"]
     pids = [s["pid"] for s in load["stages"]]
     nc, js = await _bus(url)
     try:
@@ -137,10 +198,10 @@ async def test_killing_a_middle_fellow_fails_its_requests_and_leaves_no_stage_pr
         replies = [asyncio.create_task(_first_tokens_then_end(nc, js, load["load_id"], "Tell me a story " * (i + 1),
                                                               started[i])) for i in range(2)]
         await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
-        stack.fellows[1].kill(signal.SIGKILL)
+        stack.fellows[3].kill(signal.SIGKILL)
         for frames in await asyncio.gather(*replies):
             assert isinstance(frames[-1], ErrorFrame), frames[-1]
-            assert "f1" in frames[-1].message or frames[-1].code in ("fellow_lost", "model_unloaded")
+            assert "f3" in frames[-1].message or frames[-1].code in ("fellow_lost", "model_unloaded")
         await asyncio.to_thread(wait_until, lambda: not any(pid_alive(p) for p in pids), 30, "no stage process left")
         await asyncio.to_thread(
             wait_until, lambda: stack.get("/api/v1/models/tiny").json()["load_state"] == "unloaded", 30, "load failed")

@@ -167,3 +167,26 @@ def test_a_grammar_masks_its_row_only_and_advances_with_each_drawn_token():
         tokens.append(token)
         bound.output_ids.append(token)
     assert json.loads(tok.decode(tokens)) in ({"ok": True}, {"ok": False}) and token == stop
+
+
+def test_a_replayed_reply_resumes_its_grammar_where_it_stood():
+    """A ring's last stage rebuilds a replayed session's grammar past the reply so far: the same mask as
+    a grammar that took those tokens one by one; ids that leave the grammar are refused."""
+    from llguidance import LLMatcher
+
+    from fellow.runtime.engine.processors import allowed_tokens, constraint_for
+    from tests.tiny import _tokenizer
+
+    tok = _tokenizer()
+    stops = frozenset({tok.convert_tokens_to_ids("<|im_end|>")})
+    grammar = LLMatcher.grammar_from_json_schema({"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                                  "required": ["ok"]}, defaults={"whitespace_flexible": False})
+    so_far = tok.encode('{"ok":', add_special_tokens=False)
+    stepped = constraint_for(tok, grammar, stops)
+    for token in so_far:
+        stepped.take(token)
+    replayed = constraint_for(tok, grammar, stops, so_far)
+    masks = allowed_tokens([stepped, replayed], len(tok))
+    assert torch.equal(masks[0], masks[1]) and 0 < int(masks[0].sum()) < len(tok)
+    with pytest.raises(ValueError, match="left it"):
+        constraint_for(tok, grammar, stops, tok.encode("hello", add_special_tokens=False))

@@ -57,8 +57,8 @@ async def test_load_with_two_replicas_places_one_per_fellow(stack):
     s, _ = stack
     bad = s.post("/api/v1/models/tiny/load", {"replicas": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "replicas"
-    ring = s.post("/api/v1/models/tiny/load", {"replicas": 2, "num_stages": 2})
-    assert ring.status_code == 400 and ring.json()["error"]["code"] == "unsupported_replicas"
+    rings = s.post("/api/v1/models/tiny/load", {"replicas": 2, "num_stages": 2, "wait": True})  # 4 fellows needed
+    assert rings.status_code == 409 and rings.json()["error"]["code"] == "placement_failed", rings.text
     load = s.load("tiny", replicas=2)
     assert load["replicas"] == 2
     assert sorted((st["replica"], st["stage"]) for st in load["stages"]) == [(0, 0), (1, 0)]

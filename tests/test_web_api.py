@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from events.fellow import Gpu, Heartbeat, LoadedModel
@@ -27,8 +28,11 @@ def request_events(now: float) -> list:
     finished("r-a", "m1", now - 190, 1.0, 5, 10,
              timing={"stage0_ms": 10.0, "link_ms": 4.0, "stage1_ms": 20.0, "prefill_ms": 40.0, "route": "relay"})
     finished("r-b", "m1", now - 70, 3.0, 6, 30,
-             timing={"stage0_ms": 20.0, "link_ms": 2.0, "stage1_ms": 30.0, "prefill_ms": 60.0, "route": "relay"})
+             timing={"stage0_ms": 20.0, "link_ms": 2.0, "stage1_ms": 30.0, "prefill_ms": 60.0, "route": "relay",
+                     "cached_tokens": 3, "spec_k": 4, "spec_passes": 5, "spec_tokens": 15, "spec_drafted": 20,
+                     "spec_accepted": 10})
     finished("r-c", "m1", now - 5, 0.5, 4, 3, reason="cancelled", timing={"stage0_ms": 5.0, "route": "local"})
+    finished("r-spec", "m3", now - 8, 0.5, 4, 11, timing={"decode_ms": 6.0, "decode_passes": 4, "spec_k": 4})
     finished("r-other", "m2", now - 5, 1.0, 9, 90)
     evts.append(RequestAccepted(request_id="r-long", model_id="m1", load_id="ld-1", at=now - 20))
     evts.append(RequestFailed(request_id="r-long", model_id="m1", load_id="ld-1", at=now - 19,
@@ -38,7 +42,7 @@ def request_events(now: float) -> list:
 
 
 async def test_performance_buckets_and_totals_match_the_requests_made(tmp_path, nats_server, sqlite_url):
-    for model in ("m1", "m2"):  # a folder without a manifest: cataloged, unavailable, still a model
+    for model in ("m1", "m2", "m3"):  # a folder without a manifest: cataloged, unavailable, still a model
         (tmp_path / "servables" / model).mkdir(parents=True)
     async with leader_client(tmp_path, nats_server.url, sqlite_url,
                              SWARM_SERVABLE_MODELS_ROOT=tmp_path / "servables") as (app, c):
@@ -47,6 +51,7 @@ async def test_performance_buckets_and_totals_match_the_requests_made(tmp_path, 
         for evt in evts:
             await on_app(c, leader.publish, evt, ["requests"])
         perf = (await c.get(PERF)).json()
+        spec = (await c.get("/api/v1/models/m3/performance")).json()["totals"]
 
     since, bucket_s = perf["since"], perf["bucket_s"]
     assert perf["window_s"] == 900 and bucket_s == 60 and len(perf["buckets"]) == 15
@@ -77,6 +82,15 @@ async def test_performance_buckets_and_totals_match_the_requests_made(tmp_path, 
     assert list(t["split_ms"]) == ["stage0_ms", "link_ms", "stage1_ms"]  # ring order
     ttfts = [e.ttft_s * 1e3 for e in inside.values() if isinstance(e, RequestFinished)]
     assert abs(t["ttft_ms"] - sum(ttfts) / len(ttfts)) < 1e-3
+    # the prefix cache's hit rate: prompt tokens it served over prompt tokens read, per minute and in all
+    assert t["cached_tokens"] == 3 and t["prefix_hit_rate"] == round(3 / t["prompt_tokens"], 4)
+    hit = perf["buckets"][int((inside["r-b"].at - since) // bucket_s)]
+    assert hit["prefix_hit_rate"] == round(3 / hit["prompt_tokens"], 4)
+    assert [b["prefix_hit_rate"] for b in perf["buckets"] if not b["prompt_tokens"]] == \
+        [None] * sum(not b["prompt_tokens"] for b in perf["buckets"])
+    assert t["spec_acceptance"] == 0.5 and t["spec_tokens_per_pass"] == 3.0  # r-b alone drafted
+    assert perf["buckets"][0]["spec_acceptance"] is None
+    assert spec["split_ms"] == {"stage0_ms": 6.0 * 4 / 10}  # 4 passes of 6 ms gained 10 tokens after the first
     assert perf["load"] is None  # nothing loaded
 
 
@@ -121,6 +135,39 @@ async def test_pages_are_public_and_the_data_is_not(tmp_path, nats_server, sqlit
         assert (await c.get("/api/v1/requests")).status_code == 401
         assert (await c.get("/api/v1/loads", headers=bearer(admin))).status_code == 200
         assert (await c.get("/api/v1/requests", headers=bearer(admin))).status_code == 200
+
+
+async def test_a_request_in_flight_is_cancelled_at_once_by_its_own_token(tmp_path, nats_server, nc, sqlite_url):
+    """POST /api/v1/requests/{id}/cancel: the stage's cancel subject hears it now; ended, unknown or
+    someone else's requests are refused with OpenAI's error object."""
+    (tmp_path / "servables" / "m1").mkdir(parents=True)
+    heard = asyncio.Queue()
+
+    async def on_cancel(msg):
+        heard.put_nowait(msg.subject)
+
+    sub = await nc.subscribe("swarm.cancel.ld-1.*", cb=on_cancel)
+    await nc.flush()
+    async with leader_client(tmp_path, nats_server.url, sqlite_url,
+                             SWARM_SERVABLE_MODELS_ROOT=tmp_path / "servables") as (app, c):
+        admin = (await mint(c, "ops", ["admin"]))["token"]
+        mine, other = await mint(c, "me", ["operate"], admin), await mint(c, "them", ["operate"], admin)
+        now = time.time()
+        for evt in (RequestAccepted(request_id="r-live", model_id="m1", load_id="ld-1", at=now, token_id=mine["id"]),
+                    *request_events(now)[:2]):
+            await on_app(c, app.state.leader.publish, evt, ["requests"])
+        cancel = "/api/v1/requests/{}/cancel".format
+        refused = await c.post(cancel("r-live"), headers=bearer(other["token"]))
+        assert refused.status_code == 404 and refused.json()["error"]["code"] == "request_not_found"
+        assert heard.empty()
+        done = await c.post(cancel("r-live"), headers=bearer(mine["token"]))
+        assert done.status_code == 200 and done.json()["status"] == "cancelling"
+        assert await asyncio.wait_for(heard.get(), 10) == "swarm.cancel.ld-1.r-live"
+        ended = await c.post(cancel("r-old"), headers=bearer(admin))  # an admin may cancel anyone's
+        assert ended.status_code == 409 and ended.json()["error"]["code"] == "request_ended"
+        assert (await c.post(cancel("nope"), headers=bearer(admin))).json()["error"]["code"] == "request_not_found"
+        assert (await c.post(cancel("r-live"))).status_code == 401
+    await sub.unsubscribe()
 
 
 def test_topology_of_a_ring_names_each_stage_gpus_and_links():

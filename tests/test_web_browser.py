@@ -36,7 +36,8 @@ def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("web")
     _, servable = make_servable(root / "models", "tiny", layers=4, hidden=64)
     nats = EmbeddedNats(root / "jetstream").start()
-    stack = Stack(root, nats.url, servable.parent, SWARM_STREAM_RESUME_S=0.5)  # Stop hangs up; it cancels after 0.5 s
+    # Stop cancels through the cancel route at once: a hang-up alone would wait out this grace
+    stack = Stack(root, nats.url, servable.parent, SWARM_STREAM_RESUME_S=600)
     try:
         yield stack.start(), nats.url
     finally:
@@ -188,6 +189,8 @@ def test_load_chat_stop_and_see_it_in_the_dashboard(stack, browser):
     expect(page.locator("#chart-requests svg rect")).to_have_count(segments)
     expect(page.locator("#chart-throughput svg rect")).to_have_count(sum(bool(b["completion_tokens"])
                                                                          for b in perf["buckets"]))
+    expect(page.locator("#chart-prefix svg circle")).to_have_count(sum(b["prefix_hit_rate"] is not None
+                                                                       for b in perf["buckets"]))
 
     # The API panel's snippets are copy-ready: run them as they stand.
     page.click("nav >> text=Chat")

@@ -6,6 +6,7 @@ import math
 
 import msgspec
 
+from events.loads import MAX_SPECULATIVE
 from leader.api.body import StructBody
 from leader.db.tables import Load
 from leader.errors import ApiError
@@ -17,7 +18,8 @@ class LoadBody(msgspec.Struct, forbid_unknown_fields=True):
     fellow_id: str | None = None
     fellow_ids: list[str] | None = None  # one per stage of a ring, in ring order
     quantization: dict | None = None  # refused until quantized serving lands
-    replicas: int | None = None  # one-stage copies on as many fellows, sharing the request queue (default 1)
+    replicas: int | None = None  # copies (one-stage, or rings of num_stages) sharing the request queue (default 1)
+    speculative: int | None = None  # tokens drafted per decode pass (0 off, at most 8); default SWARM_SERVE_SPECULATIVE
     wait: bool = False
     timeout_s: float = 600.0  # with wait: the longest wait for ready or failed, above 0
 
@@ -45,6 +47,12 @@ def check_load(body: LoadBody) -> None:
         raise _bad("replicas", "replicas must be at least 1")
     if not (math.isfinite(body.timeout_s) and body.timeout_s > 0):
         raise _bad("timeout_s", f"timeout_s must be a number of seconds above 0 (got {body.timeout_s:g})")
+    if body.speculative is not None and not 0 <= body.speculative <= MAX_SPECULATIVE:
+        raise _bad("speculative", f"speculative must be a whole number of drafted tokens per decode pass from 0 "
+                                  f"(off) to {MAX_SPECULATIVE} (got {body.speculative})")
+    if body.speculative and body.num_stages is not None and body.num_stages > 1:
+        raise _bad("speculative", "speculative decoding runs on one-stage loads; a ring does not draft",
+                   code="unsupported_parameter")
     if body.quantization is not None:
         raise _bad("quantization", "quantization is not supported yet: stages serve the weights at their exported "
                                    "precision; leave it out", code="unsupported_parameter")
@@ -61,6 +69,9 @@ def conflict(body: LoadBody, load: Load, stages: list) -> ApiError | None:
 
     if body.num_stages is not None and load.num_stages and body.num_stages != load.num_stages:
         return differs("num_stages", body.num_stages, load.num_stages)
+    planned = (load.transport or {}).get("speculative", 0)
+    if body.speculative is not None and load.transport is not None and body.speculative != planned:
+        return differs("speculative", body.speculative, planned)
     if not stages:
         return None
     replicas = len({s.replica for s in stages})

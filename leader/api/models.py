@@ -114,7 +114,7 @@ async def load_model(serving: ServingDep, fellows: FellowsDep, caller: Caller, m
         raise refused
     load = await serving.load(model_id, body.num_stages, body.fellow_id, body.quantization,
                               requested_by=requested_by(caller), fellow_ids=body.fellow_ids,
-                              replicas=body.replicas or 1)
+                              replicas=body.replicas or 1, speculative=body.speculative)
     if body.wait:
         try:
             load = await serving.wait_settled(load.load_id, body.timeout_s)

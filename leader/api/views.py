@@ -23,6 +23,7 @@ class StageView(msgspec.Struct, kw_only=True):
     max_in_flight: int
     vram_bytes: int
     kernels: dict | None = None  # how it computes: path, kernel per weight shape, step costs when measured
+    replaced: list[dict] | None = None  # [{from, to, at, reason}]: the fellows a ring stage was re-placed from
     metrics: dict[str, float | None] | UnsetType = UNSET  # from the fellow's latest heartbeat, when it lists the stage
 
 
@@ -50,7 +51,7 @@ def load_view(load: Load, stages, latest: dict) -> LoadView:
         stage = StageView(stage=s.stage, replica=s.replica or 0, fellow_id=s.fellow_id,
                           layers=[s.layer_first, s.layer_last], state=s.state, pid=s.pid, kv_tokens=s.kv_tokens,
                           kv_tokens_planned=s.kv_tokens_planned, max_in_flight=s.max_in_flight,
-                          vram_bytes=s.vram_bytes, kernels=s.kernels)
+                          vram_bytes=s.vram_bytes, kernels=s.kernels, replaced=s.replaced or None)
         hb = latest.get(s.fellow_id)
         for lm in (hb.loaded_models if hb else []):
             if lm.load_id == load.load_id and lm.stage == s.stage and lm.replica == (s.replica or 0):

@@ -85,6 +85,7 @@ class LoadStage(Base):
     max_in_flight: Mapped[int] = mapped_column(Integer, default=1)
     vram_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     kernels: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # the stage's StageReady.kernels
+    replaced: Mapped[list | None] = mapped_column(JSON, nullable=True)  # [{from, to, at, reason}] per StageReplaced
 
 
 class Request(Base):

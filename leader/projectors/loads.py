@@ -8,7 +8,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from events.base import Event
 from events.loads import (STAGE_RESTARTING, LoadFailed, LoadPlaced, LoadRequested, ModelLoaded, ModelUnloaded,
-                          ReplicaLost, StageReady, UnloadRequested)
+                          ReplicaLost, StageReady, StageReplaced, UnloadRequested)
 from leader.db.tables import Load, LoadStage
 from leader.projectors.projector import Projector
 
@@ -19,7 +19,7 @@ class LoadsProjector(Projector):
     name = "loads"
     tables = (LoadStage, Load)
     handles = (LoadRequested, LoadPlaced, StageReady, ModelLoaded, UnloadRequested, LoadFailed, ModelUnloaded,
-               ReplicaLost)
+               ReplicaLost, StageReplaced)
 
     async def apply(self, session: AsyncSession, evt: Event, seq: int) -> None:
         match evt:
@@ -63,6 +63,13 @@ class LoadsProjector(Projector):
                 if load is not None and load.state not in ENDED:
                     load.state = "unloading"
                     load.unload_requested_by = evt.requested_by
+            case StageReplaced():
+                stage = await session.get(LoadStage, (evt.load_id, evt.stage, evt.replica))
+                if stage is None or stage.state not in ("loading", "ready"):
+                    return
+                stage.replaced = [*(stage.replaced or []), {"from": evt.lost_fellow_id, "to": evt.fellow_id,
+                                                             "at": evt.at, "reason": evt.reason}]
+                stage.fellow_id, stage.state, stage.pid = evt.fellow_id, "loading", 0
             case ReplicaLost():
                 stages = await session.scalars(select(LoadStage).where(LoadStage.load_id == evt.load_id,
                                                                        LoadStage.replica == evt.replica))

@@ -73,16 +73,18 @@ class Serving:
 
     async def load(self, model_id: str, num_stages: int | None = None, fellow_id: str | None = None,
                    quantization: dict | None = None, requested_by: str = "",
-                   fellow_ids: list[str] | None = None, replicas: int = 1) -> Load:
+                   fellow_ids: list[str] | None = None, replicas: int = 1,
+                   speculative: int | None = None) -> Load:
         """Request a load (or return the model's active one) and place it; returns the load's row.
 
         Stages: ``num_stages`` when given, else one per pinned ``fellow_ids``, else one with
         ``fellow_id``, else the servable's own count when enough fellows can form that ring.
         ``replicas`` > 1: that many one-stage copies on as many fellows (``fellow_ids`` pins them),
-        sharing one request queue.
+        sharing one request queue. ``speculative``: tokens drafted per decode pass on a one-stage
+        load (None: SWARM_SERVE_SPECULATIVE).
         """
         return await self.commands.load(model_id, num_stages, fellow_id, quantization, requested_by, fellow_ids,
-                                        replicas)
+                                        replicas, speculative)
 
     async def unload(self, model_id: str, requested_by: str = "") -> Load:
         return await self.commands.unload(model_id, requested_by)

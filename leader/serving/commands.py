@@ -6,23 +6,29 @@ One path serves every shape: one stage, a ring of several, or replicas of one st
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import Callable
+
+import msgspec
 
 from core.bus import publish_struct
 from core.servable import ServableError, load_manifest
 from core.servable_plan import plan_stage, serving_ranges
 from events import subjects
 from events.commands import LoadStage, UnloadStage
-from events.loads import (LoadFailed, LoadPlaced, LoadRequested, StageAssignment, TransportPlan,
-                          UnloadRequested, load_failed_id, replica_part)
+from events.loads import (LoadFailed, LoadPlaced, LoadRequested, StageAssignment, StageReplaced, TransportPlan,
+                          UnloadRequested, load_failed_id, replica_part, stage_replaced_id)
 from leader.catalog import Catalog
 from leader.db.tables import Load, LoadStage as LoadStageRow, Model
 from leader.errors import ApiError
-from leader.placement import (PlacementError, place_replicas, place_ring, ring_needs, ring_stage_count,
-                              transport_plan)
+from leader.placement import (PlacementError, place_replacement, place_replicas, place_ring_replicas, ring_needs,
+                              ring_stage_count, transport_plan)
 from leader.serving.rows import active_load, get_load, load_stages, model_not_found
+
+
+log = logging.getLogger(__name__)
 
 
 def load_msg_id(load_id: str, a: StageAssignment) -> str:
@@ -52,7 +58,8 @@ class LoadCommands:
 
     async def load(self, model_id: str, num_stages: int | None = None, fellow_id: str | None = None,
                    quantization: dict | None = None, requested_by: str = "",
-                   fellow_ids: list[str] | None = None, replicas: int = 1) -> Load:
+                   fellow_ids: list[str] | None = None, replicas: int = 1,
+                   speculative: int | None = None) -> Load:
         # One load at a time per model: concurrent first requests (autoload) share the load the
         # first one placed instead of each placing its own.
         async with self._loading.setdefault(model_id, asyncio.Lock()):
@@ -65,21 +72,25 @@ class LoadCommands:
             existing = await active_load(self.leader.sessions, model_id)
             if existing is not None:
                 return existing
-            plan = self._plan(model, num_stages, fellow_id, fellow_ids, replicas, quantization)
+            plan = self._plan(model, num_stages, fellow_id, fellow_ids, replicas, quantization, speculative)
             return await self._place_and_command(model, plan, quantization, requested_by)
 
     def _plan(self, model: Model, num_stages: int | None, fellow_id: str | None, fellow_ids: list[str] | None,
-              replicas: int, quantization: dict | None) -> LoadPlan:
+              replicas: int, quantization: dict | None, speculative: int | None = None) -> LoadPlan:
         monitor = self.leader.fellows
-        if replicas > 1:
-            if num_stages is not None and num_stages > 1:
-                raise ApiError(400, "replicas are served on one stage each; a ring of several stages has one "
-                                    "replica", code="unsupported_replicas", param="replicas")
-            num_stages = 1
+        if replicas > 1 and num_stages is None:
+            num_stages = 1  # replicas are one-stage copies unless num_stages asks for rings
         if num_stages is None:
             num_stages = (len(fellow_ids) if fellow_ids else 1 if fellow_id else
                           ring_stage_count(model.num_stages, monitor.latest, set(monitor.online)))
         transport = transport_plan(self.leader.settings, num_stages)
+        if speculative:
+            if num_stages > 1:
+                raise ApiError(400, f"speculative decoding runs on one-stage loads; '{model.model_id}' would load "
+                                    f"as a ring of {num_stages} stages (ask for num_stages 1)",
+                               code="unsupported_parameter", param="speculative")
+        if speculative is not None:
+            transport = msgspec.structs.replace(transport, speculative=speculative if num_stages == 1 else 0)
         if num_stages == 1:
             if replicas > 1:
                 pinned = fellow_ids or ([fellow_id] if fellow_id else [])
@@ -96,9 +107,9 @@ class LoadCommands:
             raise ApiError(409, f"Cannot serve '{model.model_id}' over {num_stages} stages: {exc}",
                            code="unsupported_num_stages", param="num_stages") from None
         pinned = fellow_ids or ([fellow_id] if fellow_id else [])
-        return LoadPlan(num_stages, 1, pinned, transport, lambda: place_ring(
-            model.parameters, ranges, shards, monitor.latest, set(monitor.online), pinned or None, quantization,
-            ring_needs(transport.max_in_flight)))
+        return LoadPlan(num_stages, replicas, pinned, transport, lambda: place_ring_replicas(
+            model.parameters, ranges, shards, replicas, monitor.latest, set(monitor.online), pinned or None,
+            quantization, ring_needs(transport.max_in_flight)))
 
     async def _place_and_command(self, model: Model, plan: LoadPlan, quantization: dict | None,
                                  requested_by: str) -> Load:
@@ -136,6 +147,41 @@ class LoadCommands:
                                                   requested_by=requested_by), wait=["loads"])
         await self.unload_stages(await load_stages(self.leader.sessions, load.load_id))
         return await get_load(self.leader.sessions, load.load_id)
+
+    async def replace_stage(self, load: Load, lost: LoadStageRow, stages: list[LoadStageRow], why: str) -> bool:
+        """Place a later ring stage whose fellow was lost on another fellow (StageReplaced, then its
+        LoadStage command); False where none can take it (the caller ends the load as before)."""
+        model = await self.catalog.get(load.model_id)
+        if model is None or not model.available or lost.stage == 0:
+            return False
+        transport = msgspec.convert(load.transport or {}, TransportPlan)
+        monitor = self.leader.fellows
+        try:
+            manifest = load_manifest(model.path)
+            shards = plan_stage(manifest, lost.stage, load.num_stages).shards
+            fellow = place_replacement(model.parameters, (lost.layer_first, lost.layer_last), model.num_layers,
+                                       monitor.latest, set(monitor.online), {s.fellow_id for s in stages},
+                                       load.quantization, ring_needs(transport.max_in_flight))
+        except (PlacementError, ServableError) as exc:
+            log.warning("load %s: stage %d cannot be re-placed: %s", load.load_id, lost.stage, exc)
+            return False
+        await self.leader.publish(StageReplaced(
+            id=stage_replaced_id(load.load_id, lost.stage, lost.replica, lost.fellow_id), load_id=load.load_id,
+            model_id=load.model_id, stage=lost.stage, replica=lost.replica, fellow_id=fellow,
+            lost_fellow_id=lost.fellow_id, reason=why), wait=["loads"])
+        assignment = StageAssignment(stage=lost.stage, fellow_id=fellow, replica=lost.replica,
+                                     layers=(lost.layer_first, lost.layer_last), shards=list(shards))
+        ring = sorted((s for s in stages if s.replica == lost.replica), key=lambda s: s.stage)
+        cmd = LoadStage(load_id=load.load_id, model_id=load.model_id, assignment=assignment,
+                        num_stages=load.num_stages,
+                        stage_fellows=[fellow if s.stage == lost.stage else s.fellow_id for s in ring],
+                        transport=transport, quantization=load.quantization, model_path=model.path,
+                        manifest_sha256=model.manifest_sha256, replicas=len({s.replica for s in stages}))
+        await publish_struct(self.leader.js, subjects.command(fellow, "load"), cmd,
+                             msg_id=f"{load_msg_id(load.load_id, assignment)}-on-{fellow}")
+        log.info("load %s: stage %d re-placed from %s on %s (%s)", load.load_id, lost.stage, lost.fellow_id, fellow,
+                 why)
+        return True
 
     async def unload_stages(self, stages: list[LoadStageRow], reason: str = "requested") -> None:
         """Tell each of these stages' fellows to stop it and free its memory."""

@@ -18,8 +18,8 @@ from core.tasks import cancel_and_wait
 from events import subjects
 from events.base import Event
 from events.fellow import FellowLost
-from events.loads import (LoadFailed, ModelLoaded, ModelUnloaded, ReplicaLost, StageReady, load_failed_id,
-                          replica_lost_id)
+from events.loads import (STAGE_RESTARTING, LoadFailed, ModelLoaded, ModelUnloaded, ReplicaLost, StageReady,
+                          load_failed_id, replica_lost_id)
 from leader.db.tables import Load, LoadStage
 from leader.relay_stats import RelayStats
 from leader.serving.commands import LoadCommands
@@ -119,6 +119,8 @@ class Reactions:
             hit = sorted(set(rows.all()))
         for load_id, model_id, replica in hit:
             reason = f"fellow {evt.fellow_id} was lost ({evt.reason})"
+            if await self._replace(load_id, evt.fellow_id, reason):
+                continue
             if len({s.replica for s in await load_stages(self.leader.sessions, load_id)}) > 1:  # the others serve on
                 await self.leader.publish(ReplicaLost(
                     id=replica_lost_id(load_id, replica), load_id=load_id, model_id=model_id, replica=replica,
@@ -126,6 +128,16 @@ class Reactions:
                 continue
             await self.leader.publish(LoadFailed(id=load_failed_id(load_id), load_id=load_id, model_id=model_id,
                                                  code="fellow_lost", fellow_id=evt.fellow_id, reason=reason))
+
+    async def _replace(self, load_id: str, fellow_id: str, reason: str) -> bool:
+        """A ring that lost a later stage goes on: that stage moves to another fellow, and stage 0 replays
+        its sessions once it is ready. False where it cannot (stage 0 lost, no fellow can take it)."""
+        load = await get_load(self.leader.sessions, load_id)
+        stages = await load_stages(self.leader.sessions, load_id)
+        lost = [s for s in stages if s.fellow_id == fellow_id and s.state in SERVING]
+        if load is None or load.state != "ready" or (load.num_stages or 1) < 2 or len(lost) != 1:
+            return False
+        return await self.commands.replace_stage(load, lost[0], [s for s in stages if s.state in SERVING], reason)
 
     async def _release_stages(self, load_id: str, reason: str) -> None:
         """A load that ended on one stage or replica cannot serve: every other one is told to stop and
@@ -141,6 +153,10 @@ class Reactions:
         load = await get_load(self.leader.sessions, evt.load_id)
         if load is None or load.state not in ACTIVE:
             return
+        if evt.code != STAGE_RESTARTING and (load.num_stages or 1) > 1:  # a ring replica: its other stages go too
+            rest = [s for s in await load_stages(self.leader.sessions, evt.load_id)
+                    if s.replica == evt.replica and s.fellow_id != evt.fellow_id]
+            await self.commands.unload_stages(rest, "failed")  # quietly: the replica is lost already
         if any(s.state in SERVING for s in await load_stages(self.leader.sessions, evt.load_id)):
             await self._check_loaded(evt.load_id)  # the replicas still loading may be all it waits for
             return

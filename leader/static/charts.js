@@ -110,7 +110,8 @@ const Charts = (() => {
       const gpus = s.gpus.length ? gpuSummary(s.gpus) : `CPU · ${fmt.bytes(s.memory_total_bytes)} RAM`;
       const g = el("svg:g", { class: "stage " + s.state });
       g.append(el("svg:rect", { x, y: top, width: bw, height: bh, rx: 10 }));
-      const rows = [[`Stage ${s.stage}`, "title"], [`${s.fellow_id}${s.hostname ? " · " + s.hostname : ""}`, "sub"],
+      const moved = (s.replaced || []).map((r) => r.from).join(", ");
+      const rows = [[`Stage ${s.stage}`, "title"], [`${s.fellow_id}${s.hostname ? " · " + s.hostname : ""}${moved ? " (re-placed from " + moved + ")" : ""}`, "sub"],
         [gpus.length > 32 ? gpus.slice(0, 31) + "…" : gpus, "sub"], [`layers ${s.layers[0]}–${s.layers[1] - 1} · ${s.state}`, "sub"],
         [`KV ${fmt.num(s.kv_tokens, 0)} tokens · ${s.max_in_flight} in flight`, "sub"],
         [s.ms_per_token !== null && s.ms_per_token !== undefined ? `${fmt.num(s.ms_per_token, 2)} ms / token` : "no tokens yet", "big"]];

@@ -64,7 +64,11 @@
       card("tokens", "Tokens generated", fmt.num(t.completion_tokens, 0), `${fmt.num(t.prompt_tokens, 0)} prompt tokens read`),
       card("throughput", "Throughput", fmt.num(t.tokens_per_s, 2) + " tok/s", "averaged over the window"),
       card("decode", "Decode speed", t.decode_tokens_per_s === null ? "—" : fmt.num(t.decode_tokens_per_s) + " tok/s", "per request, token-weighted"),
+      card("spec", "Drafts accepted", t.spec_acceptance === null ? "—" : fmt.num(100 * t.spec_acceptance, 1) + " %",
+        t.spec_tokens_per_pass === null ? "no speculative decoding" : fmt.num(t.spec_tokens_per_pass, 2) + " tokens per pass with drafts"),
       card("ttft", "Time to first token", fmt.ms(t.ttft_ms), `p50 ${fmt.ms(t.ttft_ms_p50)} · p95 ${fmt.ms(t.ttft_ms_p95)}`),
+      card("prefix", "Prefix cache hits", t.prefix_hit_rate === null ? "—" : fmt.num(t.prefix_hit_rate * 100, 1) + " %",
+        `${fmt.num(t.cached_tokens, 0)} prompt tokens reused`),
       card("per-token", "Time per token", fmt.ms(t.per_token_ms),
         Object.entries(t.split_ms).map(([k, v]) => `${SPLIT_NAMES[k] || k.replace("_ms", "")} ${fmt.ms(v)}`).join(" · ") || "no timing yet"),
     );
@@ -75,6 +79,8 @@
       outcome, { label: "Requests per minute", unit: "req", classes: [0, 3, 4] });
     Charts.legend($("legend-requests"), outcome, [0, 3, 4]);
     Charts.line($("chart-ttft"), b.map((x) => ({ t: x.t, value: x.ttft_ms })), { label: "Time to first token", unit: "ms" });
+    Charts.line($("chart-prefix"), b.map((x) => ({ t: x.t, value: x.prefix_hit_rate === null ? null : x.prefix_hit_rate * 100 })),
+      { label: "Prompt tokens from the prefix cache", unit: "%" });
     const keys = [...new Set([...Object.keys(t.split_ms), ...b.flatMap((x) => Object.keys(x.split_ms))])];
     Charts.stacked($("chart-split"), b.map((x) => ({ t: x.t, parts: x.split_ms })), keys,
       { label: "Time per token", unit: "ms", names: SPLIT_NAMES, classes: keys.map((k, i) => (k === "link_ms" ? 2 : i === 0 ? 1 : 5 + i)) });

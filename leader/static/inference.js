@@ -8,6 +8,7 @@
   const loadBtn = $("load-btn"), unloadBtn = $("unload-btn");
   const messagesEl = $("messages"), form = $("chat-form"), prompt = $("prompt");
   const sendBtn = $("send-btn"), stopBtn = $("stop-btn"), thinking = $("thinking");
+  let streamingLi = null;  // the reply being streamed now
   const maxTokens = $("max-tokens"), temperature = $("temperature");
   const MODEL_KEY = "swarm.model";
   const BUSY = ["requested", "loading"];
@@ -206,6 +207,7 @@
     history.push({ role: "user", content: text });
     bubble("user", text);
     const li = bubble("assistant", "");
+    streamingLi = li;
     li.classList.add("streaming");
     li.dataset.chunks = "0";
     controller = new AbortController();
@@ -272,10 +274,17 @@
   prompt.addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); form.requestSubmit(); }
   });
-  stopBtn.addEventListener("click", () => controller && controller.abort());
-  document.addEventListener("keydown", (e) => { if (e.key === "Escape" && controller) controller.abort(); });
+  // Stop: the request ends on its stage at once (a hang-up alone would wait out the resume grace).
+  function stop() {
+    if (!controller) return;
+    const id = streamingLi && streamingLi.dataset.requestId;
+    if (id) api(`/api/v1/requests/${encodeURIComponent(id)}/cancel`, { method: "POST" }).catch(() => {});
+    controller.abort();
+  }
+  stopBtn.addEventListener("click", stop);
+  document.addEventListener("keydown", (e) => { if (e.key === "Escape") stop(); });
   $("clear-btn").addEventListener("click", () => {
-    if (controller) controller.abort();
+    stop();
     history = [];
     messagesEl.replaceChildren();
     prompt.focus();

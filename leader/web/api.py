@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 
-from litestar import get
+from litestar import get, post
 from litestar.params import FromPath, FromQuery
 from sqlalchemy import func, select
 
-from leader.api.deps import Db, FellowsDep, ServingDep
+from leader.api.deps import Caller, Db, FellowsDep, ServingDep, StreamsDep
+from leader.auth.scopes import grants
 from leader.api.views import load_view
 from leader.db.tables import Load, Request as RequestRow
 from leader.errors import ApiError
@@ -71,4 +72,19 @@ async def list_loads(db: Db, serving: ServingDep, fellows: FellowsDep) -> dict:
                                        for load in loads]}
 
 
-ROUTES = [model_performance, list_requests, list_loads]
+@post("/api/v1/requests/{request_id:str}/cancel", opt={"scope": "operate"}, status_code=200, tags=["requests"],
+      summary="Stop a request in flight now: its stage ends it with finish_reason cancelled")
+async def cancel_request(db: Db, streams: StreamsDep, caller: Caller, request_id: FromPath[str]) -> dict:
+    """A streaming client that hangs up cancels only after SWARM_STREAM_RESUME_S, so that it can resume;
+    this cancels at once. A token may cancel its own requests; an admin token, anyone's."""
+    row = await db.get(RequestRow, request_id)
+    if row is None or (caller is not None and row.token_id != caller.token_id and not grants(caller.scopes, "admin")):
+        raise ApiError(404, f"No request '{request_id}' of yours is known", code="request_not_found",
+                       param="request_id")
+    if row.status != "accepted":
+        raise ApiError(409, f"The request '{request_id}' has ended already ({row.status})", code="request_ended")
+    await streams.cancel(row.load_id, request_id)
+    return {"id": request_id, "object": "request.cancel", "status": "cancelling"}
+
+
+ROUTES = [model_performance, list_requests, list_loads, cancel_request]

@@ -39,6 +39,7 @@ class _Tally:
         self.status = Counter()
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt positions the prefix cache served (timing.cached_tokens)
         self.ttfts: list[float] = []
         self.decode_weighted = 0.0  # per-request decode speed, weighted by its tokens
         self.decode_weight = 0
@@ -49,6 +50,7 @@ class _Tally:
         self.routes = Counter()
         self.errors = Counter()
         self.finish_reasons = Counter()
+        self.spec = Counter()  # speculative decoding: spec_drafted, spec_accepted, spec_passes, spec_tokens
 
     def add(self, r: Request) -> None:
         cancelled = r.status == "finished" and r.finish_reason == "cancelled"
@@ -66,9 +68,15 @@ class _Tally:
             self.decode_weighted += r.tokens_per_s * weight
             self.decode_weight += weight
         timing = r.timing or {}
+        if isinstance(timing.get("cached_tokens"), int):
+            self.cached_tokens += timing["cached_tokens"]
         parts = {k: float(v) for k, v in timing.items() if _PART.match(k) and isinstance(v, (int, float))}
         if not parts and isinstance(timing.get("decode_ms"), (int, float)):
-            parts = {"stage0_ms": float(timing["decode_ms"])}  # one stage: its decode step is the whole token
+            per_token = float(timing["decode_ms"])  # one stage: its decode step is the whole token ...
+            passes = timing.get("decode_passes")
+            if isinstance(passes, int) and r.completion_tokens and r.completion_tokens > 1:
+                per_token *= passes / (r.completion_tokens - 1)  # ... unless its passes gained drafted tokens
+            parts = {"stage0_ms": per_token}
         if parts:
             for k, v in parts.items():
                 self.parts[k] = self.parts.get(k, 0.0) + v * weight
@@ -79,6 +87,9 @@ class _Tally:
             self.bytes_per_token.append(float(timing["bytes_per_token"]))
         if timing.get("route"):
             self.routes[str(timing["route"])] += 1
+        for key in ("spec_drafted", "spec_accepted", "spec_passes", "spec_tokens"):
+            if isinstance(timing.get(key), int):
+                self.spec[key] += timing[key]
 
     def figures(self, seconds: float) -> dict:
         split = {k: round(self.parts[k] / self.parts_weight, 3) for k in sorted(self.parts, key=_part_order)}
@@ -88,12 +99,20 @@ class _Tally:
             "failed": self.status["failed"], "too_long": self.status["too_long"],
             "in_flight": self.status["accepted"],
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            # the share of prompt tokens the prefix cache served, as the stages count it
+            "prefix_hit_rate": round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else None,
             "tokens_per_s": round(self.completion_tokens / seconds, 3) if seconds > 0 else 0.0,
             "decode_tokens_per_s": round(self.decode_weighted / self.decode_weight, 3) if self.decode_weight else None,
             "ttft_ms": _mean(self.ttfts),
             "ttft_ms_p50": _quantile(self.ttfts, 0.5), "ttft_ms_p95": _quantile(self.ttfts, 0.95),
             "prefill_ms": _mean(self.prefill_ms), "bytes_per_token": _mean(self.bytes_per_token),
             "split_ms": split, "per_token_ms": round(sum(split.values()), 3) if split else None,
+            # speculative decoding: the share of drafted tokens that stood, and tokens per pass with drafts
+            "spec_acceptance": (round(self.spec["spec_accepted"] / self.spec["spec_drafted"], 4)
+                                if self.spec["spec_drafted"] else None),
+            "spec_tokens_per_pass": (round(self.spec["spec_tokens"] / self.spec["spec_passes"], 3)
+                                     if self.spec["spec_passes"] else None),
         }
 
 
@@ -161,8 +180,9 @@ def topology(load: Load | None, stages: list[LoadStage], latest: dict, split_ms:
             "ms_per_token": split_ms.get(f"stage{s.stage}_ms"),
             "tokens_per_s": live.tokens_per_s if live else None,
             "in_flight": live.in_flight if live else None, "waiting": live.waiting if live else None,
+            "replaced": list(s.replaced or []),  # the fellows it moved from, when a ring stage was re-placed
         })
-    ring = [s for s in out_stages if s["replica"] == 0]  # replicas are one-stage copies: no links
+    ring = [s for s in out_stages if s["replica"] == 0]  # the links of the first ring (replicas alike)
     n = len(ring)
     links = []
     if n > 1:  # hidden states go 0 -> 1 -> ... -> last; the sampled token goes straight back to 0

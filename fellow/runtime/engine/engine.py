@@ -6,11 +6,13 @@ import time
 
 import torch
 
+from fellow.runtime.engine.drafting import DraftGuard, PromptLookup, check_speculative
 from fellow.runtime.engine.prefix_cache import PrefixCache
 from fellow.runtime.engine.processors import sample_next
 from fellow.runtime.engine.sampling import make_generator
 from fellow.runtime.engine.scheduler import Scheduler, StepResult
 from fellow.runtime.engine.session import Session
+from fellow.runtime.engine.speculative import verify_drafts
 from fellow.runtime.model.stage import StageModel
 
 
@@ -26,14 +28,22 @@ class Engine(Scheduler):
     With ``prefix_cache`` on, a session that ends leaves its positions in the PrefixCache, and a new
     one starts from the longest cached prefix of its prompt. The cache's tokens count in the budget
     beside the reservations, and are evicted whenever a reservation needs their room.
+
+    With ``speculative`` k > 0, each decoding session drafts up to k tokens per pass by prompt lookup
+    (fellow.runtime.engine.drafting); a batch in which any session drafted runs as one verify pass
+    (``StageModel.verify``: every session's last token and its drafts), ``verify_drafts`` keeps what
+    the model agrees with plus one token of its own, and each cache is cropped to what stood.
+    Sessions with and without drafts share the pass; a session's DraftGuard sizes its drafts by
+    how many stood, and pauses its drafting while they keep failing.
     """
 
     def __init__(self, stage: StageModel, *, kv_tokens: int, max_batch: int = 0, prefill_chunk: int = 256,
-                 prefix_cache: bool = True) -> None:
+                 prefix_cache: bool = True, speculative: int = 0) -> None:
         if not (stage.is_first and stage.is_last):
             raise ValueError("the engine serves a stage that holds the embeddings and the head")
         super().__init__(kv_tokens, max_batch=max_batch, prefill_chunk=prefill_chunk)
         self.stage = stage
+        self.speculative = check_speculative(speculative)
         self.last_prefill_batch = 0  # prompts in the last step's padded prefill (0: none batched)
         self.prefix = PrefixCache() if prefix_cache else None
 
@@ -48,25 +58,20 @@ class Engine(Scheduler):
     def _start(self, session: Session) -> None:
         session.cache = self.stage.new_cache()
         session.generator = make_generator(session.sampling, self.stage.output_device)
+        if self.speculative:
+            session.spec_k = self.speculative
+            session.guard = DraftGuard(self.speculative)
+            session.lookup = PromptLookup(session.prompt_ids)
         if self.prefix is not None:
-            self._fit_prefix()  # the session's reservation is in: cached blocks make room for it
-            reused, chain = self.prefix.lookup(session.prompt_ids)
-            if reused:
-                self.prefix.fill(session.cache, chain, reused)
-                session.prefilled = session.cached_tokens = reused
+            self.prefix.fit(self.budget.reserved, self.kv_tokens)  # the reservation is in: blocks make room
+            session.prefilled = session.cached_tokens = self.prefix.start(session.cache, session.prompt_ids)
 
     def _finish(self, session: Session, reason: str | None, result: StepResult) -> None:
         if self.prefix is not None and session.cache is not None and session.error is None and reason != "error":
             self.prefix.insert(session.prompt_ids + session.output_ids, session.cache)
         super()._finish(session, reason, result)
         if self.prefix is not None:
-            self._fit_prefix()
-
-    def _fit_prefix(self) -> None:
-        """Evict cached blocks until they and the reservations fit the budget together."""
-        over = self.budget.reserved + self.prefix.tokens - self.budget.kv_tokens
-        if over > 0:
-            self.prefix.evict(over)
+            self.prefix.fit(self.budget.reserved, self.kv_tokens)
 
     def stats(self) -> dict:
         stats = super().stats()
@@ -121,9 +126,13 @@ class Engine(Scheduler):
 
     def _decode(self, result: StepResult) -> None:
         decoding = [s for s in self.sessions.values() if not s.prefilling]
+        drafts = {s.session_id: self._drafts(s) for s in decoding} if self.speculative else {}
         batches = self._decode_batches(decoding)
         self.last_batches = [len(batch) for batch in batches]
         for batch in batches:
+            if any(drafts.get(s.session_id) for s in batch):
+                self._verify(batch, drafts, result)
+                continue
             started = time.perf_counter()
             ids = torch.tensor([s.next_input for s in batch], device=self.stage.input_device)
             logits = self.stage.decode([s.cache for s in batch], ids)
@@ -133,6 +142,46 @@ class Engine(Scheduler):
                 session.decode_s += now - started
                 session.decode_steps += 1
                 self._accept(session, token, now, result)
+
+    def _drafts(self, session: Session) -> list[int]:
+        """Prompt lookup's drafts for the session's next pass. At most the tokens its reply has left
+        but one: a pass then never writes past the session's reservation (the reserved prompt plus
+        max_tokens holds the positions of the pass in flight)."""
+        if not session.spec_k or session.constraint is not None or not session.guard.allows():
+            return []  # a grammar's mask is computed for one position at a time: no drafts to check
+        lookup = session.lookup
+        lookup.extend(session.output_ids[len(lookup.ids) - len(session.prompt_ids):])
+        return lookup.draft(min(session.guard.limit, session.max_new_tokens - len(session.output_ids) - 1))
+
+    def _verify(self, batch: list[Session], drafts: dict[str, list[int]], result: StepResult) -> None:
+        """One pass of ``[next_input, *drafts]`` for every session of the batch (sessions without
+        drafts run their one position), then each cache cropped to the positions that stood."""
+        started = time.perf_counter()
+        inputs = [[s.next_input, *drafts.get(s.session_id, [])] for s in batch]
+        lengths = [s.cache.length for s in batch]
+        logits = self.stage.verify([s.cache for s in batch], inputs)
+        gains = [verify_drafts(rows, ids[1:], s) for s, rows, ids in zip(batch, logits, inputs)]
+        now = time.perf_counter()
+        for session, ids, length, gained in zip(batch, inputs, lengths, gains):
+            drafted = len(ids) - 1
+            for i, (token, _) in enumerate(gained):
+                if token in session.stop_ids:  # nothing after an end of turn counts
+                    gained = gained[: i + 1]
+                    break
+            session.cache.crop_to(length + len(gained))  # the input and the drafts that stood
+            session.decode_s += now - started
+            session.decode_steps += 1
+            if drafted:
+                accepted = len(gained) - 1
+                session.guard.record(drafted, accepted)
+                session.spec_passes += 1
+                session.spec_tokens += len(gained)
+                session.spec_drafted += drafted
+                session.spec_accepted += accepted
+            for token, logprob in gained:
+                session.pending_logprob = logprob
+                if self._accept(session, token, now, result):
+                    break
 
     def _decode_batches(self, sessions: list[Session]) -> list[list[Session]]:
         """Batches of at most max_batch; sessions of similar length together, so padding stays small."""

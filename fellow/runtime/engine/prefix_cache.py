@@ -94,6 +94,31 @@ class PrefixCache:
                 self.blocks.move_to_end(block.key)
         return reused, chain
 
+    def start(self, cache: KVCache, prompt: list[int]) -> int:
+        """A new session's first positions from the cache: copies the longest cached prefix of its
+        prompt (never its last token) into its empty ``cache``; returns how many positions that is."""
+        reused, chain = self.lookup(prompt)
+        if reused:
+            self.fill(cache, chain, reused)
+        return reused
+
+    def take(self, cache: KVCache, ids: list[int]) -> bool:
+        """Exactly the positions of ``ids`` into an empty ``cache``, as another stage of a ring decided
+        to reuse them; False (the cache left empty) where this stage no longer holds them all."""
+        chain = self.match(ids + [-1])  # match leaves the prompt's last token out: a stand-in for it
+        if sum(len(b.tokens) for b in chain) < len(ids):
+            return False
+        for block in chain:
+            self.blocks.move_to_end(block.key)
+        self.fill(cache, chain, len(ids))
+        return True
+
+    def fit(self, reserved: int, kv_tokens: int) -> None:
+        """Evict until the kept blocks and the live sessions' ``reserved`` positions fit ``kv_tokens``."""
+        over = reserved + self.tokens - kv_tokens
+        if over > 0:
+            self.evict(over)
+
     @staticmethod
     def fill(cache: KVCache, chain: list[Block], positions: int) -> None:
         """Copy the chain's first ``positions`` positions into an empty cache and advance it past them."""

@@ -145,16 +145,19 @@ def ll_tokenizer(tokenizer, stop_ids: frozenset[int]):
         return found
 
 
-def constraint_for(tokenizer, grammar: str, stop_ids: frozenset[int]) -> Constraint | None:
-    """A fresh row constraint for an llguidance grammar (None for no grammar); ValueError if it does not compile."""
+def constraint_for(tokenizer, grammar: str, stop_ids: frozenset[int], output_ids: Sequence[int] = ()) -> Constraint | None:
+    """A row constraint for an llguidance grammar (None for no grammar), advanced past ``output_ids`` (a
+    replayed reply so far); ValueError if it does not compile or the ids do not follow it."""
     if not grammar:
         return None
     from llguidance import LLMatcher
 
     ll = ll_tokenizer(tokenizer, stop_ids)
     matcher = LLMatcher(ll, grammar, log_level=0)
+    if output_ids and not matcher.is_error():
+        matcher.consume_tokens(list(output_ids))
     if matcher.is_error():
-        raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
+        raise ValueError(f"the grammar does not compile or its reply so far left it: {matcher.get_error()}")
     return Constraint(matcher, grammar, ll.vocab_size)
 
 

@@ -55,7 +55,7 @@ class SamplingParams:
     def adjusts(self) -> bool:
         """Whether a logits processor changes this request's logits before it samples."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.grammar)
 
     @property
     def greedy(self) -> bool:

@@ -54,6 +54,7 @@ class _Reply:
         self.pending = ""
         self.stopped = False
         self.logprobs_out = 0  # the session's logprobs already in an Output
+        self.ids_out = 0  # ids already in an Output (a verify pass may gain ids past a stop string)
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string was hit)."""
@@ -211,6 +212,7 @@ class ServingLoop:
                     reply.logprobs_out += 1
                 text, hit = reply.feed(reply.detok.add(token))
                 out.ids.append(token)
+                reply.ids_out += 1
                 if text:
                     out.texts.append(text)
                 if hit:
@@ -229,7 +231,7 @@ class ServingLoop:
                 if tail:
                     out.texts.append(tail)
             out.finish_reason = session.finish_reason or "stop"
-            out.completion_tokens = len(session.output_ids)
+            out.completion_tokens = reply.ids_out if reply.stopped else len(session.output_ids)
             out.prompt_tokens = len(session.prompt_ids)
             out.timing = session.timing()
         return list(outputs.values())

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fellow.runtime.model.kv_cache import KVCache
+from fellow.runtime.engine.drafting import DraftGuard, PromptLookup
 from fellow.runtime.engine.sampling import SamplingParams
+from fellow.runtime.model.kv_cache import KVCache
 
 
 @dataclass(eq=False)
@@ -44,6 +45,15 @@ class Session:
     pending_logprob: tuple | None = field(default=None, init=False)  # the sampler's, for the token it drew
     logprobs: list[tuple] = field(default_factory=list, init=False)  # one per output id, when asked for
     constraint: object | None = field(default=None, init=False, repr=False)  # processors.Constraint, if any
+    # speculative decoding (fellow.runtime.engine.drafting): tokens drafted per pass (0: none) and
+    # what its verify passes did
+    spec_k: int = field(default=0, init=False)
+    lookup: PromptLookup | None = field(default=None, init=False, repr=False)
+    guard: DraftGuard = field(default_factory=DraftGuard, init=False, repr=False)
+    spec_passes: int = field(default=0, init=False)  # passes that carried drafts
+    spec_tokens: int = field(default=0, init=False)  # tokens those passes gained
+    spec_drafted: int = field(default=0, init=False)
+    spec_accepted: int = field(default=0, init=False)  # drafts that stood
 
     def __post_init__(self) -> None:
         self.prompt_ids = _ids(self.prompt_ids)
@@ -94,6 +104,10 @@ class Session:
                 timing["tokens_per_s"] = round((len(self.output_ids) - 1) / elapsed, 3)
         if self.decode_steps:
             timing["decode_ms"] = round(self.decode_s * 1e3 / self.decode_steps, 3)
+        if self.spec_k:
+            timing.update(spec_k=self.spec_k, spec_passes=self.spec_passes, spec_tokens=self.spec_tokens,
+                          spec_drafted=self.spec_drafted, spec_accepted=self.spec_accepted,
+                          decode_passes=self.decode_steps)  # decode_ms is per pass, and a pass may gain several
         return timing
 
 

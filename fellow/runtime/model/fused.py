@@ -147,7 +147,7 @@ def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 class FusedStack:
-    """The fused layers of one stage, and the three ways a forward attends (see ``StageModel``)."""
+    """The fused layers of one stage, and the four ways a forward attends (see ``StageModel``)."""
 
     def __init__(self, layers: Sequence[nn.Module], config, make_linear: MakeLinear) -> None:
         self.num_heads = config.num_attention_heads
@@ -178,7 +178,7 @@ class FusedStack:
             hidden = hidden + layer.down(F.silu(gate) * up)
         return hidden
 
-    # --- the three ways a forward attends ---------------------------------------------------------
+    # --- the four ways a forward attends ----------------------------------------------------------
 
     def attend_piece(self, cache, mask: torch.Tensor | None):
         """One session's next positions, into its cache: q [1, heads, q, D]."""
@@ -198,6 +198,44 @@ class FusedStack:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scaling,
                                                  enable_gqa=self.groups > 1)
             return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+        return attend
+
+    def attend_packed(self, caches, widths: Sequence[int]):
+        """Several sessions' next positions packed in one row, ``widths[i]`` of them for session i
+        (a verify pass: its last token and its drafts): q [1, heads, sum(widths), D].
+
+        Each session writes its positions into its own cache and attends to its past and, causally,
+        to its own new positions. As in ``attend_decode``, the query heads that share a key/value head
+        go in as that head's queries ([1, kv_heads, groups * w, D], the mask repeated per group):
+        sdpa with ``enable_gqa`` and a mask took 2.4 times as long on a CPU (0.34 ms against 0.14, 16
+        heads over 2, 3 positions on 1,208).
+        """
+        total = sum(widths)
+        out_shape = (1, total, self.num_heads * self.head_dim)
+        masks = []  # per session of more than one position: [groups * w, past + w], True where a query sees a key
+        for cache, width in zip(caches, widths):
+            if width == 1:
+                masks.append(None)
+                continue
+            rows = torch.arange(cache.length, cache.length + width)[:, None]
+            masks.append((torch.arange(cache.length + width)[None, :] <= rows).repeat(self.groups, 1))
+
+        def attend(layer: FusedLayer, q, k, v):
+            out = q.new_empty(out_shape)
+            start = 0
+            for cache, width, mask in zip(caches, widths, masks):
+                end = start + width
+                keys, values = cache.write(layer.layer_idx, k[:, :, start:end], v[:, :, start:end])
+                queries = q[:, :, start:end].reshape(1, self.num_kv_heads, self.groups * width, self.head_dim)
+                attended = F.scaled_dot_product_attention(queries, keys, values, scale=layer.scaling,
+                                                          attn_mask=None if mask is None else mask.to(q.device))
+                if mask is None:
+                    out[0, start] = attended.view(-1)
+                else:  # [1, kv_heads, groups * w, D] is [heads, w, D]: each position's heads in a row
+                    out[0, start:end] = attended.view(self.num_heads, width, self.head_dim).transpose(0, 1).reshape(
+                        width, -1)
+                start = end
+            return out
         return attend
 
     def attend_decode(self, caches):

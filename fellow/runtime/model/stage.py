@@ -148,6 +148,35 @@ class StageModel:
     @torch.inference_mode()
     def forward_piece(self, cache: KVCache, inputs: torch.Tensor) -> torch.Tensor:
         """One session's next positions: ids [q] on stage 0, hidden [1, q, H] after it."""
+        hidden = self._piece(cache, inputs)
+        return self._head(hidden)[0] if self.is_last else hidden
+
+    @torch.inference_mode()
+    def verify(self, caches: Sequence[KVCache], inputs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """A decode pass in which a session may run several positions (its last token and the tokens
+        drafted after it): ``inputs[i]`` are session i's ids. Returns each session's logits at every
+        position it ran, [len(inputs[i]), V]; the caller crops each cache to the positions that stand.
+
+        Fused layers run every session's positions in one forward; the HF layers run one forward
+        per session.
+        """
+        if not (self.is_first and self.is_last):
+            raise ValueError("a verify pass runs on a stage that holds the embeddings and the head")
+        if self.fused is None:
+            return [self._head_all(self._piece(cache, torch.tensor(list(ids), device=self.input_device)))[0]
+                    for cache, ids in zip(caches, inputs)]
+        widths = [len(ids) for ids in inputs]
+        hidden = self._embed(torch.tensor([[t for ids in inputs for t in ids]], device=self.input_device))
+        for cache, width in zip(caches, widths):
+            cache.reserve(width)
+        position_ids = torch.cat([torch.arange(cache.length, cache.length + width)
+                                  for cache, width in zip(caches, widths)])[None, :].to(hidden.device)
+        hidden = self._fused(hidden, position_ids, self.fused.attend_packed(caches, widths))
+        for cache, width in zip(caches, widths):
+            cache.advance(width)
+        return list(self._head_all(hidden)[0].split(widths))
+
+    def _piece(self, cache: KVCache, inputs: torch.Tensor) -> torch.Tensor:
         hidden = self._embed(inputs.view(1, -1)) if self.is_first else inputs
         positions = hidden.shape[1]
         cache.reserve(positions)
@@ -158,7 +187,7 @@ class StageModel:
         else:
             hidden = self._layers(hidden, position_ids, mask, SessionView(cache))
         cache.advance(positions)
-        return self._head(hidden)[0] if self.is_last else hidden
+        return hidden
 
     @torch.inference_mode()
     def prefill_fresh(self, caches: Sequence[KVCache], pieces: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -264,6 +293,10 @@ class StageModel:
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         last = hidden[:, -1, :].to(self._head_device)  # the head reads only the last position
         return self.head(self.norm(last))
+
+    def _head_all(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of every position [B, q, V]."""
+        return self.head(self.norm(hidden.to(self._head_device)))
 
 
 class _HeadLinear(nn.Module):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -9,7 +10,8 @@ from typing import Callable
 
 import torch
 
-from events.ring import DECODE, LAST_PIECE, NO_TOKEN, PIECE, End, Hidden, RingSampling, Token
+from events.ring import DECODE, LAST_PIECE, NO_TOKEN, PIECE, PREFIX_MISSING, End, Hidden, RingSampling, Token
+from fellow.runtime.engine.prefix_cache import PrefixCache
 from fellow.runtime.engine.scheduler import Scheduler, StepResult
 from fellow.runtime.ring.codec import WireCodec
 from fellow.runtime.ring.inbox import Inbox
@@ -21,6 +23,8 @@ WAIT_S = 0.02  # longest wait for a token before the serving loop looks at new j
 REPLY_TIMEOUT_S = 120.0  # a frame unanswered this long means the ring lost it
 WAKE = ("wake",)
 
+log = logging.getLogger(__name__)
+
 
 class RingHead(Scheduler):
     """The engine of a ring's stage 0, on the Scheduler like the one-stage Engine.
@@ -30,11 +34,18 @@ class RingHead(Scheduler):
     groups hold ceil(in flight / stages) sessions (at most max_batch), so while a later stage runs
     one group stage 0 runs another. A prompt goes in pieces of at most prefill_chunk positions, up
     to one piece per stage of a session in the ring at once (prefill_ahead).
+
+    With ``prefix_cache`` on, every stage keeps its own finished sessions' positions, and this one
+    decides the reuse: a new session takes the longest prefix of its prompt from stage 0's cache, and
+    its first frame names those ids, so each later stage copies the same positions from its own. That
+    first piece goes alone; a later stage that no longer holds the prefix answers PREFIX_MISSING,
+    and the session starts over from position 0 with no reuse (never a wrong reply).
     """
 
     def __init__(self, stage: StageModel, codec: WireCodec, send: Callable[[object], None], inbox: Inbox, *,
                  num_stages: int, kv_tokens: int, max_batch: int = 0, prefill_chunk: int = 256,
-                 max_payload: int = 1 << 20) -> None:
+                 max_payload: int = 1 << 20, prefix_cache: bool = True,
+                 route: Callable[[], str] | None = None) -> None:
         if not stage.is_first or stage.is_last:
             raise ValueError("a ring's head holds the embeddings and not the head")
         super().__init__(kv_tokens, max_batch=max_batch, prefill_chunk=prefill_chunk)
@@ -45,6 +56,11 @@ class RingHead(Scheduler):
         self.broken: RingFailure | None = None
         self._step_no = 0
         self._prefill_turn = False
+        self.prefix = PrefixCache() if prefix_cache else None
+        self.prefix_fallbacks = 0  # sessions a later stage could not give their reused prefix
+        self.route = route or (lambda: "r")  # how this stage's frames leave now: "d" direct, "r" relay
+        self.paused: str | None = None  # why the ring is paused (a stage is being re-placed)
+        self.replays = 0
 
     def add(self, session: Session, reserved: bool = False) -> None:
         if self.broken is not None:
@@ -55,6 +71,14 @@ class RingHead(Scheduler):
         """From any thread: the ring is gone; every session fails now, and new ones are refused."""
         self.inbox.put(("fail", message, code))
 
+    def pause(self, why: str) -> None:
+        """From any thread: a later stage is lost and being re-placed; nothing goes into the ring."""
+        self.inbox.put(("pause", why))
+
+    def resume(self) -> None:
+        """From any thread: the ring is whole again; every session that had frames in it replays."""
+        self.inbox.put(("resume",))
+
     def step(self) -> StepResult:
         result = StepResult()
         self._apply_cancels(result)
@@ -62,8 +86,9 @@ class RingHead(Scheduler):
         for item in self.inbox.take(0 if self._has_work() else WAIT_S):
             self._take(item, result)
         self._admit(result)
-        self._expire(result)
-        self._compute_one()
+        if self.paused is None:
+            self._expire(result)
+            self._compute_one()
         return result
 
     # --- tokens back -------------------------------------------------------------------------
@@ -71,19 +96,28 @@ class RingHead(Scheduler):
     def _take(self, item, result: StepResult) -> None:
         if isinstance(item, Token):
             session = self.sessions.get(item.session)
-            if session is None:  # ended here already (cancelled, stopped, failed)
+            if session is None or self.paused is not None or item.attempt != session.attempt:
+                return  # ended already; or it replays on resume; or an answer to a try that was given up
+            if item.error and item.code == PREFIX_MISSING and session.confirming:
+                self._start_over(session, item.error)
                 return
             if item.error:
                 self._fail(session, RingFailure(f"a later stage failed on this request: {item.error}",
                                                 item.code or "stage_failed"), result)
                 return
             session.in_ring -= 1
+            session.confirming = False
             if item.token == NO_TOKEN:  # a piece went through; only the last one is answered
                 return
             now = time.perf_counter()
+            session.routes = item.routes or session.routes
             session.answered(item.compute_ms, now)
             session.pending_logprob = item.logprob
             self._accept(session, item.token, now, result)
+        elif isinstance(item, tuple) and item[0] == "pause":
+            self._pause(item[1])
+        elif isinstance(item, tuple) and item[0] == "resume":
+            self._resume()
         elif isinstance(item, tuple) and item[0] == "fail":
             self.broken = RingFailure(item[1], item[2])
             for session in list(self.sessions.values()):
@@ -98,6 +132,31 @@ class RingHead(Scheduler):
             self.ready.append(session)
         return ended
 
+    def _pause(self, why: str) -> None:
+        self.paused = why
+        self.ready.clear()
+        for s in self.sessions.values():
+            s.ready, s.in_ring, s.confirming, s.decode_sent_at = False, 0, False, None
+            s.must_replay = s.must_replay or s.prefilled > s.first_pos or bool(s.output_ids)
+        log.warning("ring paused (%s): %d session(s) replay when it is whole again", why,
+                    sum(s.must_replay for s in self.sessions.values()))
+
+    def _resume(self) -> None:
+        """Every session that had frames in the ring prefills its prompt and its reply so far again,
+        from position 0 on every stage; the last piece's token is its next one."""
+        self.paused = None
+        for s in self.sessions.values():
+            if s.must_replay:
+                s.must_replay = False
+                s.cache.release()
+                s.cache = self.stage.new_cache()
+                s.history = s.prompt_ids + s.output_ids
+                s.prefilled = s.first_pos = 0
+                s.attempt += 1
+                s.replays += 1
+                self.replays += 1
+        log.info("ring resumed: %d session(s) replay", sum(s.history is not None for s in self.sessions.values()))
+
     def _expire(self, result: StepResult) -> None:
         now = time.perf_counter()
         for session in list(self.sessions.values()):
@@ -109,6 +168,22 @@ class RingHead(Scheduler):
 
     def _start(self, session: RingSession) -> None:
         session.cache = self.stage.new_cache()
+        if self.prefix is not None:
+            self.prefix.fit(self.budget.reserved, self.kv_tokens)  # the reservation is in: blocks make room
+            session.prefilled = session.cached_tokens = self.prefix.start(session.cache, session.prompt_ids)
+            session.first_pos = session.cached_tokens
+
+    def _start_over(self, session: RingSession, why: str) -> None:
+        """A later stage lacks the prefix this session reused: prefill its whole prompt instead. Its
+        first piece was the only frame in the ring, and the new first frame resets every stage."""
+        log.info("session %s starts over without its cached prefix: %s", session.session_id, why)
+        self.prefix_fallbacks += 1
+        session.in_ring = 0
+        session.confirming = False
+        session.cache.release()
+        session.cache = self.stage.new_cache()
+        session.prefilled = session.cached_tokens = session.first_pos = 0
+        session.attempt += 1
 
     def _fail(self, session: RingSession, error: RingFailure, result: StepResult) -> None:
         session.error = error
@@ -118,17 +193,32 @@ class RingHead(Scheduler):
         if session.ready:
             self.ready.remove(session)
             session.ready = False
-        if session.prefilled:  # the later stages hold a cache for it
-            self.send(End(session=session.session_id))
+        keep = (self.prefix is not None and session.cache is not None and session.error is None
+                and reason != "error")
+        if keep:
+            self.prefix.insert(session.prompt_ids + session.output_ids, session.cache)
+        if session.prefilled > session.first_pos:  # the later stages hold a cache for it
+            self.send(End(session=session.session_id, keep=keep))
         super()._finish(session, reason, result)
+        if self.prefix is not None:
+            self.prefix.fit(self.budget.reserved, self.kv_tokens)
+
+    def stats(self) -> dict:
+        stats = super().stats()
+        if self.prefix is not None:
+            stats.update(self.prefix.stats(), prefix_fallbacks=self.prefix_fallbacks)
+        return stats
 
     # --- compute -----------------------------------------------------------------------------
 
     def _has_work(self) -> bool:
+        if self.paused is not None:
+            return False
         return bool(self.ready) or any(self._can_piece(s) for s in self.sessions.values())
 
     def _can_piece(self, session: RingSession) -> bool:
-        return session.prefilling and session.in_ring < self.num_stages  # prefill_ahead
+        ahead = 1 if session.confirming else self.num_stages  # a reused prefix's first piece goes alone
+        return session.prefilling and session.in_ring < ahead  # prefill_ahead
 
     def _compute_one(self) -> None:
         units = [self._decode_group, self._prefill_piece]
@@ -160,7 +250,9 @@ class RingHead(Scheduler):
             session.stage0_s += now - started
             session.stage0_steps += 1
             self.send(Hidden(session=session.session_id, pos=pos, positions=1, data=data, scale=scale,
-                             kind=DECODE, batch=len(group), step=self._step_no))
+                             kind=DECODE, batch=len(group), step=self._step_no, routes=self.route(),
+                             attempt=session.attempt,
+                             ids=[session.next_input] if self.prefix is not None else []))
             session.sent(len(data) + len(scale), 1, now)
             session.decode_sent_at = now
         return True
@@ -170,16 +262,23 @@ class RingHead(Scheduler):
         if session is None:
             return False
         start = session.prefilled
-        left = len(session.prompt_ids) - start
+        feed = session.feed
+        left = len(feed) - start
         size = min(left, self.prefill_chunk or left, self.max_piece)
         if session.prefill_started_at is None:
             session.prefill_started_at = time.perf_counter()
-        piece = torch.tensor(session.prompt_ids[start : start + size], device=self.stage.input_device)
+        piece = torch.tensor(feed[start : start + size], device=self.stage.input_device)
         (data, scale), = self.codec.encode(self.stage.forward_piece(session.cache, piece))  # [1, q, H]
         session.prefilled += size
-        sampling = ring_sampling(session) if start == 0 else None
+        first = start == session.first_pos
+        reuse = feed[:start] if first else []
+        session.confirming = bool(reuse)
         self.send(Hidden(session=session.session_id, pos=start, positions=size, data=data, scale=scale,
-                         kind=PIECE if session.prefilling else LAST_PIECE, sampling=sampling))
+                         kind=PIECE if session.prefilling else LAST_PIECE,
+                         sampling=ring_sampling(session) if first else None,
+                         ids=feed[start : start + size] if self.prefix is not None else [],
+                         reuse=reuse, reserve=session.reserved_tokens if first else 0, routes=self.route(),
+                         attempt=session.attempt))
         session.sent(len(data) + len(scale), size, time.perf_counter())
         return True
 
@@ -192,4 +291,5 @@ def ring_sampling(session: Session) -> RingSampling:
                         repetition_penalty=s.repetition_penalty, logit_bias=list(s.logit_bias),
                         min_tokens=s.min_tokens, logprobs=s.logprobs,
                         stop_ids=sorted(session.stop_ids) if s.min_tokens else [],
-                        prompt_ids=session.prompt_ids if s.repetition_penalty != 1.0 else [], grammar=s.grammar)
+                        prompt_ids=session.prompt_ids if s.repetition_penalty != 1.0 else [],
+                        output_ids=list(session.output_ids), grammar=s.grammar)

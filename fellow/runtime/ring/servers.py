@@ -8,12 +8,13 @@ import time
 
 from events import subjects
 from events.base import decode_event
-from events.loads import LoadFailed
+from events.loads import LoadFailed, StageReady, StageReplaced
 from events.stage import FailedReport, MetricsReport
 from fellow.runtime.engine.serving_loop import ServingLoop
 from fellow.runtime.ring.head import WAKE, RingHead
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.link import RingLink
+from fellow.runtime.ring.session import route_name
 from fellow.runtime.ring.loader import load_ring_stage
 from fellow.runtime.ring.worker import RingWorker
 from fellow.runtime.server.base import StageFailed, StageServerBase, report
@@ -22,6 +23,7 @@ from fellow.runtime.server.stage import StageServer
 log = logging.getLogger("swarm.ring")
 
 PROBE_TIMEOUT_S = 600.0  # the later stages may still be loading (or fetching their shards)
+SETTLE_S = 30.0  # how long stage 0 waits for the hops to choose direct or relay before it serves anyway
 
 
 class RingServingLoop(ServingLoop):
@@ -59,17 +61,21 @@ class RingHeadServer(StageServer):
         self.inbox = Inbox()
         self.engine = RingHead(self.stage, self.ring.sender, lambda frame: self.link.send(frame), self.inbox,
                                num_stages=self.cfg.num_stages, kv_tokens=self.kv_tokens, max_batch=t.max_batch,
-                               prefill_chunk=t.prefill_chunk)
+                               prefill_chunk=t.prefill_chunk, prefix_cache=t.prefix_cache,
+                               route=lambda: self.link.route if self.link is not None else "r")
         self.serving = self.make_loop()
 
     def make_loop(self) -> ServingLoop:
         return RingServingLoop(self.engine, self.tokenizer, self.stop_ids, self._deliver, stage=self.cfg.stage)
 
     async def _start(self) -> None:
-        self.link = RingLink(self.nc, self.load_id, 0, self.cfg.num_stages, self.inbox)
+        self.link = RingLink(self.nc, self.load_id, 0, self.cfg.num_stages, self.inbox, **self._link_options())
         await self.link.start()
         self.engine.max_piece = max(1, (self.link.max_payload - 1024) // self.ring.sender.bytes_per_position)
         await self.nc.subscribe(subjects.event(LoadFailed.__struct_config__.tag), cb=self._on_load_failed)
+        self._replacing: set[int] = set()  # later stages being re-placed; the ring is paused meanwhile
+        for kind in (StageReplaced, StageReady):
+            await self.nc.subscribe(subjects.event(kind.__struct_config__.tag), cb=self._on_stage_event)
         started = time.perf_counter()
         try:
             await self.link.probe(PROBE_TIMEOUT_S)
@@ -77,7 +83,9 @@ class RingHeadServer(StageServer):
             report(FailedReport(reason=f"the ring's later stages did not answer within "
                                        f"{time.perf_counter() - started:.0f}s"))
             raise StageFailed from None
-        log.info("ring of %d stages answered a probe in %.3fs", self.cfg.num_stages, time.perf_counter() - started)
+        routes = await self.link.settle(SETTLE_S)  # each hop dialed its next stage, or stays on the relay
+        log.info("ring of %d stages answered a probe in %.3fs; hops: %s", self.cfg.num_stages,
+                 time.perf_counter() - started, route_name(routes.replace("?", "r")))
         await super()._start()
 
     async def _on_load_failed(self, msg) -> None:
@@ -89,6 +97,26 @@ class RingHeadServer(StageServer):
         if isinstance(evt, LoadFailed) and evt.load_id == self.load_id:
             log.warning("load failed (%s): failing every request in the ring", evt.reason)
             self.engine.fail_all(f"the ring serving this model failed: {evt.reason}", evt.code or "ring_failed")
+
+    async def _on_stage_event(self, msg) -> None:
+        """A later stage of this ring moved to another fellow: pause until it is ready and a probe has
+        gone round the ring again, then the sessions replay (fellow.runtime.ring.head)."""
+        try:
+            evt = decode_event(msg.data)
+        except Exception as exc:
+            log.warning("dropped a message on %s that is not an event: %s", msg.subject, type(exc).__name__)
+            return
+        if getattr(evt, "load_id", None) != self.load_id or getattr(evt, "replica", 0) != self.cfg.replica:
+            return
+        if isinstance(evt, StageReplaced):
+            self._replacing.add(evt.stage)
+            self.engine.pause(f"stage {evt.stage} moves from {evt.lost_fellow_id} to {evt.fellow_id}")
+        elif isinstance(evt, StageReady) and evt.stage in self._replacing:
+            self._replacing.discard(evt.stage)
+            if not self._replacing:
+                await self.link.probe(PROBE_TIMEOUT_S)
+                log.info("stage %d is back on %s: the ring resumes", evt.stage, evt.fellow_id)
+                self.engine.resume()
 
     async def _shutdown(self) -> None:
         await super()._shutdown()  # errors the requests in flight
@@ -108,8 +136,10 @@ class RingStageServer(StageServerBase):
 
     def _build(self) -> None:
         self.inbox = Inbox()
+        t = self.cfg.transport
         self.worker = RingWorker(self.ring, self.inbox, lambda frame, lane=None: self.link.send(frame, lane),
-                                 max_batch=self.cfg.transport.max_batch)
+                                 max_batch=t.max_batch, prefix_tokens=self.kv_tokens if t.prefix_cache else 0,
+                                 route=lambda: self.link.route if self.link is not None else "r")
 
     def compute(self) -> None:
         self.worker.run()
@@ -118,7 +148,8 @@ class RingStageServer(StageServerBase):
         self.worker.stop()
 
     async def _start(self) -> None:
-        self.link = RingLink(self.nc, self.load_id, self.cfg.stage, self.cfg.num_stages, self.inbox)
+        self.link = RingLink(self.nc, self.load_id, self.cfg.stage, self.cfg.num_stages, self.inbox,
+                             **self._link_options())
         await self.link.start()
 
     async def _shutdown(self) -> None:
@@ -130,5 +161,7 @@ class RingStageServer(StageServerBase):
 
     def metrics(self) -> MetricsReport:
         held = list(self.worker.held.values())
+        prefix = self.worker.prefix
         return MetricsReport(idle_s=0.0 if held else round(time.monotonic() - self.worker.last_active, 3),
-                             vram_bytes=self.vram_bytes(), in_flight=len(held))
+                             vram_bytes=self.vram_bytes(), in_flight=len(held),
+                             prefix_cached_tokens=prefix.tokens if prefix is not None else 0)

@@ -25,6 +25,22 @@ class RingSession(Session):
 
     in_ring: int = field(default=0, init=False)  # frames sent and not answered yet
     ready: bool = field(default=False, init=False)  # its token is back: its next position can go
+    confirming: bool = field(default=False, init=False)  # its first piece reused a prefix: unanswered yet
+    routes: str = field(default="", init=False)  # its latest answer's hops: "d" direct or "r" relay each
+    first_pos: int = field(default=0, init=False)  # where its first frame starts (after a reused prefix)
+    history: list[int] | None = field(default=None, init=False)  # what a replay prefills: prompt + reply so far
+    must_replay: bool = field(default=False, init=False)  # a paused ring lost its frames: replay on resume
+    replays: int = field(default=0, init=False)
+    attempt: int = field(default=0, init=False)  # its frames' try: what older frames answer is dropped
+
+    @property
+    def feed(self) -> list[int]:
+        """The positions its prefill sends: the prompt, or on a replay the prompt and the reply so far."""
+        return self.history if self.history is not None else self.prompt_ids
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.feed)
     decode_sent_at: float | None = field(default=None, init=False)  # when its decode frame left
     last_sent_at: float = field(default=0.0, init=False)
     stage0_s: float = field(default=0.0, init=False)
@@ -64,7 +80,7 @@ class RingSession(Session):
 
     def timing(self, now: float | None = None) -> dict:
         timing = super().timing(now)
-        timing["route"] = "relay"
+        timing["route"] = route_name(self.routes)
         if self.stage0_steps:
             timing["stage0_ms"] = round(self.stage0_s * 1e3 / self.stage0_steps, 3)
             timing["decode_ms"] = round((self.stage0_s + self.decode_s) * 1e3 / self.stage0_steps, 3)
@@ -74,4 +90,12 @@ class RingSession(Session):
                 timing[f"stage{i}_ms"] = round(seconds * 1e3 / self.replies, 3)
         if self.wire_positions:
             timing["bytes_per_token"] = round(self.wire_bytes / self.wire_positions, 3)
+        if self.replays:
+            timing["replays"] = self.replays  # a lost stage was re-placed, and this session replayed
         return timing
+
+
+def route_name(routes: str) -> str:
+    """``direct`` or ``relay`` where every hop went one way; else each hop's, in ring order ("direct,relay")."""
+    names = ["direct" if c == "d" else "relay" for c in routes] or ["relay"]  # "?" (still dialing): relay
+    return names[0] if len(set(names)) == 1 else ",".join(names)

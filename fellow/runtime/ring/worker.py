@@ -10,7 +10,8 @@ from typing import Callable
 import torch
 
 from core.logs import stage_stats_s
-from events.ring import DECODE, LAST_PIECE, NO_TOKEN, End, Hidden, Probe, Token
+from events.ring import DECODE, LAST_PIECE, NO_TOKEN, PREFIX_MISSING, End, Hidden, Probe, Token
+from fellow.runtime.engine.prefix_cache import PrefixCache
 from fellow.runtime.engine.serving_loop import StepStats
 from fellow.runtime.model.kv_cache import KVCache
 from fellow.runtime.ring.inbox import Inbox
@@ -23,6 +24,14 @@ log = logging.getLogger(__name__)
 
 class FrameError(ValueError):
     """A frame this stage cannot run for its session; that session alone fails."""
+
+    code = "stage_failed"
+
+
+class PrefixMissing(FrameError):
+    """A first frame reuses positions this stage's prefix cache no longer holds: stage 0 starts over."""
+
+    code = PREFIX_MISSING
 
 
 @dataclass(eq=False)
@@ -37,6 +46,9 @@ class _Held:
     stop_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)
     pending_logprob: tuple | None = None
+    ids: list[int] = field(default_factory=list)  # the token ids of its cache's positions, when frames carry them
+    reserve: int = 0  # its KV reservation on stage 0's ledger
+    attempt: int = 0  # the session's try whose frames it runs (events.ring.Hidden.attempt)
     constraint: object | None = None  # processors.Constraint of the request's grammar, if any
 
     def sampled(self, token: int) -> tuple | None:
@@ -55,14 +67,22 @@ class RingWorker:
     frame and sends the token straight back to stage 0. Decode frames that wait together run as one
     batch; a session's other frames keep their order behind it. A frame that fails ends only its
     own session: stage 0 is told on the token lane.
+
+    With ``prefix_tokens`` > 0 the stage keeps ended sessions' positions (an End with ``keep``) in its
+    own PrefixCache, within that many KV tokens together with the live sessions' reservations, and a
+    first frame that reuses a prefix copies it from there (fellow.runtime.ring.head says who decides).
     """
 
-    def __init__(self, ring: RingStage, inbox: Inbox, send: Callable[..., None], max_batch: int = 0) -> None:
+    def __init__(self, ring: RingStage, inbox: Inbox, send: Callable[..., None], max_batch: int = 0,
+                 prefix_tokens: int = 0, route: Callable[[], str] | None = None) -> None:
         self.ring, self.stage = ring, ring.stage
         self.inbox, self.send = inbox, send
         self.is_last = ring.plan.is_last
         self.max_batch = max_batch
         self.held: dict[str, _Held] = {}
+        self.prefix = PrefixCache() if prefix_tokens > 0 else None
+        self.prefix_tokens = prefix_tokens
+        self.route = route or (lambda: "r")  # how this stage's frames leave now: "d" direct, "r" relay
         self.running = True
         self.last_active = time.monotonic()
         self.frames = 0
@@ -110,47 +130,59 @@ class RingWorker:
     def _one(self, frame) -> None:
         self.frames += 1
         if isinstance(frame, Probe):
-            self.send(frame)
+            self.send(Probe(nonce=frame.nonce, routes=frame.routes + self.route()))
         elif isinstance(frame, End):
             held = self.held.pop(frame.session, None)
             if held is not None:
+                if frame.keep and self.prefix is not None and len(held.ids) == held.cache.length:
+                    self.prefix.insert(held.ids, held.cache)
                 held.cache.release()
+                self._fit_prefix()
             if not self.is_last:
                 self.send(frame)
-        else:
+        elif not self._stale(frame):
             try:
                 self._piece(frame)
             except Exception as exc:
-                self._fail(frame.session, exc)
+                self._fail(frame.session, exc, frame.attempt)
 
     def _piece(self, frame: Hidden) -> None:
         started = time.perf_counter()
-        if frame.pos == 0:  # a session's first frame: a fresh cache, and its sampling for the last stage
+        if frame.first:  # a fresh cache (with its reused prefix), and its sampling for the last stage
             self._drop(frame.session)
             params = SamplingParams.of(frame.sampling) if frame.sampling is not None else SamplingParams()
             generator = make_generator(params, self.stage.output_device) if self.is_last else None
             ring = frame.sampling
-            constraint = (constraint_for(self.ring.tokenizer, params.grammar, self.ring.stop_ids)
-                          if self.is_last else None)
-            self.held[frame.session] = _Held(self.stage.new_cache(), params, generator,
-                                             prompt_ids=list(ring.prompt_ids) if ring else [],
-                                             stop_ids=frozenset(ring.stop_ids) if ring else frozenset(),
-                                             constraint=constraint)
+            held = _Held(self.stage.new_cache(), params, generator,
+                         prompt_ids=list(ring.prompt_ids) if ring else [],
+                         stop_ids=frozenset(ring.stop_ids) if ring else frozenset(),
+                         output_ids=list(ring.output_ids) if ring else [],
+                         ids=list(frame.reuse), reserve=frame.reserve, attempt=frame.attempt)
+            if self.is_last and params.grammar:  # a replayed session's grammar resumes after its reply so far
+                held.constraint = constraint_for(self.ring.tokenizer, params.grammar, self.ring.stop_ids,
+                                                 held.output_ids)
+            self.held[frame.session] = held
+            self._fit_prefix()
+            if frame.reuse and (self.prefix is None or not self.prefix.take(held.cache, list(frame.reuse))):
+                raise PrefixMissing(f"stage {self.ring.index} no longer holds the {len(frame.reuse)} cached "
+                                    f"position(s) stage 0 reused")
         held = self._held(frame)
         hidden = self.ring.receiver.decode([(frame.data, frame.scale)], frame.positions, self.stage.dtype,
                                            self.stage.input_device)
         out = self.stage.forward_piece(held.cache, hidden)
+        held.ids += frame.ids
         if not self.is_last:
             (data, scale), = self.ring.sender.encode(out)
             self.send(Hidden(session=frame.session, pos=frame.pos, positions=frame.positions, data=data,
                              scale=scale, kind=frame.kind, sampling=frame.sampling,
-                             compute_ms=[*frame.compute_ms, _ms(started)]))
+                             compute_ms=[*frame.compute_ms, _ms(started)], ids=frame.ids, reuse=frame.reuse,
+                             reserve=frame.reserve, routes=frame.routes + self.route(), attempt=frame.attempt))
         elif frame.kind == LAST_PIECE:
             token = sample_next(out[None], [held])[0]
             self.send(Token(session=frame.session, token=token, compute_ms=[*frame.compute_ms, _ms(started)],
-                            logprob=held.sampled(token)))
+                            logprob=held.sampled(token), routes=frame.routes + self.route(), attempt=frame.attempt))
         else:
-            self.send(Token(session=frame.session, token=NO_TOKEN))
+            self.send(Token(session=frame.session, token=NO_TOKEN, attempt=frame.attempt))
 
     # --- decode batches ----------------------------------------------------------------------
 
@@ -158,25 +190,27 @@ class RingWorker:
         self.frames += len(frames)
         runnable = []
         for frame in frames:
+            if self._stale(frame):
+                continue
             try:
                 self._held(frame)
                 runnable.append(frame)
             except FrameError as exc:
-                self._fail(frame.session, exc)
+                self._fail(frame.session, exc, frame.attempt)
         if not runnable:
             return
         try:
             self._decode_batch(runnable)
         except Exception as exc:
             if len(runnable) == 1:
-                self._fail(runnable[0].session, exc)
+                self._fail(runnable[0].session, exc, runnable[0].attempt)
                 return
             log.warning("a decode batch of %d failed; running its frames one at a time", len(runnable))
             for frame in runnable:
                 try:
                     self._decode_batch([frame])
                 except Exception as exc:
-                    self._fail(frame.session, exc)
+                    self._fail(frame.session, exc, frame.attempt)
 
     def _decode_batch(self, frames: list[Hidden]) -> None:
         started = time.perf_counter()
@@ -184,19 +218,23 @@ class RingWorker:
         hidden = self.ring.receiver.decode([(f.data, f.scale) for f in frames], 1, self.stage.dtype,
                                            self.stage.input_device)  # [B, 1, H]
         out = self.stage.decode([h.cache for h in held], hidden)
+        for frame, h in zip(frames, held):
+            h.ids += frame.ids
         self._step_no += 1
         if self.is_last:
             tokens = sample_next(out, held)
             elapsed = _ms(started)
             for frame, token, h in zip(frames, tokens, held):
                 self.send(Token(session=frame.session, token=token, batch=len(frames), step=self._step_no,
-                                compute_ms=[*frame.compute_ms, elapsed], logprob=h.sampled(token)))
+                                compute_ms=[*frame.compute_ms, elapsed], logprob=h.sampled(token),
+                                routes=frame.routes + self.route(), attempt=frame.attempt))
             return
         rows = self.ring.sender.encode(out)
         elapsed = _ms(started)
         for frame, (data, scale) in zip(frames, rows):
             self.send(Hidden(session=frame.session, pos=frame.pos, positions=1, data=data, scale=scale,
-                             batch=len(frames), step=self._step_no, compute_ms=[*frame.compute_ms, elapsed]))
+                             batch=len(frames), step=self._step_no, compute_ms=[*frame.compute_ms, elapsed],
+                             ids=frame.ids, routes=frame.routes + self.route(), attempt=frame.attempt))
 
     # --- sessions ----------------------------------------------------------------------------
 
@@ -209,17 +247,27 @@ class RingWorker:
                              f"a frame for position {frame.pos} does not follow them")
         return held
 
+    def _fit_prefix(self) -> None:
+        """Kept blocks make room for the live sessions' reservations, by stage 0's ledger."""
+        if self.prefix is not None:
+            self.prefix.fit(sum(h.reserve for h in self.held.values()), self.prefix_tokens)
+
     def _drop(self, session: str) -> None:
         held = self.held.pop(session, None)
         if held is not None:
             held.cache.release()
 
-    def _fail(self, session: str, exc: Exception) -> None:
+    def _stale(self, frame: Hidden) -> bool:
+        """A frame of a try its session has given up (stage 0 replayed it or started it over): dropped."""
+        held = self.held.get(frame.session)
+        return held is not None and frame.attempt < held.attempt
+
+    def _fail(self, session: str, exc: Exception, attempt: int = 0) -> None:
         """This session alone ends: its cache goes, and stage 0 hears of it on the token lane."""
         log.warning("stage %d failed session %s: %s", self.ring.index, session, exc)
         self._drop(session)
         self.send(Token(session=session, token=NO_TOKEN, error=f"stage {self.ring.index}: {exc}",
-                        code="stage_failed"), lane="tok")
+                        code=getattr(exc, "code", "stage_failed"), attempt=attempt), lane="tok")
 
 
 def _ms(started: float) -> float:

@@ -66,6 +66,11 @@ class StageServerBase:
     stage: StageModel
     device: torch.device
 
+    def _link_options(self) -> dict:
+        """A ring stage's link settings (fellow.runtime.ring.link.RingLink)."""
+        return {"links": self.cfg.links, "host": self.cfg.link_host, "port": self.cfg.link_port,
+                "replica": self.cfg.replica}
+
     def __init__(self, cfg: StageConfig):
         self.cfg = cfg
         self.load_id = cfg.load_id

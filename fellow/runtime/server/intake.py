@@ -30,6 +30,10 @@ log = logging.getLogger("swarm.serve")
 # A request a stage fetched but neither acked nor refused (it died in between) goes to another
 # replica after this long. Taking one (decode, tokenize, admit, start frame) is milliseconds.
 ACK_WAIT_S = 10.0
+# A cancel for a request this stage has not taken (yet) is kept this long, at most EARLY_CANCELS of
+# them: a client that hangs up while its request waits on the bus must not have it served in full.
+EARLY_CANCEL_S = 300.0
+EARLY_CANCELS = 10_000
 _request = msgspec.json.Decoder(ChatRequest).decode
 
 
@@ -78,6 +82,7 @@ class Intake:
         self.room = asyncio.Event()
         self.running = True
         self._records: set[asyncio.Task] = set()
+        self.early_cancels: dict[str, float] = {}  # request id -> when its cancel came, before we took it
 
     def stop(self) -> None:
         self.running = False
@@ -109,6 +114,12 @@ class Intake:
         rid = msg.subject.rsplit(".", 1)[1]
         if rid in self.active:
             self.serving.cancel(rid)
+            return
+        now = time.monotonic()
+        while self.early_cancels and (len(self.early_cancels) >= EARLY_CANCELS
+                                      or now - next(iter(self.early_cancels.values())) > EARLY_CANCEL_S):
+            del self.early_cancels[next(iter(self.early_cancels))]
+        self.early_cancels[rid] = now
 
     async def take(self, msg) -> None:
         """One message off the bus."""
@@ -183,6 +194,8 @@ class Intake:
         self.active[req.request_id] = _Taken(batcher, time.monotonic(), bus_wait)
         self.metrics.requests += 1
         self.serving.submit(Job(req.request_id, prompt_ids, max_tokens, sampling, list(req.stop), reserved=True))
+        if self.early_cancels.pop(req.request_id, None) is not None:  # its client hung up while it waited
+            self.serving.cancel(req.request_id)
         await _ack(msg)  # served either way: a redelivery finds the start frame and leaves it
 
     async def _started_elsewhere(self, request_id: str) -> bool:

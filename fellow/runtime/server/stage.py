@@ -34,7 +34,8 @@ class StageServer(StageServerBase):
     def _build(self) -> None:
         t = self.cfg.transport
         self.engine = Engine(self.stage, kv_tokens=self.kv_tokens, max_batch=t.max_batch,
-                             prefill_chunk=t.prefill_chunk, prefix_cache=t.prefix_cache)
+                             prefill_chunk=t.prefill_chunk, prefix_cache=t.prefix_cache,
+                             speculative=t.speculative)
         self.serving = self.make_loop()
 
     def make_loop(self) -> ServingLoop:
