@@ -159,8 +159,8 @@ class RingWorker:
                          output_ids=list(ring.output_ids) if ring else [],
                          ids=list(frame.reuse), reserve=frame.reserve, attempt=frame.attempt)
             if self.is_last and params.grammar:  # a replayed session's grammar resumes after its reply so far
-                held.constraint = constraint_for(self.ring.tokenizer, params.grammar, self.ring.stop_ids,
-                                                 held.output_ids)
+                tokenizer, stop_ids = self.ring.grammar_tokenizer()
+                held.constraint = constraint_for(tokenizer, params.grammar, stop_ids, held.output_ids)
             self.held[frame.session] = held
             self._fit_prefix()
             if frame.reuse and (self.prefix is None or not self.prefix.take(held.cache, list(frame.reuse))):
