@@ -61,8 +61,8 @@ def decode_tokens_per_s(run, batch: int, new_tokens: int, repeats: int) -> float
     return best
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def shape_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The model shape and run length options this benchmark and its kin share."""
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=32000)
@@ -70,6 +70,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    return parser
+
+
+def main() -> None:
+    parser = shape_arguments(argparse.ArgumentParser(description=__doc__))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sampled", action="store_true", help="temperature 0.8, top-p 0.9, top-k 50 instead of greedy")

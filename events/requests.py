@@ -10,6 +10,8 @@ from events.base import Event
 class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     role: str
     content: str = ""
+    tool_calls: list[dict] = []  # an assistant's calls: {id, type, function: {name, arguments (an object)}}
+    tool_call_id: str = ""  # a tool message's: the call it answers
 
 
 class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -26,6 +28,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     logit_bias: dict[int, float] = {}
     min_tokens: int = 0  # vLLM's: end-of-turn ids are barred until this many tokens came
     logprobs: int | None = None  # the sampled token's logprob plus this many top candidates
+    grammar: str = ""  # an llguidance grammar the reply must follow (structured outputs, tool calls)
 
 
 class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -41,6 +44,7 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
     sampling: Sampling = Sampling()
     stop: list[str] = []
     enable_thinking: bool | None = None
+    tools: list[dict] = []  # OpenAI function tools the chat template renders; their calls are parsed from the reply
     created: float = 0.0
 
 

@@ -42,6 +42,8 @@ class RingSampling(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
     ``stop_ids`` ride along only with ``min_tokens``, and ``prompt_ids`` only with a
     ``repetition_penalty``: the processors that need them (fellow.runtime.engine.processors).
+    ``grammar`` (structured outputs, constrained tool calls) is compiled by the last stage, which
+    loads the tokenizer for it.
     """
 
     temperature: float = 1.0
@@ -58,6 +60,7 @@ class RingSampling(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     stop_ids: list[int] = []
     prompt_ids: list[int] = []
     output_ids: list[int] = []  # a replayed session's reply so far (its frames replay them after the prompt)
+    grammar: str = ""  # an llguidance grammar the reply must follow; the last stage masks with it
 
 
 class Hidden(_Hot, tag="h"):

@@ -17,6 +17,7 @@ from leader.api.fellows import list_fellows
 from leader.api.health import healthz
 from leader.api.models import ROUTES as MODEL_ROUTES
 from leader.api.operations import ROUTES as OPERATION_ROUTES
+from leader.api.responses import responses
 from leader.api.tokenize import detokenize, tokenize
 from leader.auth.guard import scope_guard
 from leader.auth.routes import TOKEN_ROUTES
@@ -26,8 +27,8 @@ from leader.mcp_tools import McpEndpoint
 from leader.web import ROUTES as WEB_ROUTES
 
 BODY_TIMEOUT_S = 30.0
-ROUTES = [healthz, list_fellows, *MODEL_ROUTES, *TOKEN_ROUTES, chat_completions, completions, tokenize, detokenize,
-          *WEB_ROUTES, *OPERATION_ROUTES]
+ROUTES = [healthz, list_fellows, *MODEL_ROUTES, *TOKEN_ROUTES, chat_completions, completions, responses, tokenize,
+          detokenize, *WEB_ROUTES, *OPERATION_ROUTES]
 
 
 def json_logging(settings: Settings) -> dict:

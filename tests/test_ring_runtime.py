@@ -480,3 +480,36 @@ def test_a_ring_whose_middle_stage_is_replaced_replays_its_sessions_to_the_same_
         ring.close()
     assert replaced and got == expected, {k: (got[k], expected[k]) for k in got if got[k] != expected[k]}
     assert [s.timing()["replays"] for s in finished] == [1, 1, 1] and ring.head.replays == 3
+
+
+def test_a_ring_that_drafts_leaves_a_grammar_row_undrafted(copier):
+    """A session under a grammar drafts nothing on a drafting ring (its mask is computed one position at a
+    time, on the last stage); the sessions beside it draft, and its reply follows the grammar."""
+    from llguidance import LLMatcher
+
+    from tests.tiny import _tokenizer
+
+    tok = _tokenizer()
+    schema = {"type": "object", "additionalProperties": False, "required": ["n", "ok"],
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}}}
+    grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    ring = spec_ring(copier, 2, 4)
+    stops = ring.stages[0].stop_ids  # what the server gives a session: the servable's end-of-turn ids
+    out: dict[str, list[int]] = {}
+    try:
+        for i, prompt in enumerate(copying_prompts(2)):
+            ring.head.add(Session(f"c{i}", prompt, 24, sampling=GREEDY))
+        ring.head.add(Session("g", COPY_TEXT[:40], 40, sampling=SamplingParams(temperature=0.0, grammar=grammar),
+                              stop_ids=stops))
+        while ring.head.busy:
+            result = ring.head.step()
+            for sid, tokens in result.tokens.items():
+                out.setdefault(sid, []).extend(tokens)
+            ring.timings.update({s.session_id: s.timing() for s in result.finished})
+    finally:
+        ring.close()
+    assert ring.timings["g"]["spec_drafted"] == 0
+    assert not [f for s, f in ring.sent if isinstance(f, Hidden) and f.kind == 3 and f.session == "g"]
+    text = tok.decode([t for t in out["g"] if t not in stops])
+    assert set(json.loads(text)) == {"n", "ok"}, (out["g"], text)
+    assert sum(ring.timings[f"c{i}"]["spec_drafted"] for i in range(2)) > 0

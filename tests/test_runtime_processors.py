@@ -130,3 +130,63 @@ def test_a_two_stage_ring_applies_the_processors_and_logprobs_as_one_stage_does(
         for (token, lp, best), (want_token, want_lp, want_best) in zip(logprobs, want_logprobs):
             assert token == want_token and abs(lp - want_lp) < 1e-2  # the boundary carries 16-bit hidden states
             assert [i for i, _ in best] == [i for i, _ in want_best] and len(best) == PENALISED[sid].logprobs
+
+
+def test_a_grammar_masks_its_row_only_and_advances_with_each_drawn_token():
+    """A constrained row beside a free one in one batch: only its logits are masked, and greedy decoding
+    under the mask spells a value of the schema, then the stop id."""
+    import json
+
+    from llguidance import LLMatcher
+
+    from fellow.runtime.engine.processors import constraint_for
+    from tests.tiny import _tokenizer
+
+    tok = _tokenizer()
+    stop = tok.convert_tokens_to_ids("<|im_end|>")
+    grammar = LLMatcher.grammar_from_json_schema({"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                                  "required": ["ok"], "additionalProperties": False},
+                                                 defaults={"whitespace_flexible": False})
+    bound = Row(SamplingParams(temperature=0.0, grammar=grammar), stop_ids=frozenset({stop}))
+    bound.constraint = constraint_for(tok, grammar, frozenset({stop}))
+    free = Row(SamplingParams(temperature=0.0))
+    free.constraint = None
+    vocab = len(tok) + 6  # a model's head may be wider than its tokenizer: those ids are barred too
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0))
+    out = processed(logits, [bound, free])
+    assert torch.equal(out[1], logits[1].float())  # the free row is untouched
+    allowed = (out[0] > float("-inf")).nonzero()[:, 0].tolist()
+    assert allowed and all(tok.decode([t]).startswith("{") or "{".startswith(tok.decode([t])) for t in allowed)
+    assert torch.equal(out[0][allowed], logits[0][allowed].float())
+    tokens = []
+    for _ in range(20):
+        token = sample_next(torch.randn(2, vocab, generator=torch.Generator().manual_seed(len(tokens))),
+                            [bound, free])[0]
+        if token == stop:
+            break
+        tokens.append(token)
+        bound.output_ids.append(token)
+    assert json.loads(tok.decode(tokens)) in ({"ok": True}, {"ok": False}) and token == stop
+
+
+def test_a_replayed_reply_resumes_its_grammar_where_it_stood():
+    """A ring's last stage rebuilds a replayed session's grammar past the reply so far: the same mask as
+    a grammar that took those tokens one by one; ids that leave the grammar are refused."""
+    from llguidance import LLMatcher
+
+    from fellow.runtime.engine.processors import allowed_tokens, constraint_for
+    from tests.tiny import _tokenizer
+
+    tok = _tokenizer()
+    stops = frozenset({tok.convert_tokens_to_ids("<|im_end|>")})
+    grammar = LLMatcher.grammar_from_json_schema({"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                                  "required": ["ok"]}, defaults={"whitespace_flexible": False})
+    so_far = tok.encode('{"ok":', add_special_tokens=False)
+    stepped = constraint_for(tok, grammar, stops)
+    for token in so_far:
+        stepped.take(token)
+    replayed = constraint_for(tok, grammar, stops, so_far)
+    masks = allowed_tokens([stepped, replayed], len(tok))
+    assert torch.equal(masks[0], masks[1]) and 0 < int(masks[0].sum()) < len(tok)
+    with pytest.raises(ValueError, match="left it"):
+        constraint_for(tok, grammar, stops, tok.encode("hello", add_special_tokens=False))

@@ -320,3 +320,24 @@ def test_a_stop_string_inside_a_pass_ends_the_reply_there_and_counts_only_what_w
     assert end.finish_reason == "stop" and text == "abcdefghijkl", text
     assert end.completion_tokens == len(sent) and end.timing["spec_accepted"] > 0
     assert end.timing["spec_tokens"] > end.timing["spec_passes"]
+
+
+def test_a_grammar_row_drafts_nothing_and_keeps_its_grammar_beside_drafting_rows(stage):
+    import json
+
+    from llguidance import LLMatcher
+
+    from fellow.runtime.engine.processors import constraint_for
+    from tests.tiny import _tokenizer
+
+    tok = _tokenizer()  # 384 ids: the model's other 128 are barred for the constrained row
+    stop = tok.convert_tokens_to_ids("<|im_end|>")
+    schema = {"type": "object", "additionalProperties": False, "required": ["n", "ok"],
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}}}
+    grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    bound = Session("g", TEXT[:40], 40, SamplingParams(temperature=0.0, grammar=grammar), stop_ids=frozenset({stop}))
+    bound.constraint = constraint_for(tok, grammar, frozenset({stop}))
+    outputs, ends = run(Engine(stage, kv_tokens=4096, speculative=4), copying(2, 24) + [bound])
+    assert ends["g"].finish_reason == "stop" and ends["g"].spec_drafted == 0
+    assert set(json.loads(tok.decode(ends["g"].output_ids))) == {"n", "ok"}
+    assert sum(ends[f"c{i}"].spec_drafted for i in range(2)) > 0  # the rows beside it did draft

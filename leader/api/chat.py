@@ -22,11 +22,12 @@ from events.requests import ChatRequest, RequestAccepted, RequestFailed, request
 from leader.api.body import StructBody
 from leader.api.deps import Caller, ChatTimeout, LeaderDep, ServingDep, StreamsDep
 from leader.errors import ApiError
-from leader.openai.replies import (DONE, Answer, ChatCompletion, ChunkEncoder, completion, error_event,
-                                   frame_error)
+from leader.openai.replies import (DONE, Answer, ChatCompletion, ChunkEncoder, calls_reason, completion,
+                                   error_event, frame_error)
 from leader.openai.schema import ChatBody, decode_body, empty_body
-from leader.openai.tokenizer import check_bias_ids
-from leader.openai.validate import chat_request, check_body
+from leader.openai.tokenizer import check_bias_ids, tokenizer_for
+from leader.openai.tools import CallStream, check_template
+from leader.openai.validate import chat_request, check_body, request_tools
 from leader.serving.limits import check_payload
 from leader.resume import resume
 from leader.token_stream import FrameTimeout, TokenStream, event_id
@@ -72,6 +73,7 @@ class Relay:
         """SSE bytes: the role chunk at once (not on a resumed stream), a chunk per frame, the finish, then
         [DONE]. Each chunk's id names the next frame, for a client that reconnects (leader.resume)."""
         rid = self.chat.request_id
+        calls = CallStream(tool_names(self.chat)) if self.chat.tools else None
         try:
             if not resumed:
                 yield event_id(rid, self.stream.next_seq) + enc.role()
@@ -79,10 +81,18 @@ class Relay:
                 frame = await self.next_frame()
                 if isinstance(frame, TokenFrame):
                     text = frame.text or "".join(frame.texts)
-                    if text or frame.logprobs:
+                    if calls is not None:
+                        pieces = tool_pieces(enc, calls, calls.feed(text))
+                        if pieces:
+                            yield event_id(rid, self.stream.next_seq) + pieces
+                    elif text or frame.logprobs:
                         yield event_id(rid, self.stream.next_seq) + enc.text(text, logprobs=frame.logprobs)
                 elif isinstance(frame, DoneFrame):
-                    yield event_id(rid, self.stream.next_seq) + enc.finish(frame) + DONE
+                    tail, reason = b"", None
+                    if calls is not None:
+                        tail = tool_pieces(enc, calls, calls.flush())
+                        reason = calls_reason(frame.finish_reason, calls.calls)
+                    yield event_id(rid, self.stream.next_seq) + tail + enc.finish(frame, reason) + DONE
                     return
                 else:
                     yield error_event(frame_error(frame))
@@ -92,7 +102,8 @@ class Relay:
         finally:  # a hang-up cancels after a grace, unless the client resumes; a no-op once the last frame came
             self.stream.close(cancel=True, grace_s=self.leader.settings.stream_resume_s)
 
-    async def collect(self) -> Response:
+    async def answer(self) -> Answer:
+        """Every frame of the reply, collected."""
         answer = Answer(0, self.chat.sampling.logprobs is not None)
         while True:
             frame = await self.next_frame()
@@ -100,14 +111,20 @@ class Relay:
                 answer.add(frame)
             elif isinstance(frame, DoneFrame):
                 answer.done = frame
-                body = completion(self.completion_id, self.created, self.chat.model_id, [answer])
-                return Response(body, media_type="application/json")
+                return answer
             else:
                 raise frame_error(frame)
 
-    async def complete(self, request: Request) -> Response:
-        """The whole reply at once; a client that hangs up first cancels the generation."""
-        collect = asyncio.ensure_future(self.collect())
+    async def collect(self) -> Response:
+        answer = await self.answer()
+        body = completion(self.completion_id, self.created, self.chat.model_id, [answer],
+                          tool_names(self.chat) if self.chat.tools else None)
+        return Response(body, media_type="application/json")
+
+    async def complete(self, request: Request, collect=None) -> Response:
+        """The whole reply at once (``collect()``'s, chat's by default); a client that hangs up first
+        cancels the generation."""
+        collect = asyncio.ensure_future((collect or self.collect)())
         gone = asyncio.ensure_future(disconnected(request))
         try:
             await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -119,6 +136,22 @@ class Relay:
         if collect.done() and not collect.cancelled():
             return collect.result()
         return Response(b"", status_code=499)  # nobody is listening any more
+
+
+def tool_names(chat: ChatRequest) -> set[str]:
+    return {t["function"]["name"] for t in chat.tools}
+
+
+def tool_pieces(enc: ChunkEncoder, calls: CallStream, pieces: list) -> bytes:
+    """Settled text and whole tool calls as chunks (a call's number counts the calls before it)."""
+    out, number = [], calls.calls - sum(1 for kind, _ in pieces if kind == "call")
+    for kind, piece in pieces:
+        if kind == "text":
+            out.append(enc.text(piece))
+        else:
+            out.append(enc.tool_call(number, piece))
+            number += 1
+    return b"".join(out)
 
 
 async def disconnected(request: Request) -> None:
@@ -166,10 +199,20 @@ async def chat_completions(request: Request, leader: LeaderDep, serving: Serving
     messages = check_body(body)
     ready = await serving.ready_load(body.model, leader.settings.autoload)
     check_bias_ids(ready.model_dir, body.logit_bias)
+    if request_tools(body)[0]:
+        check_template(tokenizer_for(ready.model_dir).chat_template)
     if (body.n or 1) > 1:
         from leader.api.choices import chat_choices  # built on this module's Relay
 
         return await chat_choices(request, leader, streams, caller, chat_timeout_s, body, messages, ready)
+    relay = await open_relay(leader, streams, caller, chat_timeout_s, body, messages, ready)
+    if body.stream:
+        return Stream(relay.events(chunk_encoder(relay, body)), media_type="text/event-stream", headers=SSE_HEADERS)
+    return await relay.complete(request)
+
+
+async def open_relay(leader, streams, caller, timeout: float, body: ChatBody, messages: list, ready) -> Relay:
+    """One checked chat body as an accepted request on ``ready``'s load, its frames subscribed first."""
     chat = chat_request(body, messages, new_id(), ready.load_id, ready.generation, ready.context_tokens)
     check_payload(leader.nc, chat)  # a 413 before anything is recorded
     try:
@@ -182,7 +225,4 @@ async def chat_completions(request: Request, leader: LeaderDep, serving: Serving
     except BaseException:
         stream.close(cancel=True)
         raise
-    relay = Relay(leader, stream, chat, chat_timeout_s)
-    if body.stream:
-        return Stream(relay.events(chunk_encoder(relay, body)), media_type="text/event-stream", headers=SSE_HEADERS)
-    return await relay.complete(request)
+    return Relay(leader, stream, chat, timeout)

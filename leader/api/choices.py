@@ -21,7 +21,7 @@ from leader.api.chat import SSE_HEADERS, Relay, disconnected, submit
 from leader.errors import ApiError
 from leader.openai.replies import DONE, Answer, ChunkEncoder, completion, error_event, frame_error, total_usage
 from leader.openai.schema import ChatBody
-from leader.openai.validate import chat_request
+from leader.openai.validate import chat_request, unsupported
 from leader.serving import ReadyLoad
 from leader.serving.limits import check_payload
 
@@ -150,10 +150,13 @@ async def chat_choices(request: Request, leader, streams, caller, timeout: float
     """A chat reply of ``n`` choices, whole or streamed."""
     chats = [chat_request(body, messages, new_id(), ready.load_id, ready.generation, ready.context_tokens, i)
              for i in range(body.n)]
+    if chats[0].tools and body.stream:
+        raise unsupported("n", "streamed replies of several choices are not served together with 'tools'")
     choices = await Choices.open(leader, streams, chats, bool(body.stream), caller.token_id if caller else "", timeout)
     cid, created = "chatcmpl-" + chats[0].request_id, int(chats[0].created)
     if not body.stream:
-        return await choices.whole(request, lambda answers: completion(cid, created, body.model, answers))
+        names = {t["function"]["name"] for t in chats[0].tools} or None
+        return await choices.whole(request, lambda answers: completion(cid, created, body.model, answers, names))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     enc = ChunkEncoder(cid, created, body.model, include_usage)
     return choices.stream(

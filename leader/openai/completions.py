@@ -5,11 +5,10 @@ from __future__ import annotations
 import time
 
 import msgspec
-from msgspec import UNSET, UnsetType
 
 from events.frames import TokenLogprob
 from events.requests import ChatRequest
-from leader.openai.replies import Answer, Usage, timing_of, total_usage
+from leader.openai.replies import Answer, Reply, timing_of, total_usage
 from leader.openai.schema import MAX_LOGPROBS, StreamOptions, decode_struct, empty_body
 from leader.openai.tokenizer import ModelTokenizer
 from leader.openai.validate import bad, check_sampling, min_below_max, sampling, stop_strings, unsupported
@@ -128,15 +127,9 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     finish_reason: str
 
 
-class TextCompletion(msgspec.Struct, kw_only=True):
-    id: str
+class TextCompletion(Reply, kw_only=True):
     object: str = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage
-    system_fingerprint: str | None = None
-    swarm: dict | UnsetType = UNSET
 
 
 def whole(completion_id: str, created: int, model: str, answers: list[Answer], prompts: int) -> bytes:

@@ -13,6 +13,7 @@ from msgspec import UNSET, UnsetType
 
 from events.frames import DoneFrame, ErrorFrame, TokenFrame, TokenLogprob
 from leader.errors import ApiError, error_body
+from leader.openai.tools import parse_calls
 
 log = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()
@@ -56,8 +57,9 @@ def _cached(done: DoneFrame) -> int | None:
 
 class AssistantMessage(msgspec.Struct, kw_only=True):
     role: str = "assistant"
-    content: str
+    content: str | None
     refusal: str | None = None
+    tool_calls: list[dict] | UnsetType = UNSET
 
 
 class Choice(msgspec.Struct, kw_only=True):
@@ -67,17 +69,24 @@ class Choice(msgspec.Struct, kw_only=True):
     finish_reason: str
 
 
-class ChatCompletion(msgspec.Struct, kw_only=True):
-    """OpenAI's ``chat.completion``; ``swarm.timing`` holds the spec's per-token time split."""
+class Reply(msgspec.Struct, kw_only=True):
+    """What OpenAI's whole replies share (a ``chat.completion``, a ``text_completion``); ``swarm.timing``
+    holds the spec's per-token time split."""
 
     id: str
-    object: str = "chat.completion"
+    object: str
     created: int
     model: str
-    choices: list[Choice]
     usage: Usage
     system_fingerprint: str | None = None
     swarm: dict | UnsetType = UNSET
+
+
+class ChatCompletion(Reply, kw_only=True):
+    """OpenAI's ``chat.completion``."""
+
+    object: str = "chat.completion"
+    choices: list[Choice]
 
 
 class Answer:
@@ -134,12 +143,24 @@ def timing_of(done: DoneFrame) -> dict | UnsetType:
     return {"timing": done.timing} if done.timing else UNSET
 
 
-def completion(completion_id: str, created: int, model: str, answers: list[Answer]) -> bytes:
+def calls_reason(reason: str, calls: int) -> str:
+    """OpenAI's finish_reason for a reply that called tools: "tool_calls", unless it was cut off."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def _choice(a: Answer, tools: set[str] | None) -> Choice:
+    content, calls = parse_calls(a.text, tools) if tools else (a.text, [])
+    return Choice(index=a.index, message=AssistantMessage(content=content, tool_calls=calls or UNSET),
+                  finish_reason=calls_reason(a.done.finish_reason, len(calls)),
+                  logprobs=None if a.logprobs is None else chat_logprobs(a.logprobs))
+
+
+def completion(completion_id: str, created: int, model: str, answers: list[Answer],
+               tools: set[str] | None = None) -> bytes:
+    """The chat.completion; with ``tools`` (their names), tool calls are parsed out of each choice's text."""
     return _enc.encode(ChatCompletion(
         id=completion_id, created=created, model=model, usage=total_usage(answers),
-        choices=[Choice(index=a.index, message=AssistantMessage(content=a.text), finish_reason=a.done.finish_reason,
-                        logprobs=None if a.logprobs is None else chat_logprobs(a.logprobs)) for a in answers],
-        swarm=timing_of(answers[0].done)))
+        choices=[_choice(a, tools) for a in answers], swarm=timing_of(answers[0].done)))
 
 
 class ChunkEncoder:
@@ -165,12 +186,17 @@ class ChunkEncoder:
         return (self._head + self._choice(b'{"content":' + _enc.encode(text) + b"}", index=index, logprobs=lp)
                 + self._no_usage + b"}\n\n")
 
-    def finish(self, done: DoneFrame) -> bytes:
+    def tool_call(self, number: int, call: dict, index: int = 0) -> bytes:
+        """One whole tool call as a ``delta.tool_calls`` entry (``number``: its place among the reply's calls)."""
+        delta = _enc.encode({"tool_calls": [{"index": number, **call}]})
+        return self._head + self._choice(delta, index=index) + self._no_usage + b"}\n\n"
+
+    def finish(self, done: DoneFrame, reason: str | None = None) -> bytes:
         """The chunk with finish_reason, then (with include_usage) one with usage and no choices.
 
         swarm.timing rides on whichever is last, as the spec asks of the reply's last chunk.
         """
-        return self.finish_choice(0, done.finish_reason, last=not self.include_usage, done=done) + self.end(
+        return self.finish_choice(0, reason or done.finish_reason, last=not self.include_usage, done=done) + self.end(
             usage(done), done)
 
     def finish_choice(self, index: int, reason: str, last: bool = False, done: DoneFrame | None = None) -> bytes:

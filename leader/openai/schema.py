@@ -30,13 +30,14 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 
 class ResponseFormat(msgspec.Struct, kw_only=True):
     type: str
+    json_schema: dict | None = None  # {"name", "schema", "strict", "description"} for type json_schema
 
 
 class ChatBody(msgspec.Struct, kw_only=True):
     """Every field a client may send; unknown ones are ignored, as OpenAI-compatible servers do.
 
-    Fields that SDKs send at their defaults (``user``, ``store``, ``metadata``,
-    ``parallel_tool_calls`` ...) need no declaration: nothing here depends on them.
+    Fields that SDKs send at their defaults (``user``, ``store``, ``metadata`` ...) need no
+    declaration: nothing here depends on them.
     """
 
     model: str
@@ -61,6 +62,7 @@ class ChatBody(msgspec.Struct, kw_only=True):
     top_logprobs: int | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
     functions: list | None = None
     function_call: str | dict | None = None
     response_format: ResponseFormat | None = None

@@ -10,6 +10,8 @@ import time
 
 from events.requests import ChatMessage, ChatRequest, Sampling
 from leader.errors import ApiError
+from leader.openai.grammar import response_format_grammar
+from leader.openai.tools import call_arguments, check_tools, choice_of, grammar_for
 from leader.openai.schema import MAX_LOGPROBS
 from leader.openai.schema import ChatBody, Message
 
@@ -35,14 +37,10 @@ def _in_range(param: str, value: float | None, low: float, high: float) -> None:
 
 def check_unsupported(body: ChatBody) -> None:
     """Refuse what this server cannot do with the value given; defaults pass."""
-    for name in ("tools", "functions"):
-        if getattr(body, name):
-            raise unsupported(name, "this server does not call tools")
-    for name in ("tool_choice", "function_call"):
-        if getattr(body, name) not in (None, "none", "auto"):
-            raise unsupported(name, "this server does not call tools")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise unsupported("response_format", f"only type 'text' is served (got '{body.response_format.type}')")
+    if body.functions:
+        raise unsupported("functions", "the legacy 'functions' are not served: send them as 'tools'")
+    if body.function_call not in (None, "none", "auto"):
+        raise unsupported("function_call", "the legacy 'function_call' is not served: use 'tool_choice'")
     if body.modalities and set(body.modalities) != {"text"}:
         raise unsupported("modalities", "this server answers with text only")
     if body.audio:
@@ -73,15 +71,24 @@ def chat_messages(messages: list[Message]) -> list[ChatMessage]:
         raise bad("messages", "'messages' must hold at least one message", code="invalid_messages")
     out = []
     for i, msg in enumerate(messages):
+        if msg.role == "tool":
+            if not msg.tool_call_id:
+                raise bad(f"messages[{i}].tool_call_id", f"messages[{i}] (tool) needs the 'tool_call_id' it answers")
+            out.append(ChatMessage(role="tool", content=_content(i, msg), tool_call_id=msg.tool_call_id))
+            continue
         role = ROLES.get(msg.role)
         if role is None:
-            if msg.role in ("tool", "function"):
-                raise unsupported(f"messages[{i}].role", f"'{msg.role}' messages need tools, which this server does not call")
+            if msg.role == "function":
+                raise unsupported(f"messages[{i}].role", "the legacy 'function' messages are not served: use "
+                                                         "'tool' messages")
             raise bad(f"messages[{i}].role", f"messages[{i}].role '{msg.role}' is not one of "
-                                             "system, developer, user, assistant")
+                                             "system, developer, user, assistant, tool")
+        calls = []
         if msg.tool_calls:
-            raise unsupported(f"messages[{i}].tool_calls", "this server does not call tools")
-        out.append(ChatMessage(role=role, content=_content(i, msg)))
+            if role != "assistant":
+                raise bad(f"messages[{i}].tool_calls", f"messages[{i}] ({msg.role}) cannot hold tool calls")
+            calls = [call_arguments(i, j, call) for j, call in enumerate(msg.tool_calls)]
+        out.append(ChatMessage(role=role, content=_content(i, msg), tool_calls=calls))
     return out
 
 
@@ -170,7 +177,7 @@ def check_logprobs(logprobs: bool | None, top_logprobs: int | None) -> int | Non
     return (top_logprobs or 0) if logprobs else None
 
 
-def sampling(body, generation: dict, logprobs: int | None, choice: int = 0) -> Sampling:
+def sampling(body, generation: dict, logprobs: int | None, choice: int = 0, grammar: str = "") -> Sampling:
     """Choice ``choice`` of the request samples with ``seed + choice``: each choice is what its seed gives alone."""
     def pick(name: str, default):
         value = getattr(body, name)
@@ -181,7 +188,8 @@ def sampling(body, generation: dict, logprobs: int | None, choice: int = 0) -> S
                     seed=None if body.seed is None else body.seed + choice,
                     presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
                     repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-                    logit_bias=logit_bias(body.logit_bias), min_tokens=body.min_tokens or 0, logprobs=logprobs)
+                    logit_bias=logit_bias(body.logit_bias), min_tokens=body.min_tokens or 0, logprobs=logprobs,
+                    grammar=grammar)
 
 
 def enable_thinking(kwargs: dict | None) -> bool | None:
@@ -203,7 +211,34 @@ def check_body(body: ChatBody) -> list[ChatMessage]:
     check_logprobs(body.logprobs, body.top_logprobs)
     stop_strings(body.stop)
     enable_thinking(body.chat_template_kwargs)
+    request_tools(body)
+    request_grammar(body)
     return messages
+
+
+def request_tools(body: ChatBody) -> tuple[list[dict], str]:
+    """(the tools the template renders, the tool choice): no tools with tool_choice "none"."""
+    tools = check_tools(body.tools)
+    choice = choice_of(body.tool_choice, tools)
+    if choice == "none":
+        return [], choice
+    if body.parallel_tool_calls is False and choice == "auto":
+        raise unsupported("parallel_tool_calls", "false is served with tool_choice 'required' or a named function "
+                                                 "(one constrained call); with 'auto' the model may write several")
+    if body.logprobs:
+        raise unsupported("logprobs", "logprobs are not served together with 'tools'")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise unsupported("response_format", "a 'response_format' schema is not served together with 'tools' "
+                                             "(set tool_choice to 'none', or drop one)")
+    return tools, choice
+
+
+def request_grammar(body: ChatBody) -> str:
+    """The grammar the reply must follow: a constrained tool call, or the response format's schema."""
+    tools, choice = request_tools(body)
+    if tools:
+        return grammar_for(choice, tools)
+    return response_format_grammar(body.response_format)
 
 
 def chat_request(body: ChatBody, messages: list[ChatMessage], request_id: str, load_id: str,
@@ -212,6 +247,7 @@ def chat_request(body: ChatBody, messages: list[ChatMessage], request_id: str, l
         request_id=request_id, load_id=load_id, model_id=body.model, messages=messages,
         max_tokens=min_below_max(body, max_tokens(body, generation, context_tokens)),
         max_tokens_fit=not max_tokens_given(body),
-        sampling=sampling(body, generation, check_logprobs(body.logprobs, body.top_logprobs), choice),
+        sampling=sampling(body, generation, check_logprobs(body.logprobs, body.top_logprobs), choice,
+                          grammar=request_grammar(body)),
         stop=stop_strings(body.stop), enable_thinking=enable_thinking(body.chat_template_kwargs),
-        created=time.time())
+        tools=request_tools(body)[0], created=time.time())

@@ -75,8 +75,9 @@ class PromptLookup:
 def next_drafts(session) -> list[int]:
     """Prompt lookup's drafts for a session's next pass (``spec_k``, ``guard``, ``lookup`` set). At
     most the tokens its reply has left but one: a pass then never writes past the session's
-    reservation (the reserved prompt plus max_tokens holds the positions of the pass in flight)."""
-    if not session.spec_k or not session.guard.allows():
+    reservation (the reserved prompt plus max_tokens holds the positions of the pass in flight).
+    A session under a grammar drafts nothing: its mask is computed one position at a time."""
+    if not session.spec_k or session.sampling.grammar or not session.guard.allows():
         return []
     lookup = session.lookup
     lookup.extend(session.output_ids[len(lookup.ids) - len(session.prompt_ids):])

@@ -184,8 +184,8 @@ class Engine(Scheduler):
         """How many tokens the session may draft this pass. At most the tokens its reply has left but
         one: a pass then never writes past the session's reservation (the reserved prompt plus
         max_tokens holds the positions of the pass in flight)."""
-        if not session.spec_k or not session.guard.allows():
-            return 0
+        if not session.spec_k or session.constraint is not None or not session.guard.allows():
+            return 0  # a grammar's mask is computed for one position at a time: no drafts to check
         return min(session.guard.limit, session.max_new_tokens - len(session.output_ids) - 1)
 
     def _verify(self, batch: list[Session], drafts: dict[str, list[int]], result: StepResult) -> None:

@@ -30,6 +30,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     min_tokens: int = 0
     logprobs: int | None = None  # None: none; k: the sampled token's and the top k candidates'
+    grammar: str = ""  # an llguidance grammar the reply must follow (processors.Constraint); "" for none
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -54,7 +55,7 @@ class SamplingParams:
     def adjusts(self) -> bool:
         """Whether a logits processor changes this request's logits before it samples."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.grammar)
 
     @property
     def greedy(self) -> bool:
@@ -81,6 +82,7 @@ class SamplingParams:
             logit_bias=tuple(sorted((int(k), float(v)) for k, v in pairs)),
             min_tokens=int(getattr(sampling, "min_tokens", 0)),
             logprobs=None if logprobs is None or logprobs < 0 else int(logprobs),
+            grammar=str(getattr(sampling, "grammar", "") or ""),
         )
 
 

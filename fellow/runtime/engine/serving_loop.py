@@ -12,6 +12,7 @@ from typing import Callable
 from core.logs import stage_stats_s
 from events.frames import TokenLogprob
 from fellow.runtime.engine.detokenizer import Detokenizer, TokenTexts
+from fellow.runtime.engine.processors import constraint_for
 from fellow.runtime.engine.sampling import SamplingParams
 from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.engine.session import Session
@@ -116,6 +117,8 @@ class ServingLoop:
     caller hands them to its event loop.
     """
 
+    samples_here = True  # the engine samples on this stage, so a request's grammar is compiled here
+
     def __init__(self, engine: Scheduler, tokenizer, stop_ids: frozenset[int], deliver: Callable[[list[Output]], None],
                  stage: int = 0):
         self.engine = engine
@@ -157,8 +160,11 @@ class ServingLoop:
             kind, arg = item
             if kind == "add":
                 try:
-                    self.engine.add(Session(arg.request_id, arg.prompt_ids, arg.max_new_tokens,
-                                            sampling=arg.sampling, stop_ids=self.stop_ids), reserved=arg.reserved)
+                    session = Session(arg.request_id, arg.prompt_ids, arg.max_new_tokens, sampling=arg.sampling,
+                                      stop_ids=self.stop_ids)
+                    if self.samples_here:
+                        session.constraint = constraint_for(self.tokenizer, session.sampling.grammar, self.stop_ids)
+                    self.engine.add(session, reserved=arg.reserved)
                 except Exception as exc:  # refused: its tokens are still ours to give back
                     if arg.reserved:
                         self.engine.budget.release(len(arg.prompt_ids) + arg.max_new_tokens)

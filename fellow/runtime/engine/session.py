@@ -44,6 +44,7 @@ class Session:
     error: Exception | None = field(default=None, init=False)  # why it failed (finish_reason "error")
     pending_logprob: tuple | None = field(default=None, init=False)  # the sampler's, for the token it drew
     logprobs: list[tuple] = field(default_factory=list, init=False)  # one per output id, when asked for
+    constraint: object | None = field(default=None, init=False, repr=False)  # processors.Constraint, if any
     # speculative decoding (fellow.runtime.engine.drafting): tokens drafted per pass (0: none) and
     # what its verify passes did
     spec_k: int = field(default=0, init=False)

@@ -42,7 +42,19 @@ class _Ahead:
 def verify_drafts(logits: torch.Tensor, drafts: list[int], row) -> list[tuple[int, tuple | None]]:
     """The tokens a pass gains for one row, [(token, logprob or None), ...]: the drafts that stand,
     then one of the model's own. ``logits`` [len(drafts) + 1, V] are the pass's for that row; ``row``
-    is a Session (sampling, generator, prompt_ids, output_ids, stop_ids)."""
+    is a Session (sampling, generator, prompt_ids, output_ids, stop_ids, constraint).
+
+    A row with a grammar (``constraint``) drafts nothing (Engine._drafts): its one position is masked
+    by the processors, and the token it gains advances its grammar."""
+    gained = _verify(logits, drafts, row)
+    constraint = getattr(row, "constraint", None)
+    if constraint is not None:
+        for token, _ in gained:
+            constraint.take(token)
+    return gained
+
+
+def _verify(logits: torch.Tensor, drafts: list[int], row) -> list[tuple[int, tuple | None]]:
     params = row.sampling
     wants_logprobs = params.logprobs is not None
     gained: list[tuple[int, tuple | None]] = []

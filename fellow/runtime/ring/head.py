@@ -359,4 +359,4 @@ def ring_sampling(session: Session) -> RingSampling:
                         min_tokens=s.min_tokens, logprobs=s.logprobs,
                         stop_ids=sorted(session.stop_ids) if s.min_tokens else [],
                         prompt_ids=session.prompt_ids if s.repetition_penalty != 1.0 else [],
-                        output_ids=list(session.output_ids))
+                        output_ids=list(session.output_ids), grammar=s.grammar)

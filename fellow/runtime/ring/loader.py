@@ -17,7 +17,8 @@ from fellow.runtime.model.loader import build_stage, load_tokenizer, pick_device
 
 @dataclass
 class RingStage:
-    """What a ring's stage process serves with; the tokenizer and stop ids only on stage 0."""
+    """What a ring's stage process serves with; the tokenizer and stop ids on stage 0, and on the last
+    stage once a request brings a grammar (``grammar_tokenizer``)."""
 
     manifest: Manifest
     plan: StagePlan
@@ -27,6 +28,14 @@ class RingStage:
     receiver: WireCodec | None  # the boundary before it (None on stage 0)
     tokenizer: object = None
     stop_ids: frozenset[int] = frozenset()
+    model_dir: Path | None = None
+
+    def grammar_tokenizer(self) -> tuple[object, frozenset[int]]:
+        """The tokenizer and stop ids a grammar is compiled with, loaded at the first one that comes."""
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.model_dir)
+            self.stop_ids = stop_ids_for(self.manifest, self.tokenizer)
+        return self.tokenizer, self.stop_ids
 
     @property
     def index(self) -> int:
@@ -53,6 +62,7 @@ def load_ring_stage(model_dir: str | Path, stage: int, num_stages: int, device: 
         manifest=manifest, plan=plan, stage=model, device=dev,
         sender=None if plan.is_last else WireCodec(plan.send, hidden, encoder=mods.encoder),
         receiver=None if plan.is_first else WireCodec(plan.recv, hidden, decoder=mods.decoder))
+    loaded.model_dir = model_dir
     if plan.is_first:
         loaded.tokenizer = load_tokenizer(model_dir)
         loaded.stop_ids = stop_ids_for(manifest, loaded.tokenizer)

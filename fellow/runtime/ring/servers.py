@@ -29,6 +29,8 @@ SETTLE_S = 30.0  # how long stage 0 waits for the hops to choose direct or relay
 class RingServingLoop(ServingLoop):
     """The one-stage serving loop over a RingHead: new jobs wake it from its wait for tokens."""
 
+    samples_here = False  # the ring's last stage samples, and holds the request's grammar
+
     def submit(self, job) -> None:
         super().submit(job)
         self.engine.inbox.put(WAKE)

@@ -18,7 +18,7 @@ from fellow.runtime.engine.serving_loop import StepStats
 from fellow.runtime.model.kv_cache import KVCache
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.loader import RingStage
-from fellow.runtime.engine.processors import sample_next
+from fellow.runtime.engine.processors import constraint_for, sample_next
 from fellow.runtime.engine.sampling import SamplingParams, make_generator
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class _Held:
     reserve: int = 0  # its KV reservation on stage 0's ledger
     attempt: int = 0  # the session's try whose frames it runs (events.ring.Hidden.attempt)
     unverified: int = 0  # positions of its last VERIFY frame that may not stand: its next frame says
+    constraint: object | None = None  # processors.Constraint of the request's grammar, if any
 
     def sampled(self, token: int) -> tuple | None:
         """Take the token this stage drew; its logprob, if the request asked for them."""
@@ -164,6 +165,9 @@ class RingWorker:
                          stop_ids=frozenset(ring.stop_ids) if ring else frozenset(),
                          output_ids=list(ring.output_ids) if ring else [],
                          ids=list(frame.reuse), reserve=frame.reserve, attempt=frame.attempt)
+            if self.is_last and params.grammar:  # a replayed session's grammar resumes after its reply so far
+                tokenizer, stop_ids = self.ring.grammar_tokenizer()
+                held.constraint = constraint_for(tokenizer, params.grammar, stop_ids, held.output_ids)
             self.held[frame.session] = held
             self._fit_prefix()
             if frame.reuse and (self.prefix is None or not self.prefix.take(held.cache, list(frame.reuse))):

@@ -210,7 +210,9 @@ class Intake:
         if req.prompt_ids:  # a completion: the gateway tokenized its prompt
             return list(req.prompt_ids)
         kwargs = {} if req.enable_thinking is None else {"enable_thinking": req.enable_thinking}
-        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        messages = [chat_message(m) for m in req.messages]
+        if req.tools:
+            kwargs["tools"] = list(req.tools)
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
@@ -305,3 +307,13 @@ async def _ack(msg, nak: bool = False) -> None:
         await (msg.nak(delay=0.05) if nak else msg.ack())
     except Exception as exc:
         log.warning("a request message was not %s: %s", "nak'd" if nak else "acked", exc)
+
+
+def chat_message(m) -> dict:
+    """A ChatMessage as the chat template takes it: tool calls and the id a tool result answers when present."""
+    message = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        message["tool_calls"] = list(m.tool_calls)
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    return message

@@ -1,0 +1,75 @@
+"""Grammars for constrained decoding: ``response_format`` schemas and constrained tool calls.
+
+The leader compiles each grammar with llguidance (the engine the stages use) before a request is
+accepted, so a schema the engine cannot compile is a 400 naming it; the stage that samples builds
+its matcher from the same grammar text (fellow.runtime.engine.processors.Constraint).
+
+JSON is generated compact (no free whitespace between tokens, as OpenAI's structured outputs
+are): a schema's own ``x-guidance`` options override that.
+"""
+
+from __future__ import annotations
+
+import json
+
+from leader.errors import ApiError
+
+JSON_OPTIONS = {"whitespace_flexible": False}
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"  # Qwen3 / Hermes format
+
+
+def _ll():
+    from llguidance import LLMatcher
+
+    return LLMatcher
+
+
+def _checked(grammar: str, param: str, what: str) -> str:
+    error = _ll().validate_grammar(grammar)
+    if error:
+        raise ApiError(400, f"{what} cannot be compiled into a grammar: {error.strip()}", code="invalid_schema",
+                       param=param)
+    return grammar
+
+
+def schema_grammar(schema, param: str) -> str:
+    """The grammar of JSON that follows ``schema``; a 400 naming ``param`` if it does not compile."""
+    if not isinstance(schema, dict):
+        raise ApiError(400, f"'{param}' must be a JSON Schema object", code="invalid_schema", param=param)
+    try:
+        grammar = _ll().grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except (ValueError, TypeError) as exc:
+        raise ApiError(400, f"'{param}' is not a JSON Schema llguidance takes: {exc}", code="invalid_schema",
+                       param=param) from None
+    return _checked(grammar, param, f"The schema in '{param}'")
+
+
+def response_format_grammar(response_format) -> str:
+    """``response_format`` as a grammar ("" for text): json_object is any JSON object, json_schema its schema."""
+    if response_format is None or response_format.type == "text":
+        return ""
+    if response_format.type == "json_object":
+        return schema_grammar({"type": "object"}, "response_format")
+    if response_format.type == "json_schema":
+        spec = response_format.json_schema
+        if not isinstance(spec, dict):
+            raise ApiError(400, "'response_format.json_schema' must be an object with 'name' and 'schema'",
+                           code="invalid_value", param="response_format.json_schema")
+        if not isinstance(spec.get("name"), str) or not spec["name"]:
+            raise ApiError(400, "'response_format.json_schema.name' must name the schema", code="invalid_value",
+                           param="response_format.json_schema.name")
+        return schema_grammar(spec.get("schema", {}), "response_format.json_schema.schema")
+    raise ApiError(400, f"'response_format.type' must be text, json_object or json_schema "
+                        f"(got '{response_format.type}')", code="invalid_value", param="response_format.type")
+
+
+def tool_call_grammar(tools: list[dict]) -> str:
+    """One tool call in the Hermes format, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
+    naming one of ``tools`` (checked OpenAI tool objects) with arguments that follow its parameters."""
+    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                               "arguments": t["function"].get("parameters") or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    schema = {"anyOf": calls, "x-guidance": JSON_OPTIONS}
+    lark = (f"start: {json.dumps(TOOL_CALL_OPEN)} call {json.dumps(TOOL_CALL_CLOSE)}\n"
+            f"call: %json {json.dumps(schema)}")
+    return _checked(_ll().grammar_from_lark(lark), "tools", "The tools' parameters")

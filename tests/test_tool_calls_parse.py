@@ -1,0 +1,40 @@
+"""Tool calls read out of a model's text (Qwen3 / Hermes format), whole and as streamed pieces."""
+
+from __future__ import annotations
+
+import json
+
+from leader.openai.tools import CallStream, parse_calls
+
+NAMES = {"get_time", "get_weather"}
+TEXT = ('Let me look.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n'
+        '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>')
+
+
+def test_whole_text_splits_into_content_and_calls():
+    content, calls = parse_calls(TEXT, NAMES)
+    assert content == "Let me look."
+    assert [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
+    assert json.loads(calls[1]["function"]["arguments"]) == {"city": "Oslo"}
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+    assert parse_calls("plain text", NAMES) == ("plain text", [])
+    for bad in ('<tool_call>{"name": "rm", "arguments": {}}</tool_call>', "<tool_call>{nope</tool_call>",
+                '<tool_call>{"name": "get_time", "arguments": 3}</tool_call>'):
+        assert parse_calls("a " + bad, NAMES) == ("a " + bad, [])  # no valid call: the text stays text
+
+
+def test_streamed_pieces_give_the_same_calls_whatever_the_cut():
+    for size in (1, 2, 5, 13, len(TEXT)):
+        stream, pieces = CallStream(NAMES), []
+        for i in range(0, len(TEXT), size):
+            pieces += stream.feed(TEXT[i:i + size])
+        pieces += stream.flush()
+        text = "".join(p for kind, p in pieces if kind == "text")
+        calls = [p for kind, p in pieces if kind == "call"]
+        assert text == "Let me look.\n" and stream.calls == 2, (size, pieces)
+        assert [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
+    stream = CallStream(NAMES)
+    assert stream.feed("a <tool_") == [("text", "a ")]  # a possible opening is held back
+    assert stream.feed("call>\n{\"name\": \"get_time\"") == []
+    assert stream.flush() == [("text", '<tool_call>\n{"name": "get_time"')]  # cut off: it was text after all
