@@ -130,10 +130,12 @@ class End(_Hot, tag="e"):
 
 class Probe(_Hot, tag="p"):
     """Goes once round the ring; back on stage 0, every stage is listening. ``routes`` says how each
-    hop sent it: "d" direct, "r" relay, "?" still dialing its next stage."""
+    hop sent it: "d" direct, "r" relay, "?" still dialing its next stage. ``kv``: each later stage's
+    KV tokens, in ring order (stage 0 holds every session to the smallest)."""
 
     nonce: str
     routes: str = ""
+    kv: list[int] = []
 
 
 class Hop(_Hot, tag="o"):

@@ -49,7 +49,7 @@ class LocalRing:
     """Stage 0's head and the later stages' workers on threads; every frame is encoded and decoded."""
 
     def __init__(self, model_dir, num_stages: int, prefill_chunk: int = 8, max_batch: int = 0,
-                 prefix: bool = False, kv_tokens: int = 4096):
+                 prefix: bool = False, kv_tokens: int = 4096, stage_kv: list[int] | None = None):
         self.inboxes = [Inbox() for _ in range(num_stages)]
         self.stages = [load_ring_stage(model_dir, i, num_stages, device="cpu") for i in range(num_stages)]
         self.sent: list = []
@@ -58,7 +58,8 @@ class LocalRing:
                              num_stages=num_stages, kv_tokens=kv_tokens, max_batch=max_batch,
                              prefill_chunk=prefill_chunk, prefix_cache=prefix)
         self.workers = [RingWorker(self.stages[i], self.inboxes[i], self._sender(i),
-                                   prefix_tokens=kv_tokens if prefix else 0) for i in range(1, num_stages)]
+                                   prefix_tokens=kv_tokens if prefix else 0,
+                                   kv_tokens=stage_kv[i - 1] if stage_kv else kv_tokens) for i in range(1, num_stages)]
         self.threads = [threading.Thread(target=w.run, daemon=True) for w in self.workers]
         for t in self.threads:
             t.start()
@@ -364,9 +365,13 @@ def copying_prompts(n: int) -> list[list[int]]:
     return [COPY_TEXT[: 57 + 3 * i] for i in range(n)]
 
 
-def spec_ring(model, stages: int, k: int, prefix: bool = False) -> LocalRing:
+def spec_ring(model, stages: int, k: int, prefix: bool = False, full: bool = True) -> LocalRing:
+    """A ring whose stage 0 drafts up to k; ``full``: also while more than one session a stage is in it
+    (the default drafts only below that: SPEC_MAX_ACTIVE_PER_STAGE), so drafting and plain sessions mix."""
     ring = LocalRing(model, stages, prefill_chunk=8, prefix=prefix)
     ring.head.speculative = k
+    if full:
+        ring.head.spec_max_active_per_stage = 8
     return ring
 
 
@@ -513,3 +518,57 @@ def test_a_ring_that_drafts_leaves_a_grammar_row_undrafted(copier):
     text = tok.decode([t for t in out["g"] if t not in stops])
     assert set(json.loads(text)) == {"n", "ok"}, (out["g"], text)
     assert sum(ring.timings[f"c{i}"]["spec_drafted"] for i in range(2)) > 0
+
+
+def test_a_probe_brings_back_every_stages_kv_and_stage_0_admits_by_the_smallest(servables):
+    """Each later stage adds the KV tokens it holds to the probe; stage 0 holds the ring to the smallest
+    and lowers the requests in flight to what that leaves room for (at the share placement planned)."""
+    from events.ring import Probe
+    from events.stage import StageConfig, Transport
+    from fellow.runtime.ring.servers import RingHeadServer
+
+    ring = LocalRing(servables["three"], 3, stage_kv=[4096, 300])
+    try:
+        ring._sender(0)(Probe(nonce="n1"))
+        back = ring.inboxes[0].take(10.0)
+    finally:
+        ring.close()
+    assert [(type(f).__name__, f.nonce, f.kv) for f in back] == [("Probe", "n1", [4096, 300])]
+
+    cfg = StageConfig(load_id="ld-kv", model_id="tiny3", model_dir=str(servables["three"]), nats_url="nats://x:1",
+                      fellow_id="f0", stage=0, num_stages=3,
+                      transport=Transport(max_in_flight=8, kv_tokens=8 * 128, prefill_chunk=8))
+    head = RingHeadServer(cfg)
+    head.load()
+    assert head.kv_tokens == 1024 and head.in_flight == 8
+    head._fit_ring_kv(back[0].kv)
+    assert head.engine.budget.kv_tokens == head.kv_tokens == 300
+    assert head.in_flight == 2  # 300 tokens hold two of the planned 128-token shares
+    head._fit_ring_kv([4096, 4096])  # a re-placed stage that holds more: stage 0's own again
+    assert head.engine.budget.kv_tokens == 1024 and head.in_flight == 8
+
+
+def test_a_full_ring_drafts_only_once_at_most_one_session_a_stage_is_in_it(copier):
+    """By default stage 0 drafts only while the ring holds at most one session a stage; replies stay exact."""
+    prompts, lengths = copying_prompts(4), [6, 10, 40, 40]
+    expected = one_stage(copier, prompts, 40)
+    ring = spec_ring(copier, 2, 4, full=False)
+    send, in_ring = ring.head.send, []
+
+    def watch(frame):  # how many sessions the head held when it sent each VERIFY frame
+        if isinstance(frame, Hidden) and frame.kind == 3:
+            in_ring.append(len(ring.head.sessions))
+        send(frame)
+
+    ring.head.send = watch
+    got: dict[str, list[int]] = {}
+    try:
+        for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+            ring.head.add(Session(f"s{i}", prompt, n, sampling=GREEDY))
+        while ring.head.busy:
+            for sid, tokens in ring.head.step().tokens.items():
+                got.setdefault(sid, []).extend(tokens)
+    finally:
+        ring.close()
+    assert got == {sid: expected[sid][:n] for sid, n in zip(sorted(expected), lengths)}
+    assert in_ring and max(in_ring) <= 2  # drafted once the two short replies had ended, never before

@@ -92,3 +92,24 @@ async def test_a_stage_whose_bus_side_dies_exits_non_zero(tmp_path, servable):
     await proc.start()
     await asyncio.wait_for(proc.exited.wait(), 120)
     assert exits == [1] and reports == [], (tmp_path / "stage.log").read_text()
+
+
+async def test_a_stage_that_cannot_hold_one_planned_session_refuses_the_load_naming_itself(tmp_path, servable):
+    """Placement planned more KV tokens a request than the stage holds in all: it reports why and exits."""
+    exits, reports = [], []
+
+    async def on_report(proc, report):
+        reports.append(report)
+
+    async def on_exit(proc, code):
+        exits.append(code)
+
+    cfg = StageConfig(load_id="ld-small", model_id="tiny", model_dir=str(servable),
+                      nats_url=f"nats://127.0.0.1:{free_port()}", fellow_id="f-small",
+                      transport=Transport(max_in_flight=1, kv_tokens=10_000_000))  # past any CPU stage's cap
+    proc = StageProcess(cfg, on_report, on_exit, log_path=tmp_path / "stage.log")
+    await proc.start()
+    await asyncio.wait_for(proc.exited.wait(), 120)
+    assert exits == [1], (tmp_path / "stage.log").read_text()
+    reason = reports[0].reason
+    assert reason.startswith("stage 0 on fellow f-small holds ") and "less than one session (10000000" in reason, reason

@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
     die_with_agent(cfg)
     # torch and the model code load after that, so a stage never outlives its agent for long
     from fellow.runtime.ring.servers import RingHeadServer, RingStageServer
-    from fellow.runtime.server.base import report
+    from fellow.runtime.server.base import CannotServe, report
     from fellow.runtime.server.stage import StageServer
 
     if cfg.threads > 0:
@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
         server.load()
     except Exception as exc:
         log.exception("load failed")
-        report(FailedReport(reason=f"{type(exc).__name__}: {exc}"))
+        report(FailedReport(reason=str(exc) if isinstance(exc, CannotServe) else f"{type(exc).__name__}: {exc}"))
         return 1
     return server.serve()
 

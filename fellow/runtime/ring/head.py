@@ -23,6 +23,9 @@ from fellow.runtime.model.stage import StageModel
 WAIT_S = 0.02  # longest wait for a token before the serving loop looks at new jobs again
 REPLY_TIMEOUT_S = 120.0  # a frame unanswered this long means the ring lost it
 WAKE = ("wake",)
+# Stage 0 drafts only while at most this many sessions a stage are in the ring: in a fuller ring every
+# stage has work queued, and a drafted position would cost another session its turn.
+SPEC_MAX_ACTIVE_PER_STAGE = 1
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +71,7 @@ class RingHead(Scheduler):
         self.route = route or (lambda: "r")  # how this stage's frames leave now: "d" direct, "r" relay
         self.paused: str | None = None  # why the ring is paused (a stage is being re-placed)
         self.speculative = check_speculative(speculative)  # tokens a session drafts per pass (0: none)
+        self.spec_max_active_per_stage = SPEC_MAX_ACTIVE_PER_STAGE
         self.replays = 0
 
     def add(self, session: Session, reserved: bool = False) -> None:
@@ -275,7 +279,7 @@ class RingHead(Scheduler):
             return False
         size = self._group_size()
         group = [self.ready.popleft() for _ in range(min(size, len(self.ready)))]
-        if self.speculative:
+        if self.speculative and len(self.sessions) <= self.num_stages * self.spec_max_active_per_stage:
             plain = []
             for session in group:
                 drafts = next_drafts(session)

@@ -57,6 +57,7 @@ class RingLink:
         self.route = "?" if links == "direct" else "r"  # "?": still dialing the next stage
         self.address: tuple[str, int] | None = None  # where this stage listens, once it does
         self.probe_ms: dict[str, float] | None = None  # the link probe's medians, direct and relay
+        self.ring_kv: list[int] = []  # stage 0: each later stage's KV tokens, from the last probe round
         self.fallbacks = 0
         self._epoch = random.getrandbits(62)
         self._seq = 0
@@ -128,9 +129,11 @@ class RingLink:
                 if left <= 0:
                     raise asyncio.TimeoutError
                 try:
-                    return await asyncio.wait_for(asyncio.shield(back), min(PROBE_EVERY_S, left))
+                    probe = await asyncio.wait_for(asyncio.shield(back), min(PROBE_EVERY_S, left))
                 except asyncio.TimeoutError:
                     continue
+                self.ring_kv = list(probe.kv)
+                return probe.routes
         finally:
             self._probes.pop(nonce, None)
 
@@ -172,7 +175,7 @@ class RingLink:
             return
         if isinstance(frame, Probe) and frame.nonce in self._probes:
             if not self._probes[frame.nonce].done():
-                self._probes[frame.nonce].set_result(frame.routes)
+                self._probes[frame.nonce].set_result(frame)
             return
         if isinstance(frame, LaneStats):
             self.dropped += 1

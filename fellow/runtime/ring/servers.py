@@ -58,6 +58,7 @@ class RingHeadServer(StageServer):
 
     def _build(self) -> None:
         t = self.cfg.transport
+        self.kv_own = self.kv_tokens  # stage 0's own; the ring's is the smallest of every stage's
         self.inbox = Inbox()
         self.engine = RingHead(self.stage, self.ring.sender, lambda frame: self.link.send(frame), self.inbox,
                                num_stages=self.cfg.num_stages, kv_tokens=self.kv_tokens, max_batch=t.max_batch,
@@ -87,7 +88,23 @@ class RingHeadServer(StageServer):
         routes = await self.link.settle(SETTLE_S)  # each hop dialed its next stage, or stays on the relay
         log.info("ring of %d stages answered a probe in %.3fs; hops: %s", self.cfg.num_stages,
                  time.perf_counter() - started, route_name(routes.replace("?", "r")))
+        self._fit_ring_kv(self.link.ring_kv)
         await super()._start()
+
+    def _fit_ring_kv(self, kv: list[int]) -> None:
+        """Hold every session to the KV tokens of the stage that holds fewest (each later stage says its
+        own on the probe), and lower the requests in flight to what that leaves room for."""
+        own = self.kv_own
+        smallest = min([own, *kv])
+        if smallest == self.kv_tokens:
+            return
+        if smallest < own:
+            log.info("[stage0 kv] stage %d holds %d KV tokens, stage 0 %d: the ring admits by %d",
+                     1 + kv.index(smallest), smallest, own, smallest)
+        self.kv_tokens = self.engine.budget.kv_tokens = smallest
+        self.in_flight = self.fitting_in_flight()
+        if self.intake is not None:
+            self.intake.max_in_flight = self.in_flight
 
     async def _on_load_failed(self, msg) -> None:
         try:
@@ -116,6 +133,7 @@ class RingHeadServer(StageServer):
             self._replacing.discard(evt.stage)
             if not self._replacing:
                 await self.link.probe(PROBE_TIMEOUT_S)
+                self._fit_ring_kv(self.link.ring_kv)  # the new stage may hold less
                 log.info("stage %d is back on %s: the ring resumes", evt.stage, evt.fellow_id)
                 self.engine.resume()
 
@@ -141,7 +159,8 @@ class RingStageServer(StageServerBase):
         t = self.cfg.transport
         self.worker = RingWorker(self.ring, self.inbox, lambda frame, lane=None: self.link.send(frame, lane),
                                  max_batch=t.max_batch, prefix_tokens=self.kv_tokens if t.prefix_cache else 0,
-                                 route=lambda: self.link.route if self.link is not None else "r")
+                                 route=lambda: self.link.route if self.link is not None else "r",
+                                 kv_tokens=self.kv_tokens)
 
     def compute(self) -> None:
         self.worker.run()

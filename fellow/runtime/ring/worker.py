@@ -77,8 +77,9 @@ class RingWorker:
     """
 
     def __init__(self, ring: RingStage, inbox: Inbox, send: Callable[..., None], max_batch: int = 0,
-                 prefix_tokens: int = 0, route: Callable[[], str] | None = None) -> None:
+                 prefix_tokens: int = 0, route: Callable[[], str] | None = None, kv_tokens: int = 0) -> None:
         self.ring, self.stage = ring, ring.stage
+        self.kv_tokens = kv_tokens  # what this stage holds, told to stage 0 on every probe
         self.inbox, self.send = inbox, send
         self.is_last = ring.plan.is_last
         self.max_batch = max_batch
@@ -133,7 +134,7 @@ class RingWorker:
     def _one(self, frame) -> None:
         self.frames += 1
         if isinstance(frame, Probe):
-            self.send(Probe(nonce=frame.nonce, routes=frame.routes + self.route()))
+            self.send(Probe(nonce=frame.nonce, routes=frame.routes + self.route(), kv=[*frame.kv, self.kv_tokens]))
         elif isinstance(frame, End):
             held = self.held.get(frame.session)
             if held is not None:

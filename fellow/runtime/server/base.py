@@ -24,6 +24,10 @@ from fellow.runtime.model.stage import StageModel
 log = logging.getLogger("swarm.serve")
 
 
+class CannotServe(Exception):
+    """The stage cannot serve what placement planned; the reason names it."""
+
+
 class StageFailed(Exception):
     """The stage cannot serve; it reported why (a FailedReport) and exits with 1."""
 
@@ -113,6 +117,17 @@ class StageServerBase:
 
     # --- the shared part -----------------------------------------------------------------------
 
+    def session_tokens(self) -> int:
+        """The KV tokens placement planned for each request in flight: a stage that cannot hold that
+        many cannot hold one session."""
+        t = self.cfg.transport
+        return t.kv_tokens // max(1, t.max_in_flight) if t.kv_tokens else 1
+
+    def fitting_in_flight(self) -> int:
+        """The planned requests in flight, lowered until each has its planned share of ``kv_tokens``."""
+        t = self.cfg.transport
+        return max(1, min(max(1, t.max_in_flight), self.kv_tokens // self.session_tokens()))
+
     @property
     def batch_cap(self) -> int:
         """The most sessions one decode step runs: the batch cap, else everything in flight."""
@@ -123,6 +138,11 @@ class StageServerBase:
         started = time.perf_counter()
         self._load()
         self.kv_tokens, self.kv_planned = kv_budget(self.stage, self.cfg.transport)
+        session = self.session_tokens()
+        if self.kv_tokens < session:
+            raise CannotServe(f"stage {self.cfg.stage} on fellow {self.cfg.fellow_id} holds {self.kv_tokens} KV "
+                              f"tokens, less than one session ({session} planned a request)")
+        self.in_flight = self.fitting_in_flight()
         self._build()
         warm_up(self.stage)
         if self.cfg.transport.step_costs:
@@ -176,7 +196,7 @@ class StageServerBase:
         try:
             await self._start()
             report(ReadyReport(kv_tokens=self.kv_tokens, kv_tokens_planned=self.kv_planned,
-                               max_in_flight=max(1, self.cfg.transport.max_in_flight), vram_bytes=self.vram_bytes(),
+                               max_in_flight=self.in_flight, vram_bytes=self.vram_bytes(),
                                load_s=round(self.load_s, 3), kernels=self.stage.kernels,
                                weights=self.stage.weights))
             self.spawn(self._report_metrics(), "metrics")

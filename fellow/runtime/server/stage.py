@@ -61,7 +61,8 @@ class StageServer(StageServerBase):
         self.serving.stop()
 
     async def _start(self) -> None:
-        self.intake = Intake(self.cfg, self.nc, self.js, self.tokenizer, self.engine.budget, self.serving)
+        self.intake = Intake(self.cfg, self.nc, self.js, self.tokenizer, self.engine.budget, self.serving,
+                             max_in_flight=self.in_flight)
         await self.nc.subscribe(subjects.cancels_of(self.load_id), cb=self.intake.on_cancel)
 
     def stop(self) -> None:
