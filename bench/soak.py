@@ -155,7 +155,9 @@ async def soak(args) -> dict:
     base = f"http://127.0.0.1:{port}"
     tally, faults, samples = Tally(), [], {}
     try:
-        wait_until(lambda: httpx.get(base + "/healthz", timeout=2).json().get("nats"), 600, "the stack")
+        # with --demo, `swarm up` first trains the demo model (minutes on two busy cores)
+        wait_until(lambda: httpx.get(base + "/healthz", timeout=2).json().get("nats"), 1800 if args.demo else 600,
+                   "the stack")
         body = {"model": model, "messages": [{"role": "user", "content": "Tell me about the sea."}],
                 "max_tokens": args.tokens, "stream": True, "temperature": 0.7}
         quiet_s = args.minutes * 30.0
