@@ -77,7 +77,8 @@ async def test_a_stage_skips_what_does_not_decode_and_serves_on(tmp_path, nats_s
     assert isinstance(evt, RequestFinished) and evt.request_id == rid and evt.completion_tokens == len(tokens)
 
 
-async def test_a_stage_whose_bus_side_dies_exits_non_zero(tmp_path, servable):
+async def run_to_exit(cfg: StageConfig, log_path) -> tuple[list[int], list]:
+    """Start a stage process with ``cfg`` and wait for it to exit: (exit codes, reports)."""
     exits, reports = [], []
 
     async def on_report(proc, report):
@@ -86,30 +87,25 @@ async def test_a_stage_whose_bus_side_dies_exits_non_zero(tmp_path, servable):
     async def on_exit(proc, code):
         exits.append(code)
 
-    cfg = StageConfig(load_id="ld-nobus", model_id="tiny", model_dir=str(servable),
-                      nats_url=f"nats://127.0.0.1:{free_port()}", fellow_id="f-test")  # nobody listens there
-    proc = StageProcess(cfg, on_report, on_exit, log_path=tmp_path / "stage.log")
+    proc = StageProcess(cfg, on_report, on_exit, log_path=log_path)
     await proc.start()
     await asyncio.wait_for(proc.exited.wait(), 120)
+    return exits, reports
+
+
+async def test_a_stage_whose_bus_side_dies_exits_non_zero(tmp_path, servable):
+    cfg = StageConfig(load_id="ld-nobus", model_id="tiny", model_dir=str(servable),
+                      nats_url=f"nats://127.0.0.1:{free_port()}", fellow_id="f-test")  # nobody listens there
+    exits, reports = await run_to_exit(cfg, tmp_path / "stage.log")
     assert exits == [1] and reports == [], (tmp_path / "stage.log").read_text()
 
 
 async def test_a_stage_that_cannot_hold_one_planned_session_refuses_the_load_naming_itself(tmp_path, servable):
     """Placement planned more KV tokens a request than the stage holds in all: it reports why and exits."""
-    exits, reports = [], []
-
-    async def on_report(proc, report):
-        reports.append(report)
-
-    async def on_exit(proc, code):
-        exits.append(code)
-
     cfg = StageConfig(load_id="ld-small", model_id="tiny", model_dir=str(servable),
                       nats_url=f"nats://127.0.0.1:{free_port()}", fellow_id="f-small",
                       transport=Transport(max_in_flight=1, kv_tokens=10_000_000))  # past any CPU stage's cap
-    proc = StageProcess(cfg, on_report, on_exit, log_path=tmp_path / "stage.log")
-    await proc.start()
-    await asyncio.wait_for(proc.exited.wait(), 120)
+    exits, reports = await run_to_exit(cfg, tmp_path / "stage.log")
     assert exits == [1], (tmp_path / "stage.log").read_text()
     reason = reports[0].reason
     assert reason.startswith("stage 0 on fellow f-small holds ") and "less than one session (10000000" in reason, reason

@@ -1,8 +1,9 @@
 """Structured outputs and tools through the official client against `swarm leader` and `swarm fellow`
-processes serving a tiny random model with the project's real chat tokenizer (the demo model's
-tokenizer and template; the demo model itself takes minutes to train, so these tests use the tiny one).
+processes serving the demo model (`swarm demo-model`, trained once for this module: about two minutes),
+on one stage and as a 2-stage ring on two fellows.
 
-A random model writes noise; the grammar alone makes its replies valid JSON, valid calls."""
+The demo model writes chat-like text, never JSON; the grammar alone makes its replies valid JSON,
+valid calls."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.serving_fixtures import one_model_stack
+from tests.serving_fixtures import Stack
 
 pytestmark = pytest.mark.slow
 PROMPT = [{"role": "user", "content": "Name a colour."}]
@@ -41,10 +42,33 @@ class Colour(pydantic.BaseModel):
     score: int = pydantic.Field(ge=0, le=9)
 
 
+MODEL = "swarm-demo"
+
+
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    for stack, hf, _ in one_model_stack(tmp_path_factory.mktemp("structured"), layers=2, hidden=64):
+def demo(tmp_path_factory):
+    """The servables folder holding the demo model, as `make run` trains it."""
+    from fellow.runtime.tools.demo_model import MODEL_ID, make_demo_model
+
+    servables = tmp_path_factory.mktemp("structured-models")
+    make_demo_model(servables / MODEL_ID)
+    return servables
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, demo):
+    from core.nats_server import EmbeddedNats
+
+    root = tmp_path_factory.mktemp("structured")
+    nats = EmbeddedNats(root / "jetstream").start()
+    stack = Stack(root, nats.url, demo)
+    try:
+        stack.start()
+        stack.load(MODEL, num_stages=1)
         yield stack
+    finally:
+        stack.stop()
+        nats.stop()
 
 
 @pytest.fixture
@@ -58,13 +82,13 @@ def json_format(schema: dict = SCHEMA) -> dict:
 
 
 async def test_parse_returns_a_valid_pydantic_instance_whole_and_streamed(client):
-    reply = await client.chat.completions.parse(model="tiny", messages=PROMPT, response_format=Colour,
+    reply = await client.chat.completions.parse(model=MODEL, messages=PROMPT, response_format=Colour,
                                                 max_tokens=120, temperature=1.0, seed=5)
     choice = reply.choices[0]
     assert choice.finish_reason == "stop", choice
     assert isinstance(choice.message.parsed, Colour) and 0 <= choice.message.parsed.score <= 9
     pieces, reason = [], None
-    stream = await client.chat.completions.create(model="tiny", messages=PROMPT, response_format=json_format(),
+    stream = await client.chat.completions.create(model=MODEL, messages=PROMPT, response_format=json_format(),
                                                   max_tokens=120, temperature=1.0, seed=6, stream=True)
     async for chunk in stream:
         if chunk.choices:
@@ -75,10 +99,10 @@ async def test_parse_returns_a_valid_pydantic_instance_whole_and_streamed(client
 
 
 async def test_fifty_sampled_replies_follow_the_schema_beside_an_unconstrained_reply(client):
-    plain = dict(model="tiny", messages=PROMPT, max_tokens=24, temperature=0)
+    plain = dict(model=MODEL, messages=PROMPT, max_tokens=24, temperature=0)
     alone = (await client.chat.completions.create(**plain)).choices[0].message.content
     batch, beside = await asyncio.gather(
-        client.chat.completions.create(model="tiny", messages=PROMPT, response_format=json_format(), n=50,
+        client.chat.completions.create(model=MODEL, messages=PROMPT, response_format=json_format(), n=50,
                                        max_tokens=120, temperature=1.0, seed=100),
         client.chat.completions.create(**plain))
     assert beside.choices[0].message.content == alone  # an unconstrained row in the same batches is untouched
@@ -93,23 +117,23 @@ async def test_fifty_sampled_replies_follow_the_schema_beside_an_unconstrained_r
 
 
 async def test_json_object_and_the_cut_off_reply_and_bad_schemas(client):
-    reply = await client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=60, temperature=1.0,
+    reply = await client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=60, temperature=1.0,
                                                  seed=1, response_format={"type": "json_object"})
     if reply.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(reply.choices[0].message.content), dict)
     else:  # a random model may fill an open object to the limit; then the reply says so
         assert reply.choices[0].finish_reason == "length" and reply.choices[0].message.content.startswith("{")
-    short = await client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=3,
+    short = await client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=3,
                                                  response_format=json_format())
     assert short.choices[0].finish_reason == "length"  # cut off mid-JSON: never a silent "stop"
     with pytest.raises(openai.LengthFinishReasonError):
-        await client.chat.completions.parse(model="tiny", messages=PROMPT, response_format=Colour, max_tokens=3)
+        await client.chat.completions.parse(model=MODEL, messages=PROMPT, response_format=Colour, max_tokens=3)
     for schema, needle in (({"type": "nonsense"}, "nonsense"), ({"type": "string", "pattern": "(("}, "regex")):
         with pytest.raises(openai.BadRequestError) as err:
-            await client.chat.completions.create(model="tiny", messages=PROMPT, response_format=json_format(schema))
+            await client.chat.completions.create(model=MODEL, messages=PROMPT, response_format=json_format(schema))
         assert err.value.body["param"] == "response_format.json_schema.schema" and needle in err.value.body["message"]
     with pytest.raises(openai.BadRequestError) as err:
-        await client.chat.completions.create(model="tiny", messages=PROMPT,
+        await client.chat.completions.create(model=MODEL, messages=PROMPT,
                                              response_format={"type": "json_schema", "json_schema": {"schema": {}}})
     assert err.value.body["param"] == "response_format.json_schema.name"
 
@@ -123,7 +147,7 @@ def check_call(call, tools=TOOLS) -> dict:
 
 
 async def test_required_and_named_tool_calls_whole_and_streamed(client):
-    reply = await client.chat.completions.create(model="tiny", messages=PROMPT, tools=TOOLS, tool_choice="required",
+    reply = await client.chat.completions.create(model=MODEL, messages=PROMPT, tools=TOOLS, tool_choice="required",
                                                  max_tokens=120, temperature=1.0, seed=2)
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
@@ -132,7 +156,7 @@ async def test_required_and_named_tool_calls_whole_and_streamed(client):
     named = {"type": "function", "function": {"name": "get_time"}}
     calls: dict[int, dict] = {}
     reason = None
-    stream = await client.chat.completions.create(model="tiny", messages=PROMPT, tools=TOOLS, tool_choice=named,
+    stream = await client.chat.completions.create(model=MODEL, messages=PROMPT, tools=TOOLS, tool_choice=named,
                                                   max_tokens=120, temperature=1.0, seed=3, stream=True)
     async for chunk in stream:
         delta = chunk.choices[0].delta
@@ -148,14 +172,14 @@ async def test_required_and_named_tool_calls_whole_and_streamed(client):
 
 async def test_a_tool_round_trip_call_result_answer(client):
     messages = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Weather in Oslo?"}]
-    first = await client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS,
+    first = await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
                                                  tool_choice={"type": "function", "function": {"name": "get_weather"}},
                                                  max_tokens=120, temperature=1.0, seed=9)
     call = first.choices[0].message.tool_calls[0]
     check_call(call)
     messages += [first.choices[0].message.model_dump(exclude_none=True),
                  {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"sky": "clear"})}]
-    answer = await client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=12,
+    answer = await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=12,
                                                   temperature=0)
     choice = answer.choices[0]
     assert choice.finish_reason in ("stop", "length", "tool_calls")
@@ -176,22 +200,22 @@ async def test_tool_requests_that_cannot_be_served_are_refused(client):
     ]
     for extra, param in cases:
         with pytest.raises(openai.BadRequestError) as err:
-            await client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=4, **extra)
+            await client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=4, **extra)
         assert err.value.body["param"] == param, (extra, err.value.body)
     with pytest.raises(openai.BadRequestError) as err:
-        await client.chat.completions.create(model="tiny", max_tokens=4,
+        await client.chat.completions.create(model=MODEL, max_tokens=4,
                                              messages=PROMPT + [{"role": "tool", "content": "x"}])
     assert err.value.body["param"] == "messages[1].tool_call_id"
 
 
 async def test_responses_whole_and_streamed(client):
-    common = dict(model="tiny", instructions="Answer briefly.", input="Name a colour.", max_output_tokens=8,
+    common = dict(model=MODEL, instructions="Answer briefly.", input="Name a colour.", max_output_tokens=8,
                   temperature=0, store=False)
     whole = await client.responses.create(**common)
     assert whole.object == "response" and whole.id.startswith("resp_")
     assert whole.status in ("completed", "incomplete") and whole.output[0].type == "message"
     assert whole.usage.output_tokens <= 8 and whole.usage.input_tokens > 0
-    chat = await client.chat.completions.create(model="tiny", max_tokens=8, temperature=0, messages=[
+    chat = await client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=[
         {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a colour."}])
     assert whole.output_text == chat.choices[0].message.content  # the same request as chat runs it
     assert (whole.status == "incomplete") == (chat.choices[0].finish_reason == "length")
@@ -212,19 +236,19 @@ async def test_responses_whole_and_streamed(client):
 
 
 async def test_responses_structured_output_and_a_tool_call_and_refusals(client):
-    reply = await client.responses.create(model="tiny", input=[{"role": "user", "content": "A colour?"}],
+    reply = await client.responses.create(model=MODEL, input=[{"role": "user", "content": "A colour?"}],
                                           max_output_tokens=120, temperature=1.0, store=False,
                                           text={"format": {"type": "json_schema", "name": "thing",
                                                            "schema": SCHEMA, "strict": True}})
     assert reply.status == "completed"
     jsonschema.validate(json.loads(reply.output_text), SCHEMA)
     flat = [{"type": "function", **TIME["function"]}]
-    called = await client.responses.create(model="tiny", input="What time is it?", tools=flat,
+    called = await client.responses.create(model=MODEL, input="What time is it?", tools=flat,
                                            tool_choice="required", max_output_tokens=120, store=False)
     item = called.output[0]
     assert item.type == "function_call" and item.name == "get_time" and item.call_id.startswith("call_")
     assert json.loads(item.arguments)["zone"] in ("UTC", "CET")
-    followed = await client.responses.create(model="tiny", max_output_tokens=6, store=False, tools=flat, input=[
+    followed = await client.responses.create(model=MODEL, max_output_tokens=6, store=False, tools=flat, input=[
         {"role": "user", "content": "What time is it?"},
         {"type": "function_call", "call_id": item.call_id, "name": item.name, "arguments": item.arguments},
         {"type": "function_call_output", "call_id": item.call_id, "output": "12:00"}])
@@ -234,23 +258,21 @@ async def test_responses_structured_output_and_a_tool_call_and_refusals(client):
                          (dict(max_output_tokens=0), "max_output_tokens"),
                          (dict(tools=[{"type": "web_search"}]), "tools[0].type")):
         with pytest.raises(openai.BadRequestError) as err:
-            await client.responses.create(model="tiny", input="hi", **{"store": False, **extra})
+            await client.responses.create(model=MODEL, input="hi", **{"store": False, **extra})
         assert err.value.body["param"] == param, (extra, err.value.body)
 
 
 @pytest.fixture(scope="module")
-def ring(tmp_path_factory):
-    """The same tiny model as a 2-stage ring on two fellows: the last stage samples, so it holds the grammar."""
+def ring(tmp_path_factory, demo):
+    """The demo model as a 2-stage ring on two fellows: the last stage samples, so it holds the grammar."""
     from core.nats_server import EmbeddedNats
-    from tests.serving_fixtures import Stack, make_servable
 
     root = tmp_path_factory.mktemp("structured-ring")
-    _, servable = make_servable(root / "models", "tiny", layers=2, hidden=64, stages=2)
     nats = EmbeddedNats(root / "jetstream").start()
-    stack = Stack(root, nats.url, servable.parent, fellows=2, OMP_NUM_THREADS=1)
+    stack = Stack(root, nats.url, demo, fellows=2, OMP_NUM_THREADS=1)
     try:
         stack.start()
-        load = stack.load("tiny", num_stages=2, fellow_ids=["f0", "f1"])
+        load = stack.load(MODEL, num_stages=2, fellow_ids=["f0", "f1"])
         assert len(load["stages"]) == 2
         yield stack
     finally:
@@ -260,20 +282,20 @@ def ring(tmp_path_factory):
 
 async def test_structured_outputs_and_tool_calls_on_a_two_stage_ring(ring):
     async with openai.AsyncOpenAI(base_url=ring.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
-        batch = await client.chat.completions.create(model="tiny", messages=PROMPT, response_format=json_format(),
+        batch = await client.chat.completions.create(model=MODEL, messages=PROMPT, response_format=json_format(),
                                                      n=8, max_tokens=120, temperature=1.0, seed=7)
         for choice in batch.choices:
             assert choice.finish_reason == "stop", choice
             jsonschema.validate(json.loads(choice.message.content), SCHEMA)
-        parsed = await client.chat.completions.parse(model="tiny", messages=PROMPT, response_format=Colour,
+        parsed = await client.chat.completions.parse(model=MODEL, messages=PROMPT, response_format=Colour,
                                                      max_tokens=120, temperature=1.0, seed=8)
         assert isinstance(parsed.choices[0].message.parsed, Colour)
-        reply = await client.chat.completions.create(model="tiny", messages=PROMPT, tools=TOOLS,
+        reply = await client.chat.completions.create(model=MODEL, messages=PROMPT, tools=TOOLS,
                                                      tool_choice="required", max_tokens=120, seed=4)
         assert reply.choices[0].finish_reason == "tool_calls"
         check_call(reply.choices[0].message.tool_calls[0])
         deltas = []
-        stream = await client.chat.completions.create(model="tiny", messages=PROMPT, tools=TOOLS, stream=True,
+        stream = await client.chat.completions.create(model=MODEL, messages=PROMPT, tools=TOOLS, stream=True,
                                                       tool_choice={"type": "function", "function": {"name": "get_weather"}},
                                                       max_tokens=120, seed=5)
         async for chunk in stream:
@@ -286,7 +308,7 @@ def test_langchain_chat_openai_structured_output_and_a_tool_call(stack):
     """A second real client: LangChain's ChatOpenAI, once with a pydantic schema and once binding a tool."""
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model="tiny", base_url=stack.url + "/v1", api_key="unused", max_tokens=120, temperature=1.0,
+    llm = ChatOpenAI(model=MODEL, base_url=stack.url + "/v1", api_key="unused", max_tokens=120, temperature=1.0,
                      seed=11, max_retries=0, timeout=120)
     colour = llm.with_structured_output(Colour, method="json_schema").invoke("Name a colour.")
     assert isinstance(colour, Colour) and 0 <= colour.score <= 9
