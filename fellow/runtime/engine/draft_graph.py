@@ -4,7 +4,7 @@ CUDA graphs.
 A draft model's decode step is small: on a GPU its time goes to launching kernels, not running
 them. ``FixedDecoder`` keeps everything a step touches at a fixed address: static token and
 position inputs, static argmax ids and logits out, and one static KV pool of ``slots`` sessions x
-``positions`` positions (plus one scratch column) that every slot's ``SlotCache`` is a view of. A
+``positions`` positions (plus a scratch column) that every slot's ``SlotCache`` is a view of. A
 step for slots [0, n) is one captured graph per slot count bucket (1, 2, 4, ... ``slots``): it
 embeds the tokens, writes each row's new keys and values at its position in the pool, attends
 under a mask of the columns up to that position, and writes the argmax ids. Rows of free or
@@ -73,7 +73,7 @@ class SlotCache(KVCache):
         super().__init__(stage.first_layer, len(stage.layers), stage.num_kv_heads, stage.head_dim, stage.dtype,
                          stage.layer_devices)
         self.decoder, self.slot = decoder, slot
-        self.keys, self.values = [decoder.keys[slot]], [decoder.values[slot]]  # [L, H_kv, positions + 1, D]
+        self.keys, self.values = [decoder.keys[slot]], [decoder.values[slot]]  # [L, H_kv, width, D]
         self.capacity = decoder.positions
 
     def reserve(self, positions: int) -> None:
@@ -100,7 +100,10 @@ class FixedDecoder:
         self.stage, self.slots, self.positions = stage, slots, positions
         device, dtype = stage.input_device, stage.dtype
         with torch.inference_mode():
-            shape = (slots, len(stage.layers), stage.num_kv_heads, positions + 1, stage.head_dim)
+            # the positions, a scratch column at ``positions``, and columns never seen up to a multiple of
+            # 16: memory-efficient attention wants the mask's rows aligned
+            self.width = -(-(positions + 1) // 16) * 16
+            shape = (slots, len(stage.layers), stage.num_kv_heads, self.width, stage.head_dim)
             self.keys = torch.zeros(shape, dtype=dtype, device=device)
             self.values = torch.zeros(shape, dtype=dtype, device=device)
             self.tokens = torch.zeros(slots, dtype=torch.long, device=device)
@@ -108,7 +111,7 @@ class FixedDecoder:
             self.ids = torch.zeros(slots, dtype=torch.long, device=device)
             self.logits = torch.zeros(slots, stage.config.vocab_size, dtype=torch.float32, device=device)
             self.rows = torch.arange(slots, device=device)
-            self.columns = torch.arange(positions + 1, device=device)
+            self.columns = torch.arange(self.width, device=device)
         self.free = set(range(slots))  # ``take`` gives the lowest: the graphs run slots [0, n)
         self.buckets = _buckets(slots)
         self.replays: dict[int, Step] = {}
@@ -134,12 +137,12 @@ class FixedDecoder:
         tokens, where, rows = self.tokens[:n], self.where[:n], self.rows[:n]
         hidden = stage.embed(tokens.view(n, 1))
         position_ids = where.view(n, 1)
-        hidden_after = self.columns[None, :] > where[:, None]  # [n, positions + 1]
-        mask = torch.zeros(n, 1, 1, self.positions + 1, dtype=hidden.dtype, device=hidden.device)
+        hidden_after = self.columns[None, :] > where[:, None]  # [n, width]
+        mask = torch.zeros(n, 1, 1, self.width, dtype=hidden.dtype, device=hidden.device)
         mask.masked_fill_(hidden_after[:, None, None, :], torch.finfo(hidden.dtype).min)
 
         def store(slot: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            keys, values = self.keys[:n, slot], self.values[:n, slot]  # [n, H_kv, positions + 1, D]
+            keys, values = self.keys[:n, slot], self.values[:n, slot]  # [n, H_kv, width, D]
             keys[rows, :, where] = k[:, :, 0]
             values[rows, :, where] = v[:, :, 0]
             return keys, values
@@ -154,7 +157,7 @@ class FixedDecoder:
                 return out.transpose(1, 2).reshape(n, 1, -1)
             hidden = stage._fused(hidden, position_ids, attend)
         else:
-            view = _StaticView(store, stage.first_layer, self.positions)
+            view = _StaticView(store, stage.first_layer, self.width - 1)
             if hidden.device.type == "cuda":
                 with torch.nn.attention.sdpa_kernel(CUDA_SDPA_BACKENDS):
                     hidden = stage._run_layers(hidden, position_ids, mask, view)
