@@ -55,7 +55,7 @@ def test_the_fixed_shape_step_checks_against_eager_and_keeps_greedy_replies(path
         decoder, label = fixed_decoder(small, slots=2, positions=24, capture=_counting(replays), label="fixed-shape")
     assert decoder is not None and label == decoder.label == "fixed-shape"
     assert decoder.buckets == [1, 2] and set(decoder.replays) == {1, 2}
-    assert "draft decoder: fixed-shape (2 slots of 24 positions, 2 graphs" in caplog.text
+    assert "draft decoder: fixed-shape (2 slots of 24 positions, 2 captured steps" in caplog.text
     checked = len(replays)
     assert checked == 2  # the load's check replayed each bucket once
     draft = DraftModel(small, target, decoder=decoder)

@@ -270,6 +270,6 @@ def fixed_decoder(stage: StageModel, *, slots: int, positions: int = GRAPH_POSIT
                     type(exc).__name__, exc)
         return None, f"{EAGER} (check failed)"
     decoder.label = label
-    log.info("draft decoder: %s (%d slots of %d positions, %d graphs, %d bytes of static KV)", label, slots,
+    log.info("draft decoder: %s (%d slots of %d positions, %d captured steps, %d bytes of static KV)", label, slots,
              positions, len(decoder.replays), decoder.bytes)
     return decoder, label
