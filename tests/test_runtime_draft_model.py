@@ -199,7 +199,8 @@ def test_a_one_stage_load_drafts_with_the_fellows_draft_model(tmp_path, nats_ser
             "messages": [{"role": "user", "content": "tell me something new"}]}
     stack = Stack(tmp_path, nats_server.url, served.parent, SWARM_SERVE_DRAFT_MODEL=str(small)).start()
     try:
-        stack.load("tiny", speculative=2)
+        load = stack.load("tiny", speculative=2)
+        assert load["stages"][0]["kernels"]["draft_decoder"] == "eager"  # a CPU: no CUDA graphs
         reply = stack.post("/v1/chat/completions", body).json()
         timing = reply["swarm"]["timing"]
         assert timing["spec_k"] == 2 and timing["spec_model_drafted"] > 0, timing

@@ -9,6 +9,11 @@ decode step per token for all sessions that draft. A greedy draft is a determini
 the sequence, a point mass, so ``verify_drafts`` keeps greedy replies identical and sampled ones
 exactly distributed (standard speculative sampling with q = the point mass on the draft).
 
+On CUDA the one-token steps replay a fixed-shape decoder captured as CUDA graphs
+(``fellow.runtime.engine.draft_graph``): a session then keeps its cache in one of the decoder's
+slots while it fits (its sequence and drafts within a slot's positions, a slot free); one that does
+not has its own growing cache and steps eagerly beside them. ``decoder_label`` says which runs.
+
 The draft model's KV memory counts in the stage's token budget: a session's positions in both
 models may reach its reservation, so each budget token holds one position of the served model and
 one of the draft model (``budget_tokens``).
@@ -21,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from fellow.runtime.engine.draft_graph import EAGER, FixedDecoder, SlotCache, fixed_decoder
+from fellow.runtime.model.kv_cache import KVCache
 from fellow.runtime.model.stage import StageModel
 
 PIECE_BATCH = 16  # catch-ups up to this long run together in one pass; longer ones (a prompt) alone
@@ -60,7 +67,8 @@ class _State:
 class DraftModel:
     """A whole small model (embeddings to head) that proposes greedy drafts for a one-stage engine."""
 
-    def __init__(self, stage: StageModel, target: StageModel, name: str = "draft") -> None:
+    def __init__(self, stage: StageModel, target: StageModel, name: str = "draft",
+                 decoder: FixedDecoder | None = None) -> None:
         if not (stage.is_first and stage.is_last):
             raise DraftModelMismatch("a draft model must be a whole model (embeddings, every layer and the head)")
         if stage.config.vocab_size != target.config.vocab_size:
@@ -73,6 +81,8 @@ class DraftModel:
         # what a draft position costs in the served model's positions
         self.ratio = self.position_bytes / kv_bytes_per_position(target)
         self.states: dict[str, _State] = {}
+        self.decoder = decoder
+        self.decoder_label = decoder.label if decoder is not None else EAGER
 
     def budget_tokens(self, kv_tokens: int) -> int:
         """The engine's budget when ``kv_tokens`` positions of the served model's cache fit: each budget
@@ -100,10 +110,12 @@ class DraftModel:
             return {}
         stage = self.stage
         caches, catches = [], []
-        for session_id, sequence, _, _ in rows:
+        for session_id, sequence, limit, _ in rows:
             state = self.states.get(session_id)
             if state is None:
-                state = self.states[session_id] = _State(stage.new_cache())
+                state = self.states[session_id] = _State(self._new_cache(len(sequence) + limit))
+            elif isinstance(state.cache, SlotCache) and len(sequence) + limit > state.cache.capacity:
+                state.cache = self._unslotted(state.cache)
             same = state.checked
             end = min(len(state.ids), len(sequence))
             while same < end and state.ids[same] == sequence[same]:
@@ -125,11 +137,18 @@ class DraftModel:
                   if limit > 1 and drafts[session_id][-1] not in stops]
         step = 1
         while active:
-            ids = torch.tensor([drafts[rows[i][0]][-1] for i in active], device=stage.input_device)
-            out = stage.decode([caches[i] for i in active], ids).argmax(dim=-1).tolist()
+            slotted = [i for i in active if isinstance(caches[i], SlotCache)]
+            if slotted:
+                out = self.decoder.step([caches[i] for i in slotted], [drafts[rows[i][0]][-1] for i in slotted])
+                for i, token in zip(slotted, out):
+                    drafts[rows[i][0]].append(int(token))
+            others = [i for i in active if not isinstance(caches[i], SlotCache)]
+            if others:
+                ids = torch.tensor([drafts[rows[i][0]][-1] for i in others], device=stage.input_device)
+                out = stage.decode([caches[i] for i in others], ids).argmax(dim=-1).tolist()
+                for i, token in zip(others, out):
+                    drafts[rows[i][0]].append(int(token))
             step += 1
-            for i, token in zip(active, out):
-                drafts[rows[i][0]].append(int(token))
             active = [i for i in active if rows[i][2] > step and drafts[rows[i][0]][-1] not in rows[i][3]]
         for (session_id, sequence, _, _), cache in zip(rows, caches):
             state = self.states[session_id]
@@ -137,12 +156,30 @@ class DraftModel:
             state.checked = len(sequence)
         return drafts
 
+    def _new_cache(self, needed: int) -> KVCache:
+        """A slot of the fixed-shape decoder when one is free and holds ``needed`` positions, else a cache of its own."""
+        slot = self.decoder.take(needed) if self.decoder is not None else None
+        return slot if slot is not None else self.stage.new_cache()
+
+    def _unslotted(self, slot: SlotCache) -> KVCache:
+        """A session outgrowing its slot: its positions copied into a cache of its own, the slot freed."""
+        cache = self.stage.new_cache()
+        cache.reserve(slot.length)
+        for mine, theirs in ((cache.keys, slot.keys), (cache.values, slot.values)):
+            mine[0][:, :, : slot.length].copy_(theirs[0][:, :, : slot.length])
+        cache.advance(slot.length)
+        slot.release()
+        return cache
+
 
 def load_draft_model(draft_dir: str | Path, target_stage: StageModel, target_tokenizer, device: torch.device,
-                     *, packed: bool = True, batch_cap: int = 8) -> DraftModel:
-    """Load the servable at ``draft_dir`` as a whole model on ``device`` and check it against the served one."""
+                     *, packed: bool = True, batch_cap: int = 8, capture=None) -> DraftModel:
+    """Load the servable at ``draft_dir`` as a whole model on ``device`` and check it against the served
+    one; on CUDA its steps are captured (``draft_graph.fixed_decoder``, ``batch_cap`` slots), else eager."""
     from fellow.runtime.model.loader import load_one_stage
 
     loaded = load_one_stage(draft_dir, str(device), packed=packed, batch_cap=batch_cap)
     check_same_vocabulary(target_tokenizer, loaded.tokenizer)
-    return DraftModel(loaded.stage, target_stage, name=loaded.manifest.model_id)
+    draft = DraftModel(loaded.stage, target_stage, name=loaded.manifest.model_id)
+    draft.decoder, draft.decoder_label = fixed_decoder(loaded.stage, slots=batch_cap, capture=capture)
+    return draft

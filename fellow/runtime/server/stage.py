@@ -37,8 +37,10 @@ class StageServer(StageServerBase):
             self.draft = load_draft_model(self.cfg.draft_model_dir, self.stage, self.tokenizer, self.device,
                                           packed=self.cfg.packed_linear, batch_cap=self.batch_cap)
             warm_up(self.draft.stage)
+            self.stage.kernels = {**self.stage.kernels, "draft_decoder": self.draft.decoder_label}
             log.info("[stage%d draft] %s drafts beside the served model: %d bytes a position (%.3f of the "
-                     "served model's)", self.cfg.stage, self.draft.name, self.draft.position_bytes, self.draft.ratio)
+                     "served model's), steps %s", self.cfg.stage, self.draft.name, self.draft.position_bytes,
+                     self.draft.ratio, self.draft.decoder_label)
 
     def _build(self) -> None:
         t = self.cfg.transport
