@@ -143,6 +143,8 @@ async def soak(args) -> dict:
     env.update(SWARM_DATA_DIR=str(tmp / "data"), SWARM_LEADER_PORT=str(port), SWARM_AUTOLOAD="1",
                SWARM_MODEL_IDLE_UNLOAD_S="0", SWARM_LOG_FORMAT="text")
     model = "swarm-demo"
+    if args.demo and args.models:
+        env["SWARM_SERVABLE_MODELS_ROOT"] = str(Path(args.models).resolve())
     if not args.demo:
         from tests.serving_fixtures import make_servable
 
@@ -240,6 +242,8 @@ def main() -> None:
     p.add_argument("--fault-every", type=float, default=30.0, help="seconds between faults in the fault phase")
     p.add_argument("--tokens", type=int, default=16, help="max_tokens of each request")
     p.add_argument("--demo", action="store_true", help="serve the demo model instead of a tiny one")
+    p.add_argument("--models", help="with --demo: a servables folder that already holds swarm-demo "
+                                     "(`swarm demo-model DIR/swarm-demo`), so `swarm up` does not train it")
     p.add_argument("--keep", action="store_true", help="keep the stack's data folder (logs, database)")
     args = p.parse_args()
     print(json.dumps(asyncio.run(soak(args)), indent=1))
