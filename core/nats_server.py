@@ -156,7 +156,9 @@ class EmbeddedNats:
         if self.config is not None:
             text += f'include "{os.path.relpath(Path(self.config).resolve(), target.parent)}"\n'
         if self.leaf_port is not None:
-            text += (f'leafnodes {{ listen: "{self.host}:{self.leaf_port}" }}\n'
+            # no_advertise: a leaf redials only the URLs it was given, never an address the hub sees
+            # itself at (behind NAT, or past a proxy, that one is not the way in)
+            text += (f'leafnodes {{ listen: "{self.host}:{self.leaf_port}", no_advertise: true }}\n'
                      f"jetstream {{ domain: {HUB_DOMAIN} }}\n")
         if self.leaf is not None:
             text += self.leaf.config()

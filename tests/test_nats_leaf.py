@@ -18,6 +18,7 @@ import time
 
 import httpx
 import pytest
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import ServiceUnavailableError
 
 from core.bus import connect, ensure_streams
@@ -120,6 +121,37 @@ async def test_a_fellow_on_the_leaf_uses_the_hubs_streams_through_the_slow_link(
         await fellow.flush()
         await asyncio.wait_for(_until(lambda: errors and heard), 10)
         assert heard == [subjects.heartbeat("f1")] and "swarm.hb.f2" in errors[0], (heard, errors)
+    finally:
+        await fellow.close()
+        await leader.close()
+
+
+async def test_the_leaf_redials_a_link_that_went_down(hub, auth, link, leaf):
+    """The home's internet goes away and comes back: JetStream through the leaf fails while the link is
+    down (no responders, not a hang), and works again once the leaf has dialled the hub anew."""
+    leader = await connect(hub.url, name="leader", credentials=auth.credentials(LEADER_USER))
+    fellow = await connect(leaf, name="f1", credentials=auth.credentials(fellow_user("f1")))
+    try:
+        await ensure_streams(leader.jetstream())
+        js = fellow.jetstream(timeout=2)
+        await link_up(js)
+        link.stop()  # the listener and the link's connection: gone
+
+        async def link_down():
+            while True:
+                try:
+                    await js.stream_info(HEARTBEATS_STREAM)
+                except ServiceUnavailableError:  # the leaf knows: no hub behind it
+                    return
+                except NatsTimeoutError:  # asked while the link was going: lost with it
+                    pass
+                await asyncio.sleep(0.02)
+
+        await asyncio.wait_for(link_down(), 10)
+        with DelayProxy(("127.0.0.1", hub.leaf_port), delay_s=DELAY_S, port=link.port) as back:  # same address
+            await link_up(js)
+            assert (await js.publish(subjects.heartbeat("f1"), b"{}")).stream == HEARTBEATS_STREAM
+            assert back.bytes > 0  # through the link it was given, not straight to the hub
     finally:
         await fellow.close()
         await leader.close()
