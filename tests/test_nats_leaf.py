@@ -245,3 +245,14 @@ def test_nats_auth_writes_the_leaf_user_and_the_leafs_own_users(tmp_path):
     assert all(not s.startswith("$JS.API.") for u in leaf_users for s in u["permissions"]["publish"]["allow"])
     with pytest.raises(ValueError):
         a.ensure([], {"bad.name": ["f1"]})
+
+
+def test_the_cli_refuses_what_a_leaf_cannot_be(tmp_path, capsys):
+    from core.cli import main
+
+    assert main(["nats", "--leaf", "nats-leaf://hub:7422", "--leaf-port", "7422"]) == 2
+    assert main(["nats-auth", str(tmp_path / "auth"), "--leaf", "home"]) == 2  # no fellows named
+    err = capsys.readouterr().err
+    assert "neither a cluster node nor a hub" in err and "NAME=FELLOW" in err
+    assert main(["nats-auth", str(tmp_path / "auth"), "--leaf", "home=f1,f2"]) == 0
+    assert AuthDir(tmp_path / "auth").leaves() == {"home": ["f1", "f2"]}
