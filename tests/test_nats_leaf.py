@@ -209,8 +209,9 @@ def test_a_fellow_at_home_serves_a_leader_at_the_hub(tmp_path, hub, auth, leaf):
     port = free_port()
 
     def env(url: str, user: str) -> dict:
+        # SWARM_FELLOW_TIMEOUT_S: a heartbeat's stall on a busy test machine is not the point here
         return swarm_env(tmp_path, url, db, port=port, SWARM_SERVABLE_MODELS_ROOT=servable.parent,
-                         OMP_NUM_THREADS=1, **auth.credentials(user).env())
+                         OMP_NUM_THREADS=1, SWARM_FELLOW_TIMEOUT_S=10, **auth.credentials(user).env())
 
     leader = SwarmProcess(["leader"], env(hub.url, LEADER_USER), tmp_path / "leader.log")
     fellow = SwarmProcess(["fellow", "--id", "f1"], env(leaf, fellow_user("f1")), tmp_path / "f1.log")
