@@ -29,7 +29,7 @@ def _logging(verbose: bool = False) -> None:
 def cmd_nats(args) -> int:
     from pathlib import Path
 
-    from core.nats_server import ClusterNode, EmbeddedNats
+    from core.nats_server import ClusterNode, EmbeddedNats, LeafRemote
 
     s = _settings()
     if args.config and not Path(args.config).is_file():
@@ -40,12 +40,20 @@ def cmd_nats(args) -> int:
             raise CliError("a cluster node needs --server-name, --cluster-port and --routes")
         cluster = ClusterNode(args.server_name, args.cluster_port,
                               tuple(r.strip() for r in args.routes.split(",") if r.strip()))
+    leaf = None
+    if args.leaf:
+        if cluster or args.leaf_port is not None:
+            raise CliError("a leaf node (--leaf) is neither a cluster node nor a hub (--leaf-port)")
+        # the leaf link logs in as SWARM_NATS_USER (a leaf-<name> user of `swarm nats-auth --leaf`)
+        leaf = LeafRemote(tuple(u.strip() for u in args.leaf.split(",") if u.strip()), s.nats_credentials)
     srv = EmbeddedNats(s.nats_store_dir if not args.store_dir else Path(args.store_dir),
                        port=args.port, host=args.host, config=Path(args.config) if args.config else None,
-                       cluster=cluster).start()
-    print(f"nats-server with JetStream at {srv.url} (store {srv.store_dir}"
+                       cluster=cluster, leaf_port=args.leaf_port, leaf=leaf).start()
+    what = f"leaf node of {args.leaf}, JetStream on the hub" if leaf else "JetStream"
+    print(f"nats-server with {what} at {srv.url} (store {srv.store_dir}"
           f"{', users from ' + args.config if args.config else ', open: no users'}"
-          f"{', cluster node ' + cluster.name if cluster else ''})", flush=True)
+          f"{', cluster node ' + cluster.name if cluster else ''}"
+          f"{f', leaf nodes on port {srv.leaf_port}' if srv.leaf_port is not None else ''})", flush=True)
     try:
         srv.process.wait()
     except KeyboardInterrupt:
@@ -89,12 +97,21 @@ def cmd_nats_auth(args) -> int:
     from core.nats_auth import AuthDir
 
     auth = AuthDir(args.dir)
+    leaves = {}
+    for spec in args.leaf:
+        name, sep, fellows = spec.partition("=")
+        if not sep or not name.strip():
+            raise CliError(f"--leaf {spec!r}: NAME=FELLOW,FELLOW,...")
+        leaves[name.strip()] = [f.strip().replace(".", "-") for f in fellows.split(",") if f.strip()]
     try:
-        users = auth.ensure([f.replace(".", "-") for f in args.fellow])
+        users = auth.ensure([f.replace(".", "-") for f in args.fellow], leaves)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     print(f"{len(users)} NATS users in {auth.path}: {', '.join(sorted(users))}")
     print(f"  nats-server config: {auth.config}; each process's credentials: {auth.path}/<user>.env")
+    for name in auth.leaves():
+        print(f"  leaf {name}: its nats-server's config {auth.leaf_config(name)}, its link's credentials "
+              f"{auth.path}/leaf-{name}.env")
     return 0
 
 
@@ -150,11 +167,18 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--server-name", default=None, help="this node's name in a cluster")
     n.add_argument("--cluster-port", type=int, default=0, help="the port this node's cluster routes listen on")
     n.add_argument("--routes", default=None, help="the other nodes' routes: nats://host:port,...")
+    n.add_argument("--leaf-port", type=int, default=None,
+                   help="a hub: listen for leaf nodes on this port (7422 is the usual; 0: a free one)")
+    n.add_argument("--leaf", default=None, metavar="HUB_URL",
+                   help="run as a leaf node of the hub at nats-leaf://host:port[,...] (its leafnode port); "
+                        "logs in as SWARM_NATS_USER/SWARM_NATS_PASSWORD when set")
     n.set_defaults(func=cmd_nats)
 
     na = sub.add_parser("nats-auth", help="write NATS users (leader, ops, one per fellow) and their permissions")
     na.add_argument("dir", help="folder for users.json, auth.conf and one <user>.env per user")
     na.add_argument("--fellow", action="append", default=[], help="a fellow id (repeat for each fellow)")
+    na.add_argument("--leaf", action="append", default=[], metavar="NAME=FELLOW,...",
+                    help="a leaf node (a home's nats-server) and the fellows on it (repeat for each leaf)")
     na.set_defaults(func=cmd_nats_auth)
 
     sub.add_parser("leader", help="run the leader (gateway + projectors)").set_defaults(func=cmd_leader)

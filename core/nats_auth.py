@@ -7,6 +7,11 @@ request finished or failed), token frames and ring frames; it may take only its 
 from the request queues, and read only its own inbox. Nothing else: not `load.placed`, not
 `api_token.*`, not another fellow's heartbeat or commands, not the event log. A client without a
 user is refused (the config has no `no_auth_user`).
+
+A leaf node (`swarm nats --leaf`, a home's local nats-server) links to the hub as a `leaf-<name>` user
+whose rights are the union of its fellows' rights, with their JetStream API requests in the hub's
+domain: what the leaf forwards can be no more than those fellows may do. The leaf itself checks each
+fellow with `leaf-<name>.conf`, which holds only those fellows' users.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from events.subjects import (COMMANDS_STREAM, EVENTS_STREAM, HEARTBEATS_STREAM, 
 
 LEADER_USER = "leader"
 OPS_USER = "ops"
+HUB_DOMAIN = "swarm"  # the JetStream domain of a nats-server that takes leaf nodes
 
 # What a fellow (and its stage processes) publishes on swarm.evt.<type>; every other type is refused.
 FELLOW_EVENTS = ("load.stage_ready", "load.replica_lost", "load.unloaded", "load.failed",
@@ -31,6 +37,10 @@ FELLOW_EVENTS = ("load.stage_ready", "load.replica_lost", "load.unloaded", "load
 
 def fellow_user(fellow_id: str) -> str:
     return "fellow-" + fellow_id
+
+
+def leaf_user(name: str) -> str:
+    return "leaf-" + name
 
 
 def inbox_prefix(user: str) -> str:
@@ -88,10 +98,11 @@ def ops_permissions() -> dict:
     }
 
 
-def fellow_permissions(fellow_id: str) -> dict:
+def fellow_permissions(fellow_id: str, js_domain: str | None = None) -> dict:
+    """`js_domain`: its JetStream API requests as a leaf node maps them, into the hub's domain."""
     user = fellow_user(fellow_id)
     command_consumer = "fellow-" + fellow_id  # events.subjects.command_consumer
-    return {
+    perms = {
         "publish": {"allow": [
             heartbeat(fellow_id),  # raises ValueError on an id that is not a subject token
             *(f"swarm.evt.{kind}" for kind in FELLOW_EVENTS),
@@ -107,12 +118,34 @@ def fellow_permissions(fellow_id: str) -> dict:
         ]},
         "allow_responses": True,  # the answer to a logs request
     }
+    if js_domain:
+        perms["publish"]["allow"] = [s.replace("$JS.API.", f"$JS.{js_domain}.API.", 1) for s in perms["publish"]["allow"]]
+    return perms
 
 
-def server_config(passwords: Mapping[str, str]) -> str:
-    """The `authorization` block for nats-server: `passwords` maps each user to its password.
+def leaf_permissions(fellow_ids: list[str], hub_domain: str) -> dict:
+    """A leaf link's rights on the hub (what it may send in, what it may take out): its fellows' rights,
+    their `$JS.API.` requests as the leaf maps them, into the hub's JetStream domain."""
+    publish: list[str] = []
+    subscribe: list[str] = []
+    for fellow_id in fellow_ids:
+        perms = fellow_permissions(fellow_id, hub_domain)
+        publish += perms["publish"]["allow"]
+        subscribe += perms["subscribe"]["allow"]
+    # a fellow answers a logs request on the leader's inbox; a hub forwards to a leaf only the interest
+    # the leaf may publish to (allow_responses does not cross a leaf link), so the link may write there
+    publish.append(inbox_prefix(LEADER_USER) + ".>")
+    return {"publish": {"allow": list(dict.fromkeys(publish))}, "subscribe": {"allow": list(dict.fromkeys(subscribe))}}
 
-    A user is `leader`, `ops`, or `fellow-<id>`. JSON is valid nats-server config syntax."""
+
+def server_config(passwords: Mapping[str, str], leaves: Mapping[str, list[str]] | None = None,
+                  js_domain: str | None = None) -> str:
+    """The `authorization` block for nats-server: `passwords` maps each user to its password, `leaves`
+    each leaf name to its fellows; `js_domain`: a leaf node's config, whose fellows' JetStream API
+    requests are mapped into the hub's domain (the leaf checks rights after that mapping).
+
+    A user is `leader`, `ops`, `fellow-<id>` or `leaf-<name>`. JSON is valid nats-server config syntax."""
+    leaves = leaves or {}
     users = []
     for user, password in sorted(passwords.items()):
         if user == LEADER_USER:
@@ -120,16 +153,20 @@ def server_config(passwords: Mapping[str, str]) -> str:
         elif user == OPS_USER:
             perms = ops_permissions()
         elif user.startswith("fellow-"):
-            perms = fellow_permissions(user[len("fellow-"):])
+            perms = fellow_permissions(user[len("fellow-"):], js_domain)
+        elif user.startswith("leaf-") and user[len("leaf-"):] in leaves:
+            perms = leaf_permissions(leaves[user[len("leaf-"):]], HUB_DOMAIN)
         else:
-            raise ValueError(f"unknown NATS user {user!r} (leader, ops or fellow-<id>)")
+            raise ValueError(f"unknown NATS user {user!r} (leader, ops, fellow-<id> or leaf-<name>)")
         users.append({"user": user, "password": password, "permissions": perms})
     return "authorization: " + json.dumps({"users": users}, indent=1) + "\n"
 
 
 class AuthDir:
     """A folder holding `users.json` (user -> password; kept, so restarts keep the same passwords),
-    the nats-server config `auth.conf` built from it, and one `<user>.env` per user."""
+    the nats-server config `auth.conf` built from it, and one `<user>.env` per user; with leaf nodes,
+    `leaves.json` (leaf name -> its fellows) and one `leaf-<name>.conf` per leaf (its fellows' users,
+    for the leaf's own nats-server)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -142,15 +179,33 @@ class AuthDir:
         f = self.path / "users.json"
         return json.loads(f.read_text()) if f.exists() else {}
 
-    def ensure(self, fellow_ids: list[str]) -> dict[str, str]:
-        """Add the leader, ops and these fellows (new passwords for new users); rewrite the files."""
+    def leaves(self) -> dict[str, list[str]]:
+        f = self.path / "leaves.json"
+        return json.loads(f.read_text()) if f.exists() else {}
+
+    def leaf_config(self, name: str) -> Path:
+        return self.path / f"leaf-{name}.conf"
+
+    def ensure(self, fellow_ids: list[str], leaves: Mapping[str, list[str]] | None = None) -> dict[str, str]:
+        """Add the leader, ops, these fellows and these leaves (name -> its fellows, added too; new
+        passwords for new users); rewrite the files."""
         self.path.mkdir(parents=True, exist_ok=True)
         os.chmod(self.path, 0o700)
         passwords = self.passwords()
-        for user in (LEADER_USER, OPS_USER, *(fellow_user(f) for f in fellow_ids)):
+        all_leaves = {**self.leaves(), **{n: list(dict.fromkeys(fs)) for n, fs in (leaves or {}).items()}}
+        fellows = [*fellow_ids, *(f for fs in all_leaves.values() for f in fs)]
+        for name in all_leaves:
+            heartbeat(name)  # a leaf name is a subject token too
+        for user in (LEADER_USER, OPS_USER, *(fellow_user(f) for f in fellows), *(leaf_user(n) for n in all_leaves)):
             passwords.setdefault(user, secrets.token_urlsafe(24))
+        config = server_config(passwords, all_leaves)  # raises ValueError on a bad id before anything is written
         self._write("users.json", json.dumps(passwords, indent=1, sort_keys=True) + "\n")
-        self._write("auth.conf", server_config(passwords))
+        self._write("auth.conf", config)
+        if all_leaves:
+            self._write("leaves.json", json.dumps(all_leaves, indent=1, sort_keys=True) + "\n")
+        for name, leaf_fellows in all_leaves.items():
+            mine = {fellow_user(f): passwords[fellow_user(f)] for f in leaf_fellows}
+            self._write(self.leaf_config(name).name, server_config(mine, js_domain=HUB_DOMAIN))
         for user, password in passwords.items():
             self._write(f"{user}.env", "".join(f"{k}={v}\n" for k, v in Credentials(user, password).env().items()))
         return passwords

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -11,7 +12,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
+from core.nats_auth import HUB_DOMAIN, Credentials
 from core.procs import stop_child
 
 
@@ -63,6 +66,29 @@ def local_cluster(base_dir: Path, size: int = 3, config: Path | None = None,
             for i, p in enumerate(ports)]
 
 
+@dataclass(frozen=True)
+class LeafRemote:
+    """This server is a leaf node of a hub: it links to the hub's leafnode URLs (nats-leaf://host:port,
+    one per hub node), logging in as `credentials` (a `leaf-<name>` user of `swarm nats-auth`; None
+    for an open hub). A leaf runs no JetStream of its own: its clients' `$JS.API.>` requests are mapped
+    to the hub's domain, so that fellows on the leaf use the hub's streams as if connected to it."""
+
+    urls: tuple[str, ...]
+    credentials: Credentials | None = None
+    hub_domain: str = HUB_DOMAIN
+
+    def config(self) -> str:
+        urls = []
+        for url in self.urls:
+            scheme, sep, rest = url.partition("://")
+            scheme, rest = (scheme, rest) if sep else ("nats-leaf", url)
+            if self.credentials is not None:
+                rest = f"{quote(self.credentials.user, safe='')}:{quote(self.credentials.password, safe='')}@{rest}"
+            urls.append(f"{scheme}://{rest}")
+        return (f'mappings {{ "$JS.API.>": "$JS.{self.hub_domain}.API.>" }}\n'
+                f"leafnodes {{ remotes: [ {{ urls: {json.dumps(urls)} }} ] }}\n")
+
+
 @dataclass
 class EmbeddedNats:
     """A nats-server child process; `port=0` lets the server pick a free port."""
@@ -73,6 +99,12 @@ class EmbeddedNats:
     process: subprocess.Popen | None = None
     config: Path | None = None  # a nats-server config file (users and permissions: core/nats_auth.py)
     cluster: "ClusterNode | None" = None  # a node of a cluster: its name, route port and routes
+    leaf_port: int | None = None  # a hub: listen for leaf nodes here (0: a free port), JetStream domain HUB_DOMAIN
+    leaf: LeafRemote | None = None  # a leaf node of a hub, without JetStream
+
+    @property
+    def jetstream(self) -> bool:
+        return self.leaf is None
 
     @property
     def url(self) -> str:
@@ -82,11 +114,12 @@ class EmbeddedNats:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         ports_dir = Path(tempfile.mkdtemp(prefix="swarm-nats-ports-"))
         args = [
-            nats_server_binary(), "-js", "-sd", str(self.store_dir), "-a", self.host,
+            nats_server_binary(), *(["-js", "-sd", str(self.store_dir)] if self.jetstream else []), "-a", self.host,
             "-p", str(self.port if self.port else -1), "--ports_file_dir", str(ports_dir),
         ]
-        if self.config is not None:
-            args += ["-c", str(self.config)]
+        config = self._leaf_config() if self.leaf_port is not None or self.leaf is not None else self.config
+        if config is not None:
+            args += ["-c", str(config)]
         if self.cluster is not None:
             args += self.cluster.args(self.host)
         self.process = subprocess.Popen(
@@ -99,8 +132,6 @@ class EmbeddedNats:
                 err = (self.process.stderr.read() or b"").decode(errors="replace").strip()
                 raise NatsServerError(f"nats-server exited at start: {err.splitlines()[-1] if err else self.process.returncode}")
             if ports_file.exists():
-                import json
-
                 try:
                     info = json.loads(ports_file.read_text())
                 except ValueError:
@@ -115,6 +146,26 @@ class EmbeddedNats:
             time.sleep(0.01)
         self.stop()
         raise NatsServerError(f"nats-server did not come up within {timeout:.0f}s")
+
+    def _leaf_config(self) -> Path:
+        """A config file in the store folder: the users of `config` (included), then the leafnode parts."""
+        if self.leaf_port == 0:
+            self.leaf_port = free_port(self.host)
+        target = self.store_dir.resolve() / "leafnodes.conf"
+        text = ""
+        if self.config is not None:
+            text += f'include "{os.path.relpath(Path(self.config).resolve(), target.parent)}"\n'
+        if self.leaf_port is not None:
+            # no_advertise: a leaf redials only the URLs it was given, never an address the hub sees
+            # itself at (behind NAT, or past a proxy, that one is not the way in)
+            text += (f'leafnodes {{ listen: "{self.host}:{self.leaf_port}", no_advertise: true }}\n'
+                     f"jetstream {{ domain: {HUB_DOMAIN} }}\n")
+        if self.leaf is not None:
+            text += self.leaf.config()
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it may hold the leaf's password
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return target
 
     def _wait_listening(self, deadline: float) -> None:
         import socket

@@ -55,6 +55,9 @@ class DelayProxy:
         self._loop.call_soon_threadsafe(close_all)
 
     def stop(self) -> None:
+        if not self._thread.is_alive():  # stopped already (or never started)
+            return
+
         async def close():
             self._server.close()
             for writer in list(self._writers):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 import time
 import uuid
@@ -30,6 +31,19 @@ def hf_greedy(hf_dir, content: str, max_new_tokens: int) -> list[int]:
     out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos),
                          pad_token_id=tok.pad_token_id)
     return [t for t in out[0, ids.shape[1]:].tolist() if t not in eos]
+
+
+def stream_a_reply(base_url: str, model: str = "tiny", timeout: float = 120) -> list[dict]:
+    """Stream a short greedy reply from /v1/chat/completions; assert it ends with a finish reason and
+    `[DONE]`, no error on the way; its chunks."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=timeout) as s:
+        lines = [line for line in s.iter_lines() if line]
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert lines[-1] == "data: [DONE]" and not any("error" in c for c in chunks), lines
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length"), chunks[-1]
+    return chunks
 
 
 def make_servable(root: Path, model_id: str = "tiny", family: str = "qwen3", layers: int = 4, hidden: int = 64,

@@ -9,7 +9,6 @@ reaches a projection.
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -298,7 +297,7 @@ def test_a_ring_over_two_fellows_serves_with_their_own_users(tmp_path, auth, sec
     """Every right a fellow and its stage processes need, end to end: a leader and two fellows, each
     with its own user, load a 2-stage ring, stream a whole reply through it, and unload it."""
     from tests.processes import SwarmProcess, swarm_env, wait_until
-    from tests.serving_fixtures import make_servable
+    from tests.serving_fixtures import make_servable, stream_a_reply
 
     _, servable = make_servable(tmp_path / "models", "tiny", layers=4, hidden=64, stages=2)
     db = f"sqlite+aiosqlite:///{tmp_path / 'swarm.db'}"
@@ -320,13 +319,7 @@ def test_a_ring_over_two_fellows_serves_with_their_own_users(tmp_path, auth, sec
         r = httpx.post(leader.base_url + "/api/v1/models/tiny/load",
                        json={"num_stages": 2, "fellow_ids": ["f1", "f2"], "wait": True}, timeout=180)
         assert r.status_code == 200 and r.json()["state"] == "ready", (r.text, fellows[1].tail())
-        body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6,
-                "temperature": 0, "stream": True}
-        with httpx.stream("POST", leader.base_url + "/v1/chat/completions", json=body, timeout=120) as s:
-            lines = [line for line in s.iter_lines() if line]
-        chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
-        assert lines[-1] == "data: [DONE]" and not any("error" in c for c in chunks), lines
-        assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length"), chunks[-1]
+        stream_a_reply(leader.base_url)
         r = httpx.post(leader.base_url + "/api/v1/models/tiny/unload", json={"wait": True}, timeout=60)
         assert r.status_code == 200, r.text
         wait_until(lambda: leader.get("/api/v1/models/tiny").json()["load_state"] in (None, "unloaded"), 30,
