@@ -1,6 +1,7 @@
 """Structured outputs and tools through the official client against `swarm leader` and `swarm fellow`
-processes serving the demo model (`swarm demo-model`, trained once for this module: about two minutes),
-on one stage and as a 2-stage ring on two fellows.
+processes serving the demo model (`swarm demo-model`: its shape, tokenizer and chat template, trained
+once for this module for DEMO_STEPS of the 260 steps `make run` trains, to keep the suite short), on
+one stage and as a 2-stage ring on two fellows.
 
 The demo model writes chat-like text, never JSON; the grammar alone makes its replies valid JSON,
 valid calls."""
@@ -43,6 +44,7 @@ class Colour(pydantic.BaseModel):
 
 
 MODEL = "swarm-demo"
+DEMO_STEPS = 40
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,7 @@ def demo(tmp_path_factory):
     from fellow.runtime.tools.demo_model import MODEL_ID, make_demo_model
 
     servables = tmp_path_factory.mktemp("structured-models")
-    make_demo_model(servables / MODEL_ID)
+    make_demo_model(servables / MODEL_ID, steps=DEMO_STEPS)
     return servables
 
 

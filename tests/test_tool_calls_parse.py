@@ -38,3 +38,23 @@ def test_streamed_pieces_give_the_same_calls_whatever_the_cut():
     assert stream.feed("a <tool_") == [("text", "a ")]  # a possible opening is held back
     assert stream.feed("call>\n{\"name\": \"get_time\"") == []
     assert stream.flush() == [("text", '<tool_call>\n{"name": "get_time"')]  # cut off: it was text after all
+
+
+def test_a_constrained_calls_arguments_are_closed_to_keys_the_tool_does_not_name():
+    """Objects that name their properties and leave others open are closed (OpenAI's strict calls);
+    an explicit choice, enums and constants stay as written."""
+    from llguidance import LLMatcher
+
+    from leader.openai.grammar import closed, tool_call_grammar
+
+    params = {"type": "object", "properties": {
+        "zone": {"enum": [{"properties": {"x": 1}}, "UTC"]},
+        "where": {"type": "object", "properties": {"city": {"type": "string"}}},
+        "extra": {"type": "object", "properties": {"k": {}}, "additionalProperties": True}}}
+    out = closed(params)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["where"]["additionalProperties"] is False
+    assert out["properties"]["extra"]["additionalProperties"] is True
+    assert out["properties"]["zone"] == params["properties"]["zone"] and "additionalProperties" not in params
+    grammar = tool_call_grammar([{"type": "function", "function": {"name": "f", "parameters": params}}])
+    assert LLMatcher.validate_grammar(grammar) == ""

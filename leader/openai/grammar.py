@@ -63,11 +63,31 @@ def response_format_grammar(response_format) -> str:
                         f"(got '{response_format.type}')", code="invalid_value", param="response_format.type")
 
 
+def closed(schema):
+    """``schema`` with every object that names its properties and says nothing of others closed to them
+    (``additionalProperties: false``), as OpenAI's strict function calling has it: a constrained call
+    then holds the arguments its tool names, and a small model cannot ramble on in extra keys until
+    ``max_tokens`` cuts the call off."""
+    if isinstance(schema, list):
+        return [closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: closed(value) if key not in ("const", "enum", "default", "examples") else value
+           for key, value in schema.items()}
+    if isinstance(out.get("properties"), dict):
+        out["properties"] = {name: closed(value) for name, value in schema["properties"].items()}
+        if "additionalProperties" not in out and "patternProperties" not in out:
+            out["additionalProperties"] = False
+    return out
+
+
 def tool_call_grammar(tools: list[dict]) -> str:
     """One tool call in the Hermes format, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
-    naming one of ``tools`` (checked OpenAI tool objects) with arguments that follow its parameters."""
+    naming one of ``tools`` (checked OpenAI tool objects) with arguments that follow its parameters,
+    closed to keys they do not name (``closed``)."""
     calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                               "arguments": t["function"].get("parameters") or {"type": "object"}},
+                                               "arguments": closed(t["function"].get("parameters")
+                                                                   or {"type": "object"})},
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     schema = {"anyOf": calls, "x-guidance": JSON_OPTIONS}
     lark = (f"start: {json.dumps(TOOL_CALL_OPEN)} call {json.dumps(TOOL_CALL_CLOSE)}\n"
