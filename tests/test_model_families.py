@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from core.servable import ServableError
 from events.ring import Token
 from fellow.runtime.model.fused import Linear, fusable, layer_windows
 from fellow.runtime.model.kernels import prepare_stage
@@ -86,6 +87,14 @@ def test_the_windows_are_read_from_each_familys_config(checkpoints):
     linear = transformers.Qwen2Config(num_hidden_layers=2, layer_types=["full_attention", "linear_attention"])
     with pytest.raises(ValueError, match="linear_attention"):
         layer_windows(linear)
+
+
+def test_hybrid_linear_attention_is_refused_at_export(tmp_path):
+    hybrid = transformers.Qwen2Config(num_hidden_layers=2, layer_types=["full_attention", "linear_attention"])
+    hybrid.save_pretrained(str(tmp_path / "hybrid"))
+    with pytest.raises(ServableError, match="linear_attention"):
+        export(tmp_path / "hybrid", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("path", ["hf", "fused"])
