@@ -90,8 +90,10 @@ class LocalRing:
             w.stop()
 
 
-def one_stage(model_dir, prompts, max_new_tokens: int) -> dict[str, list[int]]:
-    engine = Engine(load_one_stage(model_dir, "cpu").stage, kv_tokens=4096, max_batch=1)
+def one_stage(model_dir, prompts, max_new_tokens: int, max_batch: int = 1,
+              prefill_chunk: int = 256) -> dict[str, list[int]]:
+    engine = Engine(load_one_stage(model_dir, "cpu").stage, kv_tokens=4096, max_batch=max_batch,
+                    prefill_chunk=prefill_chunk)
     for i, prompt in enumerate(prompts):
         engine.add(Session(f"s{i}", prompt, max_new_tokens, sampling=GREEDY))
     out: dict[str, list[int]] = {}

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
+FAMILIES = ("qwen3", "qwen2", "llama", "mistral")  # the dense families every fused path serves
+MOE_FAMILIES = ("qwen3_moe",)  # served by the HF layers
 TINY_VOCAB = 384  # 256 bytes + specials + a few merges: enough for words to be a few tokens
 
 
@@ -20,30 +21,37 @@ def _tokenizer():
     return train_chat_tokenizer(default_texts()[:8], TINY_VOCAB)
 
 
-def _config(family: str, layers: int, hidden: int, vocab: int, tie: bool):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+def _config(family: str, layers: int, hidden: int, vocab: int, tie: bool, window: int | None):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     heads = max(2, hidden // 16)
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
                   max_position_embeddings=2048, tie_word_embeddings=tie)
+    if window is not None and family not in ("qwen2", "mistral"):
+        raise ValueError(f"a sliding window is made for qwen2 and mistral, not {family}")
     if family == "qwen3":
         return Qwen3Config(head_dim=hidden // heads, **common)
-    if family == "qwen2":
-        return Qwen2Config(**common)
+    if family == "qwen2":  # with a window: the first half of the layers full, the rest sliding (max_window_layers)
+        return Qwen2Config(use_sliding_window=window is not None, sliding_window=window,
+                           max_window_layers=layers // 2, **common)
     if family == "llama":
         return LlamaConfig(**common)
-    if family == "mistral":
-        return MistralConfig(sliding_window=None, **common)
-    raise ValueError(f"family {family!r} is not one of {', '.join(FAMILIES)}")
+    if family == "mistral":  # with a window: every layer slides
+        return MistralConfig(sliding_window=window, **common)
+    if family == "qwen3_moe":  # four experts of half the dense width, two per token
+        return Qwen3MoeConfig(head_dim=hidden // heads, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=hidden, **common)
+    raise ValueError(f"family {family!r} is not one of {', '.join(FAMILIES + MOE_FAMILIES)}")
 
 
 def make_tiny_checkpoint(dir: str | Path, family: str = "qwen3", layers: int = 4, hidden: int = 64,
-                         seed: int = 0, *, tie_embeddings: bool | None = None) -> Path:
+                         seed: int = 0, *, tie_embeddings: bool | None = None, window: int | None = None) -> Path:
     """Write a random ``family`` causal LM and its chat tokenizer to ``dir``; returns ``dir``.
 
     Same seed and shape, same weights. Ties embeddings like the family's small models do
-    (Qwen3 yes, the others no) unless ``tie_embeddings`` says otherwise. Takes well under 2 s.
+    (Qwen3 yes, the others no) unless ``tie_embeddings`` says otherwise. ``window``: a sliding window of
+    that many positions (qwen2, mistral). Takes well under 2 s.
     """
     from transformers import AutoModelForCausalLM
 
@@ -53,7 +61,7 @@ def make_tiny_checkpoint(dir: str | Path, family: str = "qwen3", layers: int = 4
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _tokenizer()
     tie = family == "qwen3" if tie_embeddings is None else tie_embeddings
-    config = _config(family, layers, hidden, len(tokenizer), tie)
+    config = _config(family, layers, hidden, len(tokenizer), tie, window)
     gen = generation_config_values(tokenizer)
     config.eos_token_id, config.pad_token_id = gen["eos_token_id"][0], gen["pad_token_id"]
     torch.manual_seed(seed)

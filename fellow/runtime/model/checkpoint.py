@@ -11,10 +11,35 @@ from safetensors import safe_open
 
 from core.servable import ServableError
 
-# Qwen2/Qwen3/Llama/Mistral all lay their weights out this way.
+# Qwen2/Qwen3/Qwen3-MoE/Llama/Mistral all lay their weights out this way.
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _PIECES = {"model.embed_tokens.": "embed_tokens", "model.norm.": "norm", "lm_head.": "lm_head"}
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.")  # recomputed from the config, never trained
+# a mixture of experts' MLP as checkpoints store it: one module per expert
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def merge_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert MLP weights (``...mlp.experts.<e>.gate_proj.weight``, as Qwen3-MoE checkpoints hold
+    them) in the layout transformers' modules hold them: ``...mlp.experts.gate_up_proj`` [E, 2I, H]
+    (each expert's gate rows, then its up rows) and ``...mlp.experts.down_proj`` [E, H, I], as
+    transformers converts them when it loads the checkpoint. Other tensors pass unchanged."""
+    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if match := _EXPERT.match(name):
+            prefix, index, kind = match.group(1), int(match.group(2)), match.group(3)
+            experts.setdefault(prefix, {}).setdefault(kind, {})[index] = tensor
+        else:
+            out[name] = tensor
+    for prefix, kinds in experts.items():
+        count = len(kinds.get("gate", {}))
+        if any(sorted(kinds.get(kind, {})) != list(range(count)) for kind in ("gate", "up", "down")):
+            raise ServableError(f"{prefix}: expert weights are not gate, up and down for experts 0..{count - 1}")
+        stacked = {kind: torch.stack([kinds[kind][e] for e in range(count)]) for kind in ("gate", "up", "down")}
+        out[f"{prefix}.gate_up_proj"] = torch.cat([stacked["gate"], stacked["up"]], dim=1).contiguous()
+        out[f"{prefix}.down_proj"] = stacked["down"].contiguous()
+    return out
 
 
 def classify(key: str) -> tuple[str, int | None, str] | None:
@@ -110,10 +135,11 @@ class Checkpoint:
 
     def read_stage(self, first: int, last: int, *, is_first: bool, is_last: bool, renumber_from: int = 0,
                    copy_tied_head: bool = True) -> dict[str, torch.Tensor]:
-        """One stage's tensors, named as ``stage_names`` names them. A last stage of a checkpoint
-        with tied embeddings gets its own copy of the head (``copy_tied_head``) rather than stage 0's."""
+        """One stage's tensors, named as ``stage_names`` names them, a mixture of experts' weights merged
+        as its modules hold them (``merge_experts``). A last stage of a checkpoint with tied embeddings
+        gets its own copy of the head (``copy_tied_head``) rather than stage 0's."""
         wanted = self.stage_names(first, last, is_first=is_first, is_last=is_last, renumber_from=renumber_from)
-        tensors = {wanted[k]: t.contiguous() for k, t in self.read(list(wanted)).items()}
+        tensors = merge_experts({wanted[k]: t.contiguous() for k, t in self.read(list(wanted)).items()})
         if copy_tied_head and is_last and "lm_head.weight" not in tensors:
             tensors["lm_head.weight"] = self.read(["model.embed_tokens.weight"])["model.embed_tokens.weight"].clone()
         return tensors

@@ -9,9 +9,10 @@ straight into each session's own cache (no padded copy of the past). Each weight
 form its kernel reads: torch's default (MKL) or packed for oneDNN, chosen per shape by timing at
 load (``fellow.runtime.model.kernels``).
 
-Serves Llama, Mistral (without a sliding window), Qwen2 and Qwen3 decoder layers with SiLU MLPs;
-``fusable`` says whether a stage's layers are of that kind. Results equal the HF layers' to float32
-rounding, not bit for bit.
+Serves Llama, Mistral, Qwen2 and Qwen3 decoder layers with SiLU MLPs, sliding-window ones included
+(``layer_windows``: a query sees only the last ``window`` positions, as HF's masks say; the KV cache
+still keeps every position); ``fusable`` says whether a stage's layers are of that kind. Results
+equal the HF layers' to float32 rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -61,6 +62,29 @@ class Linear:
     def bytes(self) -> int:
         extra = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
         return self.weight.numel() * self.weight.element_size() + extra
+
+
+ATTENTION_KINDS = ("full_attention", "sliding_attention")
+
+
+def layer_windows(config) -> dict[int, int | None]:
+    """Each layer's attention window by absolute index: None where a query sees every earlier position,
+    else how many positions it sees (itself and the ``window - 1`` before it: HF's ``kv > q - window``).
+
+    Qwen2 / Qwen3 name each layer's kind in ``layer_types`` (sliding from ``max_window_layers`` on when
+    ``use_sliding_window``); Mistral has none, and one ``sliding_window`` holds for every layer.
+    Raises ValueError for kinds not served (linear attention, ...).
+    """
+    window = getattr(config, "sliding_window", None) or None
+    kinds = getattr(config, "layer_types", None)
+    if kinds is None:
+        return {i: window for i in range(config.num_hidden_layers)}
+    unknown = sorted(set(kinds) - set(ATTENTION_KINDS))
+    if unknown:
+        raise ValueError(f"layers of kind {unknown} are not served (only {', '.join(ATTENTION_KINDS)})")
+    if "sliding_attention" in kinds and not window:
+        raise ValueError("sliding-attention layers without a sliding_window in the config")
+    return {i: window if kind == "sliding_attention" else None for i, kind in enumerate(kinds)}
 
 
 def fusable(layers: Sequence[nn.Module], config, device: torch.device) -> str | None:
@@ -162,6 +186,7 @@ class FusedStack:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.groups = self.num_heads // self.num_kv_heads
+        self.windows = layer_windows(config)  # absolute layer index -> its window (None: full attention)
         # a layer fused already (quantized as it loaded: fellow.runtime.model.quant) is taken as it is
         self.layers = [layer if isinstance(layer, FusedLayer) else
                        FusedLayer(layer, make_linear, self.num_heads, self.num_kv_heads) for layer in layers]
@@ -190,21 +215,24 @@ class FusedStack:
 
     # --- the four ways a forward attends ----------------------------------------------------------
 
-    def attend_piece(self, cache, mask: torch.Tensor | None):
-        """One session's next positions, into its cache: q [1, heads, q, D]."""
+    def attend_piece(self, cache, masks: dict[int | None, torch.Tensor | None]):
+        """One session's next positions, into its cache: q [1, heads, q, D]. ``masks``: by window
+        (None: full attention), each layer's mask (None: plain causal)."""
         def attend(layer: FusedLayer, q, k, v):
             keys, values = cache.write(layer.layer_idx, k, v)
+            mask = masks[self.windows[layer.layer_idx]]
             causal = mask is None and q.shape[2] > 1
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
                                                  scale=layer.scaling, enable_gqa=self.groups > 1)
             return out.transpose(1, 2).reshape(1, q.shape[2], -1)
         return attend
 
-    def attend_fresh(self, caches, pads: Sequence[int], mask: torch.Tensor):
-        """First pieces of several sessions, left-padded: the batch attends to itself."""
+    def attend_fresh(self, caches, pads: Sequence[int], masks: dict[int | None, torch.Tensor]):
+        """First pieces of several sessions, left-padded: the batch attends to itself (``masks`` by window)."""
         def attend(layer: FusedLayer, q, k, v):
             for row, (cache, pad) in enumerate(zip(caches, pads)):
                 cache.write(layer.layer_idx, k[row : row + 1, :, pad:], v[row : row + 1, :, pad:])
+            mask = masks[self.windows[layer.layer_idx]]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scaling,
                                                  enable_gqa=self.groups > 1)
             return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
@@ -222,20 +250,30 @@ class FusedStack:
         """
         total = sum(widths)
         out_shape = (1, total, self.num_heads * self.head_dim)
-        masks = []  # per session of more than one position: [groups * w, past + w], True where a query sees a key
-        for cache, width in zip(caches, widths):
-            if width == 1:
-                masks.append(None)
-                continue
-            rows = torch.arange(cache.length, cache.length + width)[:, None]
-            masks.append((torch.arange(cache.length + width)[None, :] <= rows).repeat(self.groups, 1))
+        # by window, per session of more than one position: [groups * w, past + w], True where a query sees a key
+        masks: dict[int | None, list[torch.Tensor | None]] = {}
+        for window in set(self.windows.values()):
+            masks[window] = []
+            for cache, width in zip(caches, widths):
+                if width == 1:
+                    masks[window].append(None)
+                    continue
+                rows = torch.arange(cache.length, cache.length + width)[:, None]
+                columns = torch.arange(cache.length + width)[None, :]
+                seen = columns <= rows
+                if window is not None:
+                    seen &= columns > rows - window
+                masks[window].append(seen.repeat(self.groups, 1))
 
         def attend(layer: FusedLayer, q, k, v):
             out = q.new_empty(out_shape)
             start = 0
-            for cache, width, mask in zip(caches, widths, masks):
+            window = self.windows[layer.layer_idx]
+            for cache, width, mask in zip(caches, widths, masks[window]):
                 end = start + width
                 keys, values = cache.write(layer.layer_idx, k[:, :, start:end], v[:, :, start:end])
+                if mask is None and window is not None:  # one position: it sees the last ``window`` keys
+                    keys, values = keys[:, :, -window:], values[:, :, -window:]
                 queries = q[:, :, start:end].reshape(1, self.num_kv_heads, self.groups * width, self.head_dim)
                 attended = F.scaled_dot_product_attention(queries, keys, values, scale=layer.scaling,
                                                           attn_mask=None if mask is None else mask.to(q.device))
@@ -253,6 +291,7 @@ class FusedStack:
 
         A row's query heads that share a key/value head go in as that head's queries, so one
         call with no mask serves every group: [1, kv_heads, groups, D] against [1, kv_heads, n, D].
+        A sliding-window layer attends to the last ``window`` keys only (a view, no copy).
         """
         rows = len(caches)
         out_shape = (rows, 1, self.num_heads * self.head_dim)
@@ -260,8 +299,11 @@ class FusedStack:
         def attend(layer: FusedLayer, q, k, v):
             out = q.new_empty(out_shape)
             queries = q.reshape(rows, self.num_kv_heads, self.groups, self.head_dim)
+            window = self.windows[layer.layer_idx]
             for row, cache in enumerate(caches):
                 keys, values = cache.write(layer.layer_idx, k[row : row + 1], v[row : row + 1])
+                if window is not None:
+                    keys, values = keys[:, :, -window:], values[:, :, -window:]
                 attended = F.scaled_dot_product_attention(queries[row : row + 1], keys, values, scale=layer.scaling)
                 out[row, 0] = attended.view(-1)
             return out

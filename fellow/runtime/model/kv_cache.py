@@ -197,13 +197,19 @@ class BatchedView:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.width - 1
 
-    def attention_mask(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-        """The additive mask [B, 1, 1, width] that hides each row's left padding; None when no row has any."""
-        if len(self.runs) == 1:
+    def attention_mask(self, dtype: torch.dtype, device: torch.device,
+                       window: int | None = None) -> torch.Tensor | None:
+        """The additive mask [B, 1, 1, width] that hides each row's left padding and, for a layer with a
+        sliding ``window``, every key more than ``window - 1`` positions back (every row's new position
+        is the last column, so that is the columns before ``width - window``); None when it hides nothing."""
+        windowed = window is not None and self.width > window
+        if len(self.runs) == 1 and not windowed:
             return None
         columns = torch.arange(self.width, device=device)
         starts = torch.tensor([self.width - 1 - n for n in self.lengths], device=device)
         hidden = columns[None, :] < starts[:, None]
+        if windowed:
+            hidden |= columns[None, :] < self.width - window
         mask = torch.zeros(len(self.caches), 1, 1, self.width, dtype=dtype, device=device)
         return mask.masked_fill_(hidden[:, None, None, :], torch.finfo(dtype).min)
 

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fellow.runtime.model.fused import FusedLayer, FusedStack, Linear, MakeLinear, bias_of, rotary_tables, strip_linears
+from fellow.runtime.model.fused import (FusedLayer, FusedStack, Linear, MakeLinear, bias_of, layer_windows,
+                                        rotary_tables, strip_linears)
 from fellow.runtime.model.kv_cache import BatchedView, FreshBatchView, KVCache, SessionView
 
 BATCHABLE_ATTENTION = ("sdpa", "eager")  # implementations that take an explicit additive 4D mask
@@ -54,11 +55,12 @@ class StageModel:
         attention = getattr(config, "_attn_implementation", None) or "eager"
         if attention not in BATCHABLE_ATTENTION:
             raise ValueError(f"attention {attention!r} cannot take a padded batch; load with one of {BATCHABLE_ATTENTION}")
-        layer_types = getattr(config, "layer_types", None) or []
-        if any(kind != "full_attention" for kind in layer_types[first_layer : first_layer + len(layers)]):
-            raise ValueError("only full-attention layers are served (no sliding-window or linear attention)")
         if not layers:
             raise ValueError("a stage needs at least one decoder layer")
+        windows = layer_windows(config)  # ValueError for kinds not served (linear attention, ...)
+        # each layer's window (None: full attention); every mask is made once a forward per window
+        self.layer_windows = [windows[first_layer + slot] for slot in range(len(layers))]
+        self.windows = set(self.layer_windows)
         self.config = config
         self.layers = list(layers)
         self.first_layer = first_layer
@@ -181,11 +183,11 @@ class StageModel:
         positions = hidden.shape[1]
         cache.reserve(positions)
         position_ids = torch.arange(cache.length, cache.length + positions, device=hidden.device)[None, :]
-        mask = self._piece_mask(cache.length, positions, hidden)
+        masks = {window: self._piece_mask(cache.length, positions, hidden, window) for window in self.windows}
         if self.fused is not None:
-            hidden = self._fused(hidden, position_ids, self.fused.attend_piece(cache, mask))
+            hidden = self._fused(hidden, position_ids, self.fused.attend_piece(cache, masks))
         else:
-            hidden = self._layers(hidden, position_ids, mask, SessionView(cache))
+            hidden = self._layers(hidden, position_ids, masks, SessionView(cache))
         cache.advance(positions)
         return hidden
 
@@ -213,15 +215,20 @@ class StageModel:
         pad = torch.tensor(pads, device=device)[:, None, None]  # [B, 1, 1]
         rows = torch.arange(width, device=device)[None, :, None]
         columns = torch.arange(width, device=device)[None, None, :]
-        # a real query sees real keys up to itself; a padding row sees only itself (no empty softmax)
-        visible = ((columns <= rows) & (columns >= pad)) | (columns == rows)
-        mask = torch.zeros(len(pieces), 1, width, width, dtype=hidden.dtype, device=device)
-        mask.masked_fill_(~visible[:, None], torch.finfo(hidden.dtype).min)
+        # a real query sees real keys up to itself (and within its window); a padding row sees only itself
+        # (no empty softmax)
+        masks = {}
+        for window in self.windows:
+            seen = (columns <= rows) & (columns >= pad)
+            if window is not None:
+                seen &= columns > rows - window
+            mask = torch.zeros(len(pieces), 1, width, width, dtype=hidden.dtype, device=device)
+            masks[window] = mask.masked_fill_(~(seen | (columns == rows))[:, None], torch.finfo(hidden.dtype).min)
         position_ids = (torch.arange(width, device=device)[None, :] - pad[:, :, 0]).clamp(min=0)
         if self.fused is not None:
-            hidden = self._fused(hidden, position_ids, self.fused.attend_fresh(caches, pads, mask))
+            hidden = self._fused(hidden, position_ids, self.fused.attend_fresh(caches, pads, masks))
         else:
-            hidden = self._layers(hidden, position_ids, mask, FreshBatchView(caches, pads))
+            hidden = self._layers(hidden, position_ids, masks, FreshBatchView(caches, pads))
         for cache, piece in zip(caches, pieces):
             cache.advance(len(piece))
         return self._head(hidden) if self.is_last else hidden
@@ -241,12 +248,13 @@ class StageModel:
             for cache in caches:
                 cache.advance(1)
             return self._head(hidden) if self.is_last else hidden
-        if len(caches) == 1:  # alone: attend straight to the cache, nothing to pad or mask
-            view, mask = SessionView(caches[0]), None
+        if len(caches) == 1:  # alone: attend straight to the cache, nothing to pad (a window may mask)
+            view = SessionView(caches[0])
+            masks = {window: self._piece_mask(caches[0].length, 1, hidden, window) for window in self.windows}
         else:
             view = BatchedView(caches)
-            mask = view.attention_mask(hidden.dtype, hidden.device)
-        hidden = self._layers(hidden, position_ids, mask, view)
+            masks = {window: view.attention_mask(hidden.dtype, hidden.device, window) for window in self.windows}
+        hidden = self._layers(hidden, position_ids, masks, view)
         if isinstance(view, BatchedView):
             view.commit()
         for cache in caches:
@@ -256,36 +264,43 @@ class StageModel:
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed(ids.to(self.input_device))
 
-    def _piece_mask(self, past: int, positions: int, hidden: torch.Tensor) -> torch.Tensor | None:
-        if positions == 1 or (past == 0 and self.attention == "sdpa"):
+    def _piece_mask(self, past: int, positions: int, hidden: torch.Tensor,
+                    window: int | None = None) -> torch.Tensor | None:
+        """The additive mask [1, 1, q, past + q] of ``positions`` new positions after ``past``: causal,
+        and within ``window`` positions where the layer has one; None where plain causal serves."""
+        windowed = window is not None and past + positions > window  # some query has a key out of its window
+        if not windowed and (positions == 1 or (past == 0 and self.attention == "sdpa")):
             return None  # one query sees everything; an empty past is plain causal, which sdpa does itself
         rows = torch.arange(past, past + positions, device=hidden.device)[:, None]
         columns = torch.arange(past + positions, device=hidden.device)[None, :]
+        hidden_keys = columns > rows
+        if windowed:
+            hidden_keys |= columns <= rows - window
         mask = torch.zeros(1, 1, positions, past + positions, dtype=hidden.dtype, device=hidden.device)
-        return mask.masked_fill_((columns > rows)[None, None], torch.finfo(hidden.dtype).min)
+        return mask.masked_fill_(hidden_keys[None, None], torch.finfo(hidden.dtype).min)
 
     def _fused(self, hidden: torch.Tensor, position_ids: torch.Tensor, attend) -> torch.Tensor:
         cos, sin = rotary_tables(*self.rotary_emb(hidden, position_ids))
         return self.fused.forward(hidden, cos, sin, attend)
 
-    def _layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, view) -> torch.Tensor:
+    def _layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, masks: dict, view) -> torch.Tensor:
+        """The HF layers; ``masks``: by window (None: full attention), the mask of the layers with it."""
         if hidden.device.type != "cuda":
-            return self._run_layers(hidden, position_ids, mask, view)
+            return self._run_layers(hidden, position_ids, masks, view)
         with sdpa_kernel(CUDA_SDPA_BACKENDS):
-            return self._run_layers(hidden, position_ids, mask, view)
+            return self._run_layers(hidden, position_ids, masks, view)
 
-    def _run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
-                    view) -> torch.Tensor:
+    def _run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, masks: dict, view) -> torch.Tensor:
         device = hidden.device
         position_embeddings = self.rotary_emb(hidden, position_ids)
-        for layer, layer_device in zip(self.layers, self.layer_devices):
+        for layer, layer_device, window in zip(self.layers, self.layer_devices, self.layer_windows):
             if layer_device != device:  # layers spread over several cards
                 device = layer_device
                 hidden = hidden.to(device)
                 position_ids = position_ids.to(device)
-                mask = None if mask is None else mask.to(device)
+                masks = {w: None if m is None else m.to(device) for w, m in masks.items()}
                 position_embeddings = tuple(t.to(device) for t in position_embeddings)
-            out = layer(hidden, attention_mask=mask, position_ids=position_ids,
+            out = layer(hidden, attention_mask=masks[window], position_ids=position_ids,
                         position_embeddings=position_embeddings, **{self._cache_keyword: view})
             hidden = out[0] if isinstance(out, tuple) else out  # transformers 4.x returns a tuple
         return hidden
