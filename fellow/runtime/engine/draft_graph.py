@@ -137,9 +137,13 @@ class FixedDecoder:
         tokens, where, rows = self.tokens[:n], self.where[:n], self.rows[:n]
         hidden = stage.embed(tokens.view(n, 1))
         position_ids = where.view(n, 1)
-        hidden_after = self.columns[None, :] > where[:, None]  # [n, width]
-        mask = torch.zeros(n, 1, 1, self.width, dtype=hidden.dtype, device=hidden.device)
-        mask.masked_fill_(hidden_after[:, None, None, :], torch.finfo(hidden.dtype).min)
+        masks = {}  # by window (None: full attention), as the stage's layers have them
+        for window in set(stage.layer_windows):
+            hidden_cols = self.columns[None, :] > where[:, None]  # [n, width]: after the position
+            if window is not None:  # and before the last ``window`` positions
+                hidden_cols |= self.columns[None, :] <= where[:, None] - window
+            mask = torch.zeros(n, 1, 1, self.width, dtype=hidden.dtype, device=hidden.device)
+            masks[window] = mask.masked_fill_(hidden_cols[:, None, None, :], torch.finfo(hidden.dtype).min)
 
         def store(slot: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             keys, values = self.keys[:n, slot], self.values[:n, slot]  # [n, H_kv, width, D]
@@ -151,8 +155,10 @@ class FixedDecoder:
             groups = stage.fused.groups
 
             def attend(layer, q, k, v):
-                keys, values = store(layer.layer_idx - stage.first_layer, k, v)
-                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling,
+                slot = layer.layer_idx - stage.first_layer
+                keys, values = store(slot, k, v)
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[stage.layer_windows[slot]],
+                                                     scale=layer.scaling,
                                                      enable_gqa=groups > 1)
                 return out.transpose(1, 2).reshape(n, 1, -1)
             hidden = stage._fused(hidden, position_ids, attend)
@@ -160,9 +166,9 @@ class FixedDecoder:
             view = _StaticView(store, stage.first_layer, self.width - 1)
             if hidden.device.type == "cuda":
                 with torch.nn.attention.sdpa_kernel(CUDA_SDPA_BACKENDS):
-                    hidden = stage._run_layers(hidden, position_ids, mask, view)
+                    hidden = stage._run_layers(hidden, position_ids, masks, view)
             else:
-                hidden = stage._run_layers(hidden, position_ids, mask, view)
+                hidden = stage._run_layers(hidden, position_ids, masks, view)
         logits = stage.head(stage.norm(hidden[:, -1]))
         self.logits[:n].copy_(logits)
         self.ids[:n].copy_(logits.argmax(dim=-1))
