@@ -37,7 +37,12 @@ class Part:
         lo, hi = self.layers
         extra = "".join((" +embed" if self.embed else "", " +head" if self.head else ""))
         span = f"layer {lo}" if hi - lo == 1 else f"layers {lo}-{hi - 1}" if hi > lo else "no layers"
-        return f"{self.device}: {span}{extra}, {self.weight_bytes / GB:.2f} GB weights + {self.kv_bytes / GB:.2f} GB KV"
+        return f"{self.device}: {span}{extra}, {size(self.weight_bytes)} weights + {size(self.kv_bytes)} KV"
+
+
+def size(n: int) -> str:
+    """Bytes for a log line: GB, or MB below a tenth of one."""
+    return f"{n / GB:.2f} GB" if n >= GB / 10 or n == 0 else f"{n / 1e6:.1f} MB"
 
 
 @dataclass(frozen=True)
