@@ -125,7 +125,8 @@ def test_a_stage_that_fits_nowhere_is_refused(servable):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_and_cpu_offload_equal_the_cpu_stage(servable):
     """Layers 0-1 on cuda:0, 2-3 and the head offloaded to the CPU: in float32 the greedy tokens equal
-    the CPU stage's; in the GPU's half precision every layer computes in it, the CPU's too."""
+    the CPU stage's; in the GPU's half precision every layer stores its weights so, and each device
+    measures whether its matmuls compute faster upcast to float32."""
     first, whole = budgets_for(servable, 2)
     ids = [5, 9, 33, 2, 17, 80, 41, 3]
     split = load_one_stage(servable, devices=[("cuda:0", first), ("cpu", whole)], kv_tokens=0,
@@ -141,7 +142,43 @@ def test_cuda_and_cpu_offload_equal_the_cpu_stage(servable):
     half, _ = budgets_for(servable, 2, torch.bfloat16)
     bf16 = load_one_stage(servable, devices=[("cuda:0", half), ("cpu", whole)], kv_tokens=0).stage
     assert bf16.dtype == torch.bfloat16 and [d.type for d in bf16.layer_devices] == ["cuda", "cuda", "cpu", "cpu"]
+    assert set(bf16.kernels["half_storage"]) == {"cuda:0", "cpu"}  # each device measured its matmul
+    print("half storage:", bf16.kernels["half_storage"])
     bf16_tokens, _ = greedy(bf16, ids)
     print("bfloat16 split agrees with the float32 CPU stage on", sum(a == b for a, b in zip(bf16_tokens, expected)),
           "of", len(expected), "greedy tokens")
     assert len(bf16_tokens) == len(expected)
+
+
+def tiny_hf(dtype):
+    import transformers
+
+    config = transformers.Qwen3Config(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16, vocab_size=256)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                         dtype=torch.float32).eval().to(dtype)
+
+
+def test_half_storage_upcasts_where_it_measures_faster():
+    from torch import nn
+
+    from fellow.runtime.model.half_storage import UPCAST_GAIN, UpcastLinear, apply_half_storage
+    from fellow.runtime.model.stage import StageModel
+
+    ids = torch.tensor([5, 9, 33, 2, 17, 80])
+    reference = StageModel.from_causal_lm(tiny_hf(torch.float32))
+    assert apply_half_storage(reference) == {}  # float32: nothing to decide
+    expected = reference.forward_piece(reference.new_cache(), ids)
+    measured = StageModel.from_causal_lm(tiny_hf(torch.bfloat16))
+    report = apply_half_storage(measured)["cpu"]
+    assert report["half_ms"] > 0 and report["upcast_ms"] > 0
+    assert report["upcast"] == (report["upcast_ms"] <= (1 - UPCAST_GAIN) * report["half_ms"])
+    upcast = StageModel.from_causal_lm(tiny_hf(torch.bfloat16))
+    assert apply_half_storage(upcast, force=True)["cpu"]["upcast"]
+    kinds = {type(m) for layer in upcast.layers for m in layer.modules()}
+    assert UpcastLinear in kinds and nn.Linear not in kinds
+    assert upcast.layers[0].mlp.gate_proj.weight.dtype == torch.bfloat16  # stored in half, no copy kept
+    logits = upcast.forward_piece(upcast.new_cache(), ids)
+    assert logits.dtype == torch.bfloat16
+    assert (logits.float() - expected).abs().max() < 0.05 * expected.abs().max()

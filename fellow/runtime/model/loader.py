@@ -12,6 +12,7 @@ import torch
 from core.quantization import NONE
 from core.servable import TOKENIZER_DIR, Manifest, ServableError, load_manifest
 from fellow.runtime.model.device_split import DeviceSplit, SplitError, plan_split
+from fellow.runtime.model.half_storage import apply_half_storage
 from fellow.runtime.model.kernels import prepare_stage, quant_chooser
 from fellow.runtime.model.kv_budget import CUDA_KEEP_BYTES, CUDA_USABLE, cpu_free_bytes, cuda_free_bytes
 from fellow.runtime.model.lora_merge import lora_scale
@@ -121,7 +122,9 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
 
     ``device``: every piece there; None: the layers split over ``devices`` by free memory, keeping room
     for ``kv_tokens`` tokens (split_stage); the split is logged and shown in the stage's ``kernels``.
-    ``dtype``: what the weights are stored and computed in (default: pick_dtype's for the first device).
+    ``dtype``: what the weights are stored and computed in (default: pick_dtype's for the first device);
+    a split stage in half precision computes each matmul in float32 on the devices where that measures
+    faster (half_storage).
     ``quantization`` (core.quantization's method): with int8 or int4-fast each layer is quantized as
     it loads (fellow.runtime.model.quant); the stage's ``weights`` says what it serves and measures.
     An adapters export's LoRA pairs are merged into a full-precision stage, and kept apart over a
@@ -155,6 +158,8 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
     if split is not None:
         stage.kernels = {**stage.kernels, "devices": split.as_dicts()}
         log.info("layers split over %d devices: %s", len(split.parts), split.describe())
+        if half := apply_half_storage(stage):  # half-precision layers that compute faster upcast
+            stage.kernels["half_storage"] = half
     stage.weights = weights_report(stage, quantization)
     log.info("weights: %s, %.1f MB measured (%.1f MB at %s)", quantization, stage.weights["bytes"] / 1e6,
              stage.weights["float_bytes"] / 1e6, str(stage.dtype).removeprefix("torch."))
