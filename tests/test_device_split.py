@@ -182,3 +182,13 @@ def test_half_storage_upcasts_where_it_measures_faster():
     logits = upcast.forward_piece(upcast.new_cache(), ids)
     assert logits.dtype == torch.bfloat16
     assert (logits.float() - expected).abs().max() < 0.05 * expected.abs().max()
+
+
+def test_a_quantized_stage_is_not_split_and_loads_on_the_first_device(servable):
+    from core.quantization import INT8
+    from fellow.runtime.model.loader import build_stage
+
+    # one byte on each device: a float stage would be refused; an int8 one loads as before, unplanned
+    _, stage = build_stage(load_manifest(servable), 0, servable, 1, None, quantization=INT8,
+                           devices=[("cpu", 1), ("cpu", 1)])
+    assert stage.weights["quantization"] == INT8 and "devices" not in stage.kernels

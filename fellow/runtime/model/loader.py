@@ -131,14 +131,13 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
     quantized one (quant.LeanLoRA), so a QLoRA run serves as it trained, without a second rounding.
     """
     split = None
-    if device is None:
+    if device is None and quantization != NONE:  # not split (its sizes are not the float ones): the first device
+        device = torch.device(device_budgets(devices)[0][0])
+    elif device is None:
         split, dtype = split_stage(manifest, stage_index, num_stages, devices, kv_tokens, dtype)
         device = torch.device(split.devices[0])
         if len(split.parts) == 1:
             split = None  # one device: today's load, every piece there
-        elif quantization != NONE:
-            raise ServableError(f"a {quantization} stage is not split over devices; it needs one that holds it "
-                                f"({split.describe()})")
     quantizer = None
     if quantization != NONE:
         if quantization not in QUANT_KERNELS:
