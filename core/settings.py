@@ -63,6 +63,19 @@ def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str,
     return v
 
 
+def _devices(env: Mapping[str, str]) -> str:
+    """SWARM_SERVE_DEVICES: auto, or devices in the order a stage's layers fill them, the CPU last."""
+    raw = (env.get("SWARM_SERVE_DEVICES") or "").strip().lower()
+    if raw in ("", "auto"):
+        return "auto"
+    names = [d.strip() for d in raw.split(",")]
+    bad = [d for d in names if d != "cpu" and not (d.startswith("cuda:") and d[5:].isdigit())]
+    if bad or "cpu" in names[:-1] or len(set(names)) != len(names):
+        raise SettingsError(f"SWARM_SERVE_DEVICES={raw!r} must be auto or distinct devices like cuda:0,cuda:1,cpu "
+                            f"(the CPU last)")
+    return ",".join(names)
+
+
 def _speculative(env: Mapping[str, str]) -> int:
     from events.loads import MAX_SPECULATIVE
 
@@ -134,6 +147,7 @@ class Settings:
     nats_user: str | None = None  # SWARM_NATS_USER / SWARM_NATS_PASSWORD: this process's NATS user
     nats_password: str | None = None
     nats_replicas: int = 1  # SWARM_NATS_REPLICAS: each stream's replicas in a NATS cluster
+    serve_devices: str = "auto"  # SWARM_SERVE_DEVICES (fellow): what a stage's layers are split over
 
     @property
     def nats_credentials(self):
@@ -213,6 +227,7 @@ class Settings:
             nats_user=nats_user,
             nats_password=nats_password,
             nats_replicas=replicas,
+            serve_devices=_devices(env),
         )
 
     def replace(self, **changes) -> "Settings":

@@ -42,6 +42,7 @@ class StageConfig(msgspec.Struct, frozen=True, kw_only=True):
     link_host: str = "127.0.0.1"  # where a ring stage listens for its predecessor, and the address it gives
     link_port: int = 0  # 0: an ephemeral port
     draft_model_dir: str = ""  # a one-stage load's draft model (SWARM_SERVE_DRAFT_MODEL), when it drafts
+    devices: str = "auto"  # SWARM_SERVE_DEVICES: what the layers are split over (auto: every GPU, then the CPU)
 
 
 class Report(msgspec.Struct, frozen=True, kw_only=True, tag_field="event"):

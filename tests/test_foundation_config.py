@@ -23,6 +23,9 @@ from tests.processes import free_port, swarm_env
     ({"SWARM_SERVE_SPECULATIVE": "9"}, "SWARM_SERVE_SPECULATIVE='9' must be a whole number of drafted tokens"),
     ({"SWARM_SERVE_SPECULATIVE": "-1"}, "SWARM_SERVE_SPECULATIVE='-1' must be"),
     ({"SWARM_SERVE_SPECULATIVE": "on"}, "SWARM_SERVE_SPECULATIVE='on' must be"),
+    ({"SWARM_SERVE_DEVICES": "gpu0"}, "SWARM_SERVE_DEVICES='gpu0' must be auto or distinct devices"),
+    ({"SWARM_SERVE_DEVICES": "cpu,cuda:0"}, "the CPU last"),
+    ({"SWARM_SERVE_DEVICES": "cuda:1,cuda:1"}, "SWARM_SERVE_DEVICES='cuda:1,cuda:1'"),
 ])
 def test_bad_values_name_the_variable(env, needle):
     with pytest.raises(SettingsError, match=needle.replace("(", r"\(").replace("?", r"\?")):
@@ -50,6 +53,8 @@ def test_defaults_follow_the_spec():
     assert str(s.servable_models_root) == "/srv/x/servable_models"
     assert s.serve_speculative == 0  # off until the benchmark says when it pays
     assert Settings.from_env({"SWARM_SERVE_SPECULATIVE": "4"}).serve_speculative == 4
+    assert s.serve_devices == "auto"  # every GPU in order, then the CPU
+    assert Settings.from_env({"SWARM_SERVE_DEVICES": "CUDA:1, cuda:0,cpu"}).serve_devices == "cuda:1,cuda:0,cpu"
 
 
 def run_cli(args, env, timeout=30):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,13 +11,23 @@ import torch
 
 from core.quantization import NONE
 from core.servable import TOKENIZER_DIR, Manifest, ServableError, load_manifest
+from fellow.runtime.model.device_split import DeviceSplit, SplitError, plan_split
+from fellow.runtime.model.half_storage import apply_half_storage
 from fellow.runtime.model.kernels import prepare_stage, quant_chooser
+from fellow.runtime.model.kv_budget import CUDA_KEEP_BYTES, CUDA_USABLE, cpu_free_bytes, cuda_free_bytes
 from fellow.runtime.model.lora_merge import lora_scale
 from fellow.runtime.model.quant import QUANT_KERNELS, StageQuantizer, weights_report
 from fellow.runtime.model.stage import StageModel
-from fellow.runtime.model.weights import StageModules, build_stage_modules, hf_config
+from fellow.runtime.model.weights import StageModules, build_stage_modules, hf_config, stage_sizes
 
 log = logging.getLogger(__name__)
+
+AUTO = "auto"
+KV_RESERVE_TOKENS = 4096  # the KV tokens each layer keeps room for in a split, when placement planned none
+CPU_WEIGHTS_USABLE = 0.8  # of the host's available memory, for offloaded layers (the rest: the process, KV)
+# devices a stage is split over: "auto" (every GPU torch sees, in order, then the CPU), or a list of
+# (device, bytes it may take) in order, the CPU last where it offloads
+Devices = str | Sequence[str] | Sequence[tuple[str, int]]
 
 
 @dataclass
@@ -26,12 +37,6 @@ class LoadedStage:
     tokenizer: object
     stop_ids: frozenset[int]
     device: torch.device
-
-
-def pick_device(requested: str | None = None) -> torch.device:
-    if requested:
-        return torch.device(requested)
-    return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
 
 
 def pick_dtype(device: torch.device) -> torch.dtype:
@@ -53,16 +58,86 @@ def stop_ids_for(manifest: Manifest, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stages: int, device: torch.device,
-                attention: str = "sdpa", packed: bool = True, batch_cap: int = 8,
-                quantization: str = NONE) -> tuple[StageModules, StageModel]:
+def device_budgets(devices: Devices = AUTO) -> list[tuple[str, int]]:
+    """(device, bytes it may take) in order: ``auto`` is every GPU torch sees, then the CPU; a comma list
+    or list of names measures each; a list of pairs is taken as it is (a test's made-up sizes).
+    A GPU may take 85 % of what is free less 300 MiB (kv_budget's margins), the CPU 80 % of the host's
+    available memory."""
+    if isinstance(devices, str):
+        devices = ([f"cuda:{i}" for i in range(torch.cuda.device_count())] + ["cpu"] if devices == AUTO
+                   else [d.strip() for d in devices.split(",") if d.strip()])
+    out = []
+    for entry in devices:
+        if not isinstance(entry, str):
+            out.append((str(entry[0]), int(entry[1])))
+            continue
+        device = torch.device(entry)
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ServableError(f"{entry} is not a GPU this fellow has ({torch.cuda.device_count()} found)")
+        if device.type == "cuda":
+            out.append((entry, max(0, int(CUDA_USABLE * cuda_free_bytes(device)) - CUDA_KEEP_BYTES)))
+        else:
+            out.append((entry, int(CPU_WEIGHTS_USABLE * cpu_free_bytes())))
+    return out
+
+
+def split_stage(manifest: Manifest, stage_index: int, num_stages: int, devices: Devices = AUTO,
+                kv_tokens: int = KV_RESERVE_TOKENS,
+                dtype: torch.dtype | None = None) -> tuple[DeviceSplit, torch.dtype]:
+    """The stage's layers over ``devices`` by free memory (device_split), and the one dtype every part
+    keeps: the first listed device's (bfloat16 or float16 with a GPU first), so offloaded layers compute
+    in half precision too; float32 where no GPU takes a layer and the stage fits so; ``dtype`` where
+    given. ServableError when it fits nowhere."""
+    budgets = device_budgets(devices)
+    if not budgets:
+        raise ServableError("no device to load the stage on")
+
+    def plan(dtype: torch.dtype) -> DeviceSplit:
+        sizes = stage_sizes(manifest, stage_index, num_stages, dtype)
+        try:
+            return plan_split(sizes.layer_bytes, budgets, first_layer=sizes.first_layer,
+                              embed_bytes=sizes.embed_bytes, head_bytes=sizes.head_bytes,
+                              kv_token_bytes=sizes.kv_token_bytes, kv_tokens=kv_tokens)
+        except SplitError as exc:
+            raise ServableError(str(exc)) from None
+
+    if dtype is not None:
+        return plan(dtype), dtype
+    dtype = pick_dtype(torch.device(budgets[0][0]))
+    split = plan(dtype)
+    own = pick_dtype(torch.device(split.devices[0]))
+    if own != dtype:  # no GPU took a layer: a CPU stage computes in its own dtype (float32) where that fits
+        try:
+            return plan(own), own
+        except ServableError:
+            pass
+    return split, dtype
+
+
+def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stages: int,
+                device: torch.device | None, attention: str = "sdpa", packed: bool = True, batch_cap: int = 8,
+                quantization: str = NONE, devices: Devices = AUTO, kv_tokens: int = KV_RESERVE_TOKENS,
+                dtype: torch.dtype | None = None) -> tuple[StageModules, StageModel]:
     """One serving stage's modules and its StageModel, ready to serve (kernels.prepare_stage).
 
+    ``device``: every piece there; None: the layers split over ``devices`` by free memory, keeping room
+    for ``kv_tokens`` tokens (split_stage); the split is logged and shown in the stage's ``kernels``.
+    ``dtype``: what the weights are stored and computed in (default: pick_dtype's for the first device);
+    a split stage in half precision computes each matmul in float32 on the devices where that measures
+    faster (half_storage).
     ``quantization`` (core.quantization's method): with int8 or int4-fast each layer is quantized as
     it loads (fellow.runtime.model.quant); the stage's ``weights`` says what it serves and measures.
     An adapters export's LoRA pairs are merged into a full-precision stage, and kept apart over a
     quantized one (quant.LeanLoRA), so a QLoRA run serves as it trained, without a second rounding.
     """
+    split = None
+    if device is None and quantization != NONE:  # not split (its sizes are not the float ones): the first device
+        device = torch.device(device_budgets(devices)[0][0])
+    elif device is None:
+        split, dtype = split_stage(manifest, stage_index, num_stages, devices, kv_tokens, dtype)
+        device = torch.device(split.devices[0])
+        if len(split.parts) == 1:
+            split = None  # one device: today's load, every piece there
     quantizer = None
     if quantization != NONE:
         if quantization not in QUANT_KERNELS:
@@ -71,13 +146,19 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
         scale = lora_scale(manifest.adapter_config or {}) if manifest.export == "adapters" else None
         quantizer = StageQuantizer(quantization, hf_config(manifest), device, quant_chooser(quantization, batch_cap),
                                    lora_scale=scale)
-    mods = build_stage_modules(manifest, stage_index, model_dir, num_stages=num_stages, dtype=pick_dtype(device),
-                               device=device, on_layer=quantizer.layer if quantizer else None,
+    mods = build_stage_modules(manifest, stage_index, model_dir, num_stages=num_stages,
+                               dtype=dtype or pick_dtype(device), device=device, split=split,
+                               on_layer=quantizer.layer if quantizer else None,
                                keep_adapters=quantizer is not None and manifest.export == "adapters")
     mods.config._attn_implementation = attention
     stage = StageModel(config=mods.config, layers=mods.layers, first_layer=mods.layer_indices[0],
                        rotary_emb=mods.rotary_emb, embed=mods.embed, norm=mods.norm, head=mods.lm_head)
     prepare_stage(stage, packed=packed, batch_cap=batch_cap, quantizer=quantizer)
+    if split is not None:
+        stage.kernels = {**stage.kernels, "devices": split.as_dicts()}
+        log.info("layers split over %d devices: %s", len(split.parts), split.describe())
+        if half := apply_half_storage(stage):  # half-precision layers that compute faster upcast
+            stage.kernels["half_storage"] = half
     stage.weights = weights_report(stage, quantization)
     log.info("weights: %s, %.1f MB measured (%.1f MB at %s)", quantization, stage.weights["bytes"] / 1e6,
              stage.weights["float_bytes"] / 1e6, str(stage.dtype).removeprefix("torch."))
@@ -85,16 +166,24 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
 
 
 def load_one_stage(model_dir: str | Path, device: str | None = None, attention: str = "sdpa",
-                   packed: bool = True, batch_cap: int = 8, quantization: str = NONE) -> LoadedStage:
+                   packed: bool = True, batch_cap: int = 8, quantization: str = NONE,
+                   devices: Devices = AUTO, kv_tokens: int = KV_RESERVE_TOKENS,
+                   dtype: torch.dtype | None = None) -> LoadedStage:
     """The whole model as one stage (embeddings, every layer, norm and head): a ring of one.
 
-    ``packed``: float32 CPU stages may hold weights packed for oneDNN; ``batch_cap``: the most sessions
-    a decode step runs, which the kernel choice times (fellow.runtime.model.kernels.prepare_stage);
-    ``quantization``: see ``build_stage``.
+    ``device``: all of it there; None: split over ``devices`` (``build_stage``). ``packed``: float32 CPU
+    stages may hold weights packed for oneDNN; ``batch_cap``: the most sessions a decode step runs, which
+    the kernel choice times (fellow.runtime.model.kernels.prepare_stage); ``quantization``: see ``build_stage``.
     """
     model_dir = Path(model_dir)
     manifest = load_manifest(model_dir)
-    dev = pick_device(device)
-    _, stage = build_stage(manifest, 0, model_dir, 1, dev, attention, packed, batch_cap, quantization)
+    dev = torch.device(device) if device else None
+    _, stage = build_stage(manifest, 0, model_dir, 1, dev, attention, packed, batch_cap, quantization,
+                           devices=devices, kv_tokens=kv_tokens, dtype=dtype)
     tokenizer = load_tokenizer(model_dir)
-    return LoadedStage(manifest, stage, tokenizer, stop_ids_for(manifest, tokenizer), dev)
+    return LoadedStage(manifest, stage, tokenizer, stop_ids_for(manifest, tokenizer), stage_device(stage))
+
+
+def stage_device(stage: StageModel) -> torch.device:
+    """The device a stage is reported by (its memory, a draft model beside it): its first layer's."""
+    return stage.layer_devices[0]

@@ -14,6 +14,7 @@ from core.servable import BottleneckCompressor, Manifest, ServableError, load_ma
 from core.servable_plan import StagePlan, plan_stage
 from fellow.runtime.tools.bottleneck import RECV, SEND, BottleneckDecoder, BottleneckEncoder
 from fellow.runtime.model.checkpoint import Checkpoint
+from fellow.runtime.model.device_split import DeviceSplit
 from fellow.runtime.model.lora_merge import merge_lora
 
 
@@ -208,48 +209,94 @@ def _materialize(module: nn.Module, state: dict[str, torch.Tensor], prefix: str,
     return module.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
+def _skeleton(config) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+@dataclass(frozen=True)
+class StageSizes:
+    """What one serving stage's pieces take in a dtype, known before any weight is read (device_split)."""
+
+    first_layer: int
+    layer_bytes: list[int]
+    embed_bytes: int  # 0 past stage 0
+    head_bytes: int  # the final norm and the head; 0 before the last stage
+    kv_token_bytes: int  # one layer's keys and values for one token
+
+
+def stage_sizes(manifest: Manifest, stage_index: int, num_stages: int | None, dtype: torch.dtype) -> StageSizes:
+    """The stage's sizes from its config's shapes on the meta device: full-precision bytes (a quantized
+    stage takes less)."""
+    plan = plan_stage(manifest, stage_index, num_stages)
+    config = hf_config(manifest)
+    inner = (skeleton := _skeleton(config)).model
+    element = torch.tensor([], dtype=dtype).element_size()
+
+    def size(module: nn.Module) -> int:
+        return sum(p.numel() for p in module.parameters()) * element
+
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return StageSizes(
+        first_layer=plan.layers[0], layer_bytes=[size(inner.layers[i]) for i in range(*plan.layers)],
+        embed_bytes=size(inner.embed_tokens) if plan.is_first else 0,
+        head_bytes=size(inner.norm) + size(skeleton.lm_head) if plan.is_last else 0,
+        kv_token_bytes=2 * config.num_key_value_heads * head_dim * element)
+
+
 def build_stage_modules(manifest: Manifest, stage_index: int, servable_dir: str | Path, *,
                         num_stages: int | None = None, dtype: torch.dtype | None = None,
                         device: str | torch.device = "cpu", model_cache=None,
                         on_layer: Callable[[int, nn.Module, dict], None] | None = None,
-                        keep_adapters: bool = False) -> StageModules:
+                        keep_adapters: bool = False, split: DeviceSplit | None = None) -> StageModules:
     """Build the model skeleton on the meta device and materialize only this stage's pieces, layer by layer.
 
     ``on_layer(index, layer, adapters)`` runs on each layer as soon as it is built, before the next is
     read (a quantized load quantizes it there), so the stage's full-precision weights never exist all at
     once. ``keep_adapters``: an adapters export's LoRA pairs are not merged into the layers but handed
     to ``on_layer`` (``{"self_attn.q_proj.lora_A.weight": ...}``); otherwise ``adapters`` is empty.
+    ``split``: each layer on its planned device (device_split), the embeddings and rotary tables with
+    the first, the norm and head with the last; without one, everything on ``device``.
     """
-    from transformers import AutoModelForCausalLM
-
     plan = plan_stage(manifest, stage_index, num_stages)
     state = _StageState(manifest, Path(servable_dir), plan, model_cache)
     config = hf_config(manifest)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    inner = skeleton.model
+    inner = (skeleton := _skeleton(config)).model
     indices = list(range(*plan.layers))
+    if split is not None and len(split.layer_devices()) != len(indices):
+        raise ValueError(f"a split of {len(split.layer_devices())} layers for a stage of {len(indices)}")
+    layer_devices = split.layer_devices() if split is not None else [device] * len(indices)
+    first = split.embed_device if split is not None else device
+    last = split.head_device if split is not None else device
     layers = []
     if keep_adapters and on_layer is None:
         raise ValueError("adapters kept unmerged go to on_layer; pass one")
-    for i in indices:  # one layer's tensors at a time: read, built, handed on (quantized, say), dropped
+    for i, layer_device in zip(indices, layer_devices):  # one layer at a time: read, built, handed on, dropped
         prefix = f"layers.{i}."
         weights, adapters = state.take_unmerged(prefix) if keep_adapters else (state.take(prefix), {})
-        layers.append(_materialize(inner.layers[i], weights, prefix, dtype, device))
+        layers.append(_materialize(inner.layers[i], weights, prefix, dtype, layer_device))
         if on_layer is not None:
             on_layer(i, layers[-1], adapters)
-    rotary = type(inner.rotary_emb)(config=config).to(device)
+    rotary = type(inner.rotary_emb)(config=config).to(first)
     codec = {p: {k[len(p):]: v for k, v in state.take(p).items()} for p in (SEND, RECV)}
-    cast = (lambda t: t.to(device=device, dtype=dtype or t.dtype))
+
+    def cast(t: torch.Tensor, where) -> torch.Tensor:
+        return t.to(device=where, dtype=dtype or t.dtype)
+
+    send, recv = codec[SEND], codec[RECV]  # the sender after the last layer, the receiver before the first
     return StageModules(
         plan=plan, config=config,
-        embed=_materialize(inner.embed_tokens, state.take("embed_tokens."), "embed_tokens.", dtype, device)
+        embed=_materialize(inner.embed_tokens, state.take("embed_tokens."), "embed_tokens.", dtype, first)
         if plan.is_first else None,
         layers=layers, layer_indices=indices,
-        norm=_materialize(inner.norm, state.take("norm."), "norm.", dtype, device) if plan.is_last else None,
-        lm_head=_materialize(skeleton.lm_head, state.take("lm_head."), "lm_head.", dtype, device)
+        norm=_materialize(inner.norm, state.take("norm."), "norm.", dtype, last) if plan.is_last else None,
+        lm_head=_materialize(skeleton.lm_head, state.take("lm_head."), "lm_head.", dtype, last)
         if plan.is_last else None,
         rotary_emb=rotary,
-        encoder=BottleneckEncoder(cast(codec[SEND]["weight"]), cast(codec[SEND]["mean"])) if codec[SEND] else None,
-        decoder=BottleneckDecoder(cast(codec[RECV]["weight"]), cast(codec[RECV]["mean"])) if codec[RECV] else None,
+        encoder=BottleneckEncoder(cast(send["weight"], layer_devices[-1]), cast(send["mean"], layer_devices[-1]))
+        if send else None,
+        decoder=BottleneckDecoder(cast(recv["weight"], layer_devices[0]), cast(recv["mean"], layer_devices[0]))
+        if recv else None,
     )

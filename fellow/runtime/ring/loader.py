@@ -12,7 +12,8 @@ from core.servable import Manifest, load_manifest
 from core.servable_plan import StagePlan
 from fellow.runtime.ring.codec import WireCodec
 from fellow.runtime.model.stage import StageModel
-from fellow.runtime.model.loader import build_stage, load_tokenizer, pick_device, stop_ids_for
+from fellow.runtime.model.loader import (AUTO, KV_RESERVE_TOKENS, Devices, build_stage, load_tokenizer, stage_device,
+                                         stop_ids_for)
 
 
 @dataclass
@@ -48,14 +49,17 @@ class RingStage:
 
 def load_ring_stage(model_dir: str | Path, stage: int, num_stages: int, device: str | None = None,
                     attention: str = "sdpa", packed: bool = True, batch_cap: int = 8,
-                    quantization: str = NONE) -> RingStage:
+                    quantization: str = NONE, devices: Devices = AUTO,
+                    kv_tokens: int = KV_RESERVE_TOKENS) -> RingStage:
     """Stage ``stage`` of ``num_stages``: the trained split when the counts match, else an even one
     reading every overlapping shard (an untrained cut is served uncompressed); a servable without
-    recorded boundaries refuses any count but its own (ServableError)."""
+    recorded boundaries refuses any count but its own (ServableError). ``device``: all of it there;
+    None: its layers split over ``devices`` (fellow.runtime.model.loader.build_stage)."""
     model_dir = Path(model_dir)
     manifest = load_manifest(model_dir)
-    dev = pick_device(device)
-    mods, model = build_stage(manifest, stage, model_dir, num_stages, dev, attention, packed, batch_cap, quantization)
+    mods, model = build_stage(manifest, stage, model_dir, num_stages, torch.device(device) if device else None,
+                              attention, packed, batch_cap, quantization, devices=devices, kv_tokens=kv_tokens)
+    dev = stage_device(model)
     plan = mods.plan
     hidden = manifest.hidden_size
     loaded = RingStage(

@@ -51,8 +51,7 @@ class RingHeadServer(StageServer):
     link: RingLink | None = None
 
     def _load(self) -> None:
-        self.ring = load_ring_stage(self.cfg.model_dir, 0, self.cfg.num_stages, packed=self.cfg.packed_linear,
-                                    batch_cap=self.batch_cap, quantization=self.cfg.quantization)
+        self.ring = load_ring_stage(self.cfg.model_dir, 0, self.cfg.num_stages, **self._load_options())
         self.stage, self.device = self.ring.stage, self.ring.device
         self.tokenizer, self.stop_ids = self.ring.tokenizer, self.ring.stop_ids
 
@@ -149,9 +148,7 @@ class RingStageServer(StageServerBase):
     link: RingLink | None = None
 
     def _load(self) -> None:
-        self.ring = load_ring_stage(self.cfg.model_dir, self.cfg.stage, self.cfg.num_stages,
-                                    packed=self.cfg.packed_linear, batch_cap=self.batch_cap,
-                                    quantization=self.cfg.quantization)
+        self.ring = load_ring_stage(self.cfg.model_dir, self.cfg.stage, self.cfg.num_stages, **self._load_options())
         self.stage, self.device = self.ring.stage, self.ring.device
 
     def _build(self) -> None:

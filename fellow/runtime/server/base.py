@@ -18,6 +18,7 @@ from core.tasks import cancel_and_wait
 from events.stage import MetricsReport, ReadyReport, Report, StageConfig, Transport, encode
 from fellow.runtime.model.kernels import step_costs
 from fellow.runtime.model.kv_budget import measured_kv_tokens
+from fellow.runtime.model.loader import KV_RESERVE_TOKENS
 from fellow.runtime.model.quant import stage_weights
 from fellow.runtime.model.stage import StageModel
 
@@ -76,6 +77,12 @@ class StageServerBase:
         """A ring stage's link settings (fellow.runtime.ring.link.RingLink)."""
         return {"links": self.cfg.links, "host": self.cfg.link_host, "port": self.cfg.link_port,
                 "replica": self.cfg.replica}
+
+    def _load_options(self) -> dict:
+        """How the stage loads (fellow.runtime.model.loader.build_stage): its kernels, its quantization, and
+        the devices its layers are split over, with room for the KV tokens placement planned."""
+        return {"packed": self.cfg.packed_linear, "batch_cap": self.batch_cap, "quantization": self.cfg.quantization,
+                "devices": self.cfg.devices, "kv_tokens": self.cfg.transport.kv_tokens or KV_RESERVE_TOKENS}
 
     def __init__(self, cfg: StageConfig):
         self.cfg = cfg

@@ -29,8 +29,7 @@ class StageServer(StageServerBase):
     draft: DraftModel | None = None
 
     def _load(self) -> None:
-        loaded = load_one_stage(self.cfg.model_dir, packed=self.cfg.packed_linear, batch_cap=self.batch_cap,
-                                quantization=self.cfg.quantization)
+        loaded = load_one_stage(self.cfg.model_dir, **self._load_options())
         self.stage, self.device = loaded.stage, loaded.device
         self.tokenizer, self.stop_ids = loaded.tokenizer, loaded.stop_ids
         if self.cfg.draft_model_dir and self.cfg.transport.speculative:
