@@ -46,6 +46,7 @@ from tests.processes import free_port, wait_until  # noqa: E402
 
 FINAL = ("finished", "failed", "too_long")
 FAULTS = ("stage", "fellow", "leader", "nats-server")
+SERIES_S = 15.0  # seconds between RSS samples over the quiet half
 
 
 class Tally:
@@ -155,7 +156,7 @@ async def soak(args) -> dict:
     log = open(tmp / "up.log", "ab")
     up = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
-    tally, faults, samples = Tally(), [], {}
+    tally, faults, samples, series = Tally(), [], {}, []
     try:
         # with --demo, `swarm up` first trains the demo model (minutes on two busy cores)
         wait_until(lambda: httpx.get(base + "/healthz", timeout=2).json().get("nats"), 1800 if args.demo else 600,
@@ -180,6 +181,9 @@ async def soak(args) -> dict:
             now = time.monotonic() - start
             procs = children(up.pid)
             if phase == "quiet":
+                if now >= len(series) * SERIES_S:
+                    mib = rss(procs)
+                    series.append((round(now), round(mib["leader"] / 2**20, 1), round(mib["fellow"] / 2**20, 1)))
                 if now >= quiet_s / 5 and "warm" not in samples:
                     samples["warm"] = rss(procs)
                 if now >= quiet_s:
@@ -221,6 +225,7 @@ async def soak(args) -> dict:
                                "mean": statistics.fmean(v) if v else None} for ph, v in tally.latency.items()},
             "rss_mib": {k: {ph: round(v[k] / 2**20, 1) for ph, v in samples.items()} for k in ("leader", "fellow")},
             "rss_growth_quiet": {k: round(v * 100, 2) for k, v in growth.items()},
+            "rss_series_mib": series,  # (s, leader, fellow) every SERIES_S over the quiet half
             "data": str(tmp) if args.keep else None,
         }
     finally:
