@@ -190,7 +190,7 @@ async def soak(args) -> dict:
                     samples["quiet_end"] = rss(procs)
                     phase = "faults"
             elif time.monotonic() >= next_fault:
-                role = FAULTS[turn % len(FAULTS)]
+                role = args.faults[turn % len(args.faults)]
                 turn += 1
                 next_fault += args.fault_every
                 if role in procs:
@@ -250,6 +250,8 @@ def main() -> None:
     p.add_argument("--models", help="with --demo: a servables folder that already holds swarm-demo "
                                      "(`swarm demo-model DIR/swarm-demo`), so `swarm up` does not train it")
     p.add_argument("--keep", action="store_true", help="keep the stack's data folder (logs, database)")
+    p.add_argument("--faults", nargs="+", choices=FAULTS, default=list(FAULTS),
+                   help="the processes killed in turn in the fault half (default: all four kinds)")
     args = p.parse_args()
     print(json.dumps(asyncio.run(soak(args)), indent=1))
 
