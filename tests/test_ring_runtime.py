@@ -75,9 +75,13 @@ class LocalRing:
         return send
 
     def generate(self, prompts, max_new_tokens: int) -> dict[str, list[int]]:
-        out: dict[str, list[int]] = {}
         for i, prompt in enumerate(prompts):
             self.head.add(Session(f"s{i}", prompt, max_new_tokens, sampling=GREEDY))
+        return self.drain()
+
+    def drain(self) -> dict[str, list[int]]:
+        """Step the head until the sessions it holds end: each one's tokens (timings into ``timings``)."""
+        out: dict[str, list[int]] = {}
         while self.head.busy:
             result = self.head.step()
             for sid, tokens in result.tokens.items():
@@ -419,12 +423,7 @@ def test_a_ring_that_drafts_samples_what_one_stage_that_drafts_samples(copier):
     try:
         for i, p in enumerate(params):
             ring.head.add(Session(f"s{i}", prompts[i], 20, sampling=p))
-        got: dict[str, list[int]] = {}
-        while ring.head.busy:
-            result = ring.head.step()
-            for sid, tokens in result.tokens.items():
-                got.setdefault(sid, []).extend(tokens)
-            ring.timings.update({s.session_id: s.timing() for s in result.finished})
+        got = ring.drain()
     finally:
         ring.close()
     assert got == expected
@@ -502,17 +501,12 @@ def test_a_ring_that_drafts_leaves_a_grammar_row_undrafted(copier):
     grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
     ring = spec_ring(copier, 2, 4)
     stops = ring.stages[0].stop_ids  # what the server gives a session: the servable's end-of-turn ids
-    out: dict[str, list[int]] = {}
     try:
         for i, prompt in enumerate(copying_prompts(2)):
             ring.head.add(Session(f"c{i}", prompt, 24, sampling=GREEDY))
         ring.head.add(Session("g", COPY_TEXT[:40], 40, sampling=SamplingParams(temperature=0.0, grammar=grammar),
                               stop_ids=stops))
-        while ring.head.busy:
-            result = ring.head.step()
-            for sid, tokens in result.tokens.items():
-                out.setdefault(sid, []).extend(tokens)
-            ring.timings.update({s.session_id: s.timing() for s in result.finished})
+        out = ring.drain()
     finally:
         ring.close()
     assert ring.timings["g"]["spec_drafted"] == 0
@@ -563,13 +557,10 @@ def test_a_full_ring_drafts_only_once_at_most_one_session_a_stage_is_in_it(copie
         send(frame)
 
     ring.head.send = watch
-    got: dict[str, list[int]] = {}
     try:
         for i, (prompt, n) in enumerate(zip(prompts, lengths)):
             ring.head.add(Session(f"s{i}", prompt, n, sampling=GREEDY))
-        while ring.head.busy:
-            for sid, tokens in ring.head.step().tokens.items():
-                got.setdefault(sid, []).extend(tokens)
+        got = ring.drain()
     finally:
         ring.close()
     assert got == {sid: expected[sid][:n] for sid, n in zip(sorted(expected), lengths)}

@@ -7,7 +7,7 @@ import time
 import torch
 
 from fellow.runtime.engine.draft_model import LOOKUP_FIRST_RUN, DraftModel
-from fellow.runtime.engine.drafting import DraftGuard, PromptLookup, check_speculative
+from fellow.runtime.engine.drafting import check_speculative
 from fellow.runtime.engine.prefix_cache import PrefixCache
 from fellow.runtime.engine.processors import sample_next
 from fellow.runtime.engine.sampling import make_generator
@@ -67,15 +67,8 @@ class Engine(Scheduler):
         return result
 
     def _start(self, session: Session) -> None:
-        session.cache = self.stage.new_cache()
+        self._open(session)
         session.generator = make_generator(session.sampling, self.stage.output_device)
-        if self.speculative:
-            session.spec_k = self.speculative
-            session.guard = DraftGuard(self.speculative)
-            session.lookup = PromptLookup(session.prompt_ids)
-        if self.prefix is not None:
-            self.prefix.fit(self.budget.reserved, self.kv_tokens)  # the reservation is in: blocks make room
-            session.prefilled = session.cached_tokens = self.prefix.start(session.cache, session.prompt_ids)
 
     def _finish(self, session: Session, reason: str | None, result: StepResult) -> None:
         if self.prefix is not None and session.cache is not None and session.error is None and reason != "error":

@@ -8,6 +8,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from fellow.runtime.engine.budget import AdmissionFailed, TokenBudget
+from fellow.runtime.engine.drafting import DraftGuard, PromptLookup
 from fellow.runtime.engine.session import Session
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,18 @@ class Scheduler:
     def _start(self, session: Session) -> None:
         """Give an admitted session what it runs with (its cache, ...); raising fails it alone."""
         raise NotImplementedError
+
+    def _open(self, session: Session) -> None:
+        """What every ``_start`` gives a session: a cache from the subclass's ``stage``, prompt lookup's
+        drafting state when its ``speculative`` k > 0, and the longest prefix its ``prefix`` cache holds."""
+        session.cache = self.stage.new_cache()
+        if self.speculative:
+            session.spec_k = self.speculative
+            session.guard = DraftGuard(self.speculative)
+            session.lookup = PromptLookup(session.prompt_ids)
+        if self.prefix is not None:
+            self.prefix.fit(self.budget.reserved, self.kv_tokens)  # the reservation is in: blocks make room
+            session.prefilled = session.cached_tokens = self.prefix.start(session.cache, session.prompt_ids)
 
     def _apply_cancels(self, result: StepResult) -> None:
         for session_id, reason in self._cancels.items():

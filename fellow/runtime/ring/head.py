@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from events.ring import DECODE, LAST_PIECE, NO_TOKEN, PIECE, PREFIX_MISSING, VERIFY, End, Hidden, RingSampling, Token
-from fellow.runtime.engine.drafting import DraftGuard, PromptLookup, check_speculative, next_drafts
+from fellow.runtime.engine.drafting import check_speculative, next_drafts
 from fellow.runtime.engine.prefix_cache import PrefixCache
 from fellow.runtime.engine.scheduler import Scheduler, StepResult
 from fellow.runtime.ring.codec import WireCodec
@@ -203,15 +203,8 @@ class RingHead(Scheduler):
     # --- admission and ends ------------------------------------------------------------------
 
     def _start(self, session: RingSession) -> None:
-        session.cache = self.stage.new_cache()
-        if self.speculative:
-            session.spec_k = self.speculative
-            session.guard = DraftGuard(self.speculative)
-            session.lookup = PromptLookup(session.prompt_ids)
-        if self.prefix is not None:
-            self.prefix.fit(self.budget.reserved, self.kv_tokens)  # the reservation is in: blocks make room
-            session.prefilled = session.cached_tokens = self.prefix.start(session.cache, session.prompt_ids)
-            session.first_pos = session.cached_tokens
+        self._open(session)
+        session.first_pos = session.cached_tokens
 
     def _start_over(self, session: RingSession, why: str) -> None:
         """A later stage lacks the prefix this session reused: prefill its whole prompt instead. Its
