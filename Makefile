@@ -19,7 +19,7 @@ run: install
 	$(VENV)/bin/swarm up
 
 test: install
-	$(VENV)/bin/pytest -q -p no:cacheprovider
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) build *.egg-info

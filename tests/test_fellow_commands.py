@@ -91,9 +91,9 @@ def load_at_once(stack: Stack) -> None:
 def test_unload_load_unload_leaves_no_stage_process(tmp_path, nats_server, servables):
     stack = Stack(tmp_path, nats_server.url, servables, SWARM_MODEL_IDLE_UNLOAD_S=0).start()
     try:
-        rounds = 20
+        rounds = 8
         for i in range(rounds):
-            if i % 5 == 0:
+            if i % 4 == 0:
                 stack.load(MODEL)  # now and then from a ready load, otherwise from one still loading
             else:
                 load_at_once(stack)

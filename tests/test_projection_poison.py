@@ -30,6 +30,7 @@ from leader.db.tables import DeadLetter, Fellow, ProjectorCheckpoint, Request
 from leader.projectors.all import all_projectors
 from leader.projectors.runner import ProjectionRunner
 from tests.conftest import make_settings
+from tests.tokens_app import on_app
 
 POISON = {
     "swarm.evt.x": b"not json",
@@ -120,8 +121,9 @@ async def test_healthz_reports_lag_and_a_stuck_projector(tmp_path, nats_server, 
     app = create_app(make_settings(tmp_path, nats_server.url, sqlite_url))
     async with AsyncTestClient(app) as client:
         leader = app.state.leader
+        leader.projections.stuck_after_s = 1.0  # the default (10 s) only makes the test wait
         ack = await publish_event(js, RequestAccepted(request_id="r1", model_id="m", load_id="L"))
-        await leader.projections.wait_for(ack.seq, timeout=20)
+        await on_app(client, leader.projections.wait_for, ack.seq)  # the app's loop: a Condition is bound to one
         body = await _until(client, lambda b: b["projectors"]["requests"]["last_seq"] >= ack.seq, "head read")
         assert body["status"] == "ok"
         for name, p in body["projectors"].items():
@@ -139,7 +141,7 @@ async def test_healthz_reports_lag_and_a_stuck_projector(tmp_path, nats_server, 
         async with leader.sessions() as session:
             await session.execute(sa.text("ALTER TABLE requests_away RENAME TO requests"))
             await session.commit()
-        await leader.projections.wait_for(ack.seq, ["requests"], timeout=20)
+        await on_app(client, leader.projections.wait_for, ack.seq, ["requests"], 20)
         body = await _until(client, lambda b: b["status"] == "ok", "recovered")
         assert body["projectors"]["requests"]["lag"] == 0
         async with leader.sessions() as session:
