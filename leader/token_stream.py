@@ -171,6 +171,17 @@ def not_loaded(stream: TokenStream, evt: ModelUnloaded) -> ErrorFrame:
                               "served", data={"load_code": evt.reason, "fellow_id": evt.fellow_id})
 
 
+def load_failed(stream: TokenStream, evt: LoadFailed) -> ErrorFrame:
+    """The verdict on a request whose load failed, started or not (its queue is purged)."""
+    return ErrorFrame(request_id=stream.request_id, seq=-1, code="load_failed",
+                      message=f"the model '{evt.model_id}' stopped serving: {evt.reason}",
+                      data={"load_code": evt.code, "fellow_id": evt.fellow_id})
+
+
+def ended(stream: TokenStream, evt: ModelUnloaded | LoadFailed) -> ErrorFrame:
+    return load_failed(stream, evt) if isinstance(evt, LoadFailed) else not_loaded(stream, evt)
+
+
 class TokenStreams:
     """The gateway's receivers: opens one per request and watches their loads for failure."""
 
@@ -181,7 +192,7 @@ class TokenStreams:
         self.gap_wait_s = gap_wait_s
         self._graces: dict[str, asyncio.Future] = {}  # request_id -> resolved True on resume, False on stop
         self._by_load: dict[str, set[TokenStream]] = {}
-        self._ended: dict[str, ModelUnloaded] = {}  # load_id -> how it ended, oldest first
+        self._ended: dict[str, ModelUnloaded | LoadFailed] = {}  # load_id -> how it ended, oldest first
         self._tasks: set[asyncio.Task] = set()
         self._subs: list = []
         self._started: asyncio.Task | None = None
@@ -240,9 +251,9 @@ class TokenStreams:
 
     def watch(self, stream: TokenStream) -> None:
         self._by_load.setdefault(stream.load_id, set()).add(stream)
-        ended = self._ended.get(stream.load_id)
-        if ended is not None:
-            stream.fail(not_loaded(stream, ended))
+        how = self._ended.get(stream.load_id)  # a request accepted from a view a moment old: its load ended
+        if how is not None:
+            stream.fail(ended(stream, how))
 
     def unwatch(self, stream: TokenStream) -> None:
         waiting = self._by_load.get(stream.load_id)
@@ -255,21 +266,25 @@ class TokenStreams:
         evt = _event(msg)
         if not isinstance(evt, LoadFailed):
             return
+        self._remember(evt)
         for stream in list(self._by_load.get(evt.load_id, ())):
-            stream.fail(ErrorFrame(request_id=stream.request_id, seq=-1, code="load_failed",
-                                   message=f"the model '{evt.model_id}' stopped serving: {evt.reason}",
-                                   data={"load_code": evt.code, "fellow_id": evt.fellow_id}))
+            stream.fail(load_failed(stream, evt))
 
     async def _on_unloaded(self, msg) -> None:
         evt = _event(msg)
         if not isinstance(evt, ModelUnloaded):
             return
-        self._ended[evt.load_id] = evt
-        while len(self._ended) > ENDED_KEPT:
-            del self._ended[next(iter(self._ended))]
+        self._remember(evt)
         for stream in list(self._by_load.get(evt.load_id, ())):
             if stream.replica is None:  # not started: still queued, and the queue is purged
                 stream.fail(not_loaded(stream, evt))
+
+    def _remember(self, evt: ModelUnloaded | LoadFailed) -> None:
+        """A request opened on this load later (accepted just before the leader's view changed) fails at
+        once: no stage will take it, its queue was purged."""
+        self._ended[evt.load_id] = evt
+        while len(self._ended) > ENDED_KEPT:
+            del self._ended[next(iter(self._ended))]
 
     async def _on_replica_lost(self, msg) -> None:
         evt = _event(msg)

@@ -101,6 +101,21 @@ async def test_load_failure_ends_only_the_requests_of_that_load(hub, js):
     spared.close(cancel=False)
 
 
+async def test_a_request_opened_on_a_load_that_already_failed_fails_at_once(hub, js):
+    """Accepted from a ready view a moment old: its load failed, its queue was purged, no stage will
+    take it. It fails with load_failed at once, not after the client's own timeout."""
+    first = await hub.open(new_id(), "ld-gone")
+    await publish_event(js, LoadFailed(load_id="ld-gone", model_id="m", reason="fellow f0 was lost",
+                                       code="fellow_lost", fellow_id="f0"))
+    assert (await first.next(5)).code == "load_failed"  # the receiver has seen the failure
+    late = await hub.open(new_id(), "ld-gone")
+    failure = await late.next(0.5)
+    assert isinstance(failure, ErrorFrame) and failure.code == "load_failed"
+    assert "fellow f0 was lost" in failure.message and failure.data["load_code"] == "fellow_lost"
+    first.close(cancel=False)
+    late.close(cancel=False)
+
+
 async def test_silence_times_out(hub):
     stream = await hub.open(new_id(), "ld-a")
     with pytest.raises(FrameTimeout):
