@@ -68,10 +68,13 @@ def _children(settings: Settings, env: dict, fellows: int) -> list[Child]:
 
         out.append(Child("nats-server", start_nats, lambda proc: stop_child(proc)))
 
-    def part(who: str, *args: str):  # env read at each start: SWARM_NATS_URL is set by nats-server's
-        return lambda: spawn_child([sys.executable, "-m", "core.cli", *args], env={**env, **creds.get(who, {})})
+    def part(who: str, *args: str, **extra: str):  # env read at each start: SWARM_NATS_URL is set by nats-server's
+        return lambda: spawn_child([sys.executable, "-m", "core.cli", *args],
+                                   env={**extra, **env, **creds.get(who, {})})
 
-    out.append(Child("the leader", part("leader", "leader"), stop_child))
+    # The leader's Python heap stays flat under load, but each thread (aiosqlite runs one per connection)
+    # may get a glibc malloc arena of its own, and RSS crept up by them (docs/reliability.md §15).
+    out.append(Child("the leader", part("leader", "leader", MALLOC_ARENA_MAX="2"), stop_child))
     out += [Child(f"fellow local-{i}", part(f"local-{i}", "fellow", "--id", f"local-{i}"), stop_child,
                   essential=False) for i in range(fellows)]
     return out

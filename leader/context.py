@@ -71,6 +71,7 @@ class Leader:
         self.serving = self._make_serving(self)
         await self.serving.start()
         self.token_streams = await TokenStreams(self.nc, self.js).start()
+        self.token_streams.on_ended.append(self.serving.view.drop)  # a failed load takes no new request
         self.metrics = Metrics(self)
         await self.metrics.start()
         self.on_stop.append(self.metrics.stop)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Callable
 
 import msgspec
 from nats.aio.client import Client
@@ -193,6 +194,7 @@ class TokenStreams:
         self._graces: dict[str, asyncio.Future] = {}  # request_id -> resolved True on resume, False on stop
         self._by_load: dict[str, set[TokenStream]] = {}
         self._ended: dict[str, ModelUnloaded | LoadFailed] = {}  # load_id -> how it ended, oldest first
+        self.on_ended: list[Callable[[str], object]] = []  # told each ended load_id (the ready view drops it)
         self._tasks: set[asyncio.Task] = set()
         self._subs: list = []
         self._started: asyncio.Task | None = None
@@ -285,6 +287,8 @@ class TokenStreams:
         self._ended[evt.load_id] = evt
         while len(self._ended) > ENDED_KEPT:
             del self._ended[next(iter(self._ended))]
+        for hook in self.on_ended:
+            hook(evt.load_id)
 
     async def _on_replica_lost(self, msg) -> None:
         evt = _event(msg)

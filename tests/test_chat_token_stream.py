@@ -116,6 +116,16 @@ async def test_a_request_opened_on_a_load_that_already_failed_fails_at_once(hub,
     late.close(cancel=False)
 
 
+async def test_the_ready_view_is_told_each_load_that_ended(hub, js):
+    told = []
+    hub.on_ended.append(told.append)
+    watcher = await hub.open(new_id(), "ld-x")
+    await publish_event(js, LoadFailed(load_id="ld-x", model_id="m", reason="no", code="fellow_lost"))
+    assert (await watcher.next(5)).code == "load_failed"
+    assert told == ["ld-x"]
+    watcher.close(cancel=False)
+
+
 async def test_silence_times_out(hub):
     stream = await hub.open(new_id(), "ld-a")
     with pytest.raises(FrameTimeout):

@@ -50,3 +50,8 @@ class ReadyView:
                 context_tokens=kv or self.leader.settings.serve_context_tokens, kv_tokens=kv,
                 model_dir=str(model.path))
         self.loads = ready
+
+    def drop(self, load_id: str) -> None:
+        """The load ended (the gateway saw its LoadFailed or ModelUnloaded): no new request goes to it, ahead
+        of the refresh that follows the projection."""
+        self.loads = {m: r for m, r in self.loads.items() if r.load_id != load_id}
