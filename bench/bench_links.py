@@ -1,17 +1,19 @@
-"""A 2-stage ring over simulated WAN links: direct links against the relay, 1 and 4 sessions in flight.
+"""A 2- or 3-stage ring over simulated WAN links: direct links against the relay, 1 and 4 sessions in flight.
 
-Two homes, A and B, at a round trip of RTT ms (one way RTT/2), every link between them through a
-delay proxy (tests/delay_proxy.py, each in a process of its own): nats-server and stage 0 are in home A, stage 1 in home B. So
-stage 1's NATS connection crosses the WAN, and so do both direct hops (0 -> 1 and 1 -> 0). The ring
-is the real one (RingHead, RingWorker, RingLink over a real nats-server), its stages in this process on
-threads of their own (tests/bus_ring.py), greedy, no stop ids.
+One home per stage, every two homes at a round trip of RTT ms (one way RTT/2), every link between
+them through a delay proxy (tests/delay_proxy.py, each in a process of its own): nats-server and
+stage 0 are in home 0, stage i in home i. So each later stage's NATS connection crosses the WAN, and
+so does every direct hop (0 -> 1 -> ... -> 0: one crossing a hop). The ring is the real one
+(RingHead, RingWorker, RingLink over a real nats-server), its stages in this process on threads of
+their own (tests/bus_ring.py), greedy, no stop ids.
 
-For each RTT and route it reports decode tokens/s at 1 and at 4 sessions in flight (the sum of each
-session's own decode rate), the stages' compute per token (c0, c1), and the bound for one session:
-1 / (c0 + c1 + RTT), a token crossing each hop once; and the issue's looser 1 / (c0 + c1 + 2 RTT).
-Bytes per token on the wire, with and without a trained bottleneck, come from a 0 ms run.
+For each stage count, RTT and route it reports decode tokens/s at 1 and at 4 sessions in flight (the
+sum of each session's own decode rate), the stages' compute per token (c = c0 + c1 + ...), and the
+bound for one session: 1 / (c + S RTT/2) for S stages, a token crossing each of the S hops once (two
+stages: 1 / (c + RTT)); and the issue's looser 1 / (c + S RTT). Bytes per token on the wire, with
+and without a trained bottleneck, come from a 0 ms run of the first stage count.
 
-    .venv/bin/python bench/bench_links.py --rtt 0 20 50
+    .venv/bin/python bench/bench_links.py --rtt 0 20 50 [--stages 2 3]
 """
 
 from __future__ import annotations
@@ -44,20 +46,21 @@ def host_port(url: str) -> tuple[str, int]:
     return host, int(port)
 
 
-async def measure(model: Path, nats: EmbeddedNats, rtt_ms: float, links: str, tokens: int, in_flight: list[int]) -> dict:
+async def measure(model: Path, nats: EmbeddedNats, rtt_ms: float, links: str, tokens: int, in_flight: list[int],
+                  stages: int = 2) -> dict:
     one_way = rtt_ms / 2000
-    ports = {0: free_port(), 1: free_port()}
+    ports = {i: free_port() for i in range(stages)}
     proxies, urls, listen = {}, {}, {}
     if rtt_ms:  # 0: plain loopback, no proxy in the way
         proxies = {i: SpawnedProxy(("127.0.0.1", p), delay_s=one_way) for i, p in ports.items()}
-        proxies["nats"] = SpawnedProxy(host_port(nats.url), delay_s=one_way)  # stage 1's way to home A's server
-        urls = {1: f"nats://{proxies['nats'].address}"}
+        proxies["nats"] = SpawnedProxy(host_port(nats.url), delay_s=one_way)  # later stages' way to home 0's server
+        urls = {i: f"nats://{proxies['nats'].address}" for i in range(1, stages)}
         listen = {i: (ports[i], proxies[i].address) for i in ports}
-    ring = BusRing(model, 2, links, listen=listen, prefill_chunk=256)
+    ring = BusRing(model, stages, links, listen=listen, prefill_chunk=256)
     try:
         await ring.start(nats.url, urls=urls)
         await asyncio.to_thread(ring.generate, PROMPTS[:1], 4)  # warm
-        out = {"rtt_ms": rtt_ms, "links": links, "routes": ring.routes,
+        out = {"stages": stages, "rtt_ms": rtt_ms, "links": links, "routes": ring.routes,
                "probe_ms": ring.links_[0].probe_ms}
         for n in in_flight:
             replies, timings = await asyncio.to_thread(ring.generate, PROMPTS[:n], tokens)
@@ -66,11 +69,11 @@ async def measure(model: Path, nats: EmbeddedNats, rtt_ms: float, links: str, to
             out[f"tok_s_{n}"] = round(rate, 2)
             if n == 1:
                 t = next(iter(timings.values()))
-                out.update(c0_ms=t["stage0_ms"], c1_ms=t["stage1_ms"], link_ms=t["link_ms"], route=t["route"],
+                out.update(c_ms=[t[f"stage{i}_ms"] for i in range(stages)], link_ms=t["link_ms"], route=t["route"],
                            bytes_per_token=t["bytes_per_token"])
-        compute = out["c0_ms"] + out["c1_ms"]
-        out["bound_tok_s"] = round(1000 / (compute + rtt_ms), 2)
-        out["issue_bound_tok_s"] = round(1000 / (compute + 2 * rtt_ms), 2)
+        compute = sum(out["c_ms"])
+        out["bound_tok_s"] = round(1000 / (compute + stages * rtt_ms / 2), 2)
+        out["issue_bound_tok_s"] = round(1000 / (compute + stages * rtt_ms), 2)
         return out
     finally:
         await ring.close()
@@ -80,19 +83,24 @@ async def measure(model: Path, nats: EmbeddedNats, rtt_ms: float, links: str, to
 
 async def run(args) -> list[dict]:
     root = Path(tempfile.mkdtemp(prefix="bench-links-"))
-    hf, model = make_servable(root, "wan", layers=args.layers, hidden=args.hidden, stages=2)
+    models, hfs = {}, {}
+    for n in args.stages:  # the same seed: the same weights, split in n
+        hfs[n], models[n] = make_servable(root / f"s{n}", "wan", layers=args.layers, hidden=args.hidden, stages=n)
+    first = args.stages[0]
+    hf = hfs[first]
     bottleneck = root / "servables" / "wan-bn"
-    export(hf, bottleneck, stages=2, bottleneck=args.hidden // 8, model_id="wan-bn", calib_sequences=16,
+    export(hf, bottleneck, stages=first, bottleneck=args.hidden // 8, model_id="wan-bn", calib_sequences=16,
            calib_seq_len=64)
     nats = EmbeddedNats(root / "jetstream").start()
     rows = []
     try:
-        for rtt in args.rtt:
-            for links in ("relay", "direct"):
-                row = await measure(model, nats, rtt, links, args.tokens, [1, 4])
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-        bn = await measure(bottleneck, nats, 0, "direct", args.tokens, [1])
+        for n in args.stages:
+            for rtt in args.rtt:
+                for links in ("relay", "direct"):
+                    row = await measure(models[n], nats, rtt, links, args.tokens, [1, 4], n)
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+        bn = await measure(bottleneck, nats, 0, "direct", args.tokens, [1], first)
         print(json.dumps({"bottleneck": args.hidden // 8, **bn}), flush=True)
         rows.append({"bottleneck": args.hidden // 8, **bn})
     finally:
@@ -106,25 +114,27 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (both stages share this process)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (the stages share this process)")
+    ap.add_argument("--stages", type=int, nargs="+", default=[2], choices=[2, 3])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = asyncio.run(run(args))
-    print("\n| RTT ms | route | c0+c1 ms | 1 in flight tok/s | bound 1/(c+RTT) | ratio | issue's 1/(c+2RTT) | ratio "
-          "| 4 in flight tok/s | 4 / 1 | bytes/token |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| stages | RTT ms | route | c ms | 1 in flight tok/s | bound 1/(c+S RTT/2) | ratio | issue's 1/(c+S RTT) "
+          "| ratio | 4 in flight tok/s | 4 / 1 | bytes/token |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "bottleneck" in r:
             continue
-        c = r["c0_ms"] + r["c1_ms"]
-        print(f"| {r['rtt_ms']:g} | {r['route']} | {c:.2f} | {r['tok_s_1']:.2f} | {r['bound_tok_s']:.2f} | "
+        c = sum(r["c_ms"])
+        print(f"| {r['stages']} | {r['rtt_ms']:g} | {r['route']} | {c:.2f} | {r['tok_s_1']:.2f} | {r['bound_tok_s']:.2f} | "
               f"{r['tok_s_1'] / r['bound_tok_s']:.2f}x | {r['issue_bound_tok_s']:.2f} | "
               f"{r['tok_s_1'] / r['issue_bound_tok_s']:.2f}x | {r['tok_s_4']:.2f} | {r['tok_s_4'] / r['tok_s_1']:.2f}x | "
               f"{r['bytes_per_token']:g} |")
-    for rtt in sorted({r["rtt_ms"] for r in rows if "bottleneck" not in r}):
-        by = {r["links"]: r for r in rows if r.get("rtt_ms") == rtt and "bottleneck" not in r}
+    for n, rtt in sorted({(r["stages"], r["rtt_ms"]) for r in rows if "bottleneck" not in r}):
+        by = {r["links"]: r for r in rows if (r.get("stages"), r.get("rtt_ms")) == (n, rtt) and "bottleneck" not in r}
         if {"relay", "direct"} <= set(by):
-            print(f"RTT {rtt:g} ms: direct / relay, 1 in flight: {by['direct']['tok_s_1'] / by['relay']['tok_s_1']:.2f}x")
+            print(f"{n} stages, RTT {rtt:g} ms: direct / relay, 1 in flight: "
+                  f"{by['direct']['tok_s_1'] / by['relay']['tok_s_1']:.2f}x")
     bn = next(r for r in rows if "bottleneck" in r)
     plain = next(r for r in rows if "bottleneck" not in r)
     print(f"bytes per token: {plain['bytes_per_token']:g} without a bottleneck, {bn['bytes_per_token']:g} with a "

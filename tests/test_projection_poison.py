@@ -121,9 +121,10 @@ async def test_healthz_reports_lag_and_a_stuck_projector(tmp_path, nats_server, 
     app = create_app(make_settings(tmp_path, nats_server.url, sqlite_url))
     async with AsyncTestClient(app) as client:
         leader = app.state.leader
-        leader.projections.stuck_after_s = 1.0  # the default (10 s) only makes the test wait
+        leader.projections.stuck_after_s = 3.0  # the default (10 s) only makes the test wait
         ack = await publish_event(js, RequestAccepted(request_id="r1", model_id="m", load_id="L"))
-        await on_app(client, leader.projections.wait_for, ack.seq)  # the app's loop: a Condition is bound to one
+        # on the app's own loop (the test client serves it from another thread): its Condition is bound there
+        await on_app(client, leader.projections.wait_for, ack.seq, None, 20)
         body = await _until(client, lambda b: b["projectors"]["requests"]["last_seq"] >= ack.seq, "head read")
         assert body["status"] == "ok"
         for name, p in body["projectors"].items():
