@@ -14,6 +14,10 @@ stages: 1 / (c + RTT)); and the issue's looser 1 / (c + S RTT). Bytes per token 
 and without a trained bottleneck, come from a 0 ms run of the first stage count.
 
     .venv/bin/python bench/bench_links.py --rtt 0 20 50 [--stages 2 3]
+
+With --sized, direct links only: decode tokens/s at 1 in flight, at the fixed plan (4 a stage) and at
+the in flight stage 0 sizes from its stages' measured steps and probe trips round the ring
+(fellow.runtime.ring.sizing, the same code a ring's stage 0 runs at start), all on the same ring.
 """
 
 from __future__ import annotations
@@ -39,6 +43,11 @@ from tests.processes import free_port  # noqa: E402
 from tests.serving_fixtures import make_servable  # noqa: E402
 
 PROMPTS = [list(range(5, 40)), list(range(100, 130)), list(range(200, 232)), [3, 9, 27] * 10]
+
+
+def prompts(n: int) -> list[list[int]]:
+    """``n`` different prompts of 30 ids: PROMPTS first."""
+    return [*PROMPTS, *([(5 + 13 * i + 7 * j) % 247 + 3 for j in range(30)] for i in range(max(0, n - len(PROMPTS))))][:n]
 
 
 def host_port(url: str) -> tuple[str, int]:
@@ -81,6 +90,38 @@ async def measure(model: Path, nats: EmbeddedNats, rtt_ms: float, links: str, to
             proxy.stop()
 
 
+async def measure_sized(model: Path, nats: EmbeddedNats, rtt_ms: float, tokens: int, stages: int,
+                        per_group: int = 4, ceiling_per_stage: int = 16) -> dict:
+    """Direct links: decode tokens/s at 1 in flight, at the fixed plan (per_group a stage) and at what
+    stage 0 sizes from its measured steps and links (fellow.runtime.ring.sizing), the same ring."""
+    one_way = rtt_ms / 2000
+    ports = {i: free_port() for i in range(stages)}
+    proxies, urls, listen = {}, {}, {}
+    if rtt_ms:
+        proxies = {i: SpawnedProxy(("127.0.0.1", p), delay_s=one_way) for i, p in ports.items()}
+        proxies["nats"] = SpawnedProxy(host_port(nats.url), delay_s=one_way)
+        urls = {i: f"nats://{proxies['nats'].address}" for i in range(1, stages)}
+        listen = {i: (ports[i], proxies[i].address) for i in ports}
+    ring = BusRing(model, stages, "direct", listen=listen, prefill_chunk=256)
+    try:
+        await ring.start(nats.url, urls=urls)
+        await asyncio.to_thread(ring.generate, PROMPTS[:1], 4)  # warm
+        sizing = await ring.size(per_group, ceiling_per_stage * stages)
+        out = {"sized": True, "stages": stages, "rtt_ms": rtt_ms, "routes": ring.routes, **sizing.as_dict()}
+        fixed = per_group * stages
+        for label, n, groups in (("1", 1, stages), ("fixed", fixed, stages), ("sized", sizing.in_flight, sizing.groups)):
+            ring.head.groups = groups
+            replies, timings = await asyncio.to_thread(ring.generate, prompts(n), tokens)
+            assert all(len(r) == tokens for r in replies.values()), replies
+            out[f"tok_s_{label}"] = round(sum(t["tokens_per_s"] for t in timings.values()), 2)
+        out["fixed_in_flight"] = fixed
+        return out
+    finally:
+        await ring.close()
+        for proxy in proxies.values():
+            proxy.stop()
+
+
 async def run(args) -> list[dict]:
     root = Path(tempfile.mkdtemp(prefix="bench-links-"))
     models, hfs = {}, {}
@@ -94,6 +135,13 @@ async def run(args) -> list[dict]:
     nats = EmbeddedNats(root / "jetstream").start()
     rows = []
     try:
+        if args.sized:
+            for n in args.stages:
+                for rtt in args.rtt:
+                    row = await measure_sized(models[n], nats, rtt, args.tokens, n)
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+            return rows
         for n in args.stages:
             for rtt in args.rtt:
                 for links in ("relay", "direct"):
@@ -116,9 +164,22 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the stages share this process)")
     ap.add_argument("--stages", type=int, nargs="+", default=[2], choices=[2, 3])
+    ap.add_argument("--sized", action="store_true",
+                    help="direct links only: 1 in flight, the fixed 4 a stage, and what stage 0 sizes from its "
+                         "measured steps and links")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = asyncio.run(run(args))
+    if args.sized:
+        print("\n| stages | RTT ms | steps ms (4 rows) | links ms | groups | in flight | 1 tok/s | fixed tok/s "
+              "| sized tok/s | sized / fixed | sized / 1 |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['stages']} | {r['rtt_ms']:g} | {' + '.join(f'{ms:.2f}' for ms in r['step_ms'])} | "
+                  f"{r['transit_ms']:.1f} | {r['groups']} | {r['in_flight']} | {r['tok_s_1']:.1f} | "
+                  f"{r['tok_s_fixed']:.1f} ({r['fixed_in_flight']}) | {r['tok_s_sized']:.1f} | "
+                  f"{r['tok_s_sized'] / r['tok_s_fixed']:.2f}x | {r['tok_s_sized'] / r['tok_s_1']:.2f}x |")
+        return
     print("\n| stages | RTT ms | route | c ms | 1 in flight tok/s | bound 1/(c+S RTT/2) | ratio | issue's 1/(c+S RTT) "
           "| ratio | 4 in flight tok/s | 4 / 1 | bytes/token |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -131,11 +131,14 @@ class End(_Hot, tag="e"):
 class Probe(_Hot, tag="p"):
     """Goes once round the ring; back on stage 0, every stage is listening. ``routes`` says how each
     hop sent it: "d" direct, "r" relay, "?" still dialing its next stage. ``kv``: each later stage's
-    KV tokens, in ring order (stage 0 holds every session to the smallest)."""
+    KV tokens, in ring order (stage 0 holds every session to the smallest). ``step_ms``: each later
+    stage's decode step at a decode group's rows, measured at load (empty where none measured; stage 0
+    sizes its in flight from them, fellow.runtime.ring.sizing)."""
 
     nonce: str
     routes: str = ""
     kv: list[int] = []
+    step_ms: list[float] = []
 
 
 class Hop(_Hot, tag="o"):

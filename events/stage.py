@@ -20,6 +20,7 @@ class Transport(msgspec.Struct, frozen=True, kw_only=True):
     step_costs: bool = False  # time the decode step at batch 1 and at the cap before ready
     prefix_cache: bool = True  # keep finished sessions' positions for prompts that start the same way
     speculative: int = 0  # tokens drafted per decode pass by prompt lookup (0: off); on a ring, stage 0 drafts
+    in_flight_max: int = 0  # a ring: stage 0 sizes in flight up to this from measured steps and links (0: fixed)
 
 
 class StageConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -93,6 +93,7 @@ class ModelManager:
                               fellow_id=self.agent.fellow_id, stage=cmd.assignment.stage, num_stages=cmd.num_stages,
                               replica=cmd.assignment.replica, replicas=cmd.replicas,
                               transport=Transport(max_in_flight=t.max_in_flight, kv_tokens=t.kv_tokens,
+                                                  in_flight_max=t.in_flight_max if cmd.num_stages > 1 else 0,
                                                   step_costs=t.step_costs or self.settings.serve_step_costs,
                                                   prefix_cache=self.settings.serve_prefix_cache,
                                                   speculative=speculative,

@@ -11,6 +11,7 @@ from events.fellow import CAP_CONCURRENT, CAP_N_STAGE, CAP_ONE_STAGE, Heartbeat
 from events.loads import StageAssignment, TransportPlan
 
 HEADROOM = 1.2  # activations, allocator slack
+RING_IN_FLIGHT_MAX_PER_STAGE = 16  # the most a ring's stage 0 may size its in flight to, a stage (4x the plan)
 
 
 class PlacementError(Exception):
@@ -32,10 +33,16 @@ def transport_plan(settings, num_stages: int) -> TransportPlan:
     else 4 per stage of a ring, so every stage has work while the others run theirs. KV tokens: a typical
     chat per request in flight, never below one whole SWARM_SERVE_CONTEXT_TOKENS conversation; each stage
     lowers it to what it measures it can hold. Speculative decoding: SWARM_SERVE_SPECULATIVE, one stage or a ring.
+
+    A ring without SWARM_SERVE_IN_FLIGHT may go up to RING_IN_FLIGHT_MAX_PER_STAGE a stage: its stage 0
+    times its stages' steps and its links at start and keeps enough decode groups in flight to fill the
+    pipe (fellow.runtime.ring.sizing), never more than every stage's KV holds.
     """
     one = num_stages == 1
     in_flight = settings.serve_in_flight or (settings.serve_max_in_flight if one else 4 * num_stages)
+    sized = not one and not settings.serve_in_flight
     return TransportPlan(max_in_flight=in_flight,
+                         in_flight_max=RING_IN_FLIGHT_MAX_PER_STAGE * num_stages if sized else 0,
                          kv_tokens=max(settings.serve_context_tokens, in_flight * settings.serve_typical_tokens),
                          max_batch=settings.serve_max_batch or 0, speculative=settings.serve_speculative,
                          prefill_chunk=settings.serve_prefill_chunk, step_costs=settings.serve_step_costs)

@@ -12,7 +12,9 @@ from fellow.runtime.engine.session import Session
 from fellow.runtime.ring.head import RingHead
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.link import RingLink
+from fellow.runtime.model.kernels import step_costs
 from fellow.runtime.ring.loader import load_ring_stage
+from fellow.runtime.ring.sizing import RingSizing, size_ring
 from fellow.runtime.ring.worker import RingWorker
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -52,6 +54,19 @@ class BusRing:
             threading.Thread(target=worker.run, daemon=True).start()
         self.routes = await link0.settle(20)
         return self
+
+    async def size(self, per_group: int = 4, ceiling: int = 64) -> RingSizing:
+        """What a ring's stage 0 does at start (fellow.runtime.ring.servers.RingHeadServer._fit_ring): every
+        stage times its decode step at ``per_group`` rows, the later ones say theirs on a probe, probe trips
+        time the links, and the head keeps that many decode groups in the ring."""
+        for worker, ring_stage in zip(self.workers, self.stages[1:]):
+            worker.step_ms = step_costs(ring_stage.stage, [per_group])[str(per_group)]
+        own = step_costs(self.stages[0].stage, [per_group])[str(per_group)]
+        link0 = self.links_[0]
+        transit = await link0.transit_ms()
+        sizing = size_ring([own, *link0.ring_step_ms], transit, per_group, ceiling)
+        self.head.groups = sizing.groups
+        return sizing
 
     def generate(self, prompts, max_new_tokens: int, progress: threading.Event | None = None):
         """Blocking (call it on a thread): the replies and each session's timing."""

@@ -72,3 +72,32 @@ async def test_a_hop_whose_direct_link_is_slower_than_the_relay_stays_on_the_rel
     probe = ring.links_[0].probe_ms
     assert probe["direct"] >= 40 > probe["relay"]  # both ways through the proxy: at least 2 x 20 ms
     assert {t["route"] for t in timings.values()} == {"relay,direct,direct"}
+
+
+async def test_a_ring_over_slow_links_keeps_more_decode_groups_in_flight_and_replies_alike(nats_server, model):
+    """Every link of a 3-stage ring crosses a 10 ms (one way) proxy: probe trips time the links, each later
+    stage says its step on the probe, and stage 0 sizes more decode groups than stages to fill the pipe
+    (fellow.runtime.ring.sizing). With twelve sessions in those groups, replies equal the model alone."""
+    host, port = nats_server.url.split("://", 1)[1].rsplit(":", 1)
+    ports = {i: free_port() for i in range(3)}
+    proxies = {i: DelayProxy(("127.0.0.1", p), delay_s=0.01).start() for i, p in ports.items()}
+    proxies["nats"] = DelayProxy((host, int(port)), delay_s=0.01).start()
+    try:
+        ring = BusRing(model, 3, "direct", listen={i: (p, proxies[i].address) for i, p in ports.items()})
+        await ring.start(nats_server.url, urls={i: f"nats://{proxies['nats'].address}" for i in (1, 2)})
+        try:
+            sizing = await ring.size(per_group=2, ceiling=24)
+            prompts = (PROMPTS * 4)[:12]
+            expected = one_stage(model, prompts, 8)
+            replies, _ = await asyncio.to_thread(ring.generate, prompts, 8)
+        finally:
+            await ring.close()
+    finally:
+        for proxy in proxies.values():
+            proxy.stop()
+    assert ring.routes == "ddd"
+    assert sizing.transit_ms >= 30  # three hops, each one way through a 10 ms proxy
+    assert len(sizing.step_ms) == 3 and all(ms > 0 for ms in sizing.step_ms)  # stage 0's and both later ones
+    assert sizing.groups == ring.head.groups > 3  # the pipe is longer than three steps
+    assert sizing.in_flight == 2 * sizing.groups <= 24
+    assert replies == expected

@@ -544,6 +544,37 @@ def test_a_probe_brings_back_every_stages_kv_and_stage_0_admits_by_the_smallest(
     assert head.engine.budget.kv_tokens == 1024 and head.in_flight == 8
 
 
+def test_stage0_sizes_its_in_flight_from_steps_and_links_then_lowers_it_to_the_kv_every_stage_holds(servables):
+    """With ``in_flight_max`` every stage times its step at a group's rows at load, and stage 0 keeps as many
+    groups as fill the pipe (fellow.runtime.ring.sizing), at the share of KV placement planned a session;
+    the stage that holds least still has the last word, and a short pipe keeps one group a stage."""
+    from events.stage import StageConfig, Transport
+    from fellow.runtime.ring.servers import RingHeadServer
+    from fellow.runtime.ring.sizing import size_ring
+
+    assert size_ring([10.0, 10.0], 50.0, 4, 32).groups == 7  # 20 ms of steps and 50 ms of links, 10 ms a slot
+    assert size_ring([10.0, 10.0], 100.0, 4, 32).in_flight == 32  # no more than the ceiling
+    assert size_ring([5.0, 5.0], 1.0, 4, 32).groups == 2  # a LAN: one group a stage, as without sizing
+    assert size_ring([2.0, 8.0, 2.0], 4.0, 4, 64).groups == 3  # the slowest stage sets the slot
+
+    cfg = StageConfig(load_id="ld-size", model_id="tiny3", model_dir=str(servables["three"]), nats_url="nats://x:1",
+                      fellow_id="f0", stage=0, num_stages=3,
+                      transport=Transport(max_in_flight=6, kv_tokens=6 * 128, prefill_chunk=8, in_flight_max=48))
+    head = RingHeadServer(cfg)
+    head.load()
+    assert head.per_group == 2 and head.group_ms > 0  # its own step, timed at load
+    assert head.kv_own == 48 * 128 and head.in_flight == 6  # room planned for the ceiling; the plan until sized
+    sizing = size_ring([1.0, 1.0, 1.0], 4.0, head.per_group, 48)
+    assert (sizing.groups, sizing.in_flight) == (7, 14)
+    head._fit_ring_kv([6144, 6144], sizing)
+    assert (head.in_flight, head.engine.groups, head.kv_tokens) == (14, 7, 14 * 128)
+    assert head.stage.kernels["ring"]["in_flight"] == 14 and head.stage.kernels["ring"]["transit_ms"] == 4.0
+    head._fit_ring_kv([6144, 1000], sizing)  # stage 2 holds 1,000 tokens: seven 128-token shares
+    assert (head.in_flight, head.engine.groups, head.kv_tokens) == (7, 4, 1000)
+    head._fit_ring_kv([6144, 6144], size_ring([1.0, 1.0, 1.0], 0.2, head.per_group, 48))  # a short pipe
+    assert (head.in_flight, head.engine.groups, head.kv_tokens) == (6, 3, 6 * 128)
+
+
 def test_a_full_ring_drafts_only_once_at_most_one_session_a_stage_is_in_it(copier):
     """By default stage 0 drafts only while the ring holds at most one session a stage; replies stay exact."""
     prompts, lengths = copying_prompts(4), [6, 10, 40, 40]

@@ -53,6 +53,9 @@ async def _greedy_ring_equals_hf(stack, url, hf, num_stages: int, fellow_ids: li
     assert [s["fellow_id"] for s in load["stages"]] == fellow_ids
     assert [tuple(s["layers"]) for s in load["stages"]][0][0] == 0 and load["stages"][-1]["layers"][1] == 4
     assert all(s["kv_tokens"] > 0 for s in load["stages"])
+    sized = load["stages"][0]["kernels"]["ring"]  # stage 0 timed every stage's step and the links at start
+    assert len(sized["step_ms"]) == num_stages and all(ms > 0 for ms in sized["step_ms"]) and sized["transit_ms"] > 0
+    assert sized["groups"] >= num_stages and sized["in_flight"] == load["stages"][0]["max_in_flight"]
     nc, js = await _bus(url)
     try:
         replies = await asyncio.gather(*(chat_over_bus(nc, js, load["load_id"], "tiny", p, max_tokens=20)
@@ -74,10 +77,12 @@ async def _greedy_ring_equals_hf(stack, url, hf, num_stages: int, fellow_ids: li
         # the same prompt again: every stage took its whole blocks (16 positions each) from its prefix cache
         t = frames[-1].timing
         assert t["cached_tokens"] == (t["prompt_tokens"] - 1) // 16 * 16 > 0
-        def relay_counted():
+        def relay_counted():  # each stage publishes its counts once a second: wait for the activations' bytes
             status = stack.get("/api/v1/models/tiny/status").json()
             lanes = status["load"]["relay"]
-            return all(lanes.get(lane, {}).get("frames") for lane in ("act", "tok")) and status
+            act = lanes.get("act", {})
+            return (lanes.get("tok", {}).get("frames") and act.get("bytes", 0) > act.get("frames", 0) * HIDDEN * 2
+                    and status)
 
         status = await asyncio.to_thread(wait_until, relay_counted, 30, "relay stats of every stage")
         relay = status["load"]["relay"]

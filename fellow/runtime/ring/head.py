@@ -35,8 +35,10 @@ class RingHead(Scheduler):
 
     Each ``step`` takes the tokens that came back and computes one unit: a decode group or a prompt
     piece, sent at once so the next stage starts while this one computes the next unit. Decode
-    groups hold ceil(in flight / stages) sessions (at most max_batch), so while a later stage runs
-    one group stage 0 runs another. A prompt goes in pieces of at most prefill_chunk positions, up
+    groups hold ceil(in flight / groups) sessions (at most max_batch), so while a later stage runs
+    one group stage 0 runs another. ``groups`` is the number of stages unless stage 0 sized it from the
+    ring's measured steps and links (fellow.runtime.ring.sizing): over slow links, more groups than
+    stages keep the slowest stage busy while the others are on the wire. A prompt goes in pieces of at most prefill_chunk positions, up
     to one piece per stage of a session in the ring at once (prefill_ahead).
 
     With ``prefix_cache`` on, every stage keeps its own finished sessions' positions, and this one
@@ -61,6 +63,7 @@ class RingHead(Scheduler):
         super().__init__(kv_tokens, max_batch=max_batch, prefill_chunk=prefill_chunk)
         self.stage, self.codec, self.send, self.inbox = stage, codec, send, inbox
         self.num_stages = num_stages
+        self.groups = num_stages  # decode groups in the ring at once (fellow.runtime.ring.sizing)
         self.max_piece = max(1, (max_payload - 1024) // codec.bytes_per_position)
         self.ready: deque[RingSession] = deque()  # tokens back, in the order they came
         self.broken: RingFailure | None = None
@@ -264,7 +267,7 @@ class RingHead(Scheduler):
                 return
 
     def _group_size(self) -> int:
-        size = math.ceil(len(self.sessions) / self.num_stages)
+        size = math.ceil(len(self.sessions) / self.groups)
         return max(1, min(size, self.max_batch) if self.max_batch else size)
 
     def _decode_group(self) -> bool:

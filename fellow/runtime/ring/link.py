@@ -58,6 +58,7 @@ class RingLink:
         self.address: tuple[str, int] | None = None  # where this stage listens, once it does
         self.probe_ms: dict[str, float] | None = None  # the link probe's medians, direct and relay
         self.ring_kv: list[int] = []  # stage 0: each later stage's KV tokens, from the last probe round
+        self.ring_step_ms: list[float] = []  # stage 0: each later stage's decode step (0.0: not measured)
         self.fallbacks = 0
         self._epoch = random.getrandbits(62)
         self._seq = 0
@@ -133,9 +134,20 @@ class RingLink:
                 except asyncio.TimeoutError:
                     continue
                 self.ring_kv = list(probe.kv)
+                self.ring_step_ms = list(probe.step_ms)
                 return probe.routes
         finally:
             self._probes.pop(nonce, None)
+
+    async def transit_ms(self, rounds: int = 5, timeout: float = 30.0) -> float:
+        """Stage 0: the median of ``rounds`` probe trips round the ring, in ms: every hop's one-way delay
+        by the route it takes now, plus each stage's handling, with no compute on the way."""
+        trips = []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            await self.probe(timeout)
+            trips.append((time.perf_counter() - started) * 1e3)
+        return statistics.median(trips)
 
     async def _on_msg(self, msg) -> None:
         try:

@@ -15,6 +15,7 @@ from fellow.runtime.ring.head import WAKE, RingHead
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.link import RingLink
 from fellow.runtime.ring.session import route_name
+from fellow.runtime.ring.sizing import RingSizing, groups_for, size_ring
 from fellow.runtime.ring.loader import load_ring_stage
 from fellow.runtime.ring.worker import RingWorker
 from fellow.runtime.server.base import StageFailed, StageServerBase, report
@@ -87,23 +88,45 @@ class RingHeadServer(StageServer):
         routes = await self.link.settle(SETTLE_S)  # each hop dialed its next stage, or stays on the relay
         log.info("ring of %d stages answered a probe in %.3fs; hops: %s", self.cfg.num_stages,
                  time.perf_counter() - started, route_name(routes.replace("?", "r")))
-        self._fit_ring_kv(self.link.ring_kv)
+        await self._fit_ring()
         await super()._start()
 
-    def _fit_ring_kv(self, kv: list[int]) -> None:
+    async def _fit_ring(self) -> None:
+        """Size the ring from the last probe: with ``in_flight_max``, time probe trips round it and size
+        in flight and the decode groups from them and every stage's step (fellow.runtime.ring.sizing);
+        then hold it to the KV every stage has room for."""
+        t = self.cfg.transport
+        sizing = None
+        if t.in_flight_max:
+            transit = await self.link.transit_ms()
+            steps = [self.group_ms, *[ms or self.group_ms for ms in self.link.ring_step_ms]]  # 0.0: not measured
+            sizing = size_ring(steps, transit, self.per_group, t.in_flight_max)
+        self._fit_ring_kv(self.link.ring_kv, sizing)
+
+    def _fit_ring_kv(self, kv: list[int], sizing: RingSizing | None = None) -> None:
         """Hold every session to the KV tokens of the stage that holds fewest (each later stage says its
-        own on the probe), and lower the requests in flight to what that leaves room for."""
+        own on the probe), and lower the requests in flight (the plan's, or ``sizing``'s) to what that
+        leaves room for."""
+        t = self.cfg.transport
         own = self.kv_own
         smallest = min([own, *kv])
-        if smallest == self.kv_tokens:
-            return
         if smallest < own:
             log.info("[stage0 kv] stage %d holds %d KV tokens, stage 0 %d: the ring admits by %d",
                      1 + kv.index(smallest), smallest, own, smallest)
-        self.kv_tokens = self.engine.budget.kv_tokens = smallest
-        self.in_flight = self.fitting_in_flight()
+        wanted = sizing.in_flight if sizing is not None else t.max_in_flight
+        planned = max(t.kv_tokens, wanted * self.session_tokens()) if t.kv_tokens else smallest
+        self.kv_tokens = self.engine.budget.kv_tokens = min(smallest, planned)
+        self.in_flight = self.fitting_in_flight(wanted)
         if self.intake is not None:
             self.intake.max_in_flight = self.in_flight
+        if sizing is not None:
+            self.engine.groups = groups_for(self.in_flight, sizing.per_group, self.cfg.num_stages)
+            self.sizing = {**sizing.as_dict(), "in_flight": self.in_flight, "groups": self.engine.groups}
+            self.stage.kernels = {**self.stage.kernels, "ring": self.sizing}
+            log.info("[stage0 in-flight] steps %s ms at %d rows, links %.2f ms round the ring: %d in flight in %d "
+                     "groups%s", " ".join(f"{ms:.2f}" for ms in sizing.step_ms), sizing.per_group,
+                     sizing.transit_ms, self.in_flight, self.engine.groups,
+                     f" (KV room for {self.in_flight} of {sizing.in_flight})" if self.in_flight < sizing.in_flight else "")
 
     async def _on_load_failed(self, msg) -> None:
         try:
@@ -132,7 +155,7 @@ class RingHeadServer(StageServer):
             self._replacing.discard(evt.stage)
             if not self._replacing:
                 await self.link.probe(PROBE_TIMEOUT_S)
-                self._fit_ring_kv(self.link.ring_kv)  # the new stage may hold less
+                await self._fit_ring()  # the new stage may hold less, step slower, or be farther
                 log.info("stage %d is back on %s: the ring resumes", evt.stage, evt.fellow_id)
                 self.engine.resume()
 
@@ -164,6 +187,10 @@ class RingStageServer(StageServerBase):
 
     def stop_compute(self) -> None:
         self.worker.stop()
+
+    def load(self) -> None:
+        super().load()
+        self.worker.step_ms = self.group_ms  # told to stage 0 on every probe
 
     async def _start(self) -> None:
         self.link = RingLink(self.nc, self.load_id, self.cfg.stage, self.cfg.num_stages, self.inbox,

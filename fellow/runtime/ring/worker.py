@@ -80,6 +80,7 @@ class RingWorker:
                  prefix_tokens: int = 0, route: Callable[[], str] | None = None, kv_tokens: int = 0) -> None:
         self.ring, self.stage = ring, ring.stage
         self.kv_tokens = kv_tokens  # what this stage holds, told to stage 0 on every probe
+        self.step_ms = 0.0  # its decode step at a decode group's rows, when measured at load; told the same way
         self.inbox, self.send = inbox, send
         self.is_last = ring.plan.is_last
         self.max_batch = max_batch
@@ -134,7 +135,8 @@ class RingWorker:
     def _one(self, frame) -> None:
         self.frames += 1
         if isinstance(frame, Probe):
-            self.send(Probe(nonce=frame.nonce, routes=frame.routes + self.route(), kv=[*frame.kv, self.kv_tokens]))
+            self.send(Probe(nonce=frame.nonce, routes=frame.routes + self.route(), kv=[*frame.kv, self.kv_tokens],
+                            step_ms=[*frame.step_ms, self.step_ms]))
         elif isinstance(frame, End):
             held = self.held.get(frame.session)
             if held is not None:

@@ -39,10 +39,11 @@ def report(msg: Report) -> None:
     sys.stdout.flush()
 
 
-def kv_budget(stage: StageModel, transport: Transport) -> tuple[int, int]:
-    """(held, planned): what the stage measures it holds, never more than placement planned."""
+def kv_budget(stage: StageModel, transport: Transport, planned: int | None = None) -> tuple[int, int]:
+    """(held, planned): what the stage measures it holds, never more than placement planned (``planned``
+    where the stage plans more itself)."""
     measured = measured_kv_tokens(stage, transport.prefill_chunk or 256)
-    planned = transport.kv_tokens
+    planned = transport.kv_tokens if planned is None else planned
     return (min(measured, planned) if planned else measured), (planned or measured)
 
 
@@ -130,10 +131,27 @@ class StageServerBase:
         t = self.cfg.transport
         return t.kv_tokens // max(1, t.max_in_flight) if t.kv_tokens else 1
 
-    def fitting_in_flight(self) -> int:
-        """The planned requests in flight, lowered until each has its planned share of ``kv_tokens``."""
+    def fitting_in_flight(self, wanted: int | None = None) -> int:
+        """The planned requests in flight (or ``wanted``), lowered until each has its planned share of
+        ``kv_tokens``."""
         t = self.cfg.transport
-        return max(1, min(max(1, t.max_in_flight), self.kv_tokens // self.session_tokens()))
+        wanted = t.max_in_flight if wanted is None else wanted
+        return max(1, min(max(1, wanted), self.kv_tokens // self.session_tokens()))
+
+    def planned_kv(self) -> int:
+        """The KV tokens placement planned; for a ring whose stage 0 may raise its in flight
+        (``in_flight_max``), enough for that many planned shares, so the raise is not refused here."""
+        t = self.cfg.transport
+        if t.in_flight_max and t.kv_tokens:
+            return max(t.kv_tokens, t.in_flight_max * self.session_tokens())
+        return t.kv_tokens
+
+    @property
+    def per_group(self) -> int:
+        """A ring's sessions per decode group: the planned in flight over its stages (at most the batch cap)."""
+        t = self.cfg.transport
+        rows = max(1, t.max_in_flight // max(1, self.cfg.num_stages))
+        return min(rows, t.max_batch) if t.max_batch > 0 else rows
 
     @property
     def batch_cap(self) -> int:
@@ -144,7 +162,7 @@ class StageServerBase:
     def load(self) -> None:
         started = time.perf_counter()
         self._load()
-        self.kv_tokens, self.kv_planned = kv_budget(self.stage, self.cfg.transport)
+        self.kv_tokens, self.kv_planned = kv_budget(self.stage, self.cfg.transport, self.planned_kv())
         session = self.session_tokens()
         if self.kv_tokens < session:
             raise CannotServe(f"stage {self.cfg.stage} on fellow {self.cfg.fellow_id} holds {self.kv_tokens} KV "
@@ -157,6 +175,9 @@ class StageServerBase:
             self.stage.kernels = {**self.stage.kernels, "step_ms": costs}
             log.info("[stage%d step-costs] path=%s decode step %s", self.cfg.stage, self.stage.kernels["path"],
                      " ".join(f"batch {rows}: {ms:.2f} ms" for rows, ms in costs.items()))
+        self.group_ms = 0.0  # a ring stage's decode step at a group's rows: stage 0 sizes in flight by it
+        if self.cfg.transport.in_flight_max:
+            self.group_ms = step_costs(self.stage, [self.per_group])[str(self.per_group)]
         self.load_s = time.perf_counter() - started
 
     def vram_bytes(self) -> int:
