@@ -81,7 +81,7 @@ class ModelManager:
             max_batch = t.max_batch or (self.settings.serve_max_batch or 0)
             speculative = t.speculative or self.settings.serve_speculative  # rings draft on stage 0
             draft_dir = ""
-            if speculative and cmd.num_stages == 1 and self.settings.serve_draft_model:  # one-stage loads only
+            if speculative and cmd.assignment.stage == 0 and self.settings.serve_draft_model:  # beside stage 0
                 try:
                     draft_dir = str(draft_model_dir(self.settings))
                 except FileNotFoundError as exc:

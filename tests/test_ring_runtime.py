@@ -49,14 +49,15 @@ class LocalRing:
     """Stage 0's head and the later stages' workers on threads; every frame is encoded and decoded."""
 
     def __init__(self, model_dir, num_stages: int, prefill_chunk: int = 8, max_batch: int = 0,
-                 prefix: bool = False, kv_tokens: int = 4096, stage_kv: list[int] | None = None):
+                 prefix: bool = False, kv_tokens: int = 4096, stage_kv: list[int] | None = None,
+                 speculative: int = 0, draft=None):
         self.inboxes = [Inbox() for _ in range(num_stages)]
         self.stages = [load_ring_stage(model_dir, i, num_stages, device="cpu") for i in range(num_stages)]
         self.sent: list = []
         self.timings: dict[str, dict] = {}
         self.head = RingHead(self.stages[0].stage, self.stages[0].sender, self._sender(0), self.inboxes[0],
                              num_stages=num_stages, kv_tokens=kv_tokens, max_batch=max_batch,
-                             prefill_chunk=prefill_chunk, prefix_cache=prefix)
+                             prefill_chunk=prefill_chunk, prefix_cache=prefix, speculative=speculative, draft=draft)
         self.workers = [RingWorker(self.stages[i], self.inboxes[i], self._sender(i),
                                    prefix_tokens=kv_tokens if prefix else 0,
                                    kv_tokens=stage_kv[i - 1] if stage_kv else kv_tokens) for i in range(1, num_stages)]
@@ -350,32 +351,36 @@ def _copy_text(seed: int = 1) -> list[int]:
 COPY_TEXT = _copy_text()
 
 
-@pytest.fixture(scope="module")
-def copier(tmp_path_factory):
-    """A 3-stage servable of a random model that copies COPY_TEXT (tests/copying.py): its drafts stand and fall."""
+def planted_servable(root, model_id: str, layers: int, seed: int, stages: int):
+    """A servable of a random llama that copies COPY_TEXT (tests/copying.py): its drafts stand and fall."""
     from transformers import AutoModelForCausalLM
 
     from tests.copying import plant_bigrams
 
-    root = tmp_path_factory.mktemp("copier")
-    hf = make_tiny_checkpoint(root / "hf-copier", family="llama", layers=3, hidden=64, seed=3)
+    hf = make_tiny_checkpoint(root / f"hf-{model_id}", family="llama", layers=layers, hidden=64, seed=seed)
     model = AutoModelForCausalLM.from_pretrained(str(hf))
     plant_bigrams(model, COPY_TEXT)
     model.save_pretrained(str(hf))
-    out = root / "servables" / "copier"
-    export(hf, out, stages=3, model_id="copier")
+    out = root / "servables" / model_id
+    export(hf, out, stages=stages, model_id=model_id)
     return out
+
+
+@pytest.fixture(scope="module")
+def copier(tmp_path_factory):
+    """A 3-stage servable of the copying model."""
+    return planted_servable(tmp_path_factory.mktemp("copier"), "copier", layers=3, seed=3, stages=3)
 
 
 def copying_prompts(n: int) -> list[list[int]]:
     return [COPY_TEXT[: 57 + 3 * i] for i in range(n)]
 
 
-def spec_ring(model, stages: int, k: int, prefix: bool = False, full: bool = True) -> LocalRing:
-    """A ring whose stage 0 drafts up to k; ``full``: also while more than one session a stage is in it
-    (the default drafts only below that: SPEC_MAX_ACTIVE_PER_STAGE), so drafting and plain sessions mix."""
-    ring = LocalRing(model, stages, prefill_chunk=8, prefix=prefix)
-    ring.head.speculative = k
+def spec_ring(model, stages: int, k: int, prefix: bool = False, full: bool = True, draft=None) -> LocalRing:
+    """A ring whose stage 0 drafts up to k (with ``draft``, a draft model's stage, too); ``full``: also while
+    more than one session a stage is in it (the default drafts only below that: SPEC_MAX_ACTIVE_PER_STAGE),
+    so drafting and plain sessions mix."""
+    ring = LocalRing(model, stages, prefill_chunk=8, prefix=prefix, speculative=k, draft=draft)
     if full:
         ring.head.spec_max_active_per_stage = 8
     return ring
@@ -405,6 +410,54 @@ def test_a_ring_that_drafts_replies_as_one_that_does_not(copier, stages, prefix)
     if prefix:
         assert ring.head.prefix.tokens > 0
         assert all(w.prefix.tokens == ring.head.prefix.tokens for w in ring.workers)
+
+
+@pytest.fixture(scope="module")
+def small_copier(tmp_path_factory):
+    """A 1-layer draft for the copier: the same tokenizer and planted text, other weights."""
+    return planted_servable(tmp_path_factory.mktemp("small-copier"), "small-copier", layers=1, seed=9, stages=1)
+
+
+def test_a_ring_with_a_draft_model_beside_stage_0_replies_as_one_that_does_not(copier, small_copier):
+    """A draft model drafts beside a ring's stage 0 where prompt lookup has no full run (random prompts),
+    lookup where it has (copying ones); the last stage verifies. Greedy replies are the one-stage
+    engine's, token for token; the draft model's guesses both stood and fell, and its caches go with
+    their sessions."""
+    from fellow.runtime.engine.draft_model import DraftModel
+
+    prompts = copying_prompts(2) + PROMPTS[:2]
+    expected = one_stage(copier, prompts, 24)
+    target = load_ring_stage(copier, 0, 2, device="cpu").stage
+    draft = DraftModel(load_one_stage(small_copier, "cpu").stage, target)
+    ring = spec_ring(copier, 2, 4, draft=draft)
+    try:
+        got = ring.generate(prompts, 24)
+        wait_until(lambda: all(not w.held for w in ring.workers), 10, "every stage dropped its caches")
+    finally:
+        ring.close()
+    assert got == expected
+    timings = [ring.timings[f"s{i}"] for i in range(4)]
+    model_drafted = sum(t.get("spec_model_drafted", 0) for t in timings)
+    model_accepted = sum(t.get("spec_model_accepted", 0) for t in timings)
+    assert 0 < model_accepted < model_drafted
+    assert all(timings[i].get("spec_model_drafted") for i in (2, 3))  # lookup found no run: the model drafted
+    assert sum(t["spec_drafted"] for t in timings) > model_drafted  # and lookup drafted first where it could
+    assert not draft.states and draft.positions == 0 and ring.head.budget.reserved == 0
+
+
+def test_a_ring_stage_0_loads_the_draft_model_beside_it_and_budgets_for_both(copier, small_copier):
+    from events.stage import StageConfig, Transport
+    from fellow.runtime.ring.servers import RingHeadServer
+
+    cfg = StageConfig(load_id="ld-draft", model_id="copier", model_dir=str(copier), nats_url="nats://x:1",
+                      fellow_id="f0", stage=0, num_stages=3, draft_model_dir=str(small_copier),
+                      transport=Transport(max_in_flight=3, kv_tokens=3 * 512, prefill_chunk=8, speculative=4))
+    head = RingHeadServer(cfg)
+    head.load()
+    assert head.engine.draft is head.draft and head.draft.name == "small-copier"
+    assert head.stage.kernels["draft_decoder"] == "eager"  # no CUDA here
+    # a budget token holds a position here and one of the draft model's: fewer than placement planned
+    assert head.kv_own == head.kv_tokens == head.engine.kv_tokens == head.draft.budget_tokens(3 * 512) < 3 * 512
 
 
 def test_a_ring_that_drafts_samples_what_one_stage_that_drafts_samples(copier):

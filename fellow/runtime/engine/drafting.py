@@ -77,11 +77,24 @@ def next_drafts(session) -> list[int]:
     most the tokens its reply has left but one: a pass then never writes past the session's
     reservation (the reserved prompt plus max_tokens holds the positions of the pass in flight).
     A session under a grammar drafts nothing: its mask is computed one position at a time."""
-    if not session.spec_k or session.sampling.grammar or not session.guard.allows():
+    limit = draft_limit(session)
+    if limit <= 0:
         return []
+    return caught_up(session).draft(limit)
+
+
+def draft_limit(session) -> int:
+    """How many tokens a session may draft for its next pass (0: none); see next_drafts."""
+    if not session.spec_k or session.sampling.grammar or not session.guard.allows():
+        return 0
+    return min(session.guard.limit, session.max_new_tokens - len(session.output_ids) - 1)
+
+
+def caught_up(session):
+    """The session's prompt lookup, with its reply so far added."""
     lookup = session.lookup
     lookup.extend(session.output_ids[len(lookup.ids) - len(session.prompt_ids):])
-    return lookup.draft(min(session.guard.limit, session.max_new_tokens - len(session.output_ids) - 1))
+    return lookup
 
 
 def until_stop(gained: list, stop_ids) -> list:

@@ -11,7 +11,8 @@ from typing import Callable
 import torch
 
 from events.ring import DECODE, LAST_PIECE, NO_TOKEN, PIECE, PREFIX_MISSING, VERIFY, End, Hidden, RingSampling, Token
-from fellow.runtime.engine.drafting import check_speculative, next_drafts
+from fellow.runtime.engine.draft_model import LOOKUP_FIRST_RUN, DraftModel
+from fellow.runtime.engine.drafting import caught_up, check_speculative, draft_limit, next_drafts
 from fellow.runtime.engine.prefix_cache import PrefixCache
 from fellow.runtime.engine.scheduler import Scheduler, StepResult
 from fellow.runtime.ring.codec import WireCodec
@@ -52,15 +53,26 @@ class RingHead(Scheduler):
     verifies (exactly, as the one-stage engine does) and answers every token the pass gained; each
     stage crops its cache to the positions that stood (the later ones when the session's next frame
     comes, at the position it names). Sessions without drafts go in the decode groups as before.
+
+    With a ``draft`` model too (fellow.runtime.engine.draft_model, the one-stage engine's), prompt
+    lookup still drafts first where it has a full run of LOOKUP_FIRST_RUN or more; the group's other
+    drafting sessions ask the draft model, in one batch, beside this stage. Its caches are this
+    stage's alone: the later stages only ever see the VERIFY frames.
     """
 
     def __init__(self, stage: StageModel, codec: WireCodec, send: Callable[[object], None], inbox: Inbox, *,
                  num_stages: int, kv_tokens: int, max_batch: int = 0, prefill_chunk: int = 256,
                  max_payload: int = 1 << 20, prefix_cache: bool = True,
-                 route: Callable[[], str] | None = None, speculative: int = 0) -> None:
+                 route: Callable[[], str] | None = None, speculative: int = 0,
+                 draft: DraftModel | None = None) -> None:
         if not stage.is_first or stage.is_last:
             raise ValueError("a ring's head holds the embeddings and not the head")
+        if draft is not None:
+            if not speculative:
+                raise ValueError("a draft model drafts only with speculative k > 0")
+            kv_tokens = draft.budget_tokens(kv_tokens)  # each budget token holds a position of both models here
         super().__init__(kv_tokens, max_batch=max_batch, prefill_chunk=prefill_chunk)
+        self.draft = draft
         self.stage, self.codec, self.send, self.inbox = stage, codec, send, inbox
         self.num_stages = num_stages
         self.groups = num_stages  # decode groups in the ring at once (fellow.runtime.ring.sizing)
@@ -157,6 +169,9 @@ class RingHead(Scheduler):
         session.spec_tokens += len(gained)
         session.spec_drafted += drafted
         session.spec_accepted += accepted
+        if session.model_drafting:
+            session.spec_model_drafted += drafted
+            session.spec_model_accepted += accepted
         for i, token in enumerate(gained):
             session.pending_logprob = item.logprobs[i] if i < len(item.logprobs) else None
             if Scheduler._accept(self, session, token, now, result):
@@ -236,6 +251,8 @@ class RingHead(Scheduler):
         if session.prefilled > session.first_pos:  # the later stages hold a cache for it
             length = session.cache.length if session.cache is not None else -1
             self.send(End(session=session.session_id, keep=keep, length=length))
+        if self.draft is not None:
+            self.draft.release(session.session_id)
         super()._finish(session, reason, result)
         if self.prefix is not None:
             self.prefix.fit(self.budget.reserved, self.kv_tokens)
@@ -244,6 +261,8 @@ class RingHead(Scheduler):
         stats = super().stats()
         if self.prefix is not None:
             stats.update(self.prefix.stats(), prefix_fallbacks=self.prefix_fallbacks)
+        if self.draft is not None:
+            stats["draft_positions"] = self.draft.positions
         return stats
 
     # --- compute -----------------------------------------------------------------------------
@@ -277,8 +296,9 @@ class RingHead(Scheduler):
         group = [self.ready.popleft() for _ in range(min(size, len(self.ready)))]
         if self.speculative and len(self.sessions) <= self.num_stages * self.spec_max_active_per_stage:
             plain = []
+            drafted = self._group_drafts(group)
             for session in group:
-                drafts = next_drafts(session)
+                drafts = drafted.get(session.session_id)
                 if drafts:
                     self._verify_pass(session, drafts)
                 else:
@@ -304,6 +324,27 @@ class RingHead(Scheduler):
             session.sent(len(data) + len(scale), 1, now)
             session.decode_sent_at = now
         return True
+
+    def _group_drafts(self, group: list[RingSession]) -> dict[str, list[int]]:
+        """Each session's drafts for its next pass: prompt lookup's, else (with a draft model) the draft
+        model's, asked for every such session of the group at once."""
+        if self.draft is None:
+            return {s.session_id: next_drafts(s) for s in group}
+        drafts, asks = {}, []
+        for session in group:
+            limit = draft_limit(session)
+            if limit <= 0:
+                continue
+            lookup = caught_up(session)
+            found, run = lookup.draft_run(limit)
+            session.model_drafting = not (run >= LOOKUP_FIRST_RUN and len(found) == limit)
+            if session.model_drafting:
+                asks.append((session.session_id, lookup.ids, limit, session.stop_ids))
+            else:
+                drafts[session.session_id] = found
+        if asks:
+            drafts.update(self.draft.propose(asks))
+        return drafts
 
     def _verify_pass(self, session: RingSession, drafts: list[int]) -> None:
         """The session's last token and its drafts as one piece here, sent on as a VERIFY frame."""

@@ -55,16 +55,19 @@ class RingHeadServer(StageServer):
         self.ring = load_ring_stage(self.cfg.model_dir, 0, self.cfg.num_stages, **self._load_options())
         self.stage, self.device = self.ring.stage, self.ring.device
         self.tokenizer, self.stop_ids = self.ring.tokenizer, self.ring.stop_ids
+        self._load_draft()
 
     def _build(self) -> None:
         t = self.cfg.transport
-        self.kv_own = self.kv_tokens  # stage 0's own; the ring's is the smallest of every stage's
         self.inbox = Inbox()
         self.engine = RingHead(self.stage, self.ring.sender, lambda frame: self.link.send(frame), self.inbox,
                                num_stages=self.cfg.num_stages, kv_tokens=self.kv_tokens, max_batch=t.max_batch,
                                prefill_chunk=t.prefill_chunk, prefix_cache=t.prefix_cache,
                                route=lambda: self.link.route if self.link is not None else "r",
-                               speculative=t.speculative)
+                               speculative=t.speculative, draft=self.draft)
+        # stage 0's own (with a draft model, each token holds a position of both); the ring's is the
+        # smallest of every stage's
+        self.kv_own = self.kv_tokens = self.engine.kv_tokens
         self.serving = self.make_loop()
 
     def make_loop(self) -> ServingLoop:

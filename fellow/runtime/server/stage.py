@@ -32,6 +32,10 @@ class StageServer(StageServerBase):
         loaded = load_one_stage(self.cfg.model_dir, **self._load_options())
         self.stage, self.device = loaded.stage, loaded.device
         self.tokenizer, self.stop_ids = loaded.tokenizer, loaded.stop_ids
+        self._load_draft()
+
+    def _load_draft(self) -> None:
+        """SWARM_SERVE_DRAFT_MODEL's small model, beside this stage 0 (one stage or a ring's), when it drafts."""
         if self.cfg.draft_model_dir and self.cfg.transport.speculative:
             self.draft = load_draft_model(self.cfg.draft_model_dir, self.stage, self.tokenizer, self.device,
                                           packed=self.cfg.packed_linear, batch_cap=self.batch_cap)
