@@ -1,6 +1,7 @@
-"""CPU weight-only int8 / int4 stages against float32, all in one run: decode tokens/s at 1 and 8 streams of
-HF `generate` (float32), the float32 stage, and the int8 and int4-fast stages, each driven by the engine
-as a fellow serves it (bench/bench_matrix.py's `engine_alone`), on shapes of bench/bench_matrix.py.
+"""CPU weight-only int8 / int4 and bitsandbytes NF4 stages against float32, all in one run: decode tokens/s
+at 1 and 8 streams of HF `generate` (float32), the float32 stage, and the int8, int4-fast and nf4 stages,
+each driven by the engine as a fellow serves it (bench/bench_matrix.py's `engine_alone`), on shapes of
+bench/bench_matrix.py.
 
     .venv/bin/python bench/bench_quant.py [--shapes q46m-v4k llama-deep] [--streams 1 8] [--tokens 48] [--threads N]
 
@@ -23,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_matrix import SHAPES, engine_alone, hf_generate, make_checkpoint  # noqa: E402
 
-METHODS = ("none", "int8", "int4-fast")
+METHODS = ("none", "int8", "int4-fast", "nf4")
 
 
 def run_shape(name: str, tmp: Path, tokens: int, streams: list[int]) -> dict:
@@ -50,19 +51,20 @@ def run_shape(name: str, tmp: Path, tokens: int, streams: list[int]) -> dict:
 
 
 def table(rows: list[dict], streams: list[int]) -> str:
+    quantized = METHODS[1:]
     head = "| shape | params |"
     for b in streams:
-        head += f" generate {b} | fp32 stage {b} | int8 {b} | int4 {b} | int8/gen {b} | int4/gen {b} |" \
-                f" int8/fp32 stage {b} | int4/fp32 stage {b} |"
-    head += " weights MB fp32 / int8 / int4 |"
+        head += f" generate {b} | fp32 stage {b} |" + "".join(f" {m} {b} |" for m in quantized)
+        head += "".join(f" {m}/gen {b} |" for m in quantized) + "".join(f" {m}/fp32 stage {b} |" for m in quantized)
+    head += " weights MB " + " / ".join(("fp32", *quantized)) + " |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         cells = [r["name"], f"{r['params_m']:.0f}M"]
         for b in streams:
-            g, f, i8, i4 = r["generate"][b], r["none"][b], r["int8"][b], r["int4-fast"][b]
-            cells += [f"{g:.1f}", f"{f:.1f}", f"{i8:.1f}", f"{i4:.1f}", f"{i8 / g:.2f}x", f"{i4 / g:.2f}x",
-                      f"{i8 / f:.2f}x", f"{i4 / f:.2f}x"]
-        cells.append(f"{r['none_mb']:.1f} / {r['int8_mb']:.1f} / {r['int4-fast_mb']:.1f}")
+            g, f = r["generate"][b], r["none"][b]
+            cells += [f"{g:.1f}", f"{f:.1f}", *(f"{r[m][b]:.1f}" for m in quantized),
+                      *(f"{r[m][b] / g:.2f}x" for m in quantized), *(f"{r[m][b] / f:.2f}x" for m in quantized)]
+        cells.append(" / ".join(f"{r[f'{m}_mb']:.1f}" for m in METHODS))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -70,7 +72,7 @@ def table(rows: list[dict], streams: list[int]) -> str:
 def summary(rows: list[dict], streams: list[int]) -> str:
     out = []
     for b in streams:
-        for method in ("int8", "int4-fast"):
+        for method in METHODS[1:]:
             for base, label in (("generate", "generate"), ("none", "float32 stage")):
                 ratios = sorted(r[method][b] / r[base][b] for r in rows)
                 out.append(f"{method} / {label} at {b} stream(s): min {ratios[0]:.2f}x, "

@@ -181,7 +181,7 @@ def add_commands(sub) -> None:
     load.add_argument("--replicas", type=int, default=1,
                       help="copies sharing the requests: one stage each, or rings of --num-stages")
     load.add_argument("--speculative", type=int, default=None, metavar="K",
-                      help="tokens drafted per decode pass by prompt lookup, 0 (off) to 8; one-stage loads")
+                      help="tokens drafted per decode pass by prompt lookup, 0 (off) to 8; one stage or a ring")
     load.add_argument("--quantization", default=None,
                       help="none, nf4, 8 (int8) or int4-fast; default: the servable's own (its manifest's)")
     load.add_argument("--timeout", type=float, default=600.0)

@@ -57,7 +57,7 @@ def test_a_quantized_load_goes_only_to_fellows_that_declare_its_kernels_priced_a
     assert a.fellow_id == "small" and a.weights_estimate == int(1.05 * PARAMS)
     [a] = place_replicas(PARAMS, 8, 1, fellows, online, method=INT4_FAST)
     assert a.fellow_id == "small" and a.weights_estimate == int(0.55 * PARAMS)
-    # NF4 needs bitsandbytes' kernels (serve-quantized): nobody declares them
+    # NF4 needs bitsandbytes (serve-quantized): neither of these fellows declares it
     with pytest.raises(PlacementError, match="big does not declare serve-quantized.*small does not declare"):
         place_replicas(PARAMS, 8, 1, fellows, online, method=NF4)
     # on a GPU the same int8 request needs bitsandbytes, and int4-fast torchao's kernels

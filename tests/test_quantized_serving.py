@@ -1,7 +1,7 @@
 """Quantized loads end to end (real leader, fellows, stage processes): a fellow that does not declare the
 kernels gets the load in full precision and the status says why; one that does serves it quantized,
-and the status shows the method and the measured weight bytes beside the estimate. No stage serves
-another method than the one it was priced at."""
+and the status shows the method and the measured weight bytes beside the estimate (int4-fast, int8 and
+bitsandbytes' NF4). No stage serves another method than the one it was priced at."""
 
 from __future__ import annotations
 
@@ -95,6 +95,21 @@ def test_fallback_without_capable_fellows_then_quantized_on_one_that_declares_th
         load = status(stack)
         assert load["quantization"] == {"bits": 8} and load["stages"][0]["weights"]["quantization"] == "int8"
         assert load["stages"][0]["weights"]["bytes"] <= 0.30 * load["stages"][0]["weights"]["float_bytes"]
+        assert stack.post(f"/api/v1/models/{MODEL}/unload").status_code == 200
+        wait_until(lambda: stack.get(f"/api/v1/models/{MODEL}").json()["load_state"] == "unloaded", 60, "unloaded")
+
+        # NF4 through bitsandbytes: f1 probed it too (serve-quantized), f0 did not
+        assert declares(stack, "f1", "serve-quantized") and not declares(stack, "f0", "serve-quantized")
+        load = stack.load(MODEL, quantization={"method": "nf4"})
+        assert load["quantization"] == {"method": "nf4"} and load["quantization_reason"] is None
+        priced_as_served(load)
+        [stage] = load["stages"]
+        assert stage["fellow_id"] == "f1" and stage["weights"]["estimate_bytes"] == int(0.55 * parameters)
+        assert stage["weights"]["bytes"] <= 0.17 * stage["weights"]["float_bytes"]
+        assert {e["kernel"] for e in stage["kernels"]["shapes"].values()} == {"bnb-nf4"}
+        r = stack.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 8,
+                                                "messages": [{"role": "user", "content": "hello"}]})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0, r.text
     finally:
         if capable is not None:
             capable.stop()

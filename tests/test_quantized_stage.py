@@ -1,5 +1,6 @@
-"""CPU int8 / int4 weight-only stages (fellow.runtime.model.quant): quantized layer by layer as they load,
-close to the float32 stage, batched equal to alone, and a fraction of its weight bytes.
+"""CPU int8 / int4 weight-only and bitsandbytes NF4 stages (fellow.runtime.model.quant): quantized layer by
+layer as they load, close to the float32 stage, batched equal to alone, and a fraction of its weight bytes;
+NF4's weights byte for byte those of ``from_pretrained`` with bitsandbytes' NF4.
 
 The model: a random tiny Qwen3 of 8 layers, hidden 256, MLP 512, vocabulary 384, tied embeddings (4.9M
 parameters). Its layers hold 96 % of the parameters, so the weight-byte claims are about the quantized
@@ -13,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.quantization import INT4_FAST, INT8, NONE
+from core.quantization import INT4_FAST, INT8, NF4, NONE
 from core.servable import load_manifest
 from fellow.runtime.model import quant
 from fellow.runtime.model.kernels import quant_chooser
@@ -24,11 +25,12 @@ from tests.serving_fixtures import make_servable
 PROMPTS, NEW_TOKENS = 8, 64
 SHAPE = dict(layers=8, hidden=256)
 # the measured bytes over the float32 stage's, at most (the issue's bar)
-RATIO = {INT8: 0.30, INT4_FAST: 0.17}
+RATIO = {INT8: 0.30, INT4_FAST: 0.17, NF4: 0.17}
 # the least share of greedy tokens equal to float32's (free-running, 64 tokens x 8 prompts), and of
 # teacher-forced top-1 agreement; set below what was measured (see the module docstring)
-GREEDY = {INT8: 0.9, INT4_FAST: 0.25}
-FORCED = {INT8: 0.97, INT4_FAST: 0.6}
+GREEDY = {INT8: 0.9, INT4_FAST: 0.25, NF4: 0.25}
+FORCED = {INT8: 0.97, INT4_FAST: 0.6, NF4: 0.6}
+METHODS = [INT8, INT4_FAST, NF4]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,7 @@ def servable(tmp_path_factory):
 def stages(servable):
     manifest = load_manifest(servable)
     return {m: build_stage(manifest, 0, servable, 1, torch.device("cpu"), quantization=m)[1]
-            for m in (NONE, INT8, INT4_FAST)}
+            for m in (NONE, *METHODS)}
 
 
 def prompts() -> list[list[int]]:
@@ -66,7 +68,7 @@ def reference(stages):
     return [greedy(stages[NONE], ids) for ids in prompts()]
 
 
-@pytest.mark.parametrize("method", [INT8, INT4_FAST])
+@pytest.mark.parametrize("method", METHODS)
 def test_quantized_stage_agrees_with_float32(stages, reference, method):
     same = forced_same = 0
     error = 0.0
@@ -85,7 +87,7 @@ def test_quantized_stage_agrees_with_float32(stages, reference, method):
     assert error < scale  # errors stay below the logits' own size
 
 
-@pytest.mark.parametrize("method", [INT8, INT4_FAST])
+@pytest.mark.parametrize("method", METHODS)
 def test_batched_equals_alone_within_the_quantized_path(stages, method):
     """Decode steps of several sessions at once give each session's own tokens, token for token; a
     fresh batch's left-padded prompts give each prompt's logits to rounding (its attention is padded)."""
@@ -104,7 +106,7 @@ def test_batched_equals_alone_within_the_quantized_path(stages, method):
     assert torch.allclose(fresh, torch.stack(firsts), atol=0.02)
 
 
-@pytest.mark.parametrize("method", [INT8, INT4_FAST])
+@pytest.mark.parametrize("method", METHODS)
 def test_measured_weight_bytes_and_the_kernels_in_the_status(stages, method):
     stage, full = stages[method], stages[NONE]
     w = stage.weights
@@ -142,11 +144,14 @@ def test_layers_are_quantized_one_by_one_as_they_load(servable):
 
 def test_int4_pads_inputs_to_multiples_of_32_and_the_hf_path_quantizes_too():
     assert quant.int4_layout(256) == (64, 8) and quant.int4_layout(96) == (32, 2) and quant.int4_layout(48) is None
-    weight, x = torch.randn(40, 48), torch.randn(3, 48)
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(40, 48, generator=g), torch.randn(3, 48, generator=g)
     linear = quant.QuantLinear(weight, None, INT4_FAST)  # 48 inputs: zero columns to 64
     assert linear.pad == 16 and linear.dequantized().shape == (40, 48)
-    # the kernel rounds its result to bfloat16: within half a bfloat16 step of the exact product
-    assert torch.allclose(linear(x), x.to(torch.bfloat16).float() @ linear.dequantized().t(), atol=0.02, rtol=0.01)
+    # the kernel rounds its result to bfloat16, and dequantized() comes through it too: within about a
+    # bfloat16 step (1/128) of the largest output (measured over 200 seeds: at most 0.0044 of it)
+    exact = x.to(torch.bfloat16).float() @ linear.dequantized().t()
+    assert float((linear(x) - exact).abs().max()) <= float(exact.abs().max()) / 128
     assert torch.allclose(linear.dequantized(), weight, atol=0.5)
     layer = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.GELU(), torch.nn.Linear(32, 64, bias=False))
     x = torch.randn(3, 64)
@@ -157,7 +162,32 @@ def test_int4_pads_inputs_to_multiples_of_32_and_the_hf_path_quantizes_too():
 
 
 def test_the_probe_declares_the_kernels_that_run_here():
-    assert quant.probe() == ["serve-cpu-int8", "serve-cpu-int4"]
+    assert quant.probe() == ["serve-cpu-int8", "serve-cpu-int4", "serve-quantized"]
+
+
+def test_nf4_weights_are_bit_identical_to_from_pretrained_with_bitsandbytes(servable, stages):
+    """Each fused weight of the NF4 stage ([q; k; v], o, [gate; up], down) holds the same packed bytes and
+    the same block scales as ``from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True,
+    bnb_4bit_quant_type="nf4"))`` on the same checkpoint, its parts stacked in the same order (every
+    part's size is a whole number of NF4_BLOCK blocks, so no block straddles two)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    hf_dir = servable.parent.parent / "hf-tiny"  # tests.serving_fixtures.make_servable's checkpoint
+    model = AutoModelForCausalLM.from_pretrained(
+        str(hf_dir), device_map="cpu",
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"))
+    groups = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+              "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+    compared = 0
+    for ours, theirs in zip(stages[NF4].fused.layers, model.model.layers):
+        for attr, names in groups.items():
+            mine: quant.QuantLinear = getattr(ours, attr)
+            parts = [theirs.get_submodule(name).weight for name in names]
+            assert all(p.quant_state.quant_type == "nf4" and p.quant_state.blocksize == quant.NF4_BLOCK for p in parts)
+            assert torch.equal(mine.weight, torch.cat([p.data for p in parts]))
+            assert torch.equal(mine.scales.absmax, torch.cat([p.quant_state.absmax for p in parts]))
+            compared += 1
+    assert compared == 4 * SHAPE["layers"]
 
 
 def test_lean_lora_computes_what_peft_does_on_a_fused_weight(tmp_path):
@@ -178,7 +208,7 @@ def test_lean_lora_computes_what_peft_does_on_a_fused_weight(tmp_path):
     assert torch.allclose(lean(x), want, atol=1e-5)
 
 
-@pytest.mark.parametrize("method", [INT8, INT4_FAST])
+@pytest.mark.parametrize("method", METHODS)
 def test_qlora_a_quantized_base_plus_adapters_serves_the_tuned_model(tmp_path, method):
     """Adapters stay apart over a quantized stage (no second rounding): its logits are the tuned model's
     within quantization error, far closer than the base model's."""

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import torch
 
-from core.quantization import NONE
+from core.quantization import NF4, NONE
 from core.servable import TOKENIZER_DIR, Manifest, ServableError, load_manifest
 from fellow.runtime.model.device_split import DeviceSplit, SplitError, plan_split
 from fellow.runtime.model.half_storage import apply_half_storage
 from fellow.runtime.model.kernels import prepare_stage, quant_chooser
 from fellow.runtime.model.kv_budget import CUDA_KEEP_BYTES, CUDA_USABLE, cpu_free_bytes, cuda_free_bytes
 from fellow.runtime.model.lora_merge import lora_scale
-from fellow.runtime.model.quant import QUANT_KERNELS, StageQuantizer, weights_report
+from fellow.runtime.model.quant import QUANT_KERNELS, StageQuantizer, bitsandbytes_functional, weights_report
 from fellow.runtime.model.stage import StageModel
 from fellow.runtime.model.weights import StageModules, build_stage_modules, hf_config, stage_sizes
 
@@ -143,6 +143,11 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
         if quantization not in QUANT_KERNELS:
             raise ServableError(f"{quantization} weights are not served by this fellow's stages "
                                 f"(served: {', '.join(QUANT_KERNELS)} on the CPU)")
+        if quantization == NF4:
+            try:
+                bitsandbytes_functional()
+            except ImportError as exc:
+                raise ServableError(f"nf4 weights need bitsandbytes, which this fellow lacks ({exc})") from None
         scale = lora_scale(manifest.adapter_config or {}) if manifest.export == "adapters" else None
         quantizer = StageQuantizer(quantization, hf_config(manifest), device, quant_chooser(quantization, batch_cap),
                                    lora_scale=scale)

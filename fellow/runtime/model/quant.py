@@ -15,6 +15,16 @@ What stays in full precision: the embeddings (a lookup reads one row a token), t
 The head is quantized too (a float32 head of a small vocabulary is most of a small model's decode
 step); int4 stages keep it in int8 (HEAD_METHOD), as llama.cpp keeps its output weight at more bits.
 
+- NF4 (``{"method": "nf4"}``): bitsandbytes' 4-bit NormalFloat, blocks of NF4_BLOCK weights with a
+  float32 scale each, quantized by ``bitsandbytes.functional.quantize_4bit`` exactly as
+  ``from_pretrained`` with ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")`` does
+  (a test compares the bytes; that config's other defaults: no double quantization, uint8 storage). On a CPU each call dequantizes its weight with bitsandbytes and multiplies in float32:
+  bitsandbytes' own CPU ``matmul_4bit`` (without its optional ``kernels`` package) took 3.5-5.5x a
+  float32 matmul on this machine, dequantize-then-multiply 1.7x. NF4 on a CPU saves memory, not time.
+  Its head is int8, as an int4 stage's (``from_pretrained`` leaves ``lm_head`` in full precision; a
+  float head of a large vocabulary would hold more bytes than the layers saved), so a fellow declares
+  NF4 only where the int8 kernel runs too.
+
 A stage is quantized layer by layer as it loads (``StageQuantizer.layer``, called by
 ``weights.build_stage_modules`` once each layer is materialized), so its full-precision copy never
 exists whole: at most one layer's float weights at a time.
@@ -29,16 +39,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.quantization import INT4_FAST, INT8, NONE
-from events.fellow import CAP_CPU_INT4, CAP_CPU_INT8
+from core.quantization import INT4_FAST, INT8, NF4, NONE
+from events.fellow import CAP_CPU_INT4, CAP_CPU_INT8, CAP_QUANTIZED
 from fellow.runtime.model.fused import FusedLayer, bias_of, fusable, strip_linears
 
 log = logging.getLogger(__name__)
 
-QUANT_KERNELS = {INT8: "int8", INT4_FAST: "int4"}
-HEAD_METHOD = {INT8: INT8, INT4_FAST: INT8}  # the head's own method, per stage method
+QUANT_KERNELS = {INT8: "int8", INT4_FAST: "int4", NF4: "bnb-nf4"}
+HEAD_METHOD = {INT8: INT8, INT4_FAST: INT8, NF4: INT8}  # the head's own method, per stage method
+NF4_BLOCK = 64  # weights per NF4 scale: BitsAndBytesConfig's default
 INT4_GROUPS = (64, 32)  # inputs per int4 group, the first that divides in_features
 ACT = torch.bfloat16  # what the kernels read rows in
+
+
+def bitsandbytes_functional():
+    """``bitsandbytes.functional``, imported without its one warning: lacking the optional ``kernels``
+    package (which fetches a CPU kernel from the Hugging Face hub), it logs that at import, then computes
+    NF4 as this module uses it anyway."""
+    quiet = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes.functional as functional
+    finally:
+        quiet.setLevel(level)
+    return functional
 
 
 def int4_layout(in_features: int) -> tuple[int, int] | None:
@@ -74,7 +99,7 @@ def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
 
 
 class QuantLinear:
-    """A weight quantized to int8 or int4 and called like ``F.linear`` (fused.Linear's protocol)."""
+    """A weight quantized to int8, int4 or NF4 and called like ``F.linear`` (fused.Linear's protocol)."""
 
     __slots__ = ("kernel", "weight", "scales", "bias", "out_features", "in_features", "group", "pad")
 
@@ -96,10 +121,18 @@ class QuantLinear:
             self.group, tiles = int4_layout(self.in_features + self.pad)
             values, self.scales = quantize_int4(weight, self.group)
             self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, tiles)
+        elif method == NF4:
+            self.kernel = QUANT_KERNELS[NF4]
+            # as BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"): no double quantization
+            self.weight, self.scales = bitsandbytes_functional().quantize_4bit(
+                weight.detach().float().contiguous(), blocksize=NF4_BLOCK, compress_statistics=False, quant_type="nf4")
         else:
             raise ValueError(f"no CPU weight-only kernel for {method!r}")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == QUANT_KERNELS[NF4]:
+            out = F.linear(x.float(), self.dequantized(), self.bias)
+            return out.to(x.dtype)
         rows = x.reshape(-1, self.in_features).to(ACT)
         if self.pad:
             rows = F.pad(rows, (0, self.pad))
@@ -113,7 +146,9 @@ class QuantLinear:
         return out if self.bias is None else out.add_(self.bias)
 
     def dequantized(self) -> torch.Tensor:
-        """The float32 weight this one multiplies by (for tests and error reports)."""
+        """The float32 weight this one multiplies by (NF4 computes with it; tests and error reports)."""
+        if self.kernel == QUANT_KERNELS[NF4]:
+            return bitsandbytes_functional().dequantize_4bit(self.weight, self.scales)
         eye = torch.eye(self.in_features)
         bias, self.bias = self.bias, None
         try:
@@ -122,9 +157,15 @@ class QuantLinear:
             self.bias = bias
 
     @property
+    def scale_tensor(self) -> torch.Tensor:
+        """The scales as a tensor (NF4's are its QuantState's absmax)."""
+        return self.scales.absmax if self.kernel == QUANT_KERNELS[NF4] else self.scales
+
+    @property
     def bytes(self) -> int:
         extra = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
-        return self.weight.numel() * self.weight.element_size() + self.scales.numel() * self.scales.element_size() + extra
+        scales = self.scale_tensor
+        return self.weight.numel() * self.weight.element_size() + scales.numel() * scales.element_size() + extra
 
 
 class LeanLoRA:
@@ -190,18 +231,31 @@ def quantize_children(module: nn.Module, method: str) -> int:
 
 def probe() -> list[str]:
     """The CPU weight-only capabilities whose kernels run here and compute what they should: each
-    method's kernel, on a small weight at 1 and 3 rows, against float32 over its own dequantized weight."""
+    method's kernel, on a small weight at 1 and 3 rows, against float32 over its own dequantized weight.
+    NF4 (``serve-quantized``) only on a fellow without CUDA: on one with, placement puts it on the cards."""
     caps = []
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 128, generator=generator) * 0.05
     x = torch.randn(3, 128, generator=generator)
-    for method, cap in ((INT8, CAP_CPU_INT8), (INT4_FAST, CAP_CPU_INT4)):
+    for method, cap in ((INT8, CAP_CPU_INT8), (INT4_FAST, CAP_CPU_INT4), (NF4, CAP_QUANTIZED)):
+        if cap == CAP_QUANTIZED and torch.cuda.is_available():
+            # placement sends a GPU fellow's quantized loads to its cards, where bitsandbytes' stages are
+            # not built: such a fellow does not declare them, and those loads serve full precision
+            log.info("%s not declared: this fellow's stages run on CUDA, where NF4 stages are not built", cap)
+            continue
         try:
             linear = QuantLinear(weight, None, method)
-            want = F.linear(x.to(ACT).float(), linear.dequantized())
+            rows = x if method == NF4 else x.to(ACT).float()
+            want = F.linear(rows, linear.dequantized())
             got = linear(x)
-            ok = torch.allclose(got, want, atol=0.05, rtol=0.02) and torch.equal(linear(x[:1]), got[:1])
-        except (RuntimeError, ValueError, AttributeError, NotImplementedError) as exc:
+            alone = linear(x[:1])  # a row's result whatever the rows beside it (float32 matmul: to rounding)
+            ok = torch.allclose(got, want, atol=0.05, rtol=0.02) and (
+                torch.allclose(alone, got[:1], atol=1e-5) if method == NF4 else torch.equal(alone, got[:1]))
+            if method == NF4:  # the weight it dequantizes is the one it was given, within NF4's steps;
+                # and its int8 head runs here
+                ok = ok and float((linear.dequantized() - weight).abs().max()) < 0.2 * float(weight.abs().max())
+                ok = ok and CAP_CPU_INT8 in caps
+        except (ImportError, RuntimeError, ValueError, AttributeError, NotImplementedError) as exc:
             log.info("%s not declared: %s", cap, exc)
             continue
         if ok:
@@ -336,7 +390,7 @@ def stage_weights(stage) -> tuple[int, int]:
             linear = linear.base
         if isinstance(linear, QuantLinear):
             add(linear.weight, linear.out_features * linear.in_features)
-            add(linear.scales, 0)
+            add(linear.scale_tensor, 0)
         else:
             add(linear.weight, linear.out_features * linear.in_features)
         add(linear.bias)
