@@ -6,6 +6,7 @@ import json
 import shutil
 import threading
 
+import msgspec
 import pytest
 import torch
 
@@ -621,11 +622,20 @@ def test_stage0_sizes_its_in_flight_from_steps_and_links_then_lowers_it_to_the_k
     assert (sizing.groups, sizing.in_flight) == (7, 14)
     head._fit_ring_kv([6144, 6144], sizing)
     assert (head.in_flight, head.engine.groups, head.kv_tokens) == (14, 7, 14 * 128)
+    assert head.engine.prefix_room == 6 * 128  # finished prefixes keep to the plan's KV, not the raised one
     assert head.stage.kernels["ring"]["in_flight"] == 14 and head.stage.kernels["ring"]["transit_ms"] == 4.0
     head._fit_ring_kv([6144, 1000], sizing)  # stage 2 holds 1,000 tokens: seven 128-token shares
     assert (head.in_flight, head.engine.groups, head.kv_tokens) == (7, 4, 1000)
     head._fit_ring_kv([6144, 6144], size_ring([1.0, 1.0, 1.0], 0.2, head.per_group, 48))  # a short pipe
     assert (head.in_flight, head.engine.groups, head.kv_tokens) == (6, 3, 6 * 128)
+
+    from fellow.runtime.ring.servers import RingStageServer
+
+    later = RingStageServer(msgspec.structs.replace(cfg, stage=2))
+    later.load()  # a later stage: room for the ceiling, its step timed and told on every probe
+    assert later.kv_tokens == 48 * 128 and later.worker.kv_tokens == 48 * 128
+    assert later.worker.step_ms == later.group_ms > 0
+    assert later.worker.prefix_tokens == 6 * 128  # ... and no more finished prefixes than the plan's KV
 
 
 def test_a_full_ring_drafts_only_once_at_most_one_session_a_stage_is_in_it(copier):

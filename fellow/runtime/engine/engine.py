@@ -77,7 +77,7 @@ class Engine(Scheduler):
         if self.draft is not None:
             self.draft.release(session.session_id)
         if self.prefix is not None:
-            self.prefix.fit(self.budget.reserved, self.kv_tokens)
+            self.prefix.fit(self.budget.reserved, self.prefix_room)
 
     def stats(self) -> dict:
         stats = super().stats()

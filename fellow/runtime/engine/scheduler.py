@@ -56,10 +56,16 @@ class Scheduler:
         self.sessions: dict[str, Session] = {}  # admitted, in admission order
         self._cancels: dict[str, str] = {}
         self.last_batches: list[int] = []  # the decode batch sizes of the latest step, for stats
+        self.prefix_limit = 0  # the most tokens kept sessions and finished ones' prefixes hold (0: kv_tokens)
 
     @property
     def kv_tokens(self) -> int:
         return self.budget.kv_tokens
+
+    @property
+    def prefix_room(self) -> int:
+        """What reservations and the prefix cache share: kv_tokens, or less where ``prefix_limit`` says."""
+        return min(self.kv_tokens, self.prefix_limit) if self.prefix_limit else self.kv_tokens
 
     @property
     def busy(self) -> bool:
@@ -101,7 +107,7 @@ class Scheduler:
             session.guard = DraftGuard(self.speculative)
             session.lookup = PromptLookup(session.prompt_ids)
         if self.prefix is not None:
-            self.prefix.fit(self.budget.reserved, self.kv_tokens)  # the reservation is in: blocks make room
+            self.prefix.fit(self.budget.reserved, self.prefix_room)  # the reservation is in: blocks make room
             session.prefilled = session.cached_tokens = self.prefix.start(session.cache, session.prompt_ids)
 
     def _apply_cancels(self, result: StepResult) -> None:

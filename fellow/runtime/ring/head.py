@@ -255,7 +255,7 @@ class RingHead(Scheduler):
             self.draft.release(session.session_id)
         super()._finish(session, reason, result)
         if self.prefix is not None:
-            self.prefix.fit(self.budget.reserved, self.kv_tokens)
+            self.prefix.fit(self.budget.reserved, self.prefix_room)
 
     def stats(self) -> dict:
         stats = super().stats()

@@ -68,6 +68,9 @@ class RingHeadServer(StageServer):
         # stage 0's own (with a draft model, each token holds a position of both); the ring's is the
         # smallest of every stage's
         self.kv_own = self.kv_tokens = self.engine.kv_tokens
+        # finished sessions' prefixes keep to the plan's KV, as on every later stage (RingStageServer), even
+        # where the ring holds more sessions in flight than the plan did
+        self.engine.prefix_limit = self.prefix_tokens()
         self.serving = self.make_loop()
 
     def make_loop(self) -> ServingLoop:
@@ -181,7 +184,7 @@ class RingStageServer(StageServerBase):
         self.inbox = Inbox()
         t = self.cfg.transport
         self.worker = RingWorker(self.ring, self.inbox, lambda frame, lane=None: self.link.send(frame, lane),
-                                 max_batch=t.max_batch, prefix_tokens=self.kv_tokens if t.prefix_cache else 0,
+                                 max_batch=t.max_batch, prefix_tokens=self.prefix_tokens() if t.prefix_cache else 0,
                                  route=lambda: self.link.route if self.link is not None else "r",
                                  kv_tokens=self.kv_tokens)
 

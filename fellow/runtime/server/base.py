@@ -146,6 +146,14 @@ class StageServerBase:
             return max(t.kv_tokens, t.in_flight_max * self.session_tokens())
         return t.kv_tokens
 
+    def prefix_tokens(self) -> int:
+        """The KV tokens a stage keeps for finished sessions' prefixes and the sessions in flight together:
+        what it holds, at most what placement planned. A ring stage that plans room for more sessions in
+        flight (``planned_kv``) keeps no more finished prefixes for it, so every stage of a ring keeps to the
+        same plan, and none holds memory the leader did not plan for past its sessions' own."""
+        t = self.cfg.transport
+        return min(self.kv_tokens, t.kv_tokens) if t.kv_tokens else self.kv_tokens
+
     @property
     def per_group(self) -> int:
         """A ring's sessions per decode group: the planned in flight over its stages (at most the batch cap)."""
