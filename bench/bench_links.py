@@ -55,16 +55,24 @@ def host_port(url: str) -> tuple[str, int]:
     return host, int(port)
 
 
-async def measure(model: Path, nats: EmbeddedNats, rtt_ms: float, links: str, tokens: int, in_flight: list[int],
-                  stages: int = 2) -> dict:
+def homes(nats: EmbeddedNats, stages: int, rtt_ms: float) -> tuple[dict, dict, dict]:
+    """One home per stage, every two at a round trip of ``rtt_ms`` (0: plain loopback, no proxy): the
+    delay proxies (stop them after), each later stage's way to home 0's nats-server, and where each
+    stage listens and what it gives its predecessor to dial (BusRing's ``urls`` and ``listen``)."""
+    if not rtt_ms:
+        return {}, {}, {}
     one_way = rtt_ms / 2000
     ports = {i: free_port() for i in range(stages)}
-    proxies, urls, listen = {}, {}, {}
-    if rtt_ms:  # 0: plain loopback, no proxy in the way
-        proxies = {i: SpawnedProxy(("127.0.0.1", p), delay_s=one_way) for i, p in ports.items()}
-        proxies["nats"] = SpawnedProxy(host_port(nats.url), delay_s=one_way)  # later stages' way to home 0's server
-        urls = {i: f"nats://{proxies['nats'].address}" for i in range(1, stages)}
-        listen = {i: (ports[i], proxies[i].address) for i in ports}
+    proxies = {i: SpawnedProxy(("127.0.0.1", p), delay_s=one_way) for i, p in ports.items()}
+    proxies["nats"] = SpawnedProxy(host_port(nats.url), delay_s=one_way)  # later stages' way to home 0's server
+    urls = {i: f"nats://{proxies['nats'].address}" for i in range(1, stages)}
+    listen = {i: (ports[i], proxies[i].address) for i in ports}
+    return proxies, urls, listen
+
+
+async def measure(model: Path, nats: EmbeddedNats, rtt_ms: float, links: str, tokens: int, in_flight: list[int],
+                  stages: int = 2) -> dict:
+    proxies, urls, listen = homes(nats, stages, rtt_ms)
     ring = BusRing(model, stages, links, listen=listen, prefill_chunk=256)
     try:
         await ring.start(nats.url, urls=urls)
@@ -94,14 +102,7 @@ async def measure_sized(model: Path, nats: EmbeddedNats, rtt_ms: float, tokens: 
                         per_group: int = 4, ceiling_per_stage: int = 16) -> dict:
     """Direct links: decode tokens/s at 1 in flight, at the fixed plan (per_group a stage) and at what
     stage 0 sizes from its measured steps and links (fellow.runtime.ring.sizing), the same ring."""
-    one_way = rtt_ms / 2000
-    ports = {i: free_port() for i in range(stages)}
-    proxies, urls, listen = {}, {}, {}
-    if rtt_ms:
-        proxies = {i: SpawnedProxy(("127.0.0.1", p), delay_s=one_way) for i, p in ports.items()}
-        proxies["nats"] = SpawnedProxy(host_port(nats.url), delay_s=one_way)
-        urls = {i: f"nats://{proxies['nats'].address}" for i in range(1, stages)}
-        listen = {i: (ports[i], proxies[i].address) for i in ports}
+    proxies, urls, listen = homes(nats, stages, rtt_ms)
     ring = BusRing(model, stages, "direct", listen=listen, prefill_chunk=256)
     try:
         await ring.start(nats.url, urls=urls)
