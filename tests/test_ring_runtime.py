@@ -91,6 +91,10 @@ class LocalRing:
             self.timings.update({session.session_id: session.timing() for session in result.finished})
         return out
 
+    def settle(self) -> None:
+        """Wait until every later stage has dropped its sessions' caches (their End frames are in)."""
+        wait_until(lambda: all(not w.held for w in self.workers), 10, "every stage dropped its caches")
+
     def close(self):
         for w in self.workers:
             w.stop()
@@ -116,7 +120,7 @@ def test_greedy_ring_equals_one_stage_with_sessions_in_flight_and_pieces(servabl
     ring = LocalRing(model, stages, prefill_chunk=8)
     try:
         got = ring.generate(PROMPTS, 12)
-        wait_until(lambda: all(not w.held for w in ring.workers), 10, "every stage dropped its caches")
+        ring.settle()
     finally:
         ring.close()
     assert got == expected and not ring.head.sessions
@@ -204,7 +208,7 @@ def test_a_cancelled_session_leaves_no_cache_on_any_stage(servables):
             finished += result.finished
             if "s0" in result.tokens:
                 ring.head.cancel("s0")
-        wait_until(lambda: all(not w.held for w in ring.workers), 10, "every stage dropped its caches")
+        ring.settle()
     finally:
         ring.close()
     reasons = {s.session_id: s.finish_reason for s in finished}
@@ -309,7 +313,7 @@ def test_a_stage_that_lost_the_prefix_makes_the_session_start_over_with_the_same
         ring.workers[lost].prefix.clear()  # idle: every stage ended the turn
         history = PROMPTS[0][:9] + first[0][0]
         second = ring_chat_turn(ring, history + PROMPTS[1][:10], "c1")
-        wait_until(lambda: all(not w.held for w in ring.workers), 10, "every stage dropped its caches")
+        ring.settle()
     finally:
         ring.close()
     assert second[0] == expected[1][0] and second[1]["cached_tokens"] == 0
@@ -397,7 +401,7 @@ def test_a_ring_that_drafts_replies_as_one_that_does_not(copier, stages, prefix)
     ring = spec_ring(copier, stages, 4, prefix=prefix)
     try:
         got = ring.generate(prompts, 30)
-        wait_until(lambda: all(not w.held for w in ring.workers), 10, "every stage dropped its caches")
+        ring.settle()
     finally:
         ring.close()
     assert got == expected
@@ -433,7 +437,7 @@ def test_a_ring_with_a_draft_model_beside_stage_0_replies_as_one_that_does_not(c
     ring = spec_ring(copier, 2, 4, draft=draft)
     try:
         got = ring.generate(prompts, 24)
-        wait_until(lambda: all(not w.held for w in ring.workers), 10, "every stage dropped its caches")
+        ring.settle()
     finally:
         ring.close()
     assert got == expected
@@ -497,7 +501,7 @@ def test_a_session_cancelled_with_a_verify_pass_in_the_ring_leaves_no_cache_on_a
             if not cancelled and any(isinstance(f, Hidden) and f.kind == 3 and f.session == "s0" for _, f in ring.sent):
                 ring.head.cancel("s0")  # a verify pass of it is in the ring now
                 cancelled = True
-        wait_until(lambda: all(not w.held for w in ring.workers), 10, "every stage dropped its caches")
+        ring.settle()
     finally:
         ring.close()
     assert {s.session_id: s.finish_reason for s in finished}["s0"] == "cancelled"

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -52,10 +53,11 @@ INT4_GROUPS = (64, 32)  # inputs per int4 group, the first that divides in_featu
 ACT = torch.bfloat16  # what the kernels read rows in
 
 
+@cache
 def bitsandbytes_functional():
-    """``bitsandbytes.functional``, imported without its one warning: lacking the optional ``kernels``
-    package (which fetches a CPU kernel from the Hugging Face hub), it logs that at import, then computes
-    NF4 as this module uses it anyway."""
+    """``bitsandbytes.functional``, looked up once (every NF4 call dequantizes through it) and imported
+    without its one warning: lacking the optional ``kernels`` package (which fetches a CPU kernel from the
+    Hugging Face hub), it logs that at import, then computes NF4 as this module uses it anyway."""
     quiet = logging.getLogger("bitsandbytes.backends.cpu.ops")
     level = quiet.level
     quiet.setLevel(logging.ERROR)

@@ -127,8 +127,8 @@ class RingHeadServer(StageServer):
             self.intake.max_in_flight = self.in_flight
         if sizing is not None:
             self.engine.groups = groups_for(self.in_flight, sizing.per_group, self.cfg.num_stages)
-            self.sizing = {**sizing.as_dict(), "in_flight": self.in_flight, "groups": self.engine.groups}
-            self.stage.kernels = {**self.stage.kernels, "ring": self.sizing}
+            self.stage.kernels = {**self.stage.kernels,
+                                  "ring": {**sizing.as_dict(), "in_flight": self.in_flight, "groups": self.engine.groups}}
             log.info("[stage0 in-flight] steps %s ms at %d rows, links %.2f ms round the ring: %d in flight in %d "
                      "groups%s", " ".join(f"{ms:.2f}" for ms in sizing.step_ms), sizing.per_group,
                      sizing.transit_ms, self.in_flight, self.engine.groups,
