@@ -23,6 +23,9 @@ PRICE_4BIT = 0.55
 PRICE_8BIT = 1.05
 PRICE = {NF4: PRICE_4BIT, INT4_FAST: PRICE_4BIT, INT8: PRICE_8BIT}
 BITS = {NONE: None, NF4: 4, INT4_FAST: 4, INT8: 8}
+# SWARM_SERVE_LORA: how a quantized stage serves adapters it keeps apart: lean (one addmm, float32), lean16
+# (A and B in half precision, the product rounded there) or peft (PEFT's own LoRA layers)
+LORA_MODES = ("lean", "lean16", "peft")
 
 _KEYS = {"method", "bits", "backend"}
 _ASKED = ('{"method": "none"}, {"method": "nf4"}, {"bits": 8}, {"method": "int4-fast"}')

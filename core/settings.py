@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Mapping
 
+from core.quantization import LORA_MODES
+
 
 class SettingsError(ValueError):
     """A bad SWARM_* value; the message names the variable and is one line."""
@@ -91,7 +93,6 @@ def _speculative(env: Mapping[str, str]) -> int:
 # Variables the spec names whose feature is not built yet, and the issue that builds it. Setting one is
 # refused at start rather than validated and ignored.
 NOT_IMPLEMENTED = {
-    "SWARM_SERVE_LORA": "lean16 or peft adapters, issue 14: unmerged adapters are served lean",
     "SWARM_SERVE_4BIT_ROWS": "quantized serving, issue 14",
     "SWARM_SERVE_4BIT_FLOAT32": "quantized serving, issue 14",
     "SWARM_SERVE_ATTENTION": "a choice of attention kernels, issue 13",
@@ -148,6 +149,7 @@ class Settings:
     nats_password: str | None = None
     nats_replicas: int = 1  # SWARM_NATS_REPLICAS: each stream's replicas in a NATS cluster
     serve_devices: str = "auto"  # SWARM_SERVE_DEVICES (fellow): what a stage's layers are split over
+    serve_lora: str = "lean"  # SWARM_SERVE_LORA (fellow): adapters kept apart over quantized weights (LORA_MODES)
 
     @property
     def nats_credentials(self):
@@ -228,6 +230,7 @@ class Settings:
             nats_password=nats_password,
             nats_replicas=replicas,
             serve_devices=_devices(env),
+            serve_lora=_choice(env, "SWARM_SERVE_LORA", "lean", LORA_MODES),
         )
 
     def replace(self, **changes) -> "Settings":

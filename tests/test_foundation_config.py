@@ -26,13 +26,14 @@ from tests.processes import free_port, swarm_env
     ({"SWARM_SERVE_DEVICES": "gpu0"}, "SWARM_SERVE_DEVICES='gpu0' must be auto or distinct devices"),
     ({"SWARM_SERVE_DEVICES": "cpu,cuda:0"}, "the CPU last"),
     ({"SWARM_SERVE_DEVICES": "cuda:1,cuda:1"}, "SWARM_SERVE_DEVICES='cuda:1,cuda:1'"),
+    ({"SWARM_SERVE_LORA": "dora"}, "SWARM_SERVE_LORA='dora' must be one of: lean, lean16, peft"),
 ])
 def test_bad_values_name_the_variable(env, needle):
     with pytest.raises(SettingsError, match=needle.replace("(", r"\(").replace("?", r"\?")):
         Settings.from_env(env)
 
 
-NOT_IMPLEMENTED = ["SWARM_SERVE_LORA", "SWARM_SERVE_4BIT_ROWS",
+NOT_IMPLEMENTED = ["SWARM_SERVE_4BIT_ROWS",
                    "SWARM_SERVE_4BIT_FLOAT32", "SWARM_SERVE_ATTENTION", "SWARM_API_TOKENS_FILE"]
 
 
@@ -55,6 +56,8 @@ def test_defaults_follow_the_spec():
     assert Settings.from_env({"SWARM_SERVE_SPECULATIVE": "4"}).serve_speculative == 4
     assert s.serve_devices == "auto"  # every GPU in order, then the CPU
     assert Settings.from_env({"SWARM_SERVE_DEVICES": "CUDA:1, cuda:0,cpu"}).serve_devices == "cuda:1,cuda:0,cpu"
+    assert s.serve_lora == "lean"  # adapters over quantized weights: one addmm, no PEFT layer
+    assert Settings.from_env({"SWARM_SERVE_LORA": "PEFT"}).serve_lora == "peft"
 
 
 def run_cli(args, env, timeout=30):
@@ -75,11 +78,10 @@ def test_cli_fails_fast_with_one_line(tmp_path, command, extra, needle):
 
 
 def test_swarm_up_refuses_a_setting_not_implemented(tmp_path):
-    out = run_cli(["up", "--no-demo"], swarm_env(tmp_path, None, SWARM_SERVE_LORA="lean"))
+    out = run_cli(["up", "--no-demo"], swarm_env(tmp_path, None, SWARM_SERVE_4BIT_ROWS="auto"))
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "swarm: error: SWARM_SERVE_LORA is not implemented yet (lean16 or peft adapters, issue 14: unmerged adapters "
-        "are served lean); unset it"]
+        "swarm: error: SWARM_SERVE_4BIT_ROWS is not implemented yet (quantized serving, issue 14); unset it"]
     assert not (tmp_path / "data").exists()  # refused before anything started
 
 

@@ -230,3 +230,45 @@ def test_qlora_a_quantized_base_plus_adapters_serves_the_tuned_model(tmp_path, m
     error, effect = float((got - tuned[0, -1]).abs().max()), float((base - tuned[0, -1]).abs().max())
     print(f"\n{method} + LoRA: max logit error against the tuned model {error:.4f}; the adapters move logits {effect:.4f}")
     assert error < effect / 4
+
+
+def test_serve_lora_modes_lean16_and_peft_serve_what_lean_does(tmp_path):
+    """SWARM_SERVE_LORA over an int8 base: ``peft`` runs the layers' HF forward with PEFT's own LoRA layers
+    and computes what lean does to rounding, greedy tokens and all; ``lean16`` holds A and B in bfloat16
+    (half the adapters' bytes) and stays within bfloat16 rounding of lean, far inside the adapters' effect.
+    The status says which mode serves how many modules."""
+    from peft.tuners.lora.layer import Linear as PeftLinear
+
+    from fellow.runtime.tools.export import export
+    from tests.test_servable_adapters import IDS, tiny_lora
+
+    hf, lora, tuned = tiny_lora(tmp_path)
+    manifest = export(hf, tmp_path / "sv", stages=1, adapters=lora)
+    built = {mode: build_stage(manifest, 0, tmp_path / "sv", 1, torch.device("cpu"), quantization=INT8, lora=mode)[1]
+             for mode in ("lean", "lean16", "peft")}
+    modules = 3 * 4  # q_proj, v_proj and down_proj in each of 4 layers
+    for mode, stage in built.items():
+        assert stage.kernels["lora"] == {"mode": mode, "modules": modules}
+    assert built["lean"].kernels["path"] == built["lean16"].kernels["path"] == "fused"
+    assert built["peft"].kernels["path"] == "hf" and "PEFT" in built["peft"].kernels["why"]
+    peft_layers = [m for layer in built["peft"].layers for m in layer.modules() if isinstance(m, PeftLinear)]
+    assert len(peft_layers) == modules and all(isinstance(m.base_layer, quant.QuantModule) for m in peft_layers)
+    lean16 = built["lean16"].fused.layers[0].qkv
+    assert isinstance(lean16, quant.LeanLoRA) and lean16.a.dtype == lean16.b.dtype == torch.bfloat16
+
+    logits = {mode: stage.prefill(stage.new_cache(), IDS[0]) for mode, stage in built.items()}
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(str(hf)).eval()(input_ids=IDS).logits[0, -1]
+    effect = float((base - tuned[0, -1]).abs().max())  # how far the adapters move the logits
+    peft_error = float((logits["peft"] - logits["lean"]).abs().max())
+    lean16_error = float((logits["lean16"] - logits["lean"]).abs().max())
+    print(f"\nmax logit difference from lean: peft {peft_error:.2e}, lean16 {lean16_error:.2e}; "
+          f"the adapters move logits {effect:.3f}")
+    assert peft_error < 1e-4
+    assert 0 < lean16_error < effect / 20
+    ids = IDS[0].tolist()
+    assert greedy(built["peft"], ids)[0] == greedy(built["lean"], ids)[0]
+    _, params = quant.stage_weights(built["lean"])
+    assert quant.stage_weights(built["peft"])[1] == params  # PEFT's adapter layers are not base parameters

@@ -149,6 +149,9 @@ def _prepare_quantized(stage, quantizer: StageQuantizer) -> dict:
         stage.kernels = {"path": "hf", "why": quantizer.why_not_fused}
     if stage.head is not None:
         stage.kernels["head"] = getattr(getattr(stage.head, "linear", None), "kernel", "float")
+    if quantizer.adapted:
+        stage.kernels["lora"] = {"mode": quantizer.lora, "modules": quantizer.adapted}
+        log.info("LoRA adapters on %d modules kept apart, served %s", quantizer.adapted, quantizer.lora)
     return stage.kernels
 
 

@@ -117,7 +117,7 @@ def split_stage(manifest: Manifest, stage_index: int, num_stages: int, devices: 
 def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stages: int,
                 device: torch.device | None, attention: str = "sdpa", packed: bool = True, batch_cap: int = 8,
                 quantization: str = NONE, devices: Devices = AUTO, kv_tokens: int = KV_RESERVE_TOKENS,
-                dtype: torch.dtype | None = None) -> tuple[StageModules, StageModel]:
+                dtype: torch.dtype | None = None, lora: str = "lean") -> tuple[StageModules, StageModel]:
     """One serving stage's modules and its StageModel, ready to serve (kernels.prepare_stage).
 
     ``device``: every piece there; None: the layers split over ``devices`` by free memory, keeping room
@@ -128,7 +128,8 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
     ``quantization`` (core.quantization's method): with int8 or int4-fast each layer is quantized as
     it loads (fellow.runtime.model.quant); the stage's ``weights`` says what it serves and measures.
     An adapters export's LoRA pairs are merged into a full-precision stage, and kept apart over a
-    quantized one (quant.LeanLoRA), so a QLoRA run serves as it trained, without a second rounding.
+    quantized one, so a QLoRA run serves as it trained, without a second rounding: ``lora`` (the fellow's
+    SWARM_SERVE_LORA) says how (quant.LORA_MODES: lean or lean16 quant.LeanLoRA, or PEFT's own layers).
     """
     split = None
     if device is None and quantization != NONE:  # not split (its sizes are not the float ones): the first device
@@ -150,7 +151,7 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
                 raise ServableError(f"nf4 weights need bitsandbytes, which this fellow lacks ({exc})") from None
         scale = lora_scale(manifest.adapter_config or {}) if manifest.export == "adapters" else None
         quantizer = StageQuantizer(quantization, hf_config(manifest), device, quant_chooser(quantization, batch_cap),
-                                   lora_scale=scale)
+                                   lora_scale=scale, lora=lora)
     mods = build_stage_modules(manifest, stage_index, model_dir, num_stages=num_stages,
                                dtype=dtype or pick_dtype(device), device=device, split=split,
                                on_layer=quantizer.layer if quantizer else None,
@@ -173,7 +174,7 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
 def load_one_stage(model_dir: str | Path, device: str | None = None, attention: str = "sdpa",
                    packed: bool = True, batch_cap: int = 8, quantization: str = NONE,
                    devices: Devices = AUTO, kv_tokens: int = KV_RESERVE_TOKENS,
-                   dtype: torch.dtype | None = None) -> LoadedStage:
+                   dtype: torch.dtype | None = None, lora: str = "lean") -> LoadedStage:
     """The whole model as one stage (embeddings, every layer, norm and head): a ring of one.
 
     ``device``: all of it there; None: split over ``devices`` (``build_stage``). ``packed``: float32 CPU
@@ -184,7 +185,7 @@ def load_one_stage(model_dir: str | Path, device: str | None = None, attention: 
     manifest = load_manifest(model_dir)
     dev = torch.device(device) if device else None
     _, stage = build_stage(manifest, 0, model_dir, 1, dev, attention, packed, batch_cap, quantization,
-                           devices=devices, kv_tokens=kv_tokens, dtype=dtype)
+                           devices=devices, kv_tokens=kv_tokens, dtype=dtype, lora=lora)
     tokenizer = load_tokenizer(model_dir)
     return LoadedStage(manifest, stage, tokenizer, stop_ids_for(manifest, tokenizer), stage_device(stage))
 

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.quantization import INT4_FAST, INT8, NF4, NONE
+from core.quantization import INT4_FAST, INT8, LORA_MODES, NF4, NONE
 from events.fellow import CAP_CPU_INT4, CAP_CPU_INT8, CAP_QUANTIZED
 from fellow.runtime.model.fused import FusedLayer, bias_of, fusable, strip_linears
 
@@ -170,36 +170,68 @@ class QuantLinear:
         return self.weight.numel() * self.weight.element_size() + scales.numel() * scales.element_size() + extra
 
 
+PEFT_UNFUSED = "SWARM_SERVE_LORA=peft: adapters through PEFT's LoRA layers, in the layers' HF forward"
+LEAN16_DTYPE = torch.bfloat16  # lean16's adapters on a stage that computes in float32 (every CPU stage)
+
+
 class LeanLoRA:
     """A linear with LoRA adapters kept apart (lean LoRA, the spec's TS7): ``base(x) + (x A^T) B^T`` with
     PEFT's scale folded into B, the add one ``addmm``, and no per-call Python beyond that. One weight of
     a fused layer ([q; k; v], [gate; up]) takes its modules' adapters side by side: their A's stacked,
-    their B's block-diagonal, each in its module's rows of the output."""
+    their B's block-diagonal, each in its module's rows of the output.
+
+    ``dtype``: what A and B are held and multiplied in. float32 (``lean``): the product as PEFT computes
+    it over a float32 stage. A half dtype (``lean16``): half the adapters' memory, the product rounded in
+    half precision, then added to the base's float32 result."""
 
     __slots__ = ("base", "a", "b", "kernel", "in_features", "out_features")
 
-    def __init__(self, base, parts: Sequence[tuple[int, torch.Tensor, torch.Tensor]], scale: float) -> None:
+    def __init__(self, base, parts: Sequence[tuple[int, torch.Tensor, torch.Tensor]], scale: float,
+                 dtype: torch.dtype = torch.float32) -> None:
         """``parts``: (first output row, A [r, in], B [rows, r]) per adapted module of ``base``."""
         self.base = base
-        self.kernel = f"{base.kernel}+lora"
+        self.kernel = f"{base.kernel}+lora" if dtype == torch.float32 else f"{base.kernel}+lora16"
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.a = torch.cat([a.detach().float() for _, a, _ in parts]).contiguous()
-        self.b = torch.zeros(self.out_features, self.a.shape[0])
+        self.a = torch.cat([a.detach().float() for _, a, _ in parts]).to(dtype).contiguous()
+        b_full = torch.zeros(self.out_features, self.a.shape[0])
         col = 0
         for row, a, b in parts:
-            self.b[row : row + b.shape[0], col : col + a.shape[0]] = b.detach().float() * scale
+            b_full[row : row + b.shape[0], col : col + a.shape[0]] = b.detach().float() * scale
             col += a.shape[0]
+        self.b = b_full.to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         rows = x.reshape(-1, self.in_features)
         flat = out.view(-1, self.out_features)
-        torch.addmm(flat, rows @ self.a.t(), self.b.t(), out=flat)
+        if self.a.dtype == flat.dtype:
+            torch.addmm(flat, rows @ self.a.t(), self.b.t(), out=flat)
+        else:  # lean16: the product in half precision, one cast in and one add out
+            flat.add_((rows.to(self.a.dtype) @ self.a.t()) @ self.b.t())
         return out
 
     @property
     def bytes(self) -> int:
-        return self.base.bytes + (self.a.numel() + self.b.numel()) * 4
+        return self.base.bytes + self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()
+
+
+def peft_lora(base: nn.Module, a: torch.Tensor, b: torch.Tensor, scale: float) -> nn.Module:
+    """``SWARM_SERVE_LORA=peft``: PEFT's own LoRA layer over ``base`` (a QuantModule), holding this
+    module's A [r, in] and B [out, r] at PEFT's scale (alpha = scale x r), in float32."""
+    import warnings
+
+    from peft import LoraConfig
+    from peft.tuners.lora.layer import Linear as PeftLinear
+
+    rank = a.shape[0]
+    with warnings.catch_warnings():  # PEFT warns of any base it does not know; a QuantModule is called alike
+        warnings.filterwarnings("ignore", message="Unsupported layer type")
+        layer = PeftLinear(base, "default", LoraConfig(r=rank, lora_alpha=scale * rank), r=rank,
+                           lora_alpha=scale * rank)
+    with torch.no_grad():
+        layer.lora_A["default"].weight.copy_(a.detach().float())
+        layer.lora_B["default"].weight.copy_(b.detach().float())
+    return layer.eval().requires_grad_(False)
 
 
 class QuantModule(nn.Module):
@@ -277,7 +309,10 @@ class StageQuantizer:
     each quantized weight: ``chooser.linear`` (kernels.quant_chooser's, which times each shape for the status).
     """
 
-    def __init__(self, method: str, config, device: torch.device, chooser, lora_scale: float | None = None) -> None:
+    def __init__(self, method: str, config, device: torch.device, chooser, lora_scale: float | None = None,
+                 lora: str = "lean") -> None:
+        if lora not in LORA_MODES:
+            raise ValueError(f"LoRA adapters are served {' or '.join(LORA_MODES)}, not {lora!r}")
         if method == NONE:
             raise ValueError("StageQuantizer quantizes; a 'none' stage takes the float path")
         if device.type != "cpu":
@@ -292,12 +327,15 @@ class StageQuantizer:
         self.why_not_fused: str | None = None
         self.lora_scale = lora_scale  # PEFT's alpha / r of the adapters kept unmerged (None: no adapters)
         self.adapted = 0  # modules whose adapters stay apart
+        self.lora = lora  # SWARM_SERVE_LORA: lean, lean16 (LEAN16_DTYPE adapters) or peft (PEFT's layers, HF forward)
+        self.peft = lora == "peft" and lora_scale is not None  # no layer fuses: PEFT's layers are HF modules
 
     def layer(self, index: int, layer: nn.Module, adapters: dict[str, torch.Tensor] | None = None) -> None:
         pairs = _lora_pairs(adapters or {})
         if pairs and self.lora_scale is None:
             raise ValueError("LoRA adapters kept apart need their scale (the adapter config)")
-        why = fusable([layer], self.config, self.device)
+        why = PEFT_UNFUSED if self.peft else fusable([layer], self.config, self.device)
+        lean = {"scale": self.lora_scale, "dtype": LEAN16_DTYPE if self.lora == "lean16" else torch.float32}
         if why is None:
             heads = self.config.num_attention_heads
             offsets = {name: _rows_before(layer, group, name) for group in FUSED_GROUPS.values() for name in group}
@@ -305,7 +343,7 @@ class StageQuantizer:
             for attr, group in FUSED_GROUPS.items():
                 parts = [(offsets[name], *pairs.pop(name)) for name in group if name in pairs]
                 if parts:
-                    setattr(fused, attr, LeanLoRA(getattr(fused, attr), parts, self.lora_scale))
+                    setattr(fused, attr, LeanLoRA(getattr(fused, attr), parts, **lean))
                     self.adapted += len(parts)
             self.fused[index] = fused
             strip_linears(layer)
@@ -314,7 +352,11 @@ class StageQuantizer:
             self.swapped += quantize_children(layer, self.method)
             for name in list(pairs):
                 module = layer.get_submodule(name)
-                module.linear = LeanLoRA(module.linear, [(0, *pairs.pop(name))], self.lora_scale)
+                if self.peft:
+                    parent, _, child = name.rpartition(".")
+                    setattr(layer.get_submodule(parent), child, peft_lora(module, *pairs.pop(name), self.lora_scale))
+                else:
+                    module.linear = LeanLoRA(module.linear, [(0, *pairs.pop(name))], **lean)
                 self.adapted += 1
         if pairs:
             raise ValueError(f"LoRA adapters on {', '.join(sorted(pairs))} are not served unmerged")
@@ -400,7 +442,9 @@ def stage_weights(stage) -> tuple[int, int]:
     for module in (*stage.layers, stage.embed, stage.norm, stage.head):
         if module is None:
             continue
-        for t in (*module.parameters(), *module.buffers()):
+        for name, t in module.named_parameters():
+            add(t, 0 if "lora_" in name else None)  # PEFT's adapter layers: held, not base parameters
+        for t in module.buffers():
             add(t)
         for sub in module.modules():
             linear = getattr(sub, "linear", None)  # QuantModule, the fused head (_HeadLinear)

@@ -81,9 +81,11 @@ class StageServerBase:
 
     def _load_options(self) -> dict:
         """How the stage loads (fellow.runtime.model.loader.build_stage): its kernels, its quantization, and
-        the devices its layers are split over, with room for the KV tokens placement planned."""
+        the devices its layers are split over, with room for the KV tokens placement planned, and how
+        adapters kept apart over quantized weights are served (SWARM_SERVE_LORA)."""
         return {"packed": self.cfg.packed_linear, "batch_cap": self.batch_cap, "quantization": self.cfg.quantization,
-                "devices": self.cfg.devices, "kv_tokens": self.cfg.transport.kv_tokens or KV_RESERVE_TOKENS}
+                "devices": self.cfg.devices, "kv_tokens": self.cfg.transport.kv_tokens or KV_RESERVE_TOKENS,
+                "lora": self.cfg.lora}
 
     def __init__(self, cfg: StageConfig):
         self.cfg = cfg
