@@ -90,15 +90,22 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"{torch.get_num_threads()} threads, {args.tokens} new tokens per stream", flush=True)
-    tmp = Path(tempfile.mkdtemp(prefix="swarm-bench-quant-"))
+    run_shapes("swarm-bench-quant-", args.shapes, lambda name, tmp: run_shape(name, tmp, args.tokens, args.streams),
+               lambda rows: (table(rows, args.streams), summary(rows, args.streams)))
+
+
+def run_shapes(prefix: str, shapes: list[str], run, report) -> list[dict]:
+    """``run(name, tmp)`` for each shape in one temporary folder, each row printed as it comes, then
+    ``report(rows)``'s texts (bench_quant's tables and summaries; bench_lora's too)."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
     rows = []
-    for name in args.shapes:
-        rows.append(run_shape(name, tmp, args.tokens, args.streams))
+    for name in shapes:
+        rows.append(run(name, tmp))
         print(json.dumps(rows[-1], default=str), flush=True)
-    print()
-    print(table(rows, args.streams))
-    print()
-    print(summary(rows, args.streams))
+    for text in report(rows):
+        print()
+        print(text)
+    return rows
 
 
 if __name__ == "__main__":
