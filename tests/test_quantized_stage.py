@@ -120,6 +120,11 @@ def test_measured_weight_bytes_and_the_kernels_in_the_status(stages, method):
     kernels = {entry["kernel"] for entry in stage.kernels["shapes"].values()}
     assert kernels == {quant.QUANT_KERNELS[method]}
     assert isinstance(stage.head, quant.QuantModule) and stage.head.linear.kernel == "int8"  # the head: int8
+    # a tied model's embedding table: the head's int8 rows, held once, each looked-up row within a step
+    assert isinstance(stage.embed, quant.QuantEmbedding) and stage.embed.linear is stage.head.linear
+    ids = torch.arange(stage.embed.num_embeddings)
+    step = full.embed.weight.abs().amax(dim=1, keepdim=True) / 127
+    assert ((stage.embed(ids) - full.embed(ids)).abs() <= step * 0.51).all()
     assert isinstance(stage.fused.layers[0].qkv, quant.QuantLinear)
 
 

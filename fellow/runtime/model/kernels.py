@@ -133,10 +133,22 @@ def prepare_stage(stage, *, packed: bool = True, batch_cap: int = 8, quantizer: 
     return stage.kernels
 
 
+def tied_head(stage) -> bool:
+    """Whether the stage holds a head with the same weights as its embedding table: a tied model served
+    as one stage, where each is loaded as its own copy of the checkpoint's table."""
+    head, embed = stage.head, stage.embed
+    if type(head) is not torch.nn.Linear or type(embed) is not torch.nn.Embedding or head.bias is not None:
+        return False
+    return head.weight.shape == embed.weight.shape and torch.equal(head.weight, embed.weight)
+
+
 def _prepare_quantized(stage, quantizer: StageQuantizer) -> dict:
     chooser = quantizer.chooser
+    tied = tied_head(stage)
     if stage.head is not None:
         stage.head = quantizer.head(stage.head)
+    if stage.embed is not None:
+        stage.embed = quantizer.embed(stage.embed, stage.head if tied else None)
     layers = quantizer.fused_layers([stage.first_layer + i for i in range(len(stage.layers))])
     if layers is not None:
         stage.fuse(quantizer.make, layers)

@@ -11,9 +11,12 @@ int8 111 us, int4 80 us). So a quantized linear casts its input rows to bfloat16
 the stage keeps computing norms, attention and its KV cache in float32. Each row's result is the same
 whatever the number of rows in the call, so a batch equals each session alone.
 
-What stays in full precision: the embeddings (a lookup reads one row a token), the norms, the biases.
-The head is quantized too (a float32 head of a small vocabulary is most of a small model's decode
-step); int4 stages keep it in int8 (HEAD_METHOD), as llama.cpp keeps its output weight at more bits.
+What stays in full precision: the norms and the biases. The head is quantized too (a float32 head of
+a small vocabulary is most of a small model's decode step); int4 stages keep it in int8 (HEAD_METHOD),
+as llama.cpp keeps its output weight at more bits. The embedding table is held in int8 rows
+(QuantEmbedding: a lookup scales one row a token); a tied model's table is its int8 head's weight, so
+the stage holds it once. In float32 it was the largest piece left: an int4 46M Qwen3 with a tied 4k
+vocabulary held 0.18x of its float32 bytes with it, 0.139x without (docs/benchmarks.md).
 
 - NF4 (``{"method": "nf4"}``): bitsandbytes' 4-bit NormalFloat, blocks of NF4_BLOCK weights with a
   float32 scale each, quantized by ``bitsandbytes.functional.quantize_4bit`` exactly as
@@ -249,6 +252,26 @@ class QuantModule(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.linear.kernel}"
 
 
+class QuantEmbedding(nn.Module):
+    """An embedding table held as an int8 QuantLinear's rows (one bfloat16 scale a row), each looked-up
+    row scaled back to ``dtype``. Over a tied head it is the head's own int8 weight: one table for both."""
+
+    def __init__(self, linear: QuantLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        if linear.kernel != QUANT_KERNELS[INT8] or linear.bias is not None:
+            raise ValueError(f"an embedding table is held in int8 rows, not {linear.kernel}")
+        self.linear = linear
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = linear.out_features, linear.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.linear.weight[ids].to(self.dtype)
+        return rows.mul_(self.linear.scales[ids].to(self.dtype).unsqueeze(-1))
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 rows"
+
+
 def quantize_children(module: nn.Module, method: str) -> int:
     """Swap every plain ``nn.Linear`` under ``module`` for its quantized QuantModule; returns how many."""
     swapped = 0
@@ -368,10 +391,19 @@ class StageQuantizer:
         return [self.fused[i] for i in indices]
 
     def head(self, head: nn.Module) -> nn.Module:
-        """The head, quantized with HEAD_METHOD (a tied head's copy; the embeddings stay as they are)."""
+        """The head, quantized with HEAD_METHOD (a tied head's copy: ``embed`` then shares it)."""
         if type(head) is not nn.Linear:
             return head
         return QuantModule(QuantLinear(head.weight.detach(), bias_of(head), HEAD_METHOD[self.method]))
+
+    def embed(self, embed: nn.Module, head: nn.Module | None = None) -> nn.Module:
+        """The embedding table in int8 rows (QuantEmbedding); ``head``: the quantized head of a tied model,
+        whose int8 weight then serves both. Another kind of embedding module stays as it is."""
+        if type(embed) is not nn.Embedding or embed.max_norm is not None:
+            return embed
+        linear = head.linear if isinstance(head, QuantModule) and head.linear.kernel == QUANT_KERNELS[INT8] else \
+            QuantLinear(embed.weight.detach(), None, INT8)
+        return QuantEmbedding(linear, embed.weight.dtype)
 
 
 # the fused layer's weights and the HF modules each stacks, in output order
@@ -411,7 +443,8 @@ def weights_report(stage, method: str) -> dict:
 def stage_weights(stage) -> tuple[int, int]:
     """(bytes, parameters) of every weight the stage holds: its layers (fused or not), embeddings, norm
     and head. A quantized weight counts its packed bytes and scales, and its float weight's parameters;
-    a tensor shared by two pieces (a tied head's embedding table) counts once."""
+    a tensor shared by two pieces (a tied head's embedding table) counts its bytes once and its parameters
+    for each piece, as the float32 stage, which holds two copies, counts them."""
     seen: set[int] = set()
     totals = [0, 0]
 
@@ -439,6 +472,9 @@ def stage_weights(stage) -> tuple[int, int]:
             add(linear.weight, linear.out_features * linear.in_features)
         add(linear.bias)
 
+    embed, head = stage.embed, stage.head
+    if isinstance(embed, QuantEmbedding) and isinstance(head, QuantModule) and embed.linear is head.linear:
+        totals[1] += head.linear.out_features * head.linear.in_features  # one table held for two: both counted
     for module in (*stage.layers, stage.embed, stage.norm, stage.head):
         if module is None:
             continue
