@@ -118,7 +118,8 @@ def test_fallback_without_capable_fellows_then_quantized_on_one_that_declares_th
 
 def test_a_fellow_serves_adapters_over_int8_weights_through_peft_when_asked(tmp_path, nats_server):
     """SWARM_SERVE_LORA on a fellow reaches its stage: a QLoRA-style export (adapters over a base) loaded
-    at int8 keeps its adapters apart in PEFT's own layers, the status says so, and it chats."""
+    at int8 keeps its adapters apart in PEFT's own layers, the status says so (with step costs on, what
+    a step costs with them and without), and it chats."""
     from fellow.runtime.tools.export import export
     from tests.test_servable_adapters import tiny_lora
 
@@ -126,14 +127,16 @@ def test_a_fellow_serves_adapters_over_int8_weights_through_peft_when_asked(tmp_
     export(hf, tmp_path / "servables" / "tuned", stages=1, adapters=lora)
     (tmp_path / "stack").mkdir()
     stack = Stack(tmp_path / "stack", nats_server.url, tmp_path / "servables", fellows=1,
-                  SWARM_SERVE_LORA="peft").start()
+                  SWARM_SERVE_LORA="peft", SWARM_SERVE_STEP_COSTS="1").start()
     try:
         wait_until(lambda: declares(stack, "f0", "serve-cpu-int8"), 120, "f0 declares serve-cpu-int8")
         load = stack.load("tuned", quantization={"bits": 8})
         assert load["quantization"] == {"bits": 8}, load.get("quantization_reason")
         [stage] = load["stages"]
         assert stage["weights"]["quantization"] == "int8"
-        assert stage["kernels"]["lora"] == {"mode": "peft", "modules": 12}  # q, v and down in 4 layers
+        lora = stage["kernels"]["lora"]
+        assert {k: lora[k] for k in ("mode", "modules")} == {"mode": "peft", "modules": 12}  # q, v, down x 4 layers
+        assert set(lora["step_ms"]) == {"peft_ms", "off_ms"}  # step costs on: the spec's [stage0 lora-cost]
         assert stage["kernels"]["path"] == "hf"
         r = stack.post("/v1/chat/completions", {"model": "tuned", "max_tokens": 8,
                                                 "messages": [{"role": "user", "content": "hello"}]})

@@ -277,3 +277,14 @@ def test_serve_lora_modes_lean16_and_peft_serve_what_lean_does(tmp_path):
     assert greedy(built["peft"], ids)[0] == greedy(built["lean"], ids)[0]
     _, params = quant.stage_weights(built["lean"])
     assert quant.stage_weights(built["peft"])[1] == params  # PEFT's adapter layers are not base parameters
+
+    # the spec's [stageN lora-cost]: a step as served and with the adapters off, then back as they were
+    from fellow.runtime.model.kernels import adapters_off, lora_costs
+
+    for mode, stage in built.items():
+        costs = lora_costs(stage)
+        assert set(costs) == {f"{mode}_ms", "off_ms"} and all(ms > 0 for ms in costs.values())
+        with adapters_off(stage):
+            off = stage.prefill(stage.new_cache(), IDS[0])
+        assert float((off - logits[mode]).abs().max()) > effect / 4  # off means off
+        assert torch.equal(stage.prefill(stage.new_cache(), IDS[0]), logits[mode])  # and back on

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 
 import torch
 
 from fellow.runtime.model.fused import Linear, fusable, onednn_available
 from fellow.runtime.model.packed_linear import pack_stage
-from fellow.runtime.model.quant import QUANT_KERNELS, QuantLinear, StageQuantizer
+from fellow.runtime.model.quant import QUANT_KERNELS, LeanLoRA, QuantLinear, StageQuantizer
 
 log = logging.getLogger(__name__)
 
@@ -199,3 +200,47 @@ def step_costs(stage, batches: list[int], repeats: int = 3) -> dict[str, float]:
         for cache in caches:
             cache.release()
     return costs
+
+
+@torch.inference_mode()
+def lora_costs(stage, repeats: int = 3) -> dict[str, float] | None:
+    """The spec's ``[stageN lora-cost]``: ms of one decode step (batch 1) with the adapters a quantized
+    stage keeps apart, as it serves them (``<mode>_ms``), and with them switched off (``off_ms``). None
+    where it keeps none. The adapters are back in place when it returns."""
+    lora = stage.kernels.get("lora")
+    if not lora:
+        return None
+    served = step_costs(stage, [1], repeats)["1"]
+    with adapters_off(stage):
+        off = step_costs(stage, [1], repeats)["1"]
+    return {f"{lora['mode']}_ms": served, "off_ms": off}
+
+
+@contextmanager
+def adapters_off(stage):
+    """The stage's unmerged adapters switched off for a while: each LeanLoRA swapped for its base, each
+    PEFT layer's adapters disabled; all restored on exit."""
+    swapped: list[tuple[object, str, object]] = []
+    peft_layers = []
+    if stage.fused is not None:
+        for layer in stage.fused.layers:
+            for attr in ("qkv", "o", "gate_up", "down"):
+                if isinstance(getattr(layer, attr), LeanLoRA):
+                    swapped.append((layer, attr, getattr(layer, attr)))
+    for layer in stage.layers:
+        for module in layer.modules():
+            if isinstance(getattr(module, "linear", None), LeanLoRA):
+                swapped.append((module, "linear", module.linear))
+            elif hasattr(module, "enable_adapters") and hasattr(module, "lora_A"):  # PEFT's LoRA layer
+                peft_layers.append(module)
+    try:
+        for owner, attr, lean in swapped:
+            setattr(owner, attr, lean.base)
+        for module in peft_layers:
+            module.enable_adapters(False)
+        yield
+    finally:
+        for owner, attr, lean in swapped:
+            setattr(owner, attr, lean)
+        for module in peft_layers:
+            module.enable_adapters(True)

@@ -16,7 +16,7 @@ from core.bus import close_quietly, connect
 from core.nats_auth import Credentials
 from core.tasks import cancel_and_wait
 from events.stage import MetricsReport, ReadyReport, Report, StageConfig, Transport, encode
-from fellow.runtime.model.kernels import step_costs
+from fellow.runtime.model.kernels import lora_costs, step_costs
 from fellow.runtime.model.kv_budget import measured_kv_tokens
 from fellow.runtime.model.loader import KV_RESERVE_TOKENS
 from fellow.runtime.model.quant import stage_weights
@@ -185,6 +185,9 @@ class StageServerBase:
             self.stage.kernels = {**self.stage.kernels, "step_ms": costs}
             log.info("[stage%d step-costs] path=%s decode step %s", self.cfg.stage, self.stage.kernels["path"],
                      " ".join(f"batch {rows}: {ms:.2f} ms" for rows, ms in costs.items()))
+            if (lora := lora_costs(self.stage)) is not None:  # adapters kept apart: what they cost a step
+                self.stage.kernels["lora"] = {**self.stage.kernels["lora"], "step_ms": lora}
+                log.info("[stage%d lora-cost] %s", self.cfg.stage, " ".join(f"{k}={v:.2f}" for k, v in lora.items()))
         self.group_ms = 0.0  # a ring stage's decode step at a group's rows: stage 0 sizes in flight by it
         if self.cfg.transport.in_flight_max:
             self.group_ms = step_costs(self.stage, [self.per_group])[str(self.per_group)]
