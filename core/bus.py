@@ -97,14 +97,27 @@ async def ensure_streams(js: JetStreamContext, replicas: int = 1, wait_s: float 
             try:
                 try:
                     await js.add_stream(cfg)
-                except BadRequestError:
-                    await js.update_stream(cfg)
+                except BadRequestError as exc:
+                    if exc.err_code == NO_PEERS_YET:  # a cluster whose nodes have not all joined: not yet
+                        raise _NotPlaced(exc.description) from None
+                    await js.update_stream(cfg)  # it exists: bring it to this configuration
                 break
-            except _RETRYABLE as exc:
+            except (*_RETRYABLE, _NotPlaced) as exc:
                 if loop.time() > deadline:
+                    if isinstance(exc, _NotPlaced):
+                        raise BusUnavailable(f"JetStream cannot place stream {spec.name} with {replicas} replicas "
+                                             f"after {wait_s:g}s ({exc}): are {replicas} cluster nodes up? "
+                                             f"(SWARM_NATS_REPLICAS)") from None
                     raise
-                log.info("JetStream not ready for stream %s (%s); trying again", spec.name, type(exc).__name__)
+                log.info("JetStream not ready for stream %s (%s); trying again", spec.name, exc or type(exc).__name__)
                 await asyncio.sleep(0.5)
+
+
+NO_PEERS_YET = 10005  # JetStream's "no suitable peers for placement": too few cluster nodes up for its replicas
+
+
+class _NotPlaced(Exception):
+    """A stream the cluster cannot place yet (too few of its nodes have joined)."""
 
 
 async def wait_streams(js: JetStreamContext, timeout: float = 60.0) -> None:
