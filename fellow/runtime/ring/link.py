@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 STATS_S = 1.0
 PROBE_EVERY_S = 0.5
+RELAY_MARGIN, RELAY_SLACK_MS = 1.25, 0.2  # a direct link stays unless the relay's median beats it by more
 DIAL_GIVE_UP_S = 600.0  # the next stage may still be loading; the hop stays on the relay meanwhile
 
 
@@ -271,7 +272,9 @@ class RingLink:
             self.route = "r"
             return
         self.probe_ms = {"direct": round(statistics.median(direct), 3), "relay": round(statistics.median(relay), 3)}
-        faster = self.probe_ms["direct"] <= self.probe_ms["relay"]
+        # the relay only where it is clearly faster: on one host the two are close, and a busy core's jitter
+        # in ten round trips would otherwise send a ring through nats-server by chance
+        faster = self.probe_ms["direct"] <= self.probe_ms["relay"] * RELAY_MARGIN + RELAY_SLACK_MS
         log.info("[stage%d link-probe] to stage %d at %s: direct %.3f ms (min %.3f, max %.3f), relay %.3f ms, "
                  "%d round trips each: %s", self.stage, nxt, address, self.probe_ms["direct"], min(direct), max(direct),
                  self.probe_ms["relay"], PROBE_ROUNDS, "direct" if faster else "relay (slower direct)")
