@@ -49,6 +49,18 @@ async def connect(url: str, name: str, timeout: float = 5.0, credentials: Creden
         raise BusUnavailable(f"NATS at {url} refused {name}: {errors[-1] if errors else exc}") from None
 
 
+async def settle(nc: Client, timeout: float = 5.0) -> None:
+    """Return once the server has processed everything this connection sent so far (its SUBs above
+    all), so another connection may count on that interest.
+
+    nats-py's flush() alone is not that barrier: it writes its PING straight to the socket, while the
+    commands queued before it (a subscribe's SUB) go out later through the flusher task, so the PONG
+    can come back before the server has seen them. By the time the first flush returns the flusher
+    has written them, and a second PING goes out behind them."""
+    await nc.flush(timeout=timeout)
+    await nc.flush(timeout=timeout)
+
+
 async def close_quietly(nc: Client, timeout: float = 2.0) -> None:
     """Flush what was published, then close. (drain() can wait out its whole timeout on a pull
     subscription with a fetch in flight; what we publish is acked already, so close is enough.)"""

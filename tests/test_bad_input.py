@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import msgspec
 import pytest
 
-from core.bus import publish_event
+from core.bus import publish_event, settle
 from core.settings import Settings
 from events import subjects
 from events.base import new_id
@@ -95,7 +95,7 @@ async def test_junk_heartbeats_are_dropped_and_a_real_one_still_joins(tmp_path, 
                 await nc.publish(subjects.heartbeat("fz"), data)
             await nc.publish(subjects.heartbeat("fz"), msgspec.json.encode(
                 Heartbeat(fellow_id="fz", hostname="h", seq=1, interval_s=1.0, started_at=1.0)))
-            await nc.flush()
+            await settle(nc)
 
             async def online() -> bool:
                 fellows = (await c.get("/api/v1/fellows")).json()["data"]

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from core.bus import publish_event
+from core.bus import publish_event, settle
 from events import subjects
 from events.base import new_id
 from events.frames import DoneFrame, ErrorFrame, TokenFrame
@@ -148,5 +148,5 @@ async def test_closing_before_the_end_publishes_a_cancel_and_after_it_does_not(h
     marker = await wait_cancel(nc, "marker")
     await nc.publish(subjects.cancel("ld-a", "marker"), b"")  # after close's own publish would have gone out
     await asyncio.wait_for(marker, 5)
-    await nc.flush()
+    await settle(nc)
     assert not not_cancelled.done()

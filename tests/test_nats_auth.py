@@ -20,7 +20,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 from sqlalchemy import select
 
-from core.bus import BusUnavailable, connect, ensure_streams, publish_event, publish_struct
+from core.bus import BusUnavailable, connect, ensure_streams, publish_event, publish_struct, settle
 from core.nats_auth import LEADER_USER, OPS_USER, AuthDir, Credentials, fellow_user
 from core.nats_server import EmbeddedNats
 from events import subjects
@@ -87,7 +87,7 @@ async def wait_denied(client: Client, what: str) -> None:
     for _ in range(100):
         if client.denied(what):
             return
-        await client.nc.flush()
+        await settle(client.nc)
         await asyncio.sleep(0.02)
     raise AssertionError(f"no permissions violation for {what}: {client.errors}")
 
@@ -130,7 +130,7 @@ async def test_a_fellow_publishes_what_a_fellow_reports_and_takes_its_own_comman
         watched = [subjects.event(kind.__struct_config__.tag) for kind in (LoadFailed, StageReplaced, StageReady)]
         for subject in watched:  # a ring stage's watches
             await fellow.nc.subscribe(subject, cb=hear)
-        await fellow.nc.flush()
+        await settle(fellow.nc)
         assert (await leader.nc.request(subjects.logs("f1"), b"", timeout=5)).data == b"lines"
         await leader.nc.publish(subjects.cancel("l", "r1"), b"")
         await fellow.nc.publish(subjects.ring("l", "1"), b"frame")
@@ -183,13 +183,13 @@ async def test_a_fellow_cannot_read_the_log_another_fellows_commands_or_the_lead
         await publish_event(leader.js, LoadPlaced(load_id="l", model_id="m", stages=[]))
         await leader.js.stream_info(EVENTS_STREAM)
         await leader.nc.publish("swarm.logs.f2", b"")
-        await leader.nc.flush()
+        await settle(leader.nc)
         for denied in (f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}", f"$JS.API.CONSUMER.INFO.{COMMANDS_STREAM}.fellow-f2",
                        f"$JS.API.STREAM.MSG.GET.{EVENTS_STREAM}", f"$JS.API.STREAM.DELETE.{HEARTBEATS_STREAM}"):
             with pytest.raises(nats.errors.TimeoutError):
                 await fellow.nc.request(denied, b"{}", timeout=DENIED_WAIT_S)
             await wait_denied(fellow, denied)
-        await fellow.nc.flush()
+        await settle(fellow.nc)
         assert got == []
         assert (await leader.js.stream_info(HEARTBEATS_STREAM)).config.name == HEARTBEATS_STREAM
     finally:

@@ -21,7 +21,7 @@ import pytest
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import ServiceUnavailableError
 
-from core.bus import connect, ensure_streams
+from core.bus import connect, ensure_streams, settle
 from core.nats_auth import LEADER_USER, AuthDir, fellow_user, inbox_prefix, leaf_user
 from core.nats_server import EmbeddedNats, LeafRemote
 from events import subjects
@@ -115,10 +115,10 @@ async def test_a_fellow_on_the_leaf_uses_the_hubs_streams_through_the_slow_link(
             heard.append(msg.subject)
 
         await leader.subscribe("swarm.hb.*", cb=on_heartbeat)
-        await leader.flush()
+        await settle(leader)
         await fellow.publish(subjects.heartbeat("f2"), b"{}")
         await fellow.publish(subjects.heartbeat("f1"), b"{}")
-        await fellow.flush()
+        await settle(fellow)
         await asyncio.wait_for(_until(lambda: errors and heard), 10)
         assert heard == [subjects.heartbeat("f1")] and "swarm.hb.f2" in errors[0], (heard, errors)
     finally:
@@ -179,10 +179,10 @@ async def test_the_leaf_link_forwards_no_more_than_its_fellows_may_do(tmp_path, 
             heard.append(msg.subject)
 
         await leader.subscribe("swarm.>", cb=on_event)
-        await leader.flush()
+        await settle(leader)
         for subject in ("swarm.evt.load.placed", "swarm.hb.f2", "swarm.cmd.f2.stop", "swarm.evt.request.finished"):
             await anyone.publish(subject, b"{}")
-        await anyone.flush()
+        await settle(anyone)
         await asyncio.wait_for(_until(lambda: "swarm.evt.request.finished" in heard), 10)
         assert heard == ["swarm.evt.request.finished"], heard  # in order on one link: the others were dropped
         # a fellow may read a token frame back, never the event log

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from core.bus import settle
 from events import subjects
 from events.base import decode_event
 from events.frames import DoneFrame, ErrorFrame
@@ -55,7 +56,7 @@ async def test_a_stage_skips_what_does_not_decode_and_serves_on(tmp_path, nats_s
         assert isinstance(frames[-1], ErrorFrame) and frames[-1].code == "admission_failed", frames
         # a client that hung up before the stage took its request: the cancel came first, and is kept
         await nc.publish(subjects.cancel(cfg.load_id, "rq-early"), b"")
-        await nc.flush()  # through the server before the request is: the stage's connection gets it first
+        await settle(nc)  # through the server before the request is: the stage's connection gets it first
         _, frames, early, _ = await chat_over_bus(nc, js, cfg.load_id, "tiny", "Hello there", max_tokens=500,
                                                   request_id="rq-early", timeout=60)
         assert isinstance(frames[-1], DoneFrame) and frames[-1].finish_reason == "cancelled", frames

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from core.bus import settle
 from events.fellow import Gpu, Heartbeat, LoadedModel
 from events.requests import RequestAccepted, RequestFailed, RequestFinished
 from leader.db.tables import Load, LoadStage
@@ -147,7 +148,7 @@ async def test_a_request_in_flight_is_cancelled_at_once_by_its_own_token(tmp_pat
         heard.put_nowait(msg.subject)
 
     sub = await nc.subscribe("swarm.cancel.ld-1.*", cb=on_cancel)
-    await nc.flush()
+    await settle(nc)
     async with leader_client(tmp_path, nats_server.url, sqlite_url,
                              SWARM_SERVABLE_MODELS_ROOT=tmp_path / "servables") as (app, c):
         admin = (await mint(c, "ops", ["admin"]))["token"]
