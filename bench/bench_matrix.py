@@ -2,13 +2,15 @@
 against raw HF `generate`, at 1 and 8 streams, and the stage's ms per token against the memory-bandwidth
 floor of each shape (weight bytes a token reads over this machine's read bandwidth, measured here).
 
-    .venv/bin/python bench/bench_matrix.py [--shapes A B ...] [--tokens 64] [--no-stack]
+    .venv/bin/python bench/bench_matrix.py [--shapes A B ...] [--tokens 64] [--no-stack] [--compile 1,8]
 
 Every model is random (float32, CPU) with its end-of-turn rows zeroed, so no reply ends early and every
 path decodes the same number of tokens. The stack is real: nats-server, a leader, a fellow and its stage
 subprocess; clients stream from /v1/chat/completions. The engine alone is the stage as the fellow
 serves it (fused layers, kernels chosen at load) driven in this process. TTFT added is the stack's
 median time to first token over short prompts minus the engine's own prefill-and-first-token time.
+``--compile``: the stage's decode step compiled at those batch sizes (SWARM_SERVE_COMPILE), in the engine
+alone and in the stack's stage, each where it measured faster at load (fellow.runtime.model.compiled).
 """
 
 from __future__ import annotations
@@ -146,7 +148,7 @@ async def stack_ttft(base: str, model: str, n: int = 12) -> float:
 
 
 def run_shape(name: str, shape: tuple, tmp: Path, tokens: int, streams: list[int], bandwidth: float,
-              with_stack: bool, stage_threads: int = 0, engine: bool = True) -> dict:
+              with_stack: bool, stage_threads: int = 0, engine: bool = True, compile: str = "off") -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fellow.runtime.tools.export import export
@@ -162,14 +164,16 @@ def run_shape(name: str, shape: tuple, tmp: Path, tokens: int, streams: list[int
     del model
     row["engine"], row["engine_first_ms"] = {b: float("nan") for b in streams}, 0.0
     if engine:
-        _engine_rows(row, tmp / "servables" / name, tok, tokens, streams)
+        _engine_rows(row, tmp / "servables" / name, tok, tokens, streams, compile)
     if with_stack:
         with EmbeddedNats(tmp / name / "js") as nats:
             stack = Stack(tmp / name, nats.url, tmp / "servables", SWARM_MODEL_IDLE_UNLOAD_S=0,
                           SWARM_SERVE_MAX_IN_FLIGHT=max(streams), SWARM_SERVE_THREADS=stage_threads,
-                          SWARM_SERVE_PREFIX_CACHE="off").start()  # the engine alone keeps none either
+                          SWARM_SERVE_PREFIX_CACHE="off", SWARM_SERVE_COMPILE=compile).start()  # the engine alone keeps none either
             try:
-                stack.load(name)
+                r = stack.post(f"/api/v1/models/{name}/load", {"wait": True, "timeout_s": 1800}, timeout=1900)
+                assert r.status_code == 200 and r.json()["state"] == "ready", r.text
+                row["stack_compiled"] = r.json()["stages"][0]["kernels"].get("compiled", {}).get("serving")
                 row["stack"] = {b: (asyncio.run(load_test(stack.url, name, b, tokens))["agg_tok_s"] if tokens else 0.0)
                                 for b in streams}
                 row["stack_ttft_ms"] = asyncio.run(stack_ttft(stack.url, name))
@@ -178,10 +182,15 @@ def run_shape(name: str, shape: tuple, tmp: Path, tokens: int, streams: list[int
     return row
 
 
-def _engine_rows(row: dict, servable: Path, tok, tokens: int, streams: list[int]) -> None:
+def _engine_rows(row: dict, servable: Path, tok, tokens: int, streams: list[int], compile: str = "off") -> None:
+    from core.settings import Settings
     from fellow.runtime.model.loader import load_one_stage
 
-    stage = load_one_stage(servable, device="cpu", batch_cap=max(streams)).stage
+    sizes = Settings.from_env({"SWARM_SERVE_COMPILE": compile}).serve_compile
+    stage = load_one_stage(servable, device="cpu", batch_cap=max(streams), compile=sizes).stage
+    if sizes:
+        row["compiled"] = stage.kernels["compiled"]
+        print(json.dumps({"name": row["name"], "compiled": row["compiled"]}), flush=True)
     row["kernels"] = {k: v["kernel"] for k, v in stage.kernels.get("shapes", {}).items()} or stage.kernels["path"]
     engine = {b: engine_alone(stage, tok, b, tokens) for b in streams}
     row["engine"] = {b: rate for b, (rate, _) in engine.items()}
@@ -228,6 +237,7 @@ def main() -> None:
     ap.add_argument("--no-stack", action="store_true", help="generate and the engine alone")
     ap.add_argument("--no-engine", action="store_true", help="generate and the stack only")
     ap.add_argument("--stage-threads", type=int, default=0, help="SWARM_SERVE_THREADS for the stack's stage")
+    ap.add_argument("--compile", default="off", help="SWARM_SERVE_COMPILE for the engine and the stack's stage")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -238,7 +248,7 @@ def main() -> None:
     rows = []
     for name in args.shapes:
         rows.append(run_shape(name, SHAPES[name], tmp, args.tokens, args.streams, bandwidth, not args.no_stack,
-                              args.stage_threads, not args.no_engine))
+                              args.stage_threads, not args.no_engine, args.compile))
         print(json.dumps(rows[-1], default=str), flush=True)
     print()
     print(ratio_table(rows, args.streams, not args.no_stack))

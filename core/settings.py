@@ -65,6 +65,26 @@ def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str,
     return v
 
 
+COMPILE_MAX_BATCH = 64
+
+
+def _compile(env: Mapping[str, str]) -> tuple[int, ...]:
+    """SWARM_SERVE_COMPILE: off, on (batch 1), or the decode batch sizes to compile, e.g. ``1,8``."""
+    raw = (env.get("SWARM_SERVE_COMPILE") or "").strip().lower()
+    if raw in ("", "off", "0", "no", "false"):
+        return ()
+    if raw in ("on", "yes", "true"):
+        return (1,)
+    try:
+        sizes = sorted({int(part) for part in raw.split(",") if part.strip()})
+    except ValueError:
+        sizes = []
+    if not sizes or not all(1 <= n <= COMPILE_MAX_BATCH for n in sizes):
+        raise SettingsError(f"SWARM_SERVE_COMPILE={env.get('SWARM_SERVE_COMPILE')!r} must be off, on, or batch sizes "
+                            f"from 1 to {COMPILE_MAX_BATCH} separated by commas (like 1,8)")
+    return tuple(sizes)
+
+
 def _devices(env: Mapping[str, str]) -> str:
     """SWARM_SERVE_DEVICES: auto, or devices in the order a stage's layers fill them, the CPU last."""
     raw = (env.get("SWARM_SERVE_DEVICES") or "").strip().lower()
@@ -150,6 +170,7 @@ class Settings:
     nats_replicas: int = 1  # SWARM_NATS_REPLICAS: each stream's replicas in a NATS cluster
     serve_devices: str = "auto"  # SWARM_SERVE_DEVICES (fellow): what a stage's layers are split over
     serve_lora: str = "lean"  # SWARM_SERVE_LORA (fellow): adapters kept apart over quantized weights (LORA_MODES)
+    serve_compile: tuple[int, ...] = ()  # SWARM_SERVE_COMPILE (fellow): decode batch sizes compiled at load
 
     @property
     def nats_credentials(self):
@@ -231,6 +252,7 @@ class Settings:
             nats_replicas=replicas,
             serve_devices=_devices(env),
             serve_lora=_choice(env, "SWARM_SERVE_LORA", "lean", LORA_MODES),
+            serve_compile=_compile(env),
         )
 
     def replace(self, **changes) -> "Settings":

@@ -45,6 +45,7 @@ class StageConfig(msgspec.Struct, frozen=True, kw_only=True):
     draft_model_dir: str = ""  # a one-stage load's draft model (SWARM_SERVE_DRAFT_MODEL), when it drafts
     devices: str = "auto"  # SWARM_SERVE_DEVICES: what the layers are split over (auto: every GPU, then the CPU)
     lora: str = "lean"  # SWARM_SERVE_LORA: adapters kept apart over quantized weights, lean, lean16 or peft
+    compile: list[int] = []  # SWARM_SERVE_COMPILE: decode batch sizes compiled at load (fellow.runtime.model.compiled)
 
 
 class Report(msgspec.Struct, frozen=True, kw_only=True, tag_field="event"):

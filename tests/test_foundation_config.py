@@ -27,6 +27,9 @@ from tests.processes import free_port, swarm_env
     ({"SWARM_SERVE_DEVICES": "cpu,cuda:0"}, "the CPU last"),
     ({"SWARM_SERVE_DEVICES": "cuda:1,cuda:1"}, "SWARM_SERVE_DEVICES='cuda:1,cuda:1'"),
     ({"SWARM_SERVE_LORA": "dora"}, "SWARM_SERVE_LORA='dora' must be one of: lean, lean16, peft"),
+    ({"SWARM_SERVE_COMPILE": "fast"}, "SWARM_SERVE_COMPILE='fast' must be off, on, or batch sizes from 1 to 64"),
+    ({"SWARM_SERVE_COMPILE": "1,0"}, "SWARM_SERVE_COMPILE='1,0' must be off, on"),
+    ({"SWARM_SERVE_COMPILE": "1,99"}, "SWARM_SERVE_COMPILE='1,99' must be off, on"),
 ])
 def test_bad_values_name_the_variable(env, needle):
     with pytest.raises(SettingsError, match=needle.replace("(", r"\(").replace("?", r"\?")):
@@ -58,6 +61,10 @@ def test_defaults_follow_the_spec():
     assert Settings.from_env({"SWARM_SERVE_DEVICES": "CUDA:1, cuda:0,cpu"}).serve_devices == "cuda:1,cuda:0,cpu"
     assert s.serve_lora == "lean"  # adapters over quantized weights: one addmm, no PEFT layer
     assert Settings.from_env({"SWARM_SERVE_LORA": "PEFT"}).serve_lora == "peft"
+    assert s.serve_compile == ()  # the compiled decode step costs tens of seconds of load per batch size
+    assert Settings.from_env({"SWARM_SERVE_COMPILE": "on"}).serve_compile == (1,)
+    assert Settings.from_env({"SWARM_SERVE_COMPILE": "8, 1,8"}).serve_compile == (1, 8)
+    assert Settings.from_env({"SWARM_SERVE_COMPILE": "off"}).serve_compile == ()
 
 
 def run_cli(args, env, timeout=30):

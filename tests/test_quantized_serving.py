@@ -119,7 +119,8 @@ def test_fallback_without_capable_fellows_then_quantized_on_one_that_declares_th
 def test_a_fellow_serves_adapters_over_int8_weights_through_peft_when_asked(tmp_path, nats_server):
     """SWARM_SERVE_LORA on a fellow reaches its stage: a QLoRA-style export (adapters over a base) loaded
     at int8 keeps its adapters apart in PEFT's own layers, the status says so (with step costs on, what
-    a step costs with them and without), and it chats."""
+    a step costs with them and without), and it chats. SWARM_SERVE_COMPILE reaches the stage too: its
+    status says why these layers are not compiled."""
     from fellow.runtime.tools.export import export
     from tests.test_servable_adapters import tiny_lora
 
@@ -127,7 +128,7 @@ def test_a_fellow_serves_adapters_over_int8_weights_through_peft_when_asked(tmp_
     export(hf, tmp_path / "servables" / "tuned", stages=1, adapters=lora)
     (tmp_path / "stack").mkdir()
     stack = Stack(tmp_path / "stack", nats_server.url, tmp_path / "servables", fellows=1,
-                  SWARM_SERVE_LORA="peft", SWARM_SERVE_STEP_COSTS="1").start()
+                  SWARM_SERVE_LORA="peft", SWARM_SERVE_STEP_COSTS="1", SWARM_SERVE_COMPILE="1").start()
     try:
         wait_until(lambda: declares(stack, "f0", "serve-cpu-int8"), 120, "f0 declares serve-cpu-int8")
         load = stack.load("tuned", quantization={"bits": 8})
@@ -138,6 +139,8 @@ def test_a_fellow_serves_adapters_over_int8_weights_through_peft_when_asked(tmp_
         assert {k: lora[k] for k in ("mode", "modules")} == {"mode": "peft", "modules": 12}  # q, v, down x 4 layers
         assert set(lora["step_ms"]) == {"peft_ms", "off_ms"}  # step costs on: the spec's [stage0 lora-cost]
         assert stage["kernels"]["path"] == "hf"
+        assert stage["kernels"]["compiled"]["asked"] == [1]
+        assert stage["kernels"]["compiled"]["why"].startswith("its layers are not fused")
         r = stack.post("/v1/chat/completions", {"model": "tuned", "max_tokens": 8,
                                                 "messages": [{"role": "user", "content": "hello"}]})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0, r.text

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
+from fellow.runtime.model.compiled import PlainWeights
 from fellow.runtime.model.fused import Linear, fusable, onednn_available
 from fellow.runtime.model.packed_linear import pack_stage
 from fellow.runtime.model.quant import QUANT_KERNELS, LeanLoRA, QuantLinear, StageQuantizer
@@ -107,15 +108,18 @@ def quant_chooser(method: str, batch_cap: int) -> KernelChooser:
     return KernelChooser([kernel], batch_cap, make=lambda weight, bias, _: QuantLinear(weight, bias, method))
 
 
-def prepare_stage(stage, *, packed: bool = True, batch_cap: int = 8, quantizer: StageQuantizer | None = None) -> dict:
+def prepare_stage(stage, *, packed: bool = True, batch_cap: int = 8, quantizer: StageQuantizer | None = None,
+                  keep_plain: bool = False) -> dict:
     """Make a freshly loaded StageModel ready to serve: fused layers with measured kernels where the
     family allows (fellow.runtime.model.fused), else the HF layers, packed for oneDNN where that serves.
     ``quantizer``: the StageQuantizer its layers went through as they loaded (a quantized stage); its
     head is quantized here.
 
     Returns what the load's status shows of it: the path, and the kernel choices with their timings
-    (or why the layers could not be fused).
+    (or why the layers could not be fused). ``keep_plain``: fused weights stored in another form keep
+    their plain one too, in ``stage.plain_weights``, for a compiled decode step (fellow.runtime.model.compiled).
     """
+    stage.plain_weights = None
     if quantizer is not None:
         return _prepare_quantized(stage, quantizer)
     devices = set(stage.layer_devices)
@@ -123,7 +127,9 @@ def prepare_stage(stage, *, packed: bool = True, batch_cap: int = 8, quantizer: 
         fusable(stage.layers, stage.config, stage.layer_devices[0])
     if why is None:
         chooser = KernelChooser(available_kernels(stage.layer_devices[0], stage.dtype, packed), batch_cap)
-        stage.fuse(chooser.linear)
+        if keep_plain:
+            stage.plain_weights = PlainWeights(chooser.linear)
+        stage.fuse(stage.plain_weights.make if keep_plain else chooser.linear)
         chooser.done()
         log.info("fused layers; %s", chooser.log_line())
         stage.kernels = {"path": "fused", **chooser.summary()}

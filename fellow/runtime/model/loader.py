@@ -13,6 +13,7 @@ from core.quantization import NF4, NONE
 from core.servable import TOKENIZER_DIR, Manifest, ServableError, load_manifest
 from fellow.runtime.model.device_split import DeviceSplit, SplitError, plan_split
 from fellow.runtime.model.half_storage import apply_half_storage
+from fellow.runtime.model.compiled import compile_decode
 from fellow.runtime.model.kernels import prepare_stage, quant_chooser
 from fellow.runtime.model.kv_budget import CUDA_KEEP_BYTES, CUDA_USABLE, cpu_free_bytes, cuda_free_bytes
 from fellow.runtime.model.lora_merge import lora_scale
@@ -117,7 +118,8 @@ def split_stage(manifest: Manifest, stage_index: int, num_stages: int, devices: 
 def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stages: int,
                 device: torch.device | None, attention: str = "sdpa", packed: bool = True, batch_cap: int = 8,
                 quantization: str = NONE, devices: Devices = AUTO, kv_tokens: int = KV_RESERVE_TOKENS,
-                dtype: torch.dtype | None = None, lora: str = "lean") -> tuple[StageModules, StageModel]:
+                dtype: torch.dtype | None = None, lora: str = "lean",
+                compile: Sequence[int] = ()) -> tuple[StageModules, StageModel]:
     """One serving stage's modules and its StageModel, ready to serve (kernels.prepare_stage).
 
     ``device``: every piece there; None: the layers split over ``devices`` by free memory, keeping room
@@ -130,6 +132,8 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
     An adapters export's LoRA pairs are merged into a full-precision stage, and kept apart over a
     quantized one, so a QLoRA run serves as it trained, without a second rounding: ``lora`` (the fellow's
     SWARM_SERVE_LORA) says how (quant.LORA_MODES: lean or lean16 quant.LeanLoRA, or PEFT's own layers).
+    ``compile`` (SWARM_SERVE_COMPILE): decode batch sizes whose step is compiled where that serves and
+    measures faster (fellow.runtime.model.compiled); ``kernels["compiled"]`` says what it found.
     """
     split = None
     if device is None and quantization != NONE:  # not split (its sizes are not the float ones): the first device
@@ -159,7 +163,10 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
     mods.config._attn_implementation = attention
     stage = StageModel(config=mods.config, layers=mods.layers, first_layer=mods.layer_indices[0],
                        rotary_emb=mods.rotary_emb, embed=mods.embed, norm=mods.norm, head=mods.lm_head)
-    prepare_stage(stage, packed=packed, batch_cap=batch_cap, quantizer=quantizer)
+    prepare_stage(stage, packed=packed, batch_cap=batch_cap, quantizer=quantizer, keep_plain=bool(compile))
+    if compile:
+        stage.kernels = {**stage.kernels, "compiled": compile_decode(stage, compile, stage.plain_weights)}
+    stage.plain_weights = None  # the compiled step holds what it needs
     if split is not None:
         stage.kernels = {**stage.kernels, "devices": split.as_dicts()}
         log.info("layers split over %d devices: %s", len(split.parts), split.describe())
@@ -174,7 +181,7 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
 def load_one_stage(model_dir: str | Path, device: str | None = None, attention: str = "sdpa",
                    packed: bool = True, batch_cap: int = 8, quantization: str = NONE,
                    devices: Devices = AUTO, kv_tokens: int = KV_RESERVE_TOKENS,
-                   dtype: torch.dtype | None = None, lora: str = "lean") -> LoadedStage:
+                   dtype: torch.dtype | None = None, lora: str = "lean", compile: Sequence[int] = ()) -> LoadedStage:
     """The whole model as one stage (embeddings, every layer, norm and head): a ring of one.
 
     ``device``: all of it there; None: split over ``devices`` (``build_stage``). ``packed``: float32 CPU
@@ -185,7 +192,7 @@ def load_one_stage(model_dir: str | Path, device: str | None = None, attention: 
     manifest = load_manifest(model_dir)
     dev = torch.device(device) if device else None
     _, stage = build_stage(manifest, 0, model_dir, 1, dev, attention, packed, batch_cap, quantization,
-                           devices=devices, kv_tokens=kv_tokens, dtype=dtype, lora=lora)
+                           devices=devices, kv_tokens=kv_tokens, dtype=dtype, lora=lora, compile=compile)
     tokenizer = load_tokenizer(model_dir)
     return LoadedStage(manifest, stage, tokenizer, stop_ids_for(manifest, tokenizer), stage_device(stage))
 

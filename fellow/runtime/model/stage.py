@@ -77,6 +77,7 @@ class StageModel:
         self.fused: FusedStack | None = None  # set by ``fuse``: the layers then run by hand
         self.kernels: dict = {"path": "hf"}  # how it computes, for the load's status (kernels.prepare_stage)
         self.weights: dict = {}  # its quantization and measured weight bytes, for the status (quant.weights_report)
+        self.compiled = None  # a compiled.CompiledDecode: its decode step at the batch sizes it serves faster
 
     def fuse(self, make_linear: MakeLinear, fused_layers: Sequence[FusedLayer] | None = None) -> FusedStack:
         """Run the layers fused (fellow.runtime.model.fused), each weight made by ``make_linear`` (which
@@ -239,6 +240,11 @@ class StageModel:
 
         Returns logits [B, V] on the last stage, hidden [B, 1, H] before it.
         """
+        if self.compiled is not None and self.compiled.serves(len(caches)):
+            try:
+                return self.compiled.decode(caches, inputs)
+            except Exception as exc:  # it would have compiled anew (or failed): the fused step serves from now on
+                self.compiled.give_up(len(caches), exc)
         hidden = self._embed(inputs.view(-1, 1)) if self.is_first else inputs
         for cache in caches:
             cache.reserve(1)

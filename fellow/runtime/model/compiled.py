@@ -1,0 +1,311 @@
+"""A whole stage's decode step compiled by inductor, at the batch sizes asked (SWARM_SERVE_COMPILE).
+
+The fused layers (fellow.runtime.model.fused) run a CPU decode step as a handful of matmuls per
+layer, each through MKL or oneDNN, with torch's small ops and Python between them. Inductor, with
+frozen weights and ``max-autotune``, writes the step as one program: its own GEMV kernels for one
+row (``cpp_CppMicroGemmFP32Vec``: 0.64 ms against MKL's 1.30 ms for a 32,000 x 256 head) and the
+norms, rotary and residuals fused around them. On bench/bench_matrix.py's shapes a batch-1 step took
+0.5-0.65 of the fused one's time (bench/bench_compile.py, docs/benchmarks.md).
+
+The attention stays outside the compiled graph, as one opaque op per layer (``swarm::attend_rows``)
+that runs the fused stack's own ``attend_decode``: each session writes its new position into its own
+``KVCache`` and attends to exactly its past, so the graph's shapes depend on the batch size alone, the
+caches keep their layout, and sessions join and leave as before. (A graph over fixed-size KV buffers
+pays for every position up to the buffer's end each step; a graph with dynamic lengths measured at
+0.2-0.4 of the fused step's speed.)
+
+Compiling takes tens of seconds per batch size on a small CPU (inductor's autotuning times each
+matmul), so it is off unless asked. When asked, the stage compiles each batch size at load, checks
+the compiled step's logits against the fused step's, times both, and serves with the compiled one
+only where it measured faster; its ``kernels["compiled"]`` says what it found, or why it did not
+compile (a ring stage, quantized or adapted layers, another device). Serves float32 CPU stages of
+the Llama family whose layers are fused, i.e. what ``fused.fusable`` accepts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fellow.runtime.model.fused import Linear, _norm, rotary_tables
+
+log = logging.getLogger(__name__)
+
+COMPILE_MODE = "max-autotune-no-cudagraphs"
+TIMING_REPEATS = 5  # timed steps per path and batch size; the fastest counts
+CHECK_CONTEXT = 64  # positions in each cache when the compiled step's logits are checked and timed
+LOGIT_TOLERANCE = 1e-3  # the compiled step's logits may differ from the fused step's by this, relative
+# graphs dynamo keeps for DecodeGraph.forward: one per stage and batch size. Every stage's step is one code
+# object, so a process that loads several stages (a benchmark, the tests) passed dynamo's default of 8 and
+# got an error where a compile was due
+RECOMPILE_LIMIT = 64
+
+_current = threading.local()  # the decode step in progress: its attend function and fused layers
+
+
+@torch.library.custom_op("swarm::attend_rows", mutates_args=())
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
+    """One layer's attention for the decode step in progress: q [B, heads, 1, D], k and v [B, kv_heads,
+    1, D] -> [B, 1, heads * D]. Each row writes its key and value into its session's cache and attends
+    to its past there (the fused stack's ``attend_decode``); opaque to inductor, so it runs as written."""
+    return _current.attend(_current.layers[slot], q, k, v)
+
+
+@attend_rows.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
+    return q.new_empty(q.shape[0], 1, q.shape[1] * q.shape[3])
+
+
+def why_not(stage) -> str | None:
+    """None when the stage's decode step can be compiled, else why not (one line)."""
+    if not (stage.is_first and stage.is_last):
+        return "a ring stage: the compiled step takes a whole model (embeddings to head)"
+    if stage.fused is None:
+        return f"its layers are not fused ({stage.kernels.get('why', stage.kernels.get('path'))})"
+    if len(set(stage.layer_devices)) > 1 or stage.layer_devices[0].type != "cpu":
+        return "it is not on the CPU alone"
+    if stage.dtype != torch.float32:
+        return f"its weights are {str(stage.dtype).removeprefix('torch.')}, not float32"
+    for layer in stage.fused.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            if type(getattr(layer, name)) is not Linear:
+                return f"its layers are quantized or carry adapters ({type(getattr(layer, name)).__name__})"
+    if type(stage.embed) is not nn.Embedding or type(getattr(stage.head, "linear", None)) is not Linear:
+        return "its embeddings or head are not plain float32 weights"
+    return None
+
+
+class PlainWeights:
+    """The plain float32 form of each fused weight a kernel stored otherwise (oneDNN's packed form),
+    kept while a stage loads, so its decode step can be compiled from them; ``make`` wraps a stage's
+    linear maker."""
+
+    def __init__(self, make) -> None:
+        self._make = make
+        self.by_linear: dict[int, torch.Tensor] = {}
+
+    def make(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        linear = self._make(weight, bias)
+        if linear.kernel != "mkl":
+            self.by_linear[id(linear)] = weight.detach()
+        return linear
+
+    def of(self, linear: Linear) -> torch.Tensor:
+        return linear.weight if linear.kernel == "mkl" else self.by_linear[id(linear)]
+
+
+class DecodeGraph(nn.Module):
+    """One decode step of a fused stage as one traceable forward: ids [B], cos and sin [B, 1, 1, D]
+    (``fused.rotary_tables``) -> logits [B, V]. The same arithmetic as ``FusedStack.forward`` and the
+    stage's head, with the attention left to ``attend_rows``."""
+
+    def __init__(self, stage, plain: PlainWeights) -> None:
+        super().__init__()
+        fused = stage.fused
+        self.heads, self.kv_heads, self.dim = fused.num_heads, fused.num_kv_heads, fused.head_dim
+        self.hidden = stage.config.hidden_size
+        self.n = len(fused.layers)
+        self.eps: list[tuple[float, float, float | None]] = []
+        self.intermediate: list[int] = []
+        keep = self.register_buffer
+        for i, layer in enumerate(fused.layers):
+            for name in ("qkv", "o", "gate_up", "down"):
+                linear = getattr(layer, name)
+                keep(f"{name}{i}", plain.of(linear))
+                keep(f"{name}_bias{i}", linear.bias)
+            keep(f"in{i}", layer.input_norm[0])
+            keep(f"post{i}", layer.post_norm[0])
+            keep(f"qk{i}", None if layer.qk_norm is None else layer.qk_norm[0])
+            self.eps.append((layer.input_norm[1], layer.post_norm[1],
+                             None if layer.qk_norm is None else layer.qk_norm[1]))
+            self.intermediate.append(layer.intermediate)
+        keep("embed", stage.embed.weight.detach())
+        norm_weight, self.norm_eps = _norm(stage.norm)
+        keep("norm", norm_weight)
+        head = stage.head.linear
+        keep("head", plain.of(head))
+        keep("head_bias", head.bias)
+
+    def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, d = ids.shape[0], self.dim
+        qk_heads, half = self.heads + self.kv_heads, d // 2
+        w = lambda name, i: getattr(self, f"{name}{i}")
+        hidden = F.embedding(ids, self.embed)[:, None]
+        for i in range(self.n):
+            in_eps, post_eps, qk_eps = self.eps[i]
+            qkv = F.linear(F.rms_norm(hidden, (self.hidden,), w("in", i), in_eps), w("qkv", i), w("qkv_bias", i))
+            qk = qkv[..., : qk_heads * d].view(batch, 1, qk_heads, d)
+            if qk_eps is not None:
+                qk = F.rms_norm(qk, (d,), None, qk_eps) * w("qk", i)
+            qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)
+            q, k = qk[:, :, : self.heads].transpose(1, 2), qk[:, :, self.heads :].transpose(1, 2)
+            v = qkv[..., qk_heads * d :].view(batch, 1, self.kv_heads, d).transpose(1, 2)
+            attended = attend_rows(q.contiguous(), k.contiguous(), v.contiguous(), i)
+            hidden = hidden + F.linear(attended, w("o", i), w("o_bias", i))
+            normed = F.rms_norm(hidden, (self.hidden,), w("post", i), post_eps)
+            gate, up = F.linear(normed, w("gate_up", i), w("gate_up_bias", i)).split(self.intermediate[i], dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, w("down", i), w("down_bias", i))
+        last = F.rms_norm(hidden[:, -1], (self.hidden,), self.norm, self.norm_eps)
+        return F.linear(last, self.head, self.head_bias)
+
+
+class CompiledDecode:
+    """The stage's decode step at the batch sizes it compiled and measured faster than the fused step."""
+
+    def __init__(self, stage, plain: PlainWeights, mode: str | None = COMPILE_MODE) -> None:
+        self.stage = stage
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        self.graph = DecodeGraph(stage, plain)
+        self.fn = torch.compile(self.graph, dynamic=False, mode=mode, fullgraph=True)
+        self.serving: set[int] = set()
+        self.steps = 0  # decode steps it served
+        self._like = torch.empty(0, dtype=stage.dtype)
+
+    def serves(self, rows: int) -> bool:
+        return rows in self.serving
+
+    def give_up(self, rows: int, exc: Exception) -> None:
+        """The compiled step failed at ``rows`` (nothing of it stands: no cache advanced); the fused step
+        serves that batch size from now on."""
+        self.serving.discard(rows)
+        self.stage.kernels.setdefault("compiled", {})["given_up"] = {
+            str(rows): f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
+        log.warning("compiled decode step at batch %d given up, the fused step serves: %s", rows, exc)
+
+    def decode(self, caches: Sequence, ids: torch.Tensor, stance: str = "fail_on_recompile") -> torch.Tensor:
+        """One new position per session, as ``StageModel.decode``: logits [B, V]. ``stance``: never a
+        compile in the middle of serving; ``build`` compiles with "default"."""
+        for cache in caches:
+            cache.reserve(1)
+        position_ids = torch.tensor([[cache.length] for cache in caches])
+        cos, sin = rotary_tables(*self.stage.rotary_emb(self._like, position_ids))
+        _current.attend, _current.layers = self.stage.fused.attend_decode(caches), self.stage.fused.layers
+        try:
+            with torch.compiler.set_stance(stance):
+                # a fresh copy: the graph's guards took the ids made in inference mode, and the engine's
+                # may not be
+                logits = self.fn(ids.reshape(-1).clone(), cos.contiguous(), sin.contiguous())
+        finally:
+            _current.attend = _current.layers = None
+        for cache in caches:
+            cache.advance(1)
+        self.steps += 1
+        return logits
+
+    @torch.inference_mode()
+    def build(self, rows: int, only_faster: bool = True) -> dict:
+        """Compile the step for ``rows`` sessions, check its logits against the fused step's, time both;
+        serve it where it is faster (``only_faster=False``: wherever it agrees). What it found, for the status."""
+        caches = _random_caches(self.stage, rows)
+        ids = torch.randint(0, self.graph.embed.shape[0], (rows,))
+        started = time.perf_counter()
+        with _quiet_compile():
+            got = self.decode(caches, ids, stance="default")
+        compile_s = time.perf_counter() - started
+        _crop(caches)
+        want = self.stage.decode(caches, ids)
+        _crop(caches)
+        diff = float((got - want).abs().max())
+        entry = {"compile_s": round(compile_s, 1), "max_logit_diff": float(f"{diff:.2e}")}
+        if not diff <= LOGIT_TOLERANCE * (1.0 + float(want.abs().max())):
+            entry.update(serving=False, why=f"its logits differ from the fused step's by {diff:.3g}")
+            return entry
+        fused_ms = _best_ms(lambda: self.stage.decode(caches, ids), caches)
+        compiled_ms = _best_ms(lambda: self.decode(caches, ids), caches)
+        entry.update(fused_ms=round(fused_ms, 3), compiled_ms=round(compiled_ms, 3), serving=compiled_ms < fused_ms or not only_faster)
+        if entry["serving"]:
+            self.serving.add(rows)
+        else:
+            entry["why"] = "not faster than the fused step here"
+        for cache in caches:
+            cache.release()
+        return entry
+
+
+def compile_decode(stage, batches: Iterable[int], plain: PlainWeights | None, only_faster: bool = True,
+                   mode: str | None = COMPILE_MODE) -> dict:
+    """Compile the stage's decode step at each batch size in ``batches`` (SWARM_SERVE_COMPILE), keeping
+    it where it measured faster (``only_faster=False``: wherever its logits agree): sets ``stage.compiled``;
+    returns what the status shows. ``mode``: inductor's (None: its default, which picks no GEMM kernels
+    of its own, and compiles in a third of the time)."""
+    batches = sorted(set(batches))
+    why = why_not(stage) or (None if plain is not None else "its plain weights were not kept at load")
+    if why is not None:
+        log.info("decode step not compiled: %s", why)
+        return {"asked": batches, "why": why}
+    resident = _resident_bytes()
+    compiled = CompiledDecode(stage, plain, mode)
+    found: dict[str, dict] = {}
+    for rows in batches:
+        try:
+            found[str(rows)] = compiled.build(rows, only_faster)
+        except Exception as exc:  # inductor could not build it here: the fused step serves
+            log.warning("decode step at batch %d not compiled: %s", rows, exc)
+            found[str(rows)] = {"serving": False, "why": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+            break
+    stage.compiled = compiled if compiled.serving else None
+    log.info("[compiled] decode step %s", "; ".join(
+        f"batch {rows}: " + (f"compiled {e['compiled_ms']:.2f} ms against fused {e['fused_ms']:.2f} ms"
+                             if "compiled_ms" in e else "") + (f" ({e['why']})" if "why" in e else " serving")
+        + (f", compiled in {e['compile_s']:.0f} s" if "compile_s" in e else "") for rows, e in found.items()))
+    report = {"asked": batches, "mode": mode or "default", "batches": found, "serving": sorted(compiled.serving)}
+    if resident is not None and (after := _resident_bytes()) is not None:
+        # what compiling added to the process: plain copies of packed weights, inductor's frozen constants
+        # and its code (not in the stage's weight bytes)
+        report["resident_added_bytes"] = after - resident
+    return report
+
+
+def _resident_bytes() -> int | None:
+    """The process's resident memory (Linux), or None."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _random_caches(stage, rows: int) -> list:
+    caches = [stage.new_cache() for _ in range(rows)]
+    generator = torch.Generator().manual_seed(rows)
+    for cache in caches:
+        cache.reserve(CHECK_CONTEXT + 1)
+        for keys, values in zip(cache.keys, cache.values):
+            keys.normal_(generator=generator)
+            values.normal_(generator=generator)
+        cache.advance(CHECK_CONTEXT)
+    return caches
+
+
+def _crop(caches) -> None:
+    for cache in caches:
+        cache.crop_to(CHECK_CONTEXT)
+
+
+def _best_ms(step, caches) -> float:
+    best = float("inf")
+    for _ in range(TIMING_REPEATS):
+        started = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - started)
+        _crop(caches)
+    return best * 1e3
+
+
+@contextlib.contextmanager
+def _quiet_compile():
+    """Inductor's settings for the compile (frozen weights), and its prints kept off stdout: a stage's
+    stdout carries its reports to the agent."""
+    from torch._inductor import config
+
+    with config.patch(freezing=True, autotune_num_choices_displayed=0), contextlib.redirect_stdout(sys.stderr):
+        yield
