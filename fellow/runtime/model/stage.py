@@ -78,6 +78,7 @@ class StageModel:
         self.kernels: dict = {"path": "hf"}  # how it computes, for the load's status (kernels.prepare_stage)
         self.weights: dict = {}  # its quantization and measured weight bytes, for the status (quant.weights_report)
         self.compiled = None  # a compiled.CompiledDecode: its decode step at the batch sizes it serves faster
+        self.plain_weights = None  # while it loads with SWARM_SERVE_COMPILE: compiled.PlainWeights
 
     def fuse(self, make_linear: MakeLinear, fused_layers: Sequence[FusedLayer] | None = None) -> FusedStack:
         """Run the layers fused (fellow.runtime.model.fused), each weight made by ``make_linear`` (which
