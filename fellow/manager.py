@@ -108,9 +108,12 @@ class ModelManager:
             logs = self.settings.data_dir / "logs"
             logs.mkdir(parents=True, exist_ok=True)
             creds = self.settings.nats_credentials  # the stage logs in to NATS as its fellow
+            env = {**os.environ, **creds.env()} if creds else None
+            if self.settings.serve_compile and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+                # inductor's cache under the data dir: a model compiled once compiles again from it
+                env = {**(env or os.environ), "TORCHINDUCTOR_CACHE_DIR": str(self.settings.data_dir / "inductor")}
             proc = StageProcess(cfg, self._on_report, self._on_exit,
-                                log_path=logs / f"{cmd.load_id}-stage{cmd.assignment.stage}.log",
-                                env={**os.environ, **creds.env()} if creds else None)
+                                log_path=logs / f"{cmd.load_id}-stage{cmd.assignment.stage}.log", env=env)
             self.procs[cmd.load_id] = proc
             try:
                 await proc.start()

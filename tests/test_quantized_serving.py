@@ -5,8 +5,10 @@ bitsandbytes' NF4). No stage serves another method than the one it was priced at
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -141,6 +143,11 @@ def test_a_fellow_serves_adapters_over_int8_weights_through_peft_when_asked(tmp_
         assert stage["kernels"]["path"] == "hf"
         assert stage["kernels"]["compiled"]["asked"] == [1]
         assert stage["kernels"]["compiled"]["why"].startswith("its layers are not fused")
+        # with SWARM_SERVE_COMPILE the stage keeps inductor's cache under the fellow's data dir (unless set)
+        environ = dict(item.split("=", 1) for item in
+                       Path(f"/proc/{stage['pid']}/environ").read_text().split("\0") if "=" in item)
+        want = os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(Path(stack.env["SWARM_DATA_DIR"]) / "inductor"))
+        assert environ.get("TORCHINDUCTOR_CACHE_DIR") == want
         r = stack.post("/v1/chat/completions", {"model": "tuned", "max_tokens": 8,
                                                 "messages": [{"role": "user", "content": "hello"}]})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0, r.text
