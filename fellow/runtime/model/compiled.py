@@ -4,8 +4,8 @@ The fused layers (fellow.runtime.model.fused) run a CPU decode step as a handful
 layer, each through MKL or oneDNN, with torch's small ops and Python between them. Inductor, with
 frozen weights and ``max-autotune``, writes the step as one program: its own GEMV kernels for one
 row (``cpp_CppMicroGemmFP32Vec``: 0.64 ms against MKL's 1.30 ms for a 32,000 x 256 head) and the
-norms, rotary and residuals fused around them. On bench/bench_matrix.py's shapes a batch-1 step took
-0.5-0.65 of the fused one's time (bench/bench_compile.py, docs/benchmarks.md).
+norms, rotary and residuals fused around them. On bench/bench_matrix.py's six shapes a batch-1 step
+took 0.44-0.72 of the fused one's time at load (docs/benchmarks.md, "The compiled decode step, served").
 
 The attention stays outside the compiled graph, as one opaque op per layer (``swarm::attend_rows``)
 that runs the fused stack's own ``attend_decode``: each session writes its new position into its own
