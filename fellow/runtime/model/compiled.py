@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fellow.runtime.model.fused import Linear, _norm, rotary_tables
+from fellow.runtime.model.kv_cache import random_caches
 
 log = logging.getLogger(__name__)
 
@@ -177,9 +178,7 @@ class CompiledDecode:
         """The compiled step failed at ``rows`` (nothing of it stands: no cache advanced); the fused step
         serves that batch size from now on."""
         self.serving.discard(rows)
-        self.stage.kernels.setdefault("compiled", {})["given_up"] = {
-            str(rows): f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
-        log.warning("compiled decode step at batch %d given up, the fused step serves: %s", rows, exc)
+        log.warning("compiled decode step at batch %d given up, the fused step serves: %s", rows, _one_line(exc))
 
     def decode(self, caches: Sequence, ids: torch.Tensor, stance: str = "fail_on_recompile") -> torch.Tensor:
         """One new position per session, as ``StageModel.decode``: logits [B, V]. ``stance``: never a
@@ -205,7 +204,7 @@ class CompiledDecode:
     def build(self, rows: int, only_faster: bool = True) -> dict:
         """Compile the step for ``rows`` sessions, check its logits against the fused step's, time both;
         serve it where it is faster (``only_faster=False``: wherever it agrees). What it found, for the status."""
-        caches = _random_caches(self.stage, rows)
+        caches = random_caches(self.stage.new_cache, rows, CHECK_CONTEXT, 1, torch.Generator().manual_seed(rows))
         ids = torch.randint(0, self.graph.embed.shape[0], (rows,))
         started = time.perf_counter()
         with _quiet_compile():
@@ -221,14 +220,13 @@ class CompiledDecode:
             return entry
         fused_ms = _best_ms(lambda: self.stage.decode(caches, ids), caches)
         compiled_ms = _best_ms(lambda: self.decode(caches, ids), caches)
-        entry.update(fused_ms=round(fused_ms, 3), compiled_ms=round(compiled_ms, 3), serving=compiled_ms < fused_ms or not only_faster)
+        entry.update(fused_ms=round(fused_ms, 3), compiled_ms=round(compiled_ms, 3),
+                     serving=compiled_ms < fused_ms or not only_faster)
         if entry["serving"]:
             self.serving.add(rows)
         else:
             entry["why"] = "not faster than the fused step here"
-        for cache in caches:
-            cache.release()
-        return entry
+        return entry  # the caches go with this frame
 
 
 def compile_decode(stage, batches: Iterable[int], plain: PlainWeights | None, only_faster: bool = True,
@@ -250,7 +248,7 @@ def compile_decode(stage, batches: Iterable[int], plain: PlainWeights | None, on
             found[str(rows)] = compiled.build(rows, only_faster)
         except Exception as exc:  # inductor could not build it here: the fused step serves
             log.warning("decode step at batch %d not compiled: %s", rows, exc)
-            found[str(rows)] = {"serving": False, "why": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+            found[str(rows)] = {"serving": False, "why": _one_line(exc)}
             break
     stage.compiled = compiled if compiled.serving else None
     log.info("[compiled] decode step %s", "; ".join(
@@ -265,6 +263,11 @@ def compile_decode(stage, batches: Iterable[int], plain: PlainWeights | None, on
     return report
 
 
+def _one_line(exc: Exception) -> str:
+    lines = str(exc).splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
+
+
 def _resident_bytes() -> int | None:
     """The process's resident memory (Linux), or None."""
     try:
@@ -272,18 +275,6 @@ def _resident_bytes() -> int | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
-
-
-def _random_caches(stage, rows: int) -> list:
-    caches = [stage.new_cache() for _ in range(rows)]
-    generator = torch.Generator().manual_seed(rows)
-    for cache in caches:
-        cache.reserve(CHECK_CONTEXT + 1)
-        for keys, values in zip(cache.keys, cache.values):
-            keys.normal_(generator=generator)
-            values.normal_(generator=generator)
-        cache.advance(CHECK_CONTEXT)
-    return caches
 
 
 def _crop(caches) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from fellow.runtime.model.compiled import PlainWeights
 from fellow.runtime.model.fused import Linear, fusable, onednn_available
+from fellow.runtime.model.kv_cache import random_caches
 from fellow.runtime.model.packed_linear import pack_stage
 from fellow.runtime.model.quant import QUANT_KERNELS, LeanLoRA, QuantLinear, StageQuantizer
 
@@ -185,13 +186,7 @@ def step_costs(stage, batches: list[int], repeats: int = 3) -> dict[str, float]:
     """
     costs: dict[str, float] = {}
     for rows in batches:
-        caches = [stage.new_cache() for _ in range(rows)]
-        for cache in caches:
-            cache.reserve(STEP_COST_CONTEXT + repeats + 1)
-            for keys, values in zip(cache.keys, cache.values):
-                keys.normal_()
-                values.normal_()
-            cache.advance(STEP_COST_CONTEXT)
+        caches = random_caches(stage.new_cache, rows, STEP_COST_CONTEXT, repeats + 1)
         if stage.is_first:
             inputs = torch.ones(rows, dtype=torch.long, device=stage.input_device)
         else:

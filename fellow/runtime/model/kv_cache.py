@@ -110,6 +110,20 @@ class KVCache:
         self.length = self.capacity = 0
 
 
+def random_caches(new_cache, rows: int, positions: int, room: int,
+                  generator: torch.Generator | None = None) -> list[KVCache]:
+    """``rows`` caches from ``new_cache()``, each holding ``positions`` random positions and room for
+    ``room`` more: what a stage's decode step is timed or checked on."""
+    caches = [new_cache() for _ in range(rows)]
+    for cache in caches:
+        cache.reserve(positions + room)
+        for keys, values in zip(cache.keys, cache.values):
+            keys.normal_(generator=generator)
+            values.normal_(generator=generator)
+        cache.advance(positions)
+    return caches
+
+
 class SessionView:
     """What an HF attention layer sees as its cache for one session's forward (a prompt piece or one position)."""
 
