@@ -205,6 +205,13 @@ class CompiledDecode:
         """Compile the step for ``rows`` sessions, check its logits against the fused step's, time both;
         serve it where it is faster (``only_faster=False``: wherever it agrees). What it found, for the status."""
         caches = random_caches(self.stage.new_cache, rows, CHECK_CONTEXT, 1, torch.Generator().manual_seed(rows))
+        try:
+            return self._build(rows, caches, only_faster)
+        finally:  # released, so the stage's decode slab (where they were its rows) holds none of them
+            for cache in caches:
+                cache.release()
+
+    def _build(self, rows: int, caches: list, only_faster: bool) -> dict:
         ids = torch.randint(0, self.graph.embed.shape[0], (rows,))
         started = time.perf_counter()
         with _quiet_compile():
@@ -226,7 +233,7 @@ class CompiledDecode:
             self.serving.add(rows)
         else:
             entry["why"] = "not faster than the fused step here"
-        return entry  # the caches go with this frame
+        return entry
 
 
 def compile_decode(stage, batches: Iterable[int], plain: PlainWeights | None, only_faster: bool = True,

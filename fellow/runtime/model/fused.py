@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fellow.runtime.model.decode_slab import DecodeSlab
+
 FUSABLE_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
 KERNELS = ("mkl", "onednn")
 
@@ -190,6 +192,8 @@ class FusedStack:
         # a layer fused already (quantized as it loaded: fellow.runtime.model.quant) is taken as it is
         self.layers = [layer if isinstance(layer, FusedLayer) else
                        FusedLayer(layer, make_linear, self.num_heads, self.num_kv_heads) for layer in layers]
+        # a decode batch's caches side by side, kept across steps (None: every step attends row by row)
+        self.slab: DecodeSlab | None = DecodeSlab(self.layers[0].layer_idx, self.windows) if self.layers else None
 
     @property
     def bytes(self) -> int:
@@ -287,7 +291,9 @@ class FusedStack:
         return attend
 
     def attend_decode(self, caches):
-        """One new position per session: each row attends to its own cache, no padded copy.
+        """One new position per session. Two sessions or more attend in one call per layer over the
+        stage's slab, where their caches live side by side (``fellow.runtime.model.decode_slab``), unless
+        their pasts are too uneven for it; then each row attends to its own cache, no padded copy.
 
         A row's query heads that share a key/value head go in as that head's queries, so one
         call with no mask serves every group: [1, kv_heads, groups, D] against [1, kv_heads, n, D].
@@ -295,6 +301,9 @@ class FusedStack:
         """
         rows = len(caches)
         out_shape = (rows, 1, self.num_heads * self.head_dim)
+        step = self.slab.step(caches) if self.slab is not None else None
+        if step is not None:
+            return lambda layer, q, k, v: step.attend(layer.layer_idx, layer.scaling, q, k, v, out_shape)
 
         def attend(layer: FusedLayer, q, k, v):
             out = q.new_empty(out_shape)

@@ -45,6 +45,8 @@ class KVCache:
         self.values: list[torch.Tensor | None] = [None] * len(self.groups)
         self.length = 0
         self.capacity = 0
+        # (slab, row) while the buffers are a row of a decode batch's slab (fellow.runtime.model.decode_slab)
+        self.home: tuple | None = None
 
     @property
     def bytes(self) -> int:
@@ -62,6 +64,7 @@ class KVCache:
             self.keys[g] = self._grown(self.keys[g], hi - lo, capacity, device)
             self.values[g] = self._grown(self.values[g], hi - lo, capacity, device)
         self.capacity = capacity
+        self._leave_slab()  # grown into buffers of its own
 
     def _grown(self, old: torch.Tensor | None, layers: int, capacity: int, device: torch.device) -> torch.Tensor:
         new = torch.empty(layers, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype, device=device)
@@ -108,6 +111,13 @@ class KVCache:
         self.keys = [None] * len(self.groups)
         self.values = [None] * len(self.groups)
         self.length = self.capacity = 0
+        self._leave_slab()
+
+    def _leave_slab(self) -> None:
+        if self.home is not None:
+            slab, row = self.home
+            self.home = None
+            slab.forget(row)
 
 
 def random_caches(new_cache, rows: int, positions: int, room: int,

@@ -1,0 +1,152 @@
+"""The decode slab (fellow.runtime.model.decode_slab): a fused decode batch attends in one call per layer
+over its sessions' caches side by side, and every session's greedy reply stays what it is alone, while
+sessions join, leave, outgrow the slab, or have pasts too uneven to share one."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from fellow.runtime.model import decode_slab
+from fellow.runtime.model.fused import Linear
+from fellow.runtime.model.stage import StageModel
+from tests.tiny import make_tiny_checkpoint
+
+WINDOW = 8
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory):
+    out = {}
+    # qwen2 with a window: full layers and sliding ones, grouped attention 2:1; llama: every layer full
+    for family, window in (("qwen2", WINDOW), ("llama", None)):
+        ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp(family), family, layers=4, hidden=64, window=window)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+        stage = StageModel.from_causal_lm(copy.deepcopy(model))
+        stage.fuse(lambda weight, bias: Linear(weight, bias, "mkl"))
+        out[family] = stage
+    return out
+
+
+def alone(stage: StageModel, ids: list[int], new_tokens: int) -> list[int]:
+    """The greedy reply of one session stepping by itself (one row: never the slab)."""
+    cache = stage.new_cache()
+    logits = stage.prefill(cache, torch.tensor(ids))
+    out = [int(logits.argmax())]
+    for _ in range(new_tokens - 1):
+        out.append(int(stage.decode([cache], torch.tensor([out[-1]]))[0].argmax()))
+    cache.release()
+    return out
+
+
+class Batch:
+    """Sessions decoding together, one step at a time; a session joins after its prefill, leaves when done."""
+
+    def __init__(self, stage: StageModel) -> None:
+        self.stage, self.live, self.replies = stage, {}, {}
+
+    def join(self, name: str, ids: list[int], new_tokens: int) -> None:
+        cache = self.stage.new_cache()
+        self.replies[name] = [int(self.stage.prefill(cache, torch.tensor(ids)).argmax())]
+        self.live[name] = (cache, new_tokens)
+
+    def step(self) -> None:
+        names = list(self.live)
+        caches = [self.live[n][0] for n in names]
+        logits = self.stage.decode(caches, torch.tensor([self.replies[n][-1] for n in names]))
+        for name, row in zip(names, logits):
+            self.replies[name].append(int(row.argmax()))
+            cache, wanted = self.live[name]
+            if len(self.replies[name]) == wanted:
+                cache.release()
+                del self.live[name]
+
+
+def prompt(seed: int, length: int, vocab: int) -> list[int]:
+    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_sessions_that_join_leave_and_outgrow_the_slab_reply_as_alone(stages, family):
+    stage = stages[family]
+    slab, vocab = stage.fused.slab, stage.config.vocab_size
+    # every one past the window; b and d decode together past the room of the slab d joins
+    sessions = {"a": (prompt(1, 11, vocab), 20), "b": (prompt(2, 5, vocab), 2 * decode_slab.HEADROOM + 30),
+                "c": (prompt(3, 14, vocab), 12), "d": (prompt(4, 3, vocab), 2 * decode_slab.HEADROOM)}
+    with torch.inference_mode():
+        want = {name: alone(stage, ids, n) for name, (ids, n) in sessions.items()}
+        batch = Batch(stage)
+        rebuilds = slab.rebuilds
+        batch.join("a", *sessions["a"])
+        batch.join("b", *sessions["b"])
+        batch.step()
+        assert slab.rebuilds == rebuilds + 1 and slab.keys is not None and len(slab.rows) == 2
+        assert all(cache.home == (slab, row) for row, (cache, _) in enumerate(batch.live.values()))
+        for _ in range(3):
+            batch.step()
+        assert slab.rebuilds == rebuilds + 1  # the same batch steps in place
+        batch.join("c", *sessions["c"])  # joins: a new slab of three rows
+        batch.step()
+        assert slab.rebuilds == rebuilds + 2 and len(slab.rows) == 3
+        while "c" in batch.live:
+            batch.step()
+        # c left: its row is freed, and the other two step on in the same slab (no copy)
+        assert slab.rebuilds == rebuilds + 2 and slab.rows[2] is None and slab.keys is not None
+        batch.step()
+        assert slab.rebuilds == rebuilds + 2
+        batch.join("d", *sessions["d"])
+        while batch.live:
+            batch.step()
+    assert batch.replies == want
+    # b outgrew a slab's room (it reserved buffers of its own) and the next step built a wider one
+    assert slab.rebuilds >= rebuilds + 4
+    assert slab.keys is None and slab.rows == []  # every session left: the stage holds no slab
+
+
+def test_pasts_too_uneven_for_one_slab_attend_row_by_row(stages):
+    stage = stages["llama"]
+    slab, vocab = stage.fused.slab, stage.config.vocab_size
+    long, short = prompt(5, 400, vocab), prompt(6, 4, vocab)
+    with torch.inference_mode():
+        want = {"long": alone(stage, long, 6), "short": alone(stage, short, 6)}
+        batch = Batch(stage)
+        rebuilds = slab.rebuilds
+        batch.join("long", long, 6)
+        batch.join("short", short, 6)
+        batch.step()
+        assert slab.rebuilds == rebuilds and slab.keys is None
+        assert all(cache.home is None for cache, _ in batch.live.values())
+        while batch.live:
+            batch.step()
+    assert batch.replies == want
+
+
+def test_a_slab_row_is_a_cache_like_any_other(stages):
+    """A session in the slab crops, grows and is read as its own cache; a session of the slab that is
+    left out of a new batch gets its own buffers back, its past intact."""
+    stage = stages["qwen2"]
+    slab, vocab = stage.fused.slab, stage.config.vocab_size
+    with torch.inference_mode():
+        caches = [stage.new_cache() for _ in range(3)]
+        for seed, cache in enumerate(caches):
+            stage.prefill(cache, torch.tensor(prompt(10 + seed, 6 + seed, vocab)))
+        stage.decode(caches, torch.tensor([1, 2, 3]))
+        assert [c.home for c in caches] == [(slab, 0), (slab, 1), (slab, 2)]
+        past = [(c.layer(2)[0].clone(), c.layer(2)[1].clone(), c.length) for c in caches]
+        stage.decode(caches[:1], torch.tensor([4]))  # one row alone: no slab step, it stays
+        caches[0].crop_to(caches[0].length - 1)  # back to where it was
+        stage.decode(caches[1:], torch.tensor([5, 6]))  # the first sits out: the others step in their rows
+        assert [c.home for c in caches] == [(slab, 0), (slab, 1), (slab, 2)]
+        newcomer = stage.new_cache()
+        stage.prefill(newcomer, torch.tensor(prompt(20, 4, vocab)))
+        caches.append(newcomer)
+        stage.decode(caches[1:], torch.tensor([5, 6, 7]))  # a new batch without the first: a new slab
+        assert caches[0].home is None and [c.home for c in caches[1:]] == [(slab, 0), (slab, 1), (slab, 2)]
+        keys, values = caches[0].layer(2)
+        assert caches[0].length == past[0][2] and torch.equal(keys, past[0][0]) and torch.equal(values, past[0][1])
+        for cache, (keys, values, length) in zip(caches[1:], past[1:]):
+            assert torch.equal(cache.layer(2, length)[0], keys) and torch.equal(cache.layer(2, length)[1], values)
+        for cache in caches:
+            cache.release()
+    assert slab.keys is None
