@@ -31,7 +31,7 @@ from fellow.runtime.model.kv_cache import GROW_CHUNK, KVCache
 
 HEADROOM = GROW_CHUNK  # positions past the longest row a new slab leaves: a rebuild every 64 steps at most
 MEMORY_SLACK = 1.5  # a slab may hold up to this times the positions the rows' own caches would
-DEAD_ROWS = 2  # rebuild (rather than attend over freed rows) once the slab has this many rows per live one
+DEAD_ROWS = 2  # rebuild (rather than attend over rows not stepping) once the slab has over twice the step's rows
 
 
 class DecodeSlab:
