@@ -129,21 +129,11 @@ class DecodeSlab:
 
 
 def _own_buffers(cache: KVCache) -> None:
-    """Move a cache out of its slab row into buffers of its own: its past copied, room for one more
-    position (a decode step reserved it before the slab was asked), its row freed."""
-    home, cache.home = cache.home, None
-    length = cache.length
-    old_keys, old_values = cache.keys[0], cache.values[0]
-    cache.keys, cache.values = [None], [None]
+    """Move a cache out of its slab row into buffers of its own, with room for one more position (a
+    decode step reserved it before the slab was asked): ``KVCache.reserve`` grows it out of a full
+    buffer, copying its past and telling the slab its row is free."""
     cache.capacity = 0
-    cache.length = 0
-    cache.reserve(length + 1)
-    if length:
-        cache.keys[0][:, :, :length].copy_(old_keys[:, :, :length])
-        cache.values[0][:, :, :length].copy_(old_values[:, :, :length])
-    cache.length = length
-    if home is not None:
-        home[0].rows[home[1]] = None
+    cache.reserve(1)
 
 
 class SlabStep:
