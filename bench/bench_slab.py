@@ -2,6 +2,11 @@
 bench/bench_matrix.py, the two ways alternated in one process (fellow.runtime.model.decode_slab).
 
     .venv/bin/python bench/bench_slab.py [--shapes llama-deep q46m-v4k] [--rows 8] [--pasts 60 256]
+    .venv/bin/python bench/bench_slab.py --rows 4 --widths 5 1 3 1   # a verify pass of drafts instead
+
+With ``--widths`` the step timed is a verify pass (``StageModel.verify``) in which row i runs
+``widths[i % len(widths)]`` positions (its last token and its drafts), and a plain decode step over the
+slab is timed beside it as the reference.
 
 Each row's past is random positions, the rows' lengths 5 apart (so the slab's step masks). Per way:
 the median and best of 40 steps after 5 warm ones, each step's new position cropped away again, and
@@ -26,9 +31,14 @@ sys.path.insert(0, str(ROOT))
 from bench.bench_matrix import SHAPES, make_checkpoint  # noqa: E402
 
 
-def time_steps(stage, caches, ids, lengths, steps: int = 40) -> tuple[float, float]:
+def time_steps(stage, caches, ids, lengths, steps: int = 40, widths: list[int] | None = None) -> tuple[float, float]:
+    inputs = None if widths is None else [[int(i)] * w for i, w in zip(ids, widths)]
+
     def step() -> None:
-        stage.decode(caches, ids)
+        if inputs is None:
+            stage.decode(caches, ids)
+        else:
+            stage.verify(caches, inputs)
         for cache, length in zip(caches, lengths):
             cache.crop_to(length)
 
@@ -43,7 +53,7 @@ def time_steps(stage, caches, ids, lengths, steps: int = 40) -> tuple[float, flo
 
 
 @torch.inference_mode()
-def run_shape(name: str, tmp: Path, rows: int, pasts: list[int]) -> list[dict]:
+def run_shape(name: str, tmp: Path, rows: int, pasts: list[int], widths: list[int] | None = None) -> list[dict]:
     from fellow.runtime.model.kv_cache import random_caches
     from fellow.runtime.model.loader import load_one_stage
     from fellow.runtime.tools.export import export
@@ -59,13 +69,17 @@ def run_shape(name: str, tmp: Path, rows: int, pasts: list[int]) -> list[dict]:
         for cache, length in zip(caches, lengths):
             cache.crop_to(length)
         ids = torch.randint(0, 1000, (rows,))
-        result = {"shape": name, "rows": rows, "past": past, "row_by_row": [], "slab": []}
+        per_row = None if widths is None else [widths[i % len(widths)] for i in range(rows)]
+        result = {"shape": name, "rows": rows, "past": past, "widths": per_row, "row_by_row": [], "slab": []}
+        if per_row is not None:
+            result["decode"] = []
         for _ in range(2):
-            for way in ("row_by_row", "slab"):
+            for way in ("row_by_row", "slab") + (() if per_row is None else ("decode",)):
                 if way == "row_by_row":
                     slab.drop()  # each cache back in buffers of its own
-                stage.fused.slab = slab if way == "slab" else None
-                result[way].append([round(v, 2) for v in time_steps(stage, caches, ids, lengths)])
+                stage.fused.slab = None if way == "row_by_row" else slab
+                timed = time_steps(stage, caches, ids, lengths, widths=None if way == "decode" else per_row)
+                result[way].append([round(v, 2) for v in timed])
         stage.fused.slab = slab
         for cache in caches:
             cache.release()
@@ -79,14 +93,21 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["llama-deep", "q46m-v4k"], choices=list(SHAPES))
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--pasts", type=int, nargs="+", default=[60, 256])
+    ap.add_argument("--widths", type=int, nargs="+", help="time a verify pass: positions per row, cycled")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="swarm-bench-slab-") as tmp:
-        results = [r for name in args.shapes for r in run_shape(name, Path(tmp), args.rows, args.pasts)]
-    print("\n| shape | rows | past | row by row: median / best ms (two rounds) | slab: median / best ms (two rounds) |")
-    print("|---|---|---|---|---|")
+        results = [r for name in args.shapes for r in run_shape(name, Path(tmp), args.rows, args.pasts, args.widths)]
+    ways = ("row_by_row", "slab") + (("decode",) if args.widths else ())
+    names = {"row_by_row": "row by row", "slab": "slab", "decode": "decode step (slab)"}
+    print(f"\n{torch.get_num_threads()} threads" + (f", verify widths {args.widths} per row" if args.widths else ""))
+    print("| shape | rows | past | " + " | ".join(f"{names[w]}: median / best ms (two rounds)" for w in ways) + " |")
+    print("|---|---|---|" + "---|" * len(ways))
     for r in results:
-        ways = [", ".join(f"{m:.2f} / {b:.2f}" for m, b in r[w]) for w in ("row_by_row", "slab")]
-        print(f"| {r['shape']} | {r['rows']} | {r['past']} | {ways[0]} | {ways[1]} |")
+        cells = [", ".join(f"{m:.2f} / {b:.2f}" for m, b in r[w]) for w in ways]
+        print(f"| {r['shape']} | {r['rows']} | {r['past']} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

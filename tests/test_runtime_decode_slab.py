@@ -150,3 +150,48 @@ def test_a_slab_row_is_a_cache_like_any_other(stages):
         for cache in caches:
             cache.release()
     assert slab.keys is None
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_verify_passes_over_the_slab_equal_each_session_on_its_own_cache(stages, family):
+    """A verify pass (a session's last token and its drafts, sessions of uneven widths in one pass)
+    attends over the slab in one call per layer: its logits at every position, and the caches it leaves
+    after each crop, are those of each session run on buffers of its own (no slab)."""
+    stage = stages[family]
+    slab, vocab = stage.fused.slab, stage.config.vocab_size
+    draws = torch.Generator().manual_seed(7)
+    passes = [[3, 1, 2], [1, 1, 1], [5, 2, 1], [1, 4, 3], [2, 2, 2]]
+    inputs = [[torch.randint(0, vocab, (w,), generator=draws).tolist() for w in widths] for widths in passes]
+
+    def run(use_slab: bool):
+        stage.fused.slab = slab if use_slab else None
+        caches = [stage.new_cache() for _ in range(3)]
+        for seed, (cache, length) in enumerate(zip(caches, (11, 5, 14))):  # past the window of 8, and not
+            stage.prefill(cache, torch.tensor(prompt(30 + seed, length, vocab)))
+        logits, homes = [], []
+        for widths, ids in zip(passes, inputs):
+            lengths = [c.length for c in caches]
+            logits.append(stage.verify(caches, ids))
+            homes.append([c.home for c in caches])
+            for cache, length, width in zip(caches, lengths, widths):
+                cache.crop_to(length + (width + 1) // 2)  # some drafts stood, the rest fell
+        logits.append(list(stage.decode(caches, torch.tensor([1, 2, 3]))))  # a decode step reads what stood
+        pasts = [(c.layer(3)[0].clone(), c.length) for c in caches]
+        for cache in caches:
+            cache.release()
+        stage.fused.slab = slab
+        return logits, homes, pasts
+
+    with torch.inference_mode():
+        rebuilds = slab.rebuilds
+        got, homes, pasts = run(True)
+        assert slab.rebuilds == rebuilds + 1  # one slab, built by the first pass, served every pass
+        assert all(home == [(slab, 0), (slab, 1), (slab, 2)] for home in homes)
+        want, plain_homes, plain_pasts = run(False)
+        assert all(home == [None, None, None] for home in plain_homes)
+    for got_pass, want_pass in zip(got, want):
+        for g, w in zip(got_pass, want_pass):
+            assert g.shape == w.shape and torch.allclose(g, w, atol=1e-5, rtol=1e-4)
+    for (keys, length), (plain_keys, plain_length) in zip(pasts, plain_pasts):
+        assert length == plain_length and torch.allclose(keys, plain_keys, atol=1e-5)
+    assert slab.keys is None

@@ -10,8 +10,10 @@ view), so:
 - a step writes every session's new position with one indexed copy per layer, and attends with one
   ``scaled_dot_product_attention`` over ``[rows, kv_heads, width, D]``, a mask hiding each row's
   positions past its own length (and before its window, for a sliding layer);
-- every other path (prefill pieces, verify passes, the prefix cache, crops) reads and writes the
-  cache as before: it is a cache like any other, whose buffers live in the slab.
+- a verify pass of two sessions or more (each its last token and its drafts) does the same, each
+  session's queries in its row, padded to the widest session's width and masked causally;
+- every other path (prefill pieces, the prefix cache, crops) reads and writes the cache as before:
+  it is a cache like any other, whose buffers live in the slab.
 
 The slab follows the batch. A session that joins (or a step that needs more room than the slab has)
 rebuilds it: every session of the step copies its past in once, and a session of the old slab that
@@ -49,48 +51,53 @@ class DecodeSlab:
 
     # --- a step -------------------------------------------------------------------------------------
 
-    def step(self, caches: Sequence[KVCache]) -> "SlabStep | None":
-        """Ready a decode step of ``caches`` (each with room for one more position): their rows, where
-        each writes, and the masks. None: this step attends row by row (the slab is then dropped)."""
+    def step(self, caches: Sequence[KVCache], widths: Sequence[int] | None = None) -> "SlabStep | None":
+        """Ready a step of ``caches`` (each with room for its new positions): their rows, where each
+        writes, and the masks. ``widths``: how many new positions each session runs (a verify pass:
+        its last token and its drafts); one each when None (a decode step). None: this step attends
+        row by row (the slab is then dropped)."""
         if len(caches) < 2 or not all(type(c) is KVCache and len(c.groups) == 1 for c in caches):
             return None
-        rows = self._rows_of(caches)
+        packed = widths is not None
+        widths = list(widths) if packed else [1] * len(caches)
+        rows = self._rows_of(caches, widths)
         if rows is None:
-            if not self._fits(caches):
+            if not self._fits(caches, widths):
                 self.drop()
                 return None
-            rows = self._rebuild(caches)
-        return SlabStep(self, caches, rows)
+            rows = self._rebuild(caches, widths)
+        return SlabStep(self, caches, rows, widths, packed)
 
-    def _rows_of(self, caches: Sequence[KVCache]) -> list[int] | None:
+    def _rows_of(self, caches: Sequence[KVCache], widths: Sequence[int]) -> list[int] | None:
         """Each cache's row, where every one of them is in the slab with room for this step."""
         if self.keys is None or len(self.rows) > DEAD_ROWS * len(caches):
             return None
         rows = []
-        for cache in caches:
+        for cache, width in zip(caches, widths):
             home = cache.home
-            if home is None or home[0] is not self or cache.length + 1 > self.capacity:
+            if home is None or home[0] is not self or cache.length + width > self.capacity:
                 return None
             rows.append(home[1])
         return rows
 
-    def _fits(self, caches: Sequence[KVCache]) -> bool:
+    def _fits(self, caches: Sequence[KVCache], widths: Sequence[int]) -> bool:
         """Whether a slab for these caches holds at most MEMORY_SLACK times the positions of their own
         caches (plus a chunk each: a short past may always use one)."""
-        own = sum(-(-(c.length + 1) // GROW_CHUNK) * GROW_CHUNK for c in caches)
-        return len(caches) * self._capacity_for(caches) <= MEMORY_SLACK * own + len(caches) * GROW_CHUNK
+        own = sum(-(-(c.length + w) // GROW_CHUNK) * GROW_CHUNK for c, w in zip(caches, widths))
+        return len(caches) * self._capacity_for(caches, widths) <= MEMORY_SLACK * own + len(caches) * GROW_CHUNK
 
     @staticmethod
-    def _capacity_for(caches: Sequence[KVCache]) -> int:
-        return -(-(max(c.length for c in caches) + 1 + HEADROOM) // GROW_CHUNK) * GROW_CHUNK
+    def _capacity_for(caches: Sequence[KVCache], widths: Sequence[int]) -> int:
+        needed = max(c.length + w for c, w in zip(caches, widths))
+        return -(-(needed + HEADROOM) // GROW_CHUNK) * GROW_CHUNK
 
     # --- building and dropping ----------------------------------------------------------------------
 
-    def _rebuild(self, caches: Sequence[KVCache]) -> list[int]:
+    def _rebuild(self, caches: Sequence[KVCache], widths: Sequence[int]) -> list[int]:
         """A new slab with a row per cache, in order: each copies its past in and takes its row as its
         buffers. A live session of the old slab left out of this step gets buffers of its own."""
         first = caches[0]
-        capacity = self._capacity_for(caches)
+        capacity = self._capacity_for(caches, widths)
         shape = (first.num_layers, len(caches), first.num_kv_heads, capacity, first.head_dim)
         device = first.groups[0][2]
         # zeros: a freed row's first position is what its masked row attends to, and stays finite
@@ -137,9 +144,16 @@ def _own_buffers(cache: KVCache) -> None:
 
 
 class SlabStep:
-    """One decode step's use of the slab: ``attend`` is what ``FusedStack.attend_decode`` calls per layer."""
+    """One step's use of the slab: ``attend`` is what ``FusedStack.attend_decode`` (one new position per
+    row, q [B, heads, 1, D]) and ``FusedStack.attend_packed`` (a verify pass: each session's positions
+    packed in one row, q [1, heads, sum(widths), D]) call per layer.
 
-    def __init__(self, slab: DecodeSlab, caches: Sequence[KVCache], rows: list[int]) -> None:
+    A verify pass's queries go into the slab's rows padded to the widest session's width; a padded
+    query attends like the session's last real one would a position later, and its output is dropped.
+    """
+
+    def __init__(self, slab: DecodeSlab, caches: Sequence[KVCache], rows: list[int], widths: Sequence[int],
+                 packed: bool = False) -> None:
         self.keys, self.values = slab.keys, slab.values
         self.first_layer = slab.first_layer
         self.windows = slab.windows
@@ -148,42 +162,73 @@ class SlabStep:
         self.identity = rows == list(range(slots))  # the step is the slab, row for row: no scatter
         self.slots = slots
         lengths = [c.length for c in caches]
-        self.rows = torch.tensor(rows)
-        self.at = torch.tensor(lengths)  # where each session writes its new position
-        self.width = max(lengths) + 1
-        per_slot = [0] * slots  # a freed row (or one not stepping) sees its first position only
+        self.span = max(widths)  # the queries per row: 1 for a decode step
+        self.packed = packed  # a verify pass: q holds every session's positions in one row
+        if not packed:
+            self.rows = torch.tensor(rows)
+            self.at = torch.tensor(lengths)  # where each session writes its new position
+        else:  # per packed position: its session's row, its place among that session's queries, where it writes
+            self.rows = torch.tensor([row for row, width in zip(rows, widths) for _ in range(width)])
+            self.offsets = torch.tensor([j for width in widths for j in range(width)])
+            self.at = torch.tensor([length + j for length, width in zip(lengths, widths) for j in range(width)])
+        self.width = max(length + width for length, width in zip(lengths, widths))
+        per_slot = [0] * slots  # a freed row (or one not stepping) sees its first positions only
         for row, length in zip(rows, lengths):
             per_slot[row] = length
         self.masks: dict[int | None, torch.Tensor | None] = {}
-        even = self.identity and len(set(lengths)) == 1
-        seen_to = torch.tensor(per_slot)[:, None]
-        columns = torch.arange(self.width)[None, :]
+        self.repeated: dict[int, torch.Tensor] = {}  # a verify pass's masks, repeated for the query groups
+        even = not packed and self.identity and len(set(lengths)) == 1
+        # query j of a row is at position length + j, and sees every position up to it
+        seen_to = torch.tensor(per_slot)[:, None, None] + torch.arange(self.span)[None, :, None]
+        columns = torch.arange(self.width)[None, None, :]
         for window in set(self.windows.values()):
             if even and (window is None or window >= self.width):
                 self.masks[window] = None
                 continue
-            visible = columns <= seen_to
+            visible = columns <= seen_to  # [slots, span, width]
             if window is not None:
                 visible &= columns > seen_to - window
-            mask = torch.zeros(slots, 1, 1, self.width, dtype=slab.keys.dtype, device=slab.keys.device)
-            self.masks[window] = mask.masked_fill_(~visible[:, None, None].to(mask.device), float("-inf"))
+            mask = torch.zeros(slots, 1, self.span, self.width, dtype=slab.keys.dtype, device=slab.keys.device)
+            self.masks[window] = mask.masked_fill_(~visible[:, None].to(mask.device), float("-inf"))
 
     def attend(self, layer_idx: int, scaling: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                out_shape: tuple[int, ...]) -> torch.Tensor:
-        """q [B, heads, 1, D], k and v [B, kv_heads, 1, D] -> [B, 1, heads * D]."""
+        """A decode step's q [B, heads, 1, D], k and v [B, kv_heads, 1, D] -> [B, 1, heads * D]; a verify
+        pass's q [1, heads, total, D], k and v [1, kv_heads, total, D] -> [1, total, heads * D]."""
         slot = layer_idx - self.first_layer
         keys, values = self.keys[slot], self.values[slot]  # [rows, kv_heads, capacity, D]
+        kv_heads, head_dim = keys.shape[1], keys.shape[3]
+        mask = self.masks[self.windows[layer_idx]]
+        if self.packed:
+            return self._attend_packed(keys, values, scaling, q, k, v, mask, out_shape)
         keys[self.rows, :, self.at] = k[:, :, 0]
         values[self.rows, :, self.at] = v[:, :, 0]
-        batch, kv_heads, head_dim = self.batch, keys.shape[1], keys.shape[3]
-        queries = q.reshape(batch, kv_heads, -1, head_dim)
+        queries = q.reshape(self.batch, kv_heads, -1, head_dim)
         if not self.identity:
             full = queries.new_zeros(self.slots, *queries.shape[1:])
             full[self.rows] = queries
             queries = full
         out = torch.nn.functional.scaled_dot_product_attention(
-            queries, keys[:, :, : self.width], values[:, :, : self.width],
-            attn_mask=self.masks[self.windows[layer_idx]], scale=scaling)
+            queries, keys[:, :, : self.width], values[:, :, : self.width], attn_mask=mask, scale=scaling)
         if not self.identity:
             out = out[self.rows]
+        return out.reshape(out_shape)
+
+    def _attend_packed(self, keys, values, scaling, q, k, v, mask, out_shape) -> torch.Tensor:
+        heads, kv_heads, head_dim = q.shape[1], keys.shape[1], keys.shape[3]
+        groups = heads // kv_heads
+        keys[self.rows, :, self.at] = k[0].transpose(0, 1)  # [total, kv_heads, D]
+        values[self.rows, :, self.at] = v[0].transpose(0, 1)
+        queries = q.new_zeros(self.slots, heads, self.span, head_dim)
+        queries[self.rows, :, self.offsets] = q[0].transpose(0, 1)  # [total, heads, D]
+        # the query heads that share a key/value head go in as its queries: [slots, kv_heads, groups * span, D]
+        queries = queries.view(self.slots, kv_heads, groups * self.span, head_dim)
+        if mask is not None and groups > 1:  # each group's queries see what the row's do (once per step)
+            key = id(mask)
+            if key not in self.repeated:
+                self.repeated[key] = mask.repeat(1, 1, groups, 1)
+            mask = self.repeated[key]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            queries, keys[:, :, : self.width], values[:, :, : self.width], attn_mask=mask, scale=scaling)
+        out = out.view(self.slots, heads, self.span, head_dim)[self.rows, :, self.offsets]  # [total, heads, D]
         return out.reshape(out_shape)

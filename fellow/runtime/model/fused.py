@@ -246,7 +246,9 @@ class FusedStack:
         """Several sessions' next positions packed in one row, ``widths[i]`` of them for session i
         (a verify pass: its last token and its drafts): q [1, heads, sum(widths), D].
 
-        Each session writes its positions into its own cache and attends to its past and, causally,
+        Two sessions or more attend over the stage's slab as a decode step does (one call per layer,
+        each session's queries in its row: ``decode_slab.SlabStep``), unless their pasts are too
+        uneven for it. Otherwise each session writes its positions into its own cache and attends to its past and, causally,
         to its own new positions. As in ``attend_decode``, the query heads that share a key/value head
         go in as that head's queries ([1, kv_heads, groups * w, D], the mask repeated per group):
         sdpa with ``enable_gqa`` and a mask took 2.4 times as long on a CPU (0.34 ms against 0.14, 16
@@ -254,6 +256,9 @@ class FusedStack:
         """
         total = sum(widths)
         out_shape = (1, total, self.num_heads * self.head_dim)
+        step = self.slab.step(caches, widths) if self.slab is not None else None
+        if step is not None:  # two sessions or more, in the slab: one call per layer over their rows
+            return lambda layer, q, k, v: step.attend(layer.layer_idx, layer.scaling, q, k, v, out_shape)
         # by window, per session of more than one position: [groups * w, past + w], True where a query sees a key
         masks: dict[int | None, list[torch.Tensor | None]] = {}
         for window in set(self.windows.values()):
