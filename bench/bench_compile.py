@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_matrix import SHAPES, make_checkpoint  # noqa: E402
+from bench.scratch import scratch_dir  # noqa: E402
 
 
 class StaticStep(nn.Module):
@@ -168,9 +168,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30, help="timed steps per round (the median counts)")
     args = ap.parse_args()
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="swarm-bench-inductor-"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(scratch_dir("swarm-bench-inductor-")))
     print(f"{torch.get_num_threads()} threads, batch {args.batch}, MAX {args.max}, context {args.context}", flush=True)
-    tmp = Path(tempfile.mkdtemp(prefix="swarm-bench-compile-"))
+    tmp = scratch_dir("swarm-bench-compile-")
     rows = []
     for name in args.shapes:
         rows.append(run_shape(name, tmp, args.batch, args.max, args.context, args.rounds, args.steps))

@@ -27,12 +27,12 @@ import asyncio
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.scratch import scratch_dir  # noqa: E402
 import torch  # noqa: E402
 
 from core.nats_server import EmbeddedNats  # noqa: E402
@@ -124,7 +124,7 @@ async def measure_sized(model: Path, nats: EmbeddedNats, rtt_ms: float, tokens: 
 
 
 async def run(args) -> list[dict]:
-    root = Path(tempfile.mkdtemp(prefix="bench-links-"))
+    root = scratch_dir("bench-links-")
     models, hfs = {}, {}
     for n in args.stages:  # the same seed: the same weights, split in n
         hfs[n], models[n] = make_servable(root / f"s{n}", "wan", layers=args.layers, hidden=args.hidden, stages=n)

@@ -20,7 +20,6 @@ import asyncio
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_serving import QUESTIONS, load_test, stream_one  # noqa: E402
+from bench.scratch import scratch_dir  # noqa: E402
 from core.nats_server import EmbeddedNats  # noqa: E402
 from tests.serving_fixtures import Stack  # noqa: E402
 
@@ -244,7 +244,7 @@ def main() -> None:
     bandwidth = read_bandwidth()
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, {torch.get_num_threads()} threads, {args.tokens} new tokens "
           f"per stream", flush=True)
-    tmp = Path(tempfile.mkdtemp(prefix="swarm-bench-matrix-"))
+    tmp = scratch_dir("swarm-bench-matrix-")
     rows = []
     for name in args.shapes:
         rows.append(run_shape(name, SHAPES[name], tmp, args.tokens, args.streams, bandwidth, not args.no_stack,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_matrix import SHAPES, make_checkpoint  # noqa: E402
+from bench.scratch import scratch_dir  # noqa: E402
 from fellow.runtime.engine.engine import Engine  # noqa: E402
 from fellow.runtime.engine.sampling import SamplingParams  # noqa: E402
 from fellow.runtime.engine.session import Session  # noqa: E402
@@ -66,7 +66,7 @@ def main() -> None:
     from fellow.runtime.model.stage import StageModel
     from transformers import AutoModelForCausalLM
 
-    ckpt = make_checkpoint(Path(tempfile.mkdtemp(prefix="swarm-bench-prefix-")), SHAPES[args.shape])
+    ckpt = make_checkpoint(scratch_dir("swarm-bench-prefix-"), SHAPES[args.shape])
     model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
     stage = StageModel.from_causal_lm(model)
     prepare_stage(stage, batch_cap=args.chats)

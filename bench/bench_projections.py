@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
+import shutil
 import statistics
 import tempfile
 import time
@@ -31,6 +33,7 @@ def pct(values: list[float], q: float) -> float:
 
 async def main(samples: int, burst: int) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="swarm-bench-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     with EmbeddedNats(tmp / "js") as srv:
         url = f"sqlite+aiosqlite:///{tmp / 'swarm.db'}"
         await upgrade(url)

@@ -14,7 +14,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_matrix import SHAPES, engine_alone, hf_generate, make_checkpoint  # noqa: E402
+from bench.scratch import scratch_dir  # noqa: E402
 
 METHODS = ("none", "int8", "int4-fast", "nf4")
 
@@ -97,7 +97,7 @@ def main() -> None:
 def run_shapes(prefix: str, shapes: list[str], run, report) -> list[dict]:
     """``run(name, tmp)`` for each shape in one temporary folder, each row printed as it comes, then
     ``report(rows)``'s texts (bench_quant's tables and summaries; bench_lora's too)."""
-    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    tmp = scratch_dir(prefix)
     rows = []
     for name in shapes:
         rows.append(run(name, tmp))

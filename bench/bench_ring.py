@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_serving import QUESTIONS, make_checkpoint, sse_chunks  # noqa: E402
+from bench.scratch import scratch_dir  # noqa: E402
 from core.nats_server import EmbeddedNats  # noqa: E402
 from tests.serving_fixtures import Stack  # noqa: E402
 
@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per stage process")
     ap.add_argument("--cut", type=int, default=6, help="the layer where stage 1 starts (of 8)")
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="swarm-bench-ring-"))
+    tmp = scratch_dir("swarm-bench-ring-")
     ckpt = make_checkpoint(tmp / "hf")
     from fellow.runtime.tools.export import export
 

@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +31,7 @@ import torch  # noqa: E402
 from bench.bench_links import homes  # noqa: E402
 from bench.bench_matrix import SHAPES, make_checkpoint, prompts_for  # noqa: E402
 from bench.bench_spec import copying_prompt  # noqa: E402
+from bench.scratch import scratch_dir  # noqa: E402
 from core.nats_server import EmbeddedNats  # noqa: E402
 from tests.bus_ring import BusRing  # noqa: E402
 from tests.copying import plant_bigrams  # noqa: E402
@@ -84,7 +84,7 @@ async def measure(model: Path, nats: EmbeddedNats, rtt_ms: float, prompt: list[i
 async def run(args) -> list[dict]:
     from transformers import AutoTokenizer
 
-    root = Path(tempfile.mkdtemp(prefix="bench-ring-spec-"))
+    root = scratch_dir("bench-ring-spec-")
     ckpt = make_checkpoint(root / "hf", SHAPES[args.shape])
     tok = AutoTokenizer.from_pretrained(str(ckpt))
     prompt, code = copying_prompt(tok)

@@ -20,7 +20,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.scratch import scratch_dir  # noqa: E402
 from core.nats_server import EmbeddedNats  # noqa: E402
 from tests.processes import free_port, wait_until  # noqa: E402
 from tests.serving_fixtures import Stack  # noqa: E402
@@ -161,7 +161,7 @@ def main() -> None:
     ap.add_argument("--no-hf-serve", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 2)
-    tmp = Path(tempfile.mkdtemp(prefix="swarm-bench-serving-"))
+    tmp = scratch_dir("swarm-bench-serving-")
     ckpt = make_checkpoint(tmp / "hf")
     from fellow.runtime.tools.export import export
 

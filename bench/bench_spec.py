@@ -30,7 +30,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -40,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_matrix import SHAPES, make_checkpoint, prompts_for  # noqa: E402
+from bench.scratch import scratch_dir  # noqa: E402
 from fellow.runtime.engine.prefix_cache import PrefixCache  # noqa: E402
 from tests.copying import plant_bigrams  # noqa: E402
 
@@ -214,7 +214,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"{torch.get_num_threads()} threads, {args.tokens} new tokens per reply", flush=True)
-    tmp = Path(tempfile.mkdtemp(prefix="swarm-bench-spec-"))
+    tmp = scratch_dir("swarm-bench-spec-")
     rows = [run_shape(name, tmp, args.ks, args.streams, args.tokens, args.rounds, args.workloads)
             for name in args.shapes]
     for r in rows:

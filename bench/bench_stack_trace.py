@@ -21,7 +21,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_matrix import SHAPES, make_checkpoint  # noqa: E402
 from bench.bench_serving import QUESTIONS, sse_chunks  # noqa: E402
+from bench.scratch import scratch_dir  # noqa: E402
 from core.bus import connect  # noqa: E402
 from core.nats_server import EmbeddedNats  # noqa: E402
 from events.frames import DoneFrame, StartFrame, TokenFrame, frame_decoder  # noqa: E402
@@ -142,7 +142,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--requests", type=int, default=6)
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="swarm-bench-trace-"))
+    tmp = scratch_dir("swarm-bench-trace-")
     ckpt = make_checkpoint(tmp / args.shape / "hf", SHAPES[args.shape])
     export(ckpt, tmp / "servables" / args.shape, stages=1, model_id=args.shape)
     alone = engine_first_and_step(tmp / "servables" / args.shape, ckpt)
