@@ -115,6 +115,48 @@ def test_the_chooser_keeps_the_fastest_kernel_per_shape_and_step_costs_roll_back
     assert greedy(stage, ids, 8) == before
 
 
+def test_the_chooser_times_seven_calls_or_three_once_they_took_their_budget(monkeypatch):
+    """Each kernel and row count gets SAMPLES timed calls after a first, or MIN_SAMPLES once those took
+    SAMPLE_BUDGET_S (a big weight's calls): counted on the real Linear each call goes through."""
+    from fellow.runtime.model import kernels as chooser_module
+
+    calls: list[int] = []
+
+    class Counted(Linear):
+        __slots__ = ()
+
+        def __call__(self, x):
+            calls.append(x.shape[0])
+            return super().__call__(x)
+
+    def counted(budget: float) -> dict[int, int]:
+        calls.clear()
+        monkeypatch.setattr(chooser_module, "SAMPLE_BUDGET_S", budget)
+        chooser = KernelChooser(["mkl"], batch_cap=4, make=lambda weight, bias, kernel: Counted(weight, bias, kernel))
+        assert chooser.linear(torch.randn(64, 32), None).kernel == "mkl"
+        return {rows: calls.count(rows) for rows in (1, 4)}
+
+    assert counted(60.0) == {1: 1 + chooser_module.SAMPLES, 4: 1 + chooser_module.SAMPLES}
+    assert counted(0.0) == {1: 1 + chooser_module.MIN_SAMPLES, 4: 1 + chooser_module.MIN_SAMPLES}
+
+
+def test_step_costs_repeat_a_step_until_their_budget(models, monkeypatch):
+    """A first step, then up to ``repeats`` timed ones, fewer (at least one) once they took
+    STEP_COST_BUDGET_S: a 1B model's CPU step is over 0.2 s."""
+    from fellow.runtime.model import kernels as chooser_module
+
+    stage = StageModel.from_causal_lm(copy.deepcopy(models["qwen3", "deep"]))
+    prepare_stage(stage, batch_cap=2)
+    steps: list[int] = []
+    decode = stage.decode
+    monkeypatch.setattr(stage, "decode", lambda caches, inputs: steps.append(len(caches)) or decode(caches, inputs))
+    for budget, per_batch in ((60.0, 1 + 3), (0.0, 1 + 1)):
+        steps.clear()
+        monkeypatch.setattr(chooser_module, "STEP_COST_BUDGET_S", budget)
+        costs = step_costs(stage, [1, 2], repeats=3)
+        assert steps == [1] * per_batch + [2] * per_batch and all(ms > 0 for ms in costs.values())
+
+
 def test_what_cannot_fuse_keeps_the_hf_layers_and_says_why():
     config = transformers.Qwen3Config(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                                       num_key_value_heads=1, head_dim=16, vocab_size=64, hidden_act="gelu")

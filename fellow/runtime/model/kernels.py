@@ -32,20 +32,35 @@ def available_kernels(device: torch.device, dtype: torch.dtype, packed: bool = T
     return kernels
 
 
-SAMPLES = 7  # timed calls per kernel and row count; the fastest counts
+SAMPLES = 7  # at most, timed calls per kernel and row count; the fastest counts
+MIN_SAMPLES = 3  # at least
+SAMPLE_BUDGET_S = 0.02  # past this much time (flushes included) spent on one kernel and row count, MIN_SAMPLES do
 FLUSH_BYTES = 64 << 20  # read before each timed call, so the weight comes from memory as in a decode step
+FLUSH_BIG = False  # flush before a weight as big as the flush too (bench/bench_load.py's "before")
 
 
-def _time(linear: Linear, x: torch.Tensor, flush: torch.Tensor) -> float:
+def _time(linear: Linear, x: torch.Tensor, flush: torch.Tensor | None) -> float:
     """Seconds of one call with the weight out of the caches: a decode step reads every other weight
-    between two reads of this one, so a cache-warm loop would favour the wrong kernel."""
+    between two reads of this one, so a cache-warm loop would favour the wrong kernel. ``flush`` is
+    None for a weight at least as big as it: reading the weight itself then evicts the last read.
+
+    SAMPLES calls, or MIN_SAMPLES once they took over SAMPLE_BUDGET_S: a big weight's calls are long
+    and steady, and a 1B model's shapes took 2.45 s to choose at seven calls each (docs/benchmarks.md).
+    """
     linear(x)
     best = float("inf")
-    for _ in range(SAMPLES):
-        flush.sum()
+    spent = 0.0
+    for sample in range(SAMPLES):
+        if sample >= MIN_SAMPLES and spent > SAMPLE_BUDGET_S:
+            break
+        began = time.perf_counter()
+        if flush is not None:
+            flush.sum()
         started = time.perf_counter()
         linear(x)
-        best = min(best, time.perf_counter() - started)
+        ended = time.perf_counter()
+        best = min(best, ended - started)
+        spent += ended - began
     return best
 
 
@@ -74,8 +89,9 @@ class KernelChooser:
             candidate = self.make(weight, bias, name)
             if self._flush is None or self._flush.device != weight.device:
                 self._flush = torch.ones(FLUSH_BYTES // 4, device=weight.device)
+            big = weight.numel() * weight.element_size() >= FLUSH_BYTES and not FLUSH_BIG
             costs = [_time(candidate, torch.randn(rows, shape[1], dtype=weight.dtype, device=weight.device),
-                           self._flush) for rows in self.rows]
+                           None if big else self._flush) for rows in self.rows]
             timings[name] = [round(cost * 1e3, 4) for cost in costs]
             if best is None or sum(costs) < best[0]:
                 best = (sum(costs), candidate)
@@ -178,9 +194,14 @@ def _prepare_quantized(stage, quantizer: StageQuantizer) -> dict:
 STEP_COST_CONTEXT = 256  # positions already in each session's cache when a step is timed
 
 
+STEP_COST_BUDGET_S = 0.1  # a batch size's steps stop repeating once the timed ones took this long
+
+
 @torch.inference_mode()
 def step_costs(stage, batches: list[int], repeats: int = 3) -> dict[str, float]:
-    """ms of one decode step at each batch size, on caches of STEP_COST_CONTEXT random positions.
+    """ms of one decode step at each batch size, on caches of STEP_COST_CONTEXT random positions: the
+    best of ``repeats`` steps after a first one, or fewer (at least one) once they took
+    STEP_COST_BUDGET_S (a 1B model's step is over 0.2 s on a CPU).
 
     Every position it adds is dropped with the caches, so the stage serves exactly as before.
     """
@@ -192,11 +213,14 @@ def step_costs(stage, batches: list[int], repeats: int = 3) -> dict[str, float]:
         else:
             inputs = torch.zeros(rows, 1, stage.config.hidden_size, dtype=stage.dtype, device=stage.input_device)
         stage.decode(caches, inputs)
-        best = float("inf")
+        best, spent = float("inf"), 0.0
         for _ in range(repeats):
+            if spent > STEP_COST_BUDGET_S:
+                break
             started = time.perf_counter()
             stage.decode(caches, inputs)
-            best = min(best, time.perf_counter() - started)
+            took = time.perf_counter() - started
+            best, spent = min(best, took), spent + took
         costs[str(rows)] = round(best * 1e3, 3)
         for cache in caches:
             cache.release()
