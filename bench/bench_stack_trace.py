@@ -141,7 +141,10 @@ def main() -> None:
     ap.add_argument("--shape", default="q46m-v4k", choices=list(SHAPES))
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--requests", type=int, default=6)
+    ap.add_argument("--env", nargs="+", default=[], metavar="NAME=VALUE",
+                    help="settings for the stack's leader and fellow, e.g. SWARM_PROJECTION_LINGER_MS=0")
     args = ap.parse_args()
+    extra = dict(item.split("=", 1) for item in args.env)
     tmp = scratch_dir("swarm-bench-trace-")
     ckpt = make_checkpoint(tmp / args.shape / "hf", SHAPES[args.shape])
     export(ckpt, tmp / "servables" / args.shape, stages=1, model_id=args.shape)
@@ -149,7 +152,7 @@ def main() -> None:
     print(json.dumps(alone), flush=True)
     with EmbeddedNats(tmp / "js") as nats:
         stack = Stack(tmp / args.shape, nats.url, tmp / "servables", SWARM_MODEL_IDLE_UNLOAD_S=0,
-                      SWARM_SERVE_PREFIX_CACHE="off").start()
+                      SWARM_SERVE_PREFIX_CACHE="off", **extra).start()
         try:
             stack.load(args.shape)
             fellow = stack.fellows[0].proc.pid

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from core.bus import publish_event
@@ -173,3 +175,38 @@ async def test_migration_0004_fills_who_loaded_and_unloaded_from_the_log(js, dat
             assert (load.state, load.requested_by, load.unload_requested_by) == ("unloading", "tok-a", "tok-b")
     finally:
         await engine.dispose()
+
+
+async def test_a_lingering_reader_projects_a_burst_in_one_batch_and_a_waiting_reader_cuts_it_short(js, sessions):
+    """With a linger, events that come close together reach each projector as one batch (one
+    transaction), and nothing is lost; a wait_for of a position does not wait out the linger."""
+    runner = ProjectionRunner(js, sessions, all_projectors(), linger_s=2.0)
+    evts = story(4)
+    batches: list[list] = []
+    applied = asyncio.Event()
+
+    async def heard(events: list) -> None:
+        batches.append(events)
+        if sum(len(b) for b in batches) >= len(evts):
+            applied.set()
+
+    runner.listeners["requests"] = [heard]
+    await runner.start()
+    try:
+        acks = [await publish_event(js, e) for e in evts]  # within the two seconds the first one starts
+        # nobody waits: the reader holds the burst, then hands it on whole
+        await asyncio.wait_for(applied.wait(), 20)
+        assert [len(b) for b in batches] == [len(evts)]
+        assert len((await dump(sessions, Request))["requests"]) == 4
+        # a reader of its own write: the linger is cut short (it could not wait out 60 s within 20)
+        runner.linger_s = 60.0
+        ack = await publish_event(js, RequestAccepted(request_id="late", model_id="m", load_id="L1"))
+        for _ in range(2000):  # until the reader holds it
+            if runner.lingering:
+                break
+            await asyncio.sleep(0.01)
+        assert runner.lingering
+        await runner.wait_for(ack.seq, ["requests"], timeout=20)
+        assert ack.seq == acks[-1].seq + 1 and len((await dump(sessions, Request))["requests"]) == 5
+    finally:
+        await runner.stop()
