@@ -1,12 +1,12 @@
 """Runs the projectors: one reader fetches and decodes each batch once, every projector applies it
 (apply + checkpoint in one transaction) in its own task.
 
-The reader lingers (``linger_s``, SWARM_PROJECTION_LINGER_MS): events that come within it of a
-batch's first ride with that batch, so a burst (a chat request's accepted and finished events, or
-several requests') costs each projector one transaction, not one per event. A reader of its own
-writes (``wait_for``) cuts the linger short. On a 2-core machine that also served the model, a
-one-token chat request cost the leader 10.8-15.0 ms of CPU without it and 7.5-10.8 ms with 50 ms
-(docs/benchmarks.md).
+The reader lingers (``linger_s``, SWARM_PROJECTION_LINGER_MS) over a batch of requests' events:
+those that come within it ride with that batch, so a burst (a chat request's accepted and finished
+events, or several requests') costs each projector one transaction, not one per event. Any other
+event, or a reader of its own writes (``wait_for``), ends the linger at once. On a 2-core machine
+that also served the model, a one-token chat request cost the leader 12.9-14.2 ms of CPU without it
+and 9.6-12.5 ms with 50 ms (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -35,7 +35,12 @@ STUCK_AFTER_S = 10.0  # holding one batch this long: the projector is stuck
 RETRY_S = 0.2
 FETCH_TIMEOUT_S = 5.0
 LINGER_S = 0.05  # SWARM_PROJECTION_LINGER_MS's default
-COLLECT_S = 0.005  # after lingering: how long a fetch of what came meanwhile waits when nothing more did
+LINGER_SLICE_S = 0.01  # while lingering, how often the reader looks for a waiting reader
+REQUEST_EVENTS = "swarm.evt.request."  # the events a batch may linger for
+
+
+def _lingers(msg) -> bool:
+    return msg.subject.startswith(REQUEST_EVENTS)
 
 
 class ProjectionLagging(TimeoutError):
@@ -66,7 +71,6 @@ class ProjectionRunner:
         self.js = js
         self.linger_s = linger_s
         self.waiting = 0  # wait_for calls not caught up yet: no lingering while one waits
-        self._flush = asyncio.Event()  # set when a wait_for starts waiting
         self.lingering = False  # the reader holds a batch, waiting for more
         self.sessions = sessions
         self.projectors = {p.name: p for p in projectors}
@@ -139,28 +143,30 @@ class ProjectionRunner:
             await _drop(sub)
 
     async def _linger(self, sub, msgs: list) -> list:
-        """``msgs`` and whatever came within ``linger_s`` of them (up to a full batch), unless a reader
-        waits on a position (then at once). Nothing is cancelled mid-fetch: messages that come after
-        the collecting fetch stay in the subscription's queue for the next one."""
-        if self.linger_s <= 0 or self.waiting or len(msgs) >= FETCH_BATCH:
+        """``msgs`` and the request events that came within ``linger_s`` of them (up to a full batch).
+
+        Only a batch of requests' own events lingers (``swarm.evt.request.*``: accepted, finished,
+        failed): any other event (a load's, a fellow's) is projected at once, since reactions and
+        status reads follow those. The reader stops lingering as soon as one arrives, or a reader waits
+        on a position (``wait_for``; checked every LINGER_SLICE_S). Nothing is cancelled mid-fetch:
+        a fetch that times out leaves later messages in the subscription's queue for the next one.
+        """
+        if self.linger_s <= 0:
             return msgs
-        self._flush.clear()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.linger_s
         self.lingering = True
         try:
-            async with asyncio.timeout(self.linger_s):
-                await self._flush.wait()
-        except TimeoutError:
-            pass
+            while len(msgs) < FETCH_BATCH and not self.waiting and all(_lingers(m) for m in msgs):
+                left = deadline - loop.time()
+                if left <= 0:
+                    break
+                try:
+                    msgs = msgs + await sub.fetch(FETCH_BATCH - len(msgs), timeout=min(left, LINGER_SLICE_S))
+                except (NatsTimeout, asyncio.TimeoutError):
+                    continue
         finally:
             self.lingering = False
-        while len(msgs) < FETCH_BATCH:  # until a fetch finds nothing more
-            try:
-                more = await sub.fetch(FETCH_BATCH - len(msgs), timeout=COLLECT_S)
-            except (NatsTimeout, asyncio.TimeoutError):
-                break
-            if not more:
-                break
-            msgs = msgs + more
         return msgs
 
     async def _hand(self, batch: list[Entry]) -> None:
@@ -248,8 +254,7 @@ class ProjectionRunner:
         async with self._changed:
             if caught_up():
                 return
-            self.waiting += 1
-            self._flush.set()  # a lingering reader hands on what it holds now
+            self.waiting += 1  # a lingering reader hands on what it holds within LINGER_SLICE_S
             try:
                 while not caught_up():
                     left = deadline - time.monotonic()
