@@ -34,7 +34,6 @@ FAILURE_LOOP = 3  # consecutive failed tries of one batch: the projector is stuc
 STUCK_AFTER_S = 10.0  # holding one batch this long: the projector is stuck
 RETRY_S = 0.2
 FETCH_TIMEOUT_S = 5.0
-LINGER_S = 0.05  # SWARM_PROJECTION_LINGER_MS's default
 LINGER_SLICE_S = 0.01  # while lingering, how often the reader looks for a waiting reader
 REQUEST_EVENTS = "swarm.evt.request."  # the events a batch may linger for
 
