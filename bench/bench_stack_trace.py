@@ -142,7 +142,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--requests", type=int, default=6)
     ap.add_argument("--env", nargs="+", default=[], metavar="NAME=VALUE",
-                    help="settings for the stack's leader and fellow, e.g. SWARM_PROJECTION_LINGER_MS=0")
+                    help="settings for the stack's leader and fellow, e.g. SWARM_SERVE_THREADS=1")
     args = ap.parse_args()
     extra = dict(item.split("=", 1) for item in args.env)
     tmp = scratch_dir("swarm-bench-trace-")

@@ -145,7 +145,6 @@ class Settings:
     model_idle_unload_s: float
     heartbeat_s: float
     fellow_timeout_s: float  # a fellow silent this long is lost; 0: three of its own heartbeat intervals
-    projection_linger_s: float  # SWARM_PROJECTION_LINGER_MS: events this close together project in one batch
     serve_in_flight: int | None
     serve_typical_tokens: int
     serve_context_tokens: int
@@ -228,7 +227,6 @@ class Settings:
             model_idle_unload_s=_float(env, "SWARM_MODEL_IDLE_UNLOAD_S", 900.0),
             heartbeat_s=_float(env, "SWARM_HEARTBEAT_S", 2.0, minimum=0.05),
             fellow_timeout_s=_float(env, "SWARM_FELLOW_TIMEOUT_S", 0.0),
-            projection_linger_s=_float(env, "SWARM_PROJECTION_LINGER_MS", 50.0) / 1000.0,
             serve_in_flight=None if not in_flight_raw else _int(env, "SWARM_SERVE_IN_FLIGHT", 0, minimum=1),
             serve_typical_tokens=_int(env, "SWARM_SERVE_TYPICAL_TOKENS", 1024, minimum=1),
             serve_context_tokens=_int(env, "SWARM_SERVE_CONTEXT_TOKENS", 4096, minimum=1),

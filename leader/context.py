@@ -62,7 +62,7 @@ class Leader:
                                 credentials=s.nats_credentials)
         self.js = self.nc.jetstream()
         await ensure_streams(self.js, s.nats_replicas)
-        self.projections = ProjectionRunner(self.js, self.sessions, all_projectors(), linger_s=s.projection_linger_s)
+        self.projections = ProjectionRunner(self.js, self.sessions, all_projectors())
         await self.projections.start()
         self.fellows = FellowMonitor(self.js, self.sessions, timeout_s=s.fellow_timeout_s)
         await self.fellows.start()

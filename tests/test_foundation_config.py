@@ -30,8 +30,6 @@ from tests.processes import free_port, swarm_env
     ({"SWARM_SERVE_COMPILE": "fast"}, "SWARM_SERVE_COMPILE='fast' must be off, on, or batch sizes from 1 to 64"),
     ({"SWARM_SERVE_COMPILE": "1,0"}, "SWARM_SERVE_COMPILE='1,0' must be off, on"),
     ({"SWARM_SERVE_COMPILE": "1,99"}, "SWARM_SERVE_COMPILE='1,99' must be off, on"),
-    ({"SWARM_PROJECTION_LINGER_MS": "-5"}, "SWARM_PROJECTION_LINGER_MS='-5' must be at least 0"),
-    ({"SWARM_PROJECTION_LINGER_MS": "soon"}, "SWARM_PROJECTION_LINGER_MS='soon' is not a number"),
 ])
 def test_bad_values_name_the_variable(env, needle):
     with pytest.raises(SettingsError, match=needle.replace("(", r"\(").replace("?", r"\?")):
@@ -67,8 +65,6 @@ def test_defaults_follow_the_spec():
     assert Settings.from_env({"SWARM_SERVE_COMPILE": "on"}).serve_compile == (1,)
     assert Settings.from_env({"SWARM_SERVE_COMPILE": "8, 1,8"}).serve_compile == (1, 8)
     assert Settings.from_env({"SWARM_SERVE_COMPILE": "off"}).serve_compile == ()
-    assert s.projection_linger_s == 0.05  # a burst of events projects in one transaction per projection
-    assert Settings.from_env({"SWARM_PROJECTION_LINGER_MS": "0"}).projection_linger_s == 0.0
 
 
 def run_cli(args, env, timeout=30):

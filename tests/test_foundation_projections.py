@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from core.bus import publish_event
@@ -175,68 +173,3 @@ async def test_migration_0004_fills_who_loaded_and_unloaded_from_the_log(js, dat
             assert (load.state, load.requested_by, load.unload_requested_by) == ("unloading", "tok-a", "tok-b")
     finally:
         await engine.dispose()
-
-
-async def test_a_lingering_reader_projects_requests_in_one_batch_and_ends_early_for_others(js, sessions):
-    """With a linger, requests' events that come close together reach each projector as one batch
-    (one transaction), and nothing is lost. Any other event (a fellow's, a load's) ends the linger at
-    once, and so does a wait_for of a position."""
-    runner = ProjectionRunner(js, sessions, all_projectors(), linger_s=2.0)
-    batches: list[list] = []  # the watched events of each batch the requests projection applied
-    heard = asyncio.Event()
-    watched: set = set()  # the events a step waits for
-
-    def key(e) -> tuple:
-        return type(e).__name__, getattr(e, "request_id", None) or getattr(e, "fellow_id", None)
-
-    async def listener(events: list) -> None:
-        mine = [e for e in events if key(e) in watched]
-        if mine:
-            batches.append(mine)
-        if watched and sum(len(b) for b in batches) >= len(watched):
-            heard.set()
-
-    runner.listeners["requests"] = [listener]
-    await runner.start()
-
-    async def lingering() -> None:
-        for _ in range(2000):  # until the reader holds what was just published
-            if runner.lingering:
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError("the reader never lingered")
-
-    try:
-        setup = story(0)[:-1]  # a fellow and a ready load: not requests' events, projected at once
-        last = None
-        for e in setup:
-            last = await publish_event(js, e)
-        await runner.wait_for(last.seq, timeout=20)
-        burst = [RequestAccepted(request_id=f"b{i}", model_id="m", load_id="L1") for i in range(4)]
-        burst += [RequestFinished(request_id=f"b{i}", model_id="m", load_id="L1", completion_tokens=i)
-                  for i in range(4)]
-        watched.update(key(e) for e in burst)
-        for e in burst:  # within the two seconds the first one starts
-            await publish_event(js, e)
-        await asyncio.wait_for(heard.wait(), 20)
-        assert [len(b) for b in batches] == [len(burst)]  # one batch: one transaction per projector
-        assert len((await dump(sessions, Request))["requests"]) == 4
-        # another kind of event ends the linger (it could not wait out 60 s within 20)
-        runner.linger_s = 60.0
-        held, lost = RequestAccepted(request_id="held", model_id="m", load_id="L1"), FellowLost(fellow_id="f1", last_seen=1.0)
-        batches.clear()
-        heard.clear()
-        watched.clear()
-        watched.update((key(held), key(lost)))
-        await publish_event(js, held)
-        await lingering()
-        await publish_event(js, lost)
-        await asyncio.wait_for(heard.wait(), 20)
-        assert [len(b) for b in batches] == [2]
-        # a reader of its own write ends it too
-        ack = await publish_event(js, RequestAccepted(request_id="late", model_id="m", load_id="L1"))
-        await lingering()
-        await runner.wait_for(ack.seq, ["requests"], timeout=20)
-        assert len((await dump(sessions, Request))["requests"]) == 6
-    finally:
-        await runner.stop()

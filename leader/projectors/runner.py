@@ -1,13 +1,5 @@
 """Runs the projectors: one reader fetches and decodes each batch once, every projector applies it
-(apply + checkpoint in one transaction) in its own task.
-
-The reader lingers (``linger_s``, SWARM_PROJECTION_LINGER_MS) over a batch of requests' events:
-those that come within it ride with that batch, so a burst (a chat request's accepted and finished
-events, or several requests') costs each projector one transaction, not one per event. Any other
-event, or a reader of its own writes (``wait_for``), ends the linger at once. On a 2-core machine
-that also served the model, a one-token chat request cost the leader 12.9-14.2 ms of CPU without it
-and 9.6-12.5 ms with 50 ms (docs/benchmarks.md).
-"""
+(apply + checkpoint in one transaction) in its own task."""
 
 from __future__ import annotations
 
@@ -34,12 +26,6 @@ FAILURE_LOOP = 3  # consecutive failed tries of one batch: the projector is stuc
 STUCK_AFTER_S = 10.0  # holding one batch this long: the projector is stuck
 RETRY_S = 0.2
 FETCH_TIMEOUT_S = 5.0
-LINGER_SLICE_S = 0.01  # while lingering, how often the reader looks for a waiting reader
-REQUEST_EVENTS = "swarm.evt.request."  # the events a batch may linger for
-
-
-def _lingers(msg) -> bool:
-    return msg.subject.startswith(REQUEST_EVENTS)
 
 
 class ProjectionLagging(TimeoutError):
@@ -65,12 +51,8 @@ class ProjectionRunner:
     """
 
     def __init__(self, js: JetStreamContext, sessions: async_sessionmaker, projectors: list[Projector],
-                 stuck_after_s: float = STUCK_AFTER_S, fetch_timeout_s: float = FETCH_TIMEOUT_S,
-                 linger_s: float = 0.0):
+                 stuck_after_s: float = STUCK_AFTER_S, fetch_timeout_s: float = FETCH_TIMEOUT_S):
         self.js = js
-        self.linger_s = linger_s
-        self.waiting = 0  # wait_for calls not caught up yet: no lingering while one waits
-        self.lingering = False  # the reader holds a batch, waiting for more
         self.sessions = sessions
         self.projectors = {p.name: p for p in projectors}
         self.positions: dict[str, int] = {}
@@ -123,7 +105,6 @@ class ProjectionRunner:
                     if not msgs:  # the server's answer to a pull that expired: normal when idle
                         self.empty_fetches += 1
                         continue
-                    msgs = await self._linger(sub, msgs)
                     batch = decode_batch(msgs)
                     if any(e.poison for e in batch):
                         async with self.sessions() as session, session.begin():
@@ -140,33 +121,6 @@ class ProjectionRunner:
                 read_to = batch[-1].seq
         finally:
             await _drop(sub)
-
-    async def _linger(self, sub, msgs: list) -> list:
-        """``msgs`` and the request events that came within ``linger_s`` of them (up to a full batch).
-
-        Only a batch of requests' own events lingers (``swarm.evt.request.*``: accepted, finished,
-        failed): any other event (a load's, a fellow's) is projected at once, since reactions and
-        status reads follow those. The reader stops lingering as soon as one arrives, or a reader waits
-        on a position (``wait_for``; checked every LINGER_SLICE_S). Nothing is cancelled mid-fetch:
-        a fetch that times out leaves later messages in the subscription's queue for the next one.
-        """
-        if self.linger_s <= 0:
-            return msgs
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.linger_s
-        self.lingering = True
-        try:
-            while len(msgs) < FETCH_BATCH and not self.waiting and all(_lingers(m) for m in msgs):
-                left = deadline - loop.time()
-                if left <= 0:
-                    break
-                try:
-                    msgs = msgs + await sub.fetch(FETCH_BATCH - len(msgs), timeout=min(left, LINGER_SLICE_S))
-                except (NatsTimeout, asyncio.TimeoutError):
-                    continue
-        finally:
-            self.lingering = False
-        return msgs
 
     async def _hand(self, batch: list[Entry]) -> None:
         for queue in self._queues.values():
@@ -251,22 +205,16 @@ class ProjectionRunner:
             return all(self.positions.get(n, 0) >= seq for n in names)
 
         async with self._changed:
-            if caught_up():
-                return
-            self.waiting += 1  # a lingering reader hands on what it holds within LINGER_SLICE_S
-            try:
-                while not caught_up():
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        lag = {n: self.positions.get(n, 0) for n in names if self.positions.get(n, 0) < seq}
-                        raise ProjectionLagging(f"projections {lag} have not reached sequence {seq}")
-                    try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel that races a notify
-                        async with asyncio.timeout(left):
-                            await self._changed.wait()
-                    except TimeoutError:
-                        pass
-            finally:
-                self.waiting -= 1
+            while not caught_up():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    lag = {n: self.positions.get(n, 0) for n in names if self.positions.get(n, 0) < seq}
+                    raise ProjectionLagging(f"projections {lag} have not reached sequence {seq}")
+                try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel that races a notify
+                    async with asyncio.timeout(left):
+                        await self._changed.wait()
+                except TimeoutError:
+                    pass
 
 
 async def _drop(sub) -> None:
