@@ -45,7 +45,7 @@ def _time(linear: Linear, x: torch.Tensor, flush: torch.Tensor | None) -> float:
     None for a weight at least as big as it: reading the weight itself then evicts the last read.
 
     SAMPLES calls, or MIN_SAMPLES once they took over SAMPLE_BUDGET_S: a big weight's calls are long
-    and steady, and a 1B model's shapes took 2.45 s to choose at seven calls each (docs/benchmarks.md).
+    and steady, and a 1B model's shapes took 2.2-2.4 s to choose at seven calls each (docs/benchmarks.md).
     """
     linear(x)
     best = float("inf")
