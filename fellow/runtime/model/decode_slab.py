@@ -176,7 +176,7 @@ class SlabStep:
         for row, length in zip(rows, lengths):
             per_slot[row] = length
         self.masks: dict[int | None, torch.Tensor | None] = {}
-        self.repeated: dict[int, torch.Tensor] = {}  # a verify pass's masks, repeated for the query groups
+        self.repeated: dict[int | None, torch.Tensor] = {}  # by window: a verify pass's masks, per query group
         even = not packed and self.identity and len(set(lengths)) == 1
         # query j of a row is at position length + j, and sees every position up to it
         seen_to = torch.tensor(per_slot)[:, None, None] + torch.arange(self.span)[None, :, None]
@@ -198,9 +198,8 @@ class SlabStep:
         slot = layer_idx - self.first_layer
         keys, values = self.keys[slot], self.values[slot]  # [rows, kv_heads, capacity, D]
         kv_heads, head_dim = keys.shape[1], keys.shape[3]
-        mask = self.masks[self.windows[layer_idx]]
         if self.packed:
-            return self._attend_packed(keys, values, scaling, q, k, v, mask, out_shape)
+            return self._attend_packed(keys, values, scaling, q, k, v, self.windows[layer_idx], out_shape)
         keys[self.rows, :, self.at] = k[:, :, 0]
         values[self.rows, :, self.at] = v[:, :, 0]
         queries = q.reshape(self.batch, kv_heads, -1, head_dim)
@@ -209,12 +208,13 @@ class SlabStep:
             full[self.rows] = queries
             queries = full
         out = torch.nn.functional.scaled_dot_product_attention(
-            queries, keys[:, :, : self.width], values[:, :, : self.width], attn_mask=mask, scale=scaling)
+            queries, keys[:, :, : self.width], values[:, :, : self.width],
+            attn_mask=self.masks[self.windows[layer_idx]], scale=scaling)
         if not self.identity:
             out = out[self.rows]
         return out.reshape(out_shape)
 
-    def _attend_packed(self, keys, values, scaling, q, k, v, mask, out_shape) -> torch.Tensor:
+    def _attend_packed(self, keys, values, scaling, q, k, v, window, out_shape) -> torch.Tensor:
         heads, kv_heads, head_dim = q.shape[1], keys.shape[1], keys.shape[3]
         groups = heads // kv_heads
         keys[self.rows, :, self.at] = k[0].transpose(0, 1)  # [total, kv_heads, D]
@@ -223,11 +223,11 @@ class SlabStep:
         queries[self.rows, :, self.offsets] = q[0].transpose(0, 1)  # [total, heads, D]
         # the query heads that share a key/value head go in as its queries: [slots, kv_heads, groups * span, D]
         queries = queries.view(self.slots, kv_heads, groups * self.span, head_dim)
+        mask = self.masks[window]
         if mask is not None and groups > 1:  # each group's queries see what the row's do (once per step)
-            key = id(mask)
-            if key not in self.repeated:
-                self.repeated[key] = mask.repeat(1, 1, groups, 1)
-            mask = self.repeated[key]
+            if window not in self.repeated:
+                self.repeated[window] = mask.repeat(1, 1, groups, 1)
+            mask = self.repeated[window]
         out = torch.nn.functional.scaled_dot_product_attention(
             queries, keys[:, :, : self.width], values[:, :, : self.width], attn_mask=mask, scale=scaling)
         out = out.view(self.slots, heads, self.span, head_dim)[self.rows, :, self.offsets]  # [total, heads, D]

@@ -85,13 +85,14 @@ class KernelChooser:
         started = time.perf_counter()
         best: tuple[float, Linear] | None = None
         timings: dict[str, list[float]] = {}
+        if self._flush is None or self._flush.device != weight.device:
+            self._flush = torch.ones(FLUSH_BYTES // 4, device=weight.device)
+        big = weight.numel() * weight.element_size() >= FLUSH_BYTES and not FLUSH_BIG  # evicts itself
+        flush = None if big else self._flush
         for name in self.kernels:
             candidate = self.make(weight, bias, name)
-            if self._flush is None or self._flush.device != weight.device:
-                self._flush = torch.ones(FLUSH_BYTES // 4, device=weight.device)
-            big = weight.numel() * weight.element_size() >= FLUSH_BYTES and not FLUSH_BIG
-            costs = [_time(candidate, torch.randn(rows, shape[1], dtype=weight.dtype, device=weight.device),
-                           None if big else self._flush) for rows in self.rows]
+            costs = [_time(candidate, torch.randn(rows, shape[1], dtype=weight.dtype, device=weight.device), flush)
+                     for rows in self.rows]
             timings[name] = [round(cost * 1e3, 4) for cost in costs]
             if best is None or sum(costs) < best[0]:
                 best = (sum(costs), candidate)
@@ -192,8 +193,6 @@ def _prepare_quantized(stage, quantizer: StageQuantizer) -> dict:
 
 
 STEP_COST_CONTEXT = 256  # positions already in each session's cache when a step is timed
-
-
 STEP_COST_BUDGET_S = 0.1  # a batch size's steps stop repeating once the timed ones took this long
 
 
