@@ -104,6 +104,48 @@ def test_sessions_that_join_leave_and_outgrow_the_slab_reply_as_alone(stages, fa
     assert slab.keys is None and slab.rows == []  # every session left: the stage holds no slab
 
 
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_sessions_in_several_batches_share_one_slab_in_blocks(stages, family):
+    """More sessions than the batch cap: each step runs them in batches, one after another. The slab
+    keeps them all, each batch a block of rows, instead of rebuilding for every batch of every step;
+    a batch whose rows span two blocks steps over both; every reply stays what it is alone."""
+    stage = stages[family]
+    slab, vocab = stage.fused.slab, stage.config.vocab_size
+    names = "abcdefg"
+    sessions = {name: (prompt(20 + i, 3 + 2 * i, vocab), 24) for i, name in enumerate(names)}
+    with torch.inference_mode():
+        want = {name: alone(stage, ids, n) for name, (ids, n) in sessions.items()}
+        batch = Batch(stage)
+        for name in names:
+            batch.join(name, *sessions[name])
+        rebuilds = slab.rebuilds
+
+        def step(*groups: str) -> None:
+            every = dict(batch.live)
+            for group in groups:  # each batch of the step decodes alone, as the engine runs them
+                batch.live = {name: every[name] for name in group}
+                batch.step()
+                every.update(batch.live)
+                for name in group:
+                    if name not in batch.live:
+                        del every[name]
+            batch.live = every
+
+        step("abcd", "efg")
+        assert slab.rebuilds == rebuilds + 2 and len(slab.rows) == 7  # efg joined a, b, c and d in one slab
+        homes = {name: cache.home[1] for name, (cache, _) in batch.live.items()}
+        assert sorted(homes[n] for n in "efg") == [0, 1, 2] and sorted(homes[n] for n in "abcd") == [3, 4, 5, 6]
+        for _ in range(5):
+            step("abcd", "efg")
+        assert slab.rebuilds == rebuilds + 2  # the two batches step in place, each over its block
+        for _ in range(5):
+            step("abc", "defg")  # d's batch spans both blocks: it steps over them, still no copy
+        assert slab.rebuilds == rebuilds + 2
+        while batch.live:
+            step("abcd", "efg")
+    assert batch.replies == want
+
+
 def test_pasts_too_uneven_for_one_slab_attend_row_by_row(stages):
     stage = stages["llama"]
     slab, vocab = stage.fused.slab, stage.config.vocab_size
@@ -124,7 +166,7 @@ def test_pasts_too_uneven_for_one_slab_attend_row_by_row(stages):
 
 def test_a_slab_row_is_a_cache_like_any_other(stages):
     """A session in the slab crops, grows and is read as its own cache; a session of the slab that is
-    left out of a new batch gets its own buffers back, its past intact."""
+    left out of a new batch keeps a row after the batch's, its past intact."""
     stage = stages["qwen2"]
     slab, vocab = stage.fused.slab, stage.config.vocab_size
     with torch.inference_mode():
@@ -142,12 +184,39 @@ def test_a_slab_row_is_a_cache_like_any_other(stages):
         stage.prefill(newcomer, torch.tensor(prompt(20, 4, vocab)))
         caches.append(newcomer)
         stage.decode(caches[1:], torch.tensor([5, 6, 7]))  # a new batch without the first: a new slab
-        assert caches[0].home is None and [c.home for c in caches[1:]] == [(slab, 0), (slab, 1), (slab, 2)]
+        assert [c.home for c in caches[1:]] == [(slab, 0), (slab, 1), (slab, 2)] and caches[0].home == (slab, 3)
         keys, values = caches[0].layer(2)
         assert caches[0].length == past[0][2] and torch.equal(keys, past[0][0]) and torch.equal(values, past[0][1])
         for cache, (keys, values, length) in zip(caches[1:], past[1:]):
             assert torch.equal(cache.layer(2, length)[0], keys) and torch.equal(cache.layer(2, length)[1], values)
         for cache in caches:
+            cache.release()
+    assert slab.keys is None
+
+
+def test_a_left_out_session_that_would_make_the_slab_too_big_gets_its_own_buffers(stages):
+    """Two long sessions step in the slab, then two short new ones without them: a slab holding all
+    four would be mostly padding (MEMORY_SLACK), so the long ones get buffers of their own back, their
+    pasts intact, and the short ones a slab of two rows."""
+    stage = stages["llama"]
+    slab, vocab = stage.fused.slab, stage.config.vocab_size
+    with torch.inference_mode():
+        long = [stage.new_cache() for _ in range(2)]
+        for seed, cache in enumerate(long):
+            stage.prefill(cache, torch.tensor(prompt(30 + seed, 300 + seed, vocab)))
+        stage.decode(long, torch.tensor([1, 2]))
+        assert [c.home for c in long] == [(slab, 0), (slab, 1)]
+        past = [(c.layer(1)[0].clone(), c.layer(1)[1].clone(), c.length) for c in long]
+        short = [stage.new_cache() for _ in range(2)]
+        for seed, cache in enumerate(short):
+            stage.prefill(cache, torch.tensor(prompt(40 + seed, 5, vocab)))
+        stage.decode(short, torch.tensor([3, 4]))
+        assert [c.home for c in short] == [(slab, 0), (slab, 1)] and len(slab.rows) == 2
+        assert all(c.home is None for c in long)
+        for cache, (keys, values, length) in zip(long, past):
+            assert cache.length == length
+            assert torch.equal(cache.layer(1)[0], keys) and torch.equal(cache.layer(1)[1], values)
+        for cache in long + short:
             cache.release()
     assert slab.keys is None
 

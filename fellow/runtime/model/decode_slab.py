@@ -16,8 +16,10 @@ view), so:
   it is a cache like any other, whose buffers live in the slab.
 
 The slab follows the batch. A session that joins (or a step that needs more room than the slab has)
-rebuilds it: every session of the step copies its past in once, and a session of the old slab that
-is still alive but not in the step gets its own buffers back. A session that leaves only frees its row
+rebuilds it: every session of the step copies its past in once. A session of the old slab that is
+still alive but not in the step keeps a row after the step's where the whole still fits, else gets
+its own buffers back; so sessions that decode in several batches (more of them than the batch cap)
+share one slab, each batch a block of rows, and a step attends over its block only. A session that leaves only frees its row
 (``KVCache.release`` tells the slab); the slab goes when its last row does, so an idle stage holds no
 slab. The slab is used only where it costs little memory over the sessions' own caches
 (``MEMORY_SLACK``); a batch of very uneven pasts attends row by row, as before.
@@ -33,7 +35,8 @@ from fellow.runtime.model.kv_cache import GROW_CHUNK, KVCache
 
 HEADROOM = GROW_CHUNK  # positions past the longest row a new slab leaves: a rebuild every 64 steps at most
 MEMORY_SLACK = 1.5  # a slab may hold up to this times the positions the rows' own caches would
-DEAD_ROWS = 2  # rebuild (rather than attend over rows not stepping) once the slab has over twice the step's rows
+KEEP_LEFT_OUT = True  # False: a rebuild gives the sessions it leaves out their own buffers (bench/bench_split.py's "before")
+DEAD_ROWS = 2  # rebuild (rather than attend over rows not stepping) once a step's rows span over twice as many
 
 
 class DecodeSlab:
@@ -69,8 +72,10 @@ class DecodeSlab:
         return SlabStep(self, caches, rows, widths, packed)
 
     def _rows_of(self, caches: Sequence[KVCache], widths: Sequence[int]) -> list[int] | None:
-        """Each cache's row, where every one of them is in the slab with room for this step."""
-        if self.keys is None or len(self.rows) > DEAD_ROWS * len(caches):
+        """Each cache's row, where every one of them is in the slab with room for this step, and the
+        block of rows they span holds at most DEAD_ROWS times the step's rows (the step attends over
+        that block)."""
+        if self.keys is None:
             return None
         rows = []
         for cache, width in zip(caches, widths):
@@ -78,6 +83,8 @@ class DecodeSlab:
             if home is None or home[0] is not self or cache.length + width > self.capacity:
                 return None
             rows.append(home[1])
+        if max(rows) - min(rows) + 1 > DEAD_ROWS * len(caches):
+            return None
         return rows
 
     def _fits(self, caches: Sequence[KVCache], widths: Sequence[int]) -> bool:
@@ -95,26 +102,37 @@ class DecodeSlab:
 
     def _rebuild(self, caches: Sequence[KVCache], widths: Sequence[int]) -> list[int]:
         """A new slab with a row per cache, in order: each copies its past in and takes its row as its
-        buffers. A live session of the old slab left out of this step gets buffers of its own."""
+        buffers. The live sessions of the old slab that this step leaves out keep rows after the
+        step's, where the whole fits (MEMORY_SLACK): a stage whose sessions run in several batches
+        (more sessions than its batch cap) then keeps them all in one slab, each batch a block of rows,
+        instead of rebuilding it for every batch of every step. Where it does not fit, they get buffers
+        of their own."""
+        stepping = {id(c) for c in caches}
+        left_out = [c for c in self.rows if c is not None and id(c) not in stepping]
+        idle = left_out if KEEP_LEFT_OUT else []
+        kept = [*caches, *idle]
+        kept_widths = [*widths, *[1] * len(idle)]
+        if idle and not self._fits(kept, kept_widths):
+            kept, kept_widths = list(caches), list(widths)
         first = caches[0]
-        capacity = self._capacity_for(caches, widths)
-        shape = (first.num_layers, len(caches), first.num_kv_heads, capacity, first.head_dim)
+        capacity = self._capacity_for(kept, kept_widths)
+        shape = (first.num_layers, len(kept), first.num_kv_heads, capacity, first.head_dim)
         device = first.groups[0][2]
         # zeros: a freed row's first position is what its masked row attends to, and stays finite
         keys = torch.zeros(shape, dtype=first.dtype, device=device)
         values = torch.zeros(shape, dtype=first.dtype, device=device)
-        stepping = {id(c) for c in caches}
-        for cache in self.rows:
-            if cache is not None and id(cache) not in stepping:
+        staying = {id(c) for c in kept}
+        for cache in left_out:
+            if id(cache) not in staying:
                 _own_buffers(cache)
-        for row, cache in enumerate(caches):
+        for row, cache in enumerate(kept):
             if cache.length:
                 keys[:, row, :, : cache.length].copy_(cache.keys[0][:, :, : cache.length])
                 values[:, row, :, : cache.length].copy_(cache.values[0][:, :, : cache.length])
             cache.keys, cache.values = [keys[:, row]], [values[:, row]]
             cache.capacity, cache.home = capacity, (self, row)
         self.keys, self.values, self.capacity = keys, values, capacity
-        self.rows = list(caches)
+        self.rows = kept
         self.rebuilds += 1
         return list(range(len(caches)))
 
@@ -154,10 +172,13 @@ class SlabStep:
 
     def __init__(self, slab: DecodeSlab, caches: Sequence[KVCache], rows: list[int], widths: Sequence[int],
                  packed: bool = False) -> None:
-        self.keys, self.values = slab.keys, slab.values
+        # the block of rows the step's sessions span: it attends over that block only (a view)
+        low, high = min(rows), max(rows) + 1
+        self.keys, self.values = slab.keys[:, low:high], slab.values[:, low:high]
+        rows = [row - low for row in rows]
         self.first_layer = slab.first_layer
         self.windows = slab.windows
-        slots = len(slab.rows)
+        slots = high - low
         self.batch = len(caches)
         self.identity = rows == list(range(slots))  # the step is the slab, row for row: no scatter
         self.slots = slots
