@@ -141,8 +141,9 @@ def test_the_chooser_times_seven_calls_or_three_once_they_took_their_budget(monk
 
 
 def test_step_costs_repeat_a_step_until_their_budget(models, monkeypatch):
-    """A first step, then up to ``repeats`` timed ones, fewer (at least one) once they took
-    STEP_COST_BUDGET_S: a 1B model's CPU step is over 0.2 s."""
+    """The largest batch first: an untimed step, then up to ``repeats`` timed ones, fewer (at least
+    one) once they took STEP_COST_BUDGET_S (a 1B model's CPU step is over 0.2 s); the smaller batches
+    after it without the untimed step, everything warm by then."""
     from fellow.runtime.model import kernels as chooser_module
 
     stage = StageModel.from_causal_lm(copy.deepcopy(models["qwen3", "deep"]))
@@ -150,11 +151,12 @@ def test_step_costs_repeat_a_step_until_their_budget(models, monkeypatch):
     steps: list[int] = []
     decode = stage.decode
     monkeypatch.setattr(stage, "decode", lambda caches, inputs: steps.append(len(caches)) or decode(caches, inputs))
-    for budget, per_batch in ((60.0, 1 + 3), (0.0, 1 + 1)):
+    for budget, timed in ((60.0, 3), (0.0, 1)):
         steps.clear()
         monkeypatch.setattr(chooser_module, "STEP_COST_BUDGET_S", budget)
         costs = step_costs(stage, [1, 2], repeats=3)
-        assert steps == [1] * per_batch + [2] * per_batch and all(ms > 0 for ms in costs.values())
+        assert steps == [2] * (1 + timed) + [1] * timed
+        assert list(costs) == ["1", "2"] and all(ms > 0 for ms in costs.values())
 
 
 def test_what_cannot_fuse_keeps_the_hf_layers_and_says_why():
