@@ -2,8 +2,8 @@
 kernel choice (each weight shape timed under each kernel, ``fellow.runtime.model.kernels``) and the
 step costs (``SWARM_SERVE_STEP_COSTS``: a decode step at batch 1 and at the batch cap), each the way
 the stage does it now and the way it did before (seven timed calls per kernel and row count, each
-after reading 64 MiB; three timed steps per batch size, each after an untimed one), alternated in one
-process.
+after reading 64 MiB, every kernel timed to the end; three timed steps per batch size, each after an
+untimed one), alternated in one process.
 
     .venv/bin/python bench/bench_load.py [--shapes tiny-1b q46m-v4k llama-deep] [--rounds 2]
 
@@ -33,10 +33,11 @@ def measure(servable: Path, before: bool, cap: int) -> dict:
     from fellow.runtime.model import kernels
     from fellow.runtime.model.loader import load_one_stage
 
-    saved = kernels.MIN_SAMPLES, kernels.FLUSH_BIG, kernels.STEP_COST_BUDGET_S, kernels.STEP_WARM_EACH
+    saved = (kernels.MIN_SAMPLES, kernels.FLUSH_BIG, kernels.STEP_COST_BUDGET_S, kernels.STEP_WARM_EACH,
+             kernels.CLEAR_LOSER)
     if before:
-        kernels.MIN_SAMPLES, kernels.FLUSH_BIG, kernels.STEP_COST_BUDGET_S, kernels.STEP_WARM_EACH = \
-            kernels.SAMPLES, True, float("inf"), True
+        (kernels.MIN_SAMPLES, kernels.FLUSH_BIG, kernels.STEP_COST_BUDGET_S, kernels.STEP_WARM_EACH,
+         kernels.CLEAR_LOSER) = kernels.SAMPLES, True, float("inf"), True, float("inf")
     try:
         started = time.perf_counter()
         stage = load_one_stage(servable, device="cpu", batch_cap=cap).stage
@@ -45,7 +46,8 @@ def measure(servable: Path, before: bool, cap: int) -> dict:
         costs = kernels.step_costs(stage, sorted({1, cap}))
         steps_s = time.perf_counter() - started
     finally:
-        kernels.MIN_SAMPLES, kernels.FLUSH_BIG, kernels.STEP_COST_BUDGET_S, kernels.STEP_WARM_EACH = saved
+        (kernels.MIN_SAMPLES, kernels.FLUSH_BIG, kernels.STEP_COST_BUDGET_S, kernels.STEP_WARM_EACH,
+         kernels.CLEAR_LOSER) = saved
     return {"choose_s": stage.kernels["seconds"], "step_costs_s": round(steps_s, 3), "load_s": round(load_s, 2),
             "chosen": {shape: v["kernel"] for shape, v in stage.kernels["shapes"].items()}, "step_ms": costs}
 

@@ -2,6 +2,7 @@
 two shapes of every family served; batched and fresh-batched steps equal each session alone."""
 
 import copy
+import time
 
 import pytest
 import torch
@@ -138,6 +139,36 @@ def test_the_chooser_times_seven_calls_or_three_once_they_took_their_budget(monk
 
     assert counted(60.0) == {1: 1 + chooser_module.SAMPLES, 4: 1 + chooser_module.SAMPLES}
     assert counted(0.0) == {1: 1 + chooser_module.MIN_SAMPLES, 4: 1 + chooser_module.MIN_SAMPLES}
+
+
+def test_a_kernel_that_clearly_loses_is_timed_no_further():
+    """The first kernel is timed in full; a second whose calls add up past CLEAR_LOSER times the
+    first's sum stops there (one call after its warm one, no row count after it), and is not chosen.
+    Counted on the real Linear each call goes through; the slow kernel is slow for real (it sleeps)."""
+    from fellow.runtime.model import kernels as chooser_module
+
+    calls: dict[str, list[int]] = {"mkl": [], "slow": []}
+
+    class Counted(Linear):
+        __slots__ = ("label",)
+
+        def __init__(self, weight, bias, label):
+            super().__init__(weight, bias, "mkl")
+            self.label = label
+
+        def __call__(self, x):
+            calls[self.label].append(x.shape[0])
+            if self.label == "slow":
+                time.sleep(0.01)
+            return super().__call__(x)
+
+    chooser = KernelChooser(["mkl", "slow"], batch_cap=4, make=lambda weight, bias, kernel: Counted(weight, bias, kernel))
+    chosen = chooser.linear(torch.randn(64, 32), None)
+    assert chosen.label == "mkl"
+    assert calls["mkl"].count(1) >= 1 + chooser_module.MIN_SAMPLES and calls["mkl"].count(4) >= 1 + chooser_module.MIN_SAMPLES
+    assert calls["slow"] == [1, 1]  # its warm call and one timed call at one row, then nothing
+    timings = chooser.summary()["shapes"]["64x32"]["ms"]
+    assert len(timings["mkl"]) == 2 and len(timings["slow"]) == 1 and timings["slow"][0] > sum(timings["mkl"])
 
 
 def test_step_costs_repeat_a_step_until_their_budget(models, monkeypatch):

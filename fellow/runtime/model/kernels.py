@@ -6,7 +6,9 @@ is MKL on this build, and oneDNN's packed form), at one row (a lone decode step)
 batch cap, and keeps the fastest by the sum of the two. Each timed call reads the weight from memory,
 as a decode step does: timed in a warm loop, small weights stayed in cache and favoured MKL, and a
 16-layer stage of hidden 256 then took 33.6 ms a batch-8 step against 20.8 ms (docs/benchmarks.md).
-What was chosen, with its timings, goes into the load's status and the stage's log.
+A kernel whose calls already add up past CLEAR_LOSER times the best one's is timed no further (on a
+1B model, MKL's calls of the head at eight rows were a fifth of the whole choice). What was
+chosen, with its timings, goes into the load's status and the stage's log.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from fellow.runtime.model.quant import QUANT_KERNELS, LeanLoRA, QuantLinear, Sta
 log = logging.getLogger(__name__)
 
 def available_kernels(device: torch.device, dtype: torch.dtype, packed: bool = True) -> list[str]:
+    """The kernels to time, the likeliest winner first (oneDNN's packed form won most shapes measured
+    here), so that a clear loser's calls are cut short (CLEAR_LOSER)."""
     kernels = ["mkl"]
     if packed and device.type == "cpu" and dtype == torch.float32 and onednn_available():
-        kernels.append("onednn")
+        kernels.insert(0, "onednn")
     return kernels
 
 
@@ -37,21 +41,23 @@ MIN_SAMPLES = 3  # at least
 SAMPLE_BUDGET_S = 0.02  # past this much time (flushes included) spent on one kernel and row count, MIN_SAMPLES do
 FLUSH_BYTES = 64 << 20  # read before each timed call, so the weight comes from memory as in a decode step
 FLUSH_BIG = False  # flush before a weight as big as the flush too (bench/bench_load.py's "before")
+CLEAR_LOSER = 1.5  # a kernel whose timed calls add up past this times the best kernel's sum is timed no further
 
 
-def _time(linear: Linear, x: torch.Tensor, flush: torch.Tensor | None) -> float:
+def _time(linear: Linear, x: torch.Tensor, flush: torch.Tensor | None, give_up: float = float("inf")) -> float:
     """Seconds of one call with the weight out of the caches: a decode step reads every other weight
     between two reads of this one, so a cache-warm loop would favour the wrong kernel. ``flush`` is
     None for a weight at least as big as it: reading the weight itself then evicts the last read.
 
     SAMPLES calls, or MIN_SAMPLES once they took over SAMPLE_BUDGET_S: a big weight's calls are long
     and steady, and a 1B model's shapes took 2.2-2.4 s to choose at seven calls each (docs/benchmarks.md).
+    One call only where it took over ``give_up`` seconds: the kernel has lost already.
     """
     linear(x)
     best = float("inf")
     spent = 0.0
     for sample in range(SAMPLES):
-        if sample >= MIN_SAMPLES and spent > SAMPLE_BUDGET_S:
+        if (sample >= MIN_SAMPLES and spent > SAMPLE_BUDGET_S) or (sample > 0 and best > give_up):
             break
         began = time.perf_counter()
         if flush is not None:
@@ -91,10 +97,15 @@ class KernelChooser:
         flush = None if big else self._flush
         for name in self.kernels:
             candidate = self.make(weight, bias, name)
-            costs = [_time(candidate, torch.randn(rows, shape[1], dtype=weight.dtype, device=weight.device), flush)
-                     for rows in self.rows]
+            costs: list[float] = []
+            for rows in self.rows:  # a clear loser's timing stops: its ms then list fewer row counts
+                give_up = float("inf") if best is None else CLEAR_LOSER * best[0] - sum(costs)
+                x = torch.randn(rows, shape[1], dtype=weight.dtype, device=weight.device)
+                costs.append(_time(candidate, x, flush, give_up))
+                if best is not None and sum(costs) > CLEAR_LOSER * best[0]:
+                    break
             timings[name] = [round(cost * 1e3, 4) for cost in costs]
-            if best is None or sum(costs) < best[0]:
+            if len(costs) == len(self.rows) and (best is None or sum(costs) < best[0]):
                 best = (sum(costs), candidate)
         self.choices[shape] = best[1].kernel
         self.timings[shape] = timings
