@@ -93,11 +93,12 @@ def decode_rate(stage, prompts: list[list[int]], streams: int, tokens: int, k: i
                 requests: int = 1) -> tuple[float, dict]:
     """(decode tokens/s, the sessions' spec counters summed) of greedy replies of ``tokens`` tokens.
 
-    ``streams`` streams, whose n-th requests take the prompts in turn from ``prompts``. With ``requests`` 1 (a wave) they all start together and the time runs to
-    the last reply's end. With more, each stream is a client that sends ``requests`` replies one after
-    another, the next added to the engine as soon as its last one ends (continuous): the engine then
-    stays at one session per stream until the last client's last reply, as a server under steady load
-    does. The later requests' prompts (cached by then) run inside the timed span, as many off as on.
+    ``streams`` streams, whose n-th requests take the prompts in turn from ``prompts``. With
+    ``requests`` 1 (a wave) they all start together and the time runs to the last reply's end. With
+    more (steady), each stream is a client that sends ``requests`` replies one after another, the next
+    added to the engine as soon as its last one ends: the engine then stays at one session per stream
+    until the last client's last reply, as a server under steady load does. The later requests'
+    prompts (cached by then) run inside the timed span, as many off as on.
 
     ``prefix`` is a PrefixCache kept over the runs of one stage, so a prompt is computed once, not
     once per run (prompts are not timed)."""

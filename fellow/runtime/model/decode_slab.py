@@ -19,9 +19,9 @@ The slab follows the batch. A session that joins (or a step that needs more room
 rebuilds it: every session of the step copies its past in once. A session of the old slab that is
 still alive but not in the step keeps a row after the step's where the whole still fits, else gets
 its own buffers back; so sessions that decode in several batches (more of them than the batch cap)
-share one slab, each batch a block of rows, and a step attends over its block only. A session that leaves only frees its row
-(``KVCache.release`` tells the slab); the slab goes when its last row does, so an idle stage holds no
-slab. The slab is used only where it costs little memory over the sessions' own caches
+share one slab, each batch a block of rows, and a step attends over its block only. A session that
+leaves only frees its row (``KVCache.release`` tells the slab); the slab goes when its last row
+does, so an idle stage holds no slab. The slab is used only where it costs little memory over the sessions' own caches
 (``MEMORY_SLACK``); a batch of very uneven pasts attends row by row, as before.
 """
 
@@ -35,7 +35,7 @@ from fellow.runtime.model.kv_cache import GROW_CHUNK, KVCache
 
 HEADROOM = GROW_CHUNK  # positions past the longest row a new slab leaves: a rebuild every 64 steps at most
 MEMORY_SLACK = 1.5  # a slab may hold up to this times the positions the rows' own caches would
-KEEP_LEFT_OUT = True  # False: a rebuild gives the sessions it leaves out their own buffers (bench/bench_split.py's "before")
+KEEP_LEFT_OUT = True  # False: a rebuild gives the sessions it leaves out buffers of their own (bench_split's "before")
 DEAD_ROWS = 2  # rebuild (rather than attend over rows not stepping) once a step's rows span over twice as many
 
 

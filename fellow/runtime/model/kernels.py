@@ -213,8 +213,8 @@ def step_costs(stage, batches: list[int], repeats: int = 3) -> dict[str, float]:
     """ms of one decode step at each batch size, on caches of STEP_COST_CONTEXT random positions: the
     best of ``repeats`` steps, or fewer (at least one) once they took STEP_COST_BUDGET_S (a 1B
     model's step is over 0.2 s on a CPU). The largest batch goes first, after an untimed step (its
-    first builds the decode slab); the smaller ones follow with every kernel warm, untimed steps
-    spared (a 1B model's load measured 0.2-0.3 s less, docs/benchmarks.md).
+    first builds the decode slab); the smaller ones follow with every kernel warm, an untimed step
+    spared each (a batch-1 step of TinyLlama's shape took 0.18-0.32 s on the 2-core machine).
 
     Every position it adds is dropped with the caches, so the stage serves exactly as before.
     """
