@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -37,7 +39,7 @@ async def replay(js: JetStreamContext, sessions: async_sessionmaker, projector: 
             while seq < last:
                 try:
                     msgs = await sub.fetch(1024, timeout=5)
-                except NatsTimeout:
+                except (NatsTimeout, asyncio.TimeoutError):  # nats-py raises either, by timing
                     break  # the stream's head was trimmed below `last`; nothing more to read
                 if not msgs:
                     continue  # an empty fetch: ask again
