@@ -87,7 +87,10 @@ async def test_metrics_equal_what_the_requests_did(stack):
     def settled():  # the events folded in, and a heartbeat sent after the last request ended
         f = samples(stack)
         done = value(f, "swarm:request_success_total") == 3 and value(f, "swarm:request_too_long_total") == 1
-        return f if done and value(f, "swarm:num_requests_running", **labels) == 0 else None
+        # and nothing reserved: a clean-clone CI once read 31 of 8,192 tokens reserved with no request
+        # running (a request redelivered late holds its tokens until the stage learns it was served)
+        at_rest = value(f, "swarm:kv_cache_usage_perc", **labels) == 0.0
+        return f if done and at_rest and value(f, "swarm:num_requests_running", **labels) == 0 else None
 
     found = await asyncio.to_thread(wait_until, settled, 30, "the requests in /metrics")
     rows = {r["id"]: r for r in stack.get(f"/api/v1/requests?model={MODEL}").json()["data"]}
