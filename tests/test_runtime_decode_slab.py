@@ -67,6 +67,14 @@ def prompt(seed: int, length: int, vocab: int) -> list[int]:
     return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def prefilled(stage: StageModel, prompts: list[list[int]]) -> list:
+    """A cache per prompt, each with its prompt computed."""
+    caches = [stage.new_cache() for _ in prompts]
+    for cache, ids in zip(caches, prompts):
+        stage.prefill(cache, torch.tensor(ids))
+    return caches
+
+
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_sessions_that_join_leave_and_outgrow_the_slab_reply_as_alone(stages, family):
     stage = stages[family]
@@ -170,9 +178,7 @@ def test_a_slab_row_is_a_cache_like_any_other(stages):
     stage = stages["qwen2"]
     slab, vocab = stage.fused.slab, stage.config.vocab_size
     with torch.inference_mode():
-        caches = [stage.new_cache() for _ in range(3)]
-        for seed, cache in enumerate(caches):
-            stage.prefill(cache, torch.tensor(prompt(10 + seed, 6 + seed, vocab)))
+        caches = prefilled(stage, [prompt(10 + seed, 6 + seed, vocab) for seed in range(3)])
         stage.decode(caches, torch.tensor([1, 2, 3]))
         assert [c.home for c in caches] == [(slab, 0), (slab, 1), (slab, 2)]
         past = [(c.layer(2)[0].clone(), c.layer(2)[1].clone(), c.length) for c in caches]
@@ -201,15 +207,11 @@ def test_a_left_out_session_that_would_make_the_slab_too_big_gets_its_own_buffer
     stage = stages["llama"]
     slab, vocab = stage.fused.slab, stage.config.vocab_size
     with torch.inference_mode():
-        long = [stage.new_cache() for _ in range(2)]
-        for seed, cache in enumerate(long):
-            stage.prefill(cache, torch.tensor(prompt(30 + seed, 300 + seed, vocab)))
+        long = prefilled(stage, [prompt(30 + seed, 300 + seed, vocab) for seed in range(2)])
         stage.decode(long, torch.tensor([1, 2]))
         assert [c.home for c in long] == [(slab, 0), (slab, 1)]
         past = [(c.layer(1)[0].clone(), c.layer(1)[1].clone(), c.length) for c in long]
-        short = [stage.new_cache() for _ in range(2)]
-        for seed, cache in enumerate(short):
-            stage.prefill(cache, torch.tensor(prompt(40 + seed, 5, vocab)))
+        short = prefilled(stage, [prompt(40 + seed, 5, vocab) for seed in range(2)])
         stage.decode(short, torch.tensor([3, 4]))
         assert [c.home for c in short] == [(slab, 0), (slab, 1)] and len(slab.rows) == 2
         assert all(c.home is None for c in long)
