@@ -171,6 +171,7 @@ class Settings:
     serve_devices: str = "auto"  # SWARM_SERVE_DEVICES (fellow): what a stage's layers are split over
     serve_lora: str = "lean"  # SWARM_SERVE_LORA (fellow): adapters kept apart over quantized weights (LORA_MODES)
     serve_compile: tuple[int, ...] = ()  # SWARM_SERVE_COMPILE (fellow): decode batch sizes compiled at load
+    serve_cuda_graphs: bool = True  # SWARM_SERVE_CUDA_GRAPHS (fellow): auto (replayed where faster) or off
 
     @property
     def nats_credentials(self):
@@ -253,6 +254,7 @@ class Settings:
             serve_devices=_devices(env),
             serve_lora=_choice(env, "SWARM_SERVE_LORA", "lean", LORA_MODES),
             serve_compile=_compile(env),
+            serve_cuda_graphs=_choice(env, "SWARM_SERVE_CUDA_GRAPHS", "auto", ("auto", "off")) == "auto",
         )
 
     def replace(self, **changes) -> "Settings":

@@ -46,6 +46,7 @@ class StageConfig(msgspec.Struct, frozen=True, kw_only=True):
     devices: str = "auto"  # SWARM_SERVE_DEVICES: what the layers are split over (auto: every GPU, then the CPU)
     lora: str = "lean"  # SWARM_SERVE_LORA: adapters kept apart over quantized weights, lean, lean16 or peft
     compile: list[int] = []  # SWARM_SERVE_COMPILE: decode batch sizes compiled at load (fellow.runtime.model.compiled)
+    cuda_graphs: bool = True  # SWARM_SERVE_CUDA_GRAPHS: a whole-model CUDA stage's decode replays graphs where faster
 
 
 class Report(msgspec.Struct, frozen=True, kw_only=True, tag_field="event"):

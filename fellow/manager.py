@@ -104,7 +104,8 @@ class ModelManager:
                               threads=self.settings.serve_threads, links=self.settings.serve_links,
                               link_host=self.settings.serve_link_host, link_port=self.settings.serve_link_port,
                               draft_model_dir=draft_dir, devices=self.settings.serve_devices,
-                              lora=self.settings.serve_lora, compile=list(self.settings.serve_compile))
+                              lora=self.settings.serve_lora, compile=list(self.settings.serve_compile),
+                              cuda_graphs=self.settings.serve_cuda_graphs)
             logs = self.settings.data_dir / "logs"
             logs.mkdir(parents=True, exist_ok=True)
             creds = self.settings.nats_credentials  # the stage logs in to NATS as its fellow

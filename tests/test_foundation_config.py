@@ -30,6 +30,7 @@ from tests.processes import free_port, swarm_env
     ({"SWARM_SERVE_COMPILE": "fast"}, "SWARM_SERVE_COMPILE='fast' must be off, on, or batch sizes from 1 to 64"),
     ({"SWARM_SERVE_COMPILE": "1,0"}, "SWARM_SERVE_COMPILE='1,0' must be off, on"),
     ({"SWARM_SERVE_COMPILE": "1,99"}, "SWARM_SERVE_COMPILE='1,99' must be off, on"),
+    ({"SWARM_SERVE_CUDA_GRAPHS": "always"}, "SWARM_SERVE_CUDA_GRAPHS='always' must be one of: auto, off"),
 ])
 def test_bad_values_name_the_variable(env, needle):
     with pytest.raises(SettingsError, match=needle.replace("(", r"\(").replace("?", r"\?")):
@@ -65,6 +66,8 @@ def test_defaults_follow_the_spec():
     assert Settings.from_env({"SWARM_SERVE_COMPILE": "on"}).serve_compile == (1,)
     assert Settings.from_env({"SWARM_SERVE_COMPILE": "8, 1,8"}).serve_compile == (1, 8)
     assert Settings.from_env({"SWARM_SERVE_COMPILE": "off"}).serve_compile == ()
+    assert s.serve_cuda_graphs  # a whole-model CUDA stage replays its decode step where that measures faster
+    assert not Settings.from_env({"SWARM_SERVE_CUDA_GRAPHS": "off"}).serve_cuda_graphs
 
 
 def run_cli(args, env, timeout=30):

@@ -22,7 +22,7 @@ the check fails, it returns None and why, and the draft model steps eagerly (``s
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -88,7 +88,10 @@ class SlotCache(KVCache):
 
 
 class FixedDecoder:
-    """Static buffers and one step per slot count bucket for a whole draft stage on one device."""
+    """Static buffers and one step per slot count bucket for a whole draft stage on one device
+    (the target stage's own decode uses it too: fellow.runtime.model.cuda_graphs)."""
+
+    cache_class: type[SlotCache] = SlotCache  # what ``take`` hands out
 
     def __init__(self, stage: StageModel, slots: int, positions: int) -> None:
         if not (stage.is_first and stage.is_last):
@@ -127,7 +130,7 @@ class FixedDecoder:
             return None
         slot = min(self.free)
         self.free.discard(slot)
-        return SlotCache(self, slot)
+        return self.cache_class(self, slot)
 
     # --- the step -----------------------------------------------------------------------------------
 
@@ -184,21 +187,36 @@ class FixedDecoder:
     @torch.inference_mode()
     def step(self, caches: list[SlotCache], tokens: list[int]) -> list[int]:
         """One greedy step for sessions in slots: each cache's next position; their argmax ids."""
+        n = self._replay(caches, torch.tensor(tokens))
+        out = self.ids[:n].tolist()
+        return [out[cache.slot] for cache in caches]
+
+    @torch.inference_mode()
+    def step_logits(self, caches: Sequence[SlotCache], tokens: torch.Tensor) -> torch.Tensor:
+        """One step for sessions in slots, ``tokens`` [B] (on any device): their logits [B, V] in the
+        stage's dtype, rows in the order of ``caches``."""
+        self._replay(caches, tokens)
+        rows = torch.tensor([cache.slot for cache in caches], device=self.logits.device)
+        return self.logits.index_select(0, rows).to(self.stage.dtype)
+
+    def _replay(self, caches: Sequence[SlotCache], tokens: torch.Tensor) -> int:
+        """Each cache's next token at its next position in its slot, the other slots of the bucket at the
+        scratch column; replays the bucket's step and advances the caches. Returns the bucket."""
         top = max(cache.slot for cache in caches) + 1
         n = next(b for b in self.buckets if b >= top)
         where = [self.positions] * n
-        ids = [0] * n
-        for cache, token in zip(caches, tokens):
+        for cache in caches:
             if cache.length >= self.positions:
-                raise RuntimeError(f"draft slot {cache.slot} is full ({self.positions} positions)")
-            where[cache.slot], ids[cache.slot] = cache.length, token
+                raise RuntimeError(f"slot {cache.slot} is full ({self.positions} positions)")
+            where[cache.slot] = cache.length
+        slots = torch.tensor([cache.slot for cache in caches], device=self.tokens.device)
         self.where[:n].copy_(torch.tensor(where), non_blocking=True)
-        self.tokens[:n].copy_(torch.tensor(ids), non_blocking=True)
+        self.tokens[:n].zero_()
+        self.tokens.index_copy_(0, slots, tokens.reshape(-1).to(self.tokens.device, torch.long))
         self.replays[n]()
-        out = self.ids[:n].tolist()
         for cache in caches:
             cache.advance(1)
-        return [out[cache.slot] for cache in caches]
+        return n
 
     @torch.inference_mode()
     def check(self) -> None:

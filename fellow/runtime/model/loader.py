@@ -14,6 +14,7 @@ from core.servable import TOKENIZER_DIR, Manifest, ServableError, load_manifest
 from fellow.runtime.model.device_split import DeviceSplit, SplitError, plan_split
 from fellow.runtime.model.half_storage import apply_half_storage
 from fellow.runtime.model.compiled import compile_decode
+from fellow.runtime.model.cuda_graphs import graph_decode
 from fellow.runtime.model.kernels import prepare_stage, quant_chooser
 from fellow.runtime.model.kv_budget import CUDA_KEEP_BYTES, CUDA_USABLE, cpu_free_bytes, cuda_free_bytes
 from fellow.runtime.model.lora_merge import lora_scale
@@ -119,7 +120,7 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
                 device: torch.device | None, attention: str = "sdpa", packed: bool = True, batch_cap: int = 8,
                 quantization: str = NONE, devices: Devices = AUTO, kv_tokens: int = KV_RESERVE_TOKENS,
                 dtype: torch.dtype | None = None, lora: str = "lean",
-                compile: Sequence[int] = ()) -> tuple[StageModules, StageModel]:
+                compile: Sequence[int] = (), cuda_graphs: bool = True) -> tuple[StageModules, StageModel]:
     """One serving stage's modules and its StageModel, ready to serve (kernels.prepare_stage).
 
     ``device``: every piece there; None: the layers split over ``devices`` by free memory, keeping room
@@ -134,6 +135,9 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
     SWARM_SERVE_LORA) says how (quant.LORA_MODES: lean or lean16 quant.LeanLoRA, or PEFT's own layers).
     ``compile`` (SWARM_SERVE_COMPILE): decode batch sizes whose step is compiled where that serves and
     measures faster (fellow.runtime.model.compiled); ``kernels["compiled"]`` says what it found.
+    ``cuda_graphs`` (SWARM_SERVE_CUDA_GRAPHS): a whole-model stage on one CUDA device decodes from a pool
+    of ``batch_cap`` sessions by replaying captured graphs, where they check and measure faster
+    (fellow.runtime.model.cuda_graphs); ``kernels["cuda_graphs"]`` says what it found.
     """
     split = None
     if device is None and quantization != NONE:  # not split (its sizes are not the float ones): the first device
@@ -167,6 +171,8 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
     if compile:
         stage.kernels = {**stage.kernels, "compiled": compile_decode(stage, compile, stage.plain_weights)}
     stage.plain_weights = None  # the compiled step holds what it needs
+    if cuda_graphs and (graphs := graph_decode(stage, slots=batch_cap)) is not None:  # None off CUDA
+        stage.kernels = {**stage.kernels, "cuda_graphs": graphs}
     if split is not None:
         stage.kernels = {**stage.kernels, "devices": split.as_dicts()}
         log.info("layers split over %d devices: %s", len(split.parts), split.describe())
@@ -181,7 +187,8 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
 def load_one_stage(model_dir: str | Path, device: str | None = None, attention: str = "sdpa",
                    packed: bool = True, batch_cap: int = 8, quantization: str = NONE,
                    devices: Devices = AUTO, kv_tokens: int = KV_RESERVE_TOKENS,
-                   dtype: torch.dtype | None = None, lora: str = "lean", compile: Sequence[int] = ()) -> LoadedStage:
+                   dtype: torch.dtype | None = None, lora: str = "lean", compile: Sequence[int] = (),
+                   cuda_graphs: bool = True) -> LoadedStage:
     """The whole model as one stage (embeddings, every layer, norm and head): a ring of one.
 
     ``device``: all of it there; None: split over ``devices`` (``build_stage``). ``packed``: float32 CPU
@@ -192,7 +199,8 @@ def load_one_stage(model_dir: str | Path, device: str | None = None, attention: 
     manifest = load_manifest(model_dir)
     dev = torch.device(device) if device else None
     _, stage = build_stage(manifest, 0, model_dir, 1, dev, attention, packed, batch_cap, quantization,
-                           devices=devices, kv_tokens=kv_tokens, dtype=dtype, lora=lora, compile=compile)
+                           devices=devices, kv_tokens=kv_tokens, dtype=dtype, lora=lora, compile=compile,
+                           cuda_graphs=cuda_graphs)
     tokenizer = load_tokenizer(model_dir)
     return LoadedStage(manifest, stage, tokenizer, stop_ids_for(manifest, tokenizer), stage_device(stage))
 

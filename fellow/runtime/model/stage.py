@@ -78,6 +78,7 @@ class StageModel:
         self.kernels: dict = {"path": "hf"}  # how it computes, for the load's status (kernels.prepare_stage)
         self.weights: dict = {}  # its quantization and measured weight bytes, for the status (quant.weights_report)
         self.compiled = None  # a compiled.CompiledDecode: its decode step at the batch sizes it serves faster
+        self.graphed = None  # a cuda_graphs.GraphedDecode: a pool of sessions whose decode step replays a graph
         self.plain_weights = None  # while it loads with SWARM_SERVE_COMPILE: compiled.PlainWeights
 
     def fuse(self, make_linear: MakeLinear, fused_layers: Sequence[FusedLayer] | None = None) -> FusedStack:
@@ -124,6 +125,8 @@ class StageModel:
         return self._head_device
 
     def new_cache(self) -> KVCache:
+        if self.graphed is not None and (pooled := self.graphed.take()) is not None:
+            return pooled  # a slot of the pool its decode steps replay over (fellow.runtime.model.cuda_graphs)
         return KVCache(self.first_layer, len(self.layers), self.num_kv_heads, self.head_dim,
                        self.dtype, self.layer_devices)
 
@@ -246,6 +249,11 @@ class StageModel:
                 return self.compiled.decode(caches, inputs)
             except Exception as exc:  # it would have compiled anew (or failed): the fused step serves from now on
                 self.compiled.give_up(len(caches), exc)
+        if self.graphed is not None and self.graphed.serves(caches):
+            try:
+                return self.graphed.decode(caches, inputs)
+            except Exception as exc:  # noqa: BLE001 (the eager step serves from now on, over the same caches)
+                self.graphed.give_up(exc)
         hidden = self._embed(inputs.view(-1, 1)) if self.is_first else inputs
         for cache in caches:
             cache.reserve(1)

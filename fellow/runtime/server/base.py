@@ -85,7 +85,7 @@ class StageServerBase:
         adapters kept apart over quantized weights are served (SWARM_SERVE_LORA)."""
         return {"packed": self.cfg.packed_linear, "batch_cap": self.batch_cap, "quantization": self.cfg.quantization,
                 "devices": self.cfg.devices, "kv_tokens": self.cfg.transport.kv_tokens or KV_RESERVE_TOKENS,
-                "lora": self.cfg.lora, "compile": tuple(self.cfg.compile)}
+                "lora": self.cfg.lora, "compile": tuple(self.cfg.compile), "cuda_graphs": self.cfg.cuda_graphs}
 
     def __init__(self, cfg: StageConfig):
         self.cfg = cfg
