@@ -60,6 +60,9 @@ class _Watch:
             cache = session.cache
             if isinstance(cache, PoolCache):
                 (self.pooled if cache.decoder is not None else self.moved).add(session_id)
+                if cache.decoder is not None:  # in the pool, its past is in its slot and nowhere else
+                    assert cache.keys[0].data_ptr() == cache.decoder.keys[cache.slot].data_ptr(), session_id
+                    assert cache.home is None, session_id
 
 
 @pytest.mark.parametrize("speculative", [0, 4])
