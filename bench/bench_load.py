@@ -29,15 +29,29 @@ from bench.scratch import scratch_dir  # noqa: E402
 ALL = {**SHAPES, "tiny-1b": ("llama", 2048, 22, 5632, 32000, 32, 4, False)}
 
 
-def measure(servable: Path, before: bool, cap: int) -> dict:
+# the module settings each way changes; "now" is the code's own
+WAYS = {
+    # seven timed calls per kernel and row count, each after reading 64 MiB, every kernel timed to the end;
+    # an untimed step and three timed ones per batch size, every cache position drawn
+    "before": {"MIN_SAMPLES": "SAMPLES", "FLUSH_BIG": True, "STEP_COST_BUDGET_S": float("inf"),
+               "STEP_WARM_EACH": True, "CLEAR_LOSER": float("inf"), "WARM_BIG": True, "STEP_SLAB_FIRST": False,
+               "STEP_COST_TILE": 0},
+    # as of 2026-12-02 16:00: an untimed call before a big weight's samples, an untimed step readying the
+    # largest batch (it builds the slab), every cache position drawn
+    "last": {"WARM_BIG": True, "STEP_SLAB_FIRST": False, "STEP_COST_TILE": 0},
+    "now": {},
+}
+
+
+def measure(servable: Path, way: str, cap: int) -> dict:
     from fellow.runtime.model import kernels
     from fellow.runtime.model.loader import load_one_stage
 
-    saved = (kernels.MIN_SAMPLES, kernels.FLUSH_BIG, kernels.STEP_COST_BUDGET_S, kernels.STEP_WARM_EACH,
-             kernels.CLEAR_LOSER)
-    if before:
-        (kernels.MIN_SAMPLES, kernels.FLUSH_BIG, kernels.STEP_COST_BUDGET_S, kernels.STEP_WARM_EACH,
-         kernels.CLEAR_LOSER) = kernels.SAMPLES, True, float("inf"), True, float("inf")
+    changes = {name: getattr(kernels, value) if isinstance(value, str) else value
+               for name, value in WAYS[way].items()}
+    saved = {name: getattr(kernels, name) for name in changes}
+    for name, value in changes.items():
+        setattr(kernels, name, value)
     try:
         started = time.perf_counter()
         stage = load_one_stage(servable, device="cpu", batch_cap=cap).stage
@@ -46,8 +60,8 @@ def measure(servable: Path, before: bool, cap: int) -> dict:
         costs = kernels.step_costs(stage, sorted({1, cap}))
         steps_s = time.perf_counter() - started
     finally:
-        (kernels.MIN_SAMPLES, kernels.FLUSH_BIG, kernels.STEP_COST_BUDGET_S, kernels.STEP_WARM_EACH,
-         kernels.CLEAR_LOSER) = saved
+        for name, value in saved.items():
+            setattr(kernels, name, value)
     return {"choose_s": stage.kernels["seconds"], "step_costs_s": round(steps_s, 3), "load_s": round(load_s, 2),
             "chosen": {shape: v["kernel"] for shape, v in stage.kernels["shapes"].items()}, "step_ms": costs}
 
@@ -57,6 +71,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["tiny-1b", "q46m-v4k", "llama-deep"], choices=list(ALL))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cap", type=int, default=8, help="the batch cap the chooser and the step costs time")
+    ap.add_argument("--ways", nargs="+", default=["before", "now"], choices=list(WAYS),
+                    help="what to alternate: before, last (as of 2026-12-02 16:00), now")
     args = ap.parse_args()
     from fellow.runtime.tools.export import export
 
@@ -66,20 +82,22 @@ def main() -> None:
         ckpt = make_checkpoint(tmp / name / "hf", ALL[name])
         export(ckpt, tmp / name / "servable", stages=1, model_id=name)
         for r in range(args.rounds):
-            for way in ("before", "now"):
-                row = {"shape": name, "round": r, "way": way,
-                       **measure(tmp / name / "servable", way == "before", args.cap)}
+            for way in args.ways if r % 2 == 0 else args.ways[::-1]:  # the order alternated by round
+                row = {"shape": name, "round": r, "way": way, **measure(tmp / name / "servable", way, args.cap)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-    print("\n| shape | round | kernel choice s: before / now | step costs s: before / now | same kernels |")
-    print("|---|---|---|---|---|")
+    ways = " / ".join(args.ways)
+    print(f"\n| shape | round | kernel choice s: {ways} | step costs s: {ways} | both s: {ways} | same kernels |")
+    print("|---|---|---|---|---|---|")
     for name in args.shapes:
         for r in range(args.rounds):
-            b, n = (next(x for x in rows if x["shape"] == name and x["round"] == r and x["way"] == w)
-                    for w in ("before", "now"))
-            same = "yes" if b["chosen"] == n["chosen"] else f"no: {b['chosen']} / {n['chosen']}"
-            print(f"| {name} | {r + 1} | {b['choose_s']:.2f} / {n['choose_s']:.2f} | "
-                  f"{b['step_costs_s']:.2f} / {n['step_costs_s']:.2f} | {same} |")
+            got = [next(x for x in rows if x["shape"] == name and x["round"] == r and x["way"] == w) for w in args.ways]
+            same = "yes" if all(g["chosen"] == got[0]["chosen"] for g in got) else \
+                "no: " + " / ".join(str(g["chosen"]) for g in got)
+            cells = [" / ".join(f"{value(g):.2f}" for g in got)
+                     for value in (lambda g: g["choose_s"], lambda g: g["step_costs_s"],
+                                   lambda g: g["choose_s"] + g["step_costs_s"])]
+            print(f"| {name} | {r + 1} | {' | '.join(cells)} | {same} |")
 
 
 if __name__ == "__main__":

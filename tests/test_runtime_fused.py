@@ -117,8 +117,9 @@ def test_the_chooser_keeps_the_fastest_kernel_per_shape_and_step_costs_roll_back
 
 
 def test_the_chooser_times_seven_calls_or_three_once_they_took_their_budget(monkeypatch):
-    """Each kernel and row count gets SAMPLES timed calls after a first, or MIN_SAMPLES once those took
-    SAMPLE_BUDGET_S (a big weight's calls): counted on the real Linear each call goes through."""
+    """Each kernel and row count gets SAMPLES timed calls after a first, untimed one, or MIN_SAMPLES once
+    those took SAMPLE_BUDGET_S (a big weight's calls); a weight as big as the flush has no untimed call.
+    Counted on the real Linear each call goes through."""
     from fellow.runtime.model import kernels as chooser_module
 
     calls: list[int] = []
@@ -139,6 +140,9 @@ def test_the_chooser_times_seven_calls_or_three_once_they_took_their_budget(monk
 
     assert counted(60.0) == {1: 1 + chooser_module.SAMPLES, 4: 1 + chooser_module.SAMPLES}
     assert counted(0.0) == {1: 1 + chooser_module.MIN_SAMPLES, 4: 1 + chooser_module.MIN_SAMPLES}
+    # a weight as big as the flush evicts itself: its first call is a timed sample, no untimed call first
+    monkeypatch.setattr(chooser_module, "FLUSH_BYTES", 64 * 32 * 4)
+    assert counted(0.0) == {1: chooser_module.MIN_SAMPLES, 4: chooser_module.MIN_SAMPLES}
 
 
 def test_a_kernel_that_clearly_loses_is_timed_no_further():
@@ -172,22 +176,30 @@ def test_a_kernel_that_clearly_loses_is_timed_no_further():
 
 
 def test_step_costs_repeat_a_step_until_their_budget(models, monkeypatch):
-    """The largest batch first: an untimed step, then up to ``repeats`` timed ones, fewer (at least
-    one) once they took STEP_COST_BUDGET_S (a 1B model's CPU step is over 0.2 s); the smaller batches
-    after it without the untimed step, everything warm by then."""
+    """The largest batch first: its sessions put in the decode slab (a fused stage) or an untimed step
+    (the HF layers), then up to ``repeats`` timed steps, fewer (at least one) once they took
+    STEP_COST_BUDGET_S (a 1B model's CPU step is over 0.2 s); the smaller batches after it without
+    either, everything warm by then."""
     from fellow.runtime.model import kernels as chooser_module
 
-    stage = StageModel.from_causal_lm(copy.deepcopy(models["qwen3", "deep"]))
-    prepare_stage(stage, batch_cap=2)
-    steps: list[int] = []
-    decode = stage.decode
-    monkeypatch.setattr(stage, "decode", lambda caches, inputs: steps.append(len(caches)) or decode(caches, inputs))
-    for budget, timed in ((60.0, 3), (0.0, 1)):
-        steps.clear()
-        monkeypatch.setattr(chooser_module, "STEP_COST_BUDGET_S", budget)
-        costs = step_costs(stage, [1, 2], repeats=3)
-        assert steps == [2] * (1 + timed) + [1] * timed
-        assert list(costs) == ["1", "2"] and all(ms > 0 for ms in costs.values())
+    fused = StageModel.from_causal_lm(copy.deepcopy(models["qwen3", "deep"]))
+    prepare_stage(fused, batch_cap=2)
+    hf = StageModel.from_causal_lm(copy.deepcopy(models["qwen3", "deep"]))  # the HF layers, unfused
+    for stage, untimed in ((fused, 0), (hf, 1)):
+        steps: list[tuple[int, int]] = []
+        decode = stage.__class__.decode
+        slab = stage.fused.slab if stage.fused is not None else None
+        monkeypatch.setattr(stage, "decode", lambda caches, inputs, stage=stage, slab=slab: steps.append(
+            (len(caches), slab.rebuilds if slab else 0)) or decode(stage, caches, inputs))
+        for budget, timed in ((60.0, 3), (0.0, 1)):
+            steps.clear()
+            rebuilds = slab.rebuilds if slab else 0
+            monkeypatch.setattr(chooser_module, "STEP_COST_BUDGET_S", budget)
+            costs = step_costs(stage, [1, 2], repeats=3)
+            assert [rows for rows, _ in steps] == [2] * (untimed + timed) + [1] * timed
+            assert list(costs) == ["1", "2"] and all(ms > 0 for ms in costs.values())
+            if slab is not None:  # the slab was built before the first timed step, and not again
+                assert [seen for rows, seen in steps if rows == 2] == [rebuilds + 1] * timed
 
 
 def test_what_cannot_fuse_keeps_the_hf_layers_and_says_why():

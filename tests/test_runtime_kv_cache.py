@@ -91,3 +91,19 @@ def test_cuda_measure_leaves_room():
     _free, total = torch.cuda.mem_get_info(device)
     assert device.type == "cuda" and tokens > 0
     assert tokens * token_bytes <= 0.85 * total
+
+
+def test_random_caches_draw_their_positions_or_repeat_a_drawn_tile():
+    from fellow.runtime.model.kv_cache import random_caches
+
+    new = lambda: KVCache(0, 2, 2, 4, torch.float32, ["cpu", "cpu"])  # noqa: E731
+    drawn = random_caches(new, 2, 10, 3)
+    tiled = random_caches(new, 3, 10, 3, tile=4)
+    for cache in drawn + tiled:
+        assert cache.length == 10 and cache.capacity >= 13
+    assert not torch.equal(drawn[0].keys[0][:, :, :4], drawn[0].keys[0][:, :, 4:8])  # every position drawn
+    for cache in tiled:
+        for buffer in (cache.keys[0], cache.values[0]):
+            assert torch.equal(buffer[:, :, 4:8], buffer[:, :, :4]) and torch.equal(buffer[:, :, 8:10], buffer[:, :, :2])
+            assert buffer[:, :, :4].std() > 0.5  # drawn from a normal
+    assert not torch.equal(tiled[0].keys[0][:, :, :4], tiled[1].keys[0][:, :, :4])  # each cache its own tile

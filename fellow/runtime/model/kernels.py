@@ -42,6 +42,7 @@ SAMPLE_BUDGET_S = 0.02  # past this much time (flushes included) spent on one ke
 FLUSH_BYTES = 64 << 20  # read before each timed call, so the weight comes from memory as in a decode step
 FLUSH_BIG = False  # flush before a weight as big as the flush too (bench/bench_load.py's "before")
 CLEAR_LOSER = 1.5  # a kernel whose timed calls add up past this times the best kernel's sum is timed no further
+WARM_BIG = False  # True: an untimed first call for a weight as big as the flush too (bench/bench_load.py's "last")
 
 
 def _time(linear: Linear, x: torch.Tensor, flush: torch.Tensor | None, give_up: float = float("inf")) -> float:
@@ -52,8 +53,14 @@ def _time(linear: Linear, x: torch.Tensor, flush: torch.Tensor | None, give_up: 
     SAMPLES calls, or MIN_SAMPLES once they took over SAMPLE_BUDGET_S: a big weight's calls are long
     and steady, and a 1B model's shapes took 2.2-2.4 s to choose at seven calls each (docs/benchmarks.md).
     One call only where it took over ``give_up`` seconds: the kernel has lost already.
+
+    A first, untimed call readies the kernel (oneDNN makes its primitive) for a small weight, whose
+    calls are short enough for that to count. A big weight's first call is timed like the rest: it
+    is slow anyway and the fastest call counts. On TinyLlama's shape the choice took 0.84-1.19 s
+    without those untimed calls, against 0.92-1.63 s with them (docs/benchmarks.md), the same kernels.
     """
-    linear(x)
+    if flush is not None or WARM_BIG:
+        linear(x)
     best = float("inf")
     spent = 0.0
     for sample in range(SAMPLES):
@@ -206,27 +213,37 @@ def _prepare_quantized(stage, quantizer: StageQuantizer) -> dict:
 STEP_COST_CONTEXT = 256  # positions already in each session's cache when a step is timed
 STEP_COST_BUDGET_S = 0.1  # a batch size's steps stop repeating once the timed ones took this long
 STEP_WARM_EACH = False  # True: a first, untimed step at every batch size (bench/bench_load.py's "before")
+STEP_SLAB_FIRST = True  # False: an untimed step readies the largest batch even where a slab rebuild would
+STEP_COST_TILE = 16  # positions of random keys and values drawn per cache, repeated over the rest
 
 
 @torch.inference_mode()
 def step_costs(stage, batches: list[int], repeats: int = 3) -> dict[str, float]:
     """ms of one decode step at each batch size, on caches of STEP_COST_CONTEXT random positions: the
     best of ``repeats`` steps, or fewer (at least one) once they took STEP_COST_BUDGET_S (a 1B
-    model's step is over 0.2 s on a CPU). The largest batch goes first, after an untimed step (its
-    first builds the decode slab); the smaller ones follow with every kernel warm, an untimed step
-    spared each (a batch-1 step of TinyLlama's shape took 0.18-0.32 s on the 2-core machine).
+    model's step is over 0.2 s on a CPU). The largest batch goes first. On fused layers its sessions are
+    first put in the decode slab, as a first step would (a rebuild), so no untimed step is needed: on
+    TinyLlama's shape the step after that took what the following ones did (242 against 241-307 ms at
+    batch 8), and an untimed step cost 0.24-0.53 s. Elsewhere (the HF layers, a compiled step) an
+    untimed step goes first. The smaller batches follow with every kernel warm, an untimed step spared
+    each (a batch-1 step of TinyLlama's shape took 0.18-0.32 s on the 2-core machine).
 
     Every position it adds is dropped with the caches, so the stage serves exactly as before.
     """
     costs: dict[str, float] = {}
     for n, rows in enumerate(sorted(batches, reverse=True)):
-        caches = random_caches(stage.new_cache, rows, STEP_COST_CONTEXT, repeats + 1)
+        caches = random_caches(stage.new_cache, rows, STEP_COST_CONTEXT, repeats + 1, tile=STEP_COST_TILE)
         if stage.is_first:
             inputs = torch.ones(rows, dtype=torch.long, device=stage.input_device)
         else:
             inputs = torch.zeros(rows, 1, stage.config.hidden_size, dtype=stage.dtype, device=stage.input_device)
         if n == 0 or STEP_WARM_EACH:
-            stage.decode(caches, inputs)
+            slab = stage.fused.slab if stage.fused is not None else None
+            if STEP_SLAB_FIRST and not STEP_WARM_EACH and slab is not None and stage.compiled is None \
+                    and slab.step(caches) is not None:
+                pass  # the sessions are in the slab: the first timed step finds them there
+            else:
+                stage.decode(caches, inputs)
         best, spent = float("inf"), 0.0
         for _ in range(repeats):
             if spent > STEP_COST_BUDGET_S:

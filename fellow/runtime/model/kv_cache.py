@@ -121,15 +121,23 @@ class KVCache:
 
 
 def random_caches(new_cache, rows: int, positions: int, room: int,
-                  generator: torch.Generator | None = None) -> list[KVCache]:
+                  generator: torch.Generator | None = None, tile: int = 0) -> list[KVCache]:
     """``rows`` caches from ``new_cache()``, each holding ``positions`` random positions and room for
-    ``room`` more: what a stage's decode step is timed or checked on."""
+    ``room`` more: what a stage's decode step is timed or checked on. ``tile``: only the first ``tile``
+    positions are drawn, and repeated over the rest (a step's time does not depend on the values; drawing
+    a 1B model's eight caches of 256 positions took 0.15-0.2 s on two cores)."""
     caches = [new_cache() for _ in range(rows)]
     for cache in caches:
         cache.reserve(positions + room)
-        for keys, values in zip(cache.keys, cache.values):
-            keys.normal_(generator=generator)
-            values.normal_(generator=generator)
+        for buffers in (cache.keys, cache.values):
+            for buffer in buffers:
+                if not tile or tile >= positions:
+                    buffer.normal_(generator=generator)
+                    continue
+                buffer[:, :, :tile].normal_(generator=generator)
+                for start in range(tile, positions, tile):
+                    end = min(start + tile, positions)
+                    buffer[:, :, start:end].copy_(buffer[:, :, : end - start])
         cache.advance(positions)
     return caches
 
