@@ -94,6 +94,7 @@ async def trace(stack: Stack, nats_url: str, pids: dict[str, int], model: str, t
             rows.append({"published": ms(seen["req"]), "started": ms(start), "first_frame": ms(token_times[0]),
                          "first_text": ms(content[0]) if content else None, "frames": len(token_times),
                          "prefill_ms": done.timing.get("prefill_ms"), "decode_ms": done.timing.get("decode_ms"),
+                         "queue_ms": done.timing.get("queue_ms"), "stage_ttft_ms": done.timing.get("ttft_ms"),
                          "frame_gap_ms": statistics.median([(b - a) * 1e3 for a, b in zip(token_times, token_times[1:])])
                          if len(token_times) > 2 else None})
         after = {k: cpu_ms(p) for k, p in pids.items()}
@@ -101,8 +102,8 @@ async def trace(stack: Stack, nats_url: str, pids: dict[str, int], model: str, t
     frames_total = sum(r["frames"] for r in rows)
     med = lambda k: statistics.median([r[k] for r in rows if r[k] is not None]) if any(r[k] is not None for r in rows) else None  # noqa: E731
     return {"tokens": tokens, "requests": requests,
-            **{k: round(med(k), 2) for k in ("published", "started", "first_frame", "first_text", "prefill_ms",
-                                             "decode_ms", "frame_gap_ms") if med(k) is not None},
+            **{k: round(med(k), 2) for k in ("published", "started", "first_frame", "first_text", "queue_ms", "prefill_ms",
+                                             "stage_ttft_ms", "decode_ms", "frame_gap_ms") if med(k) is not None},
             "cpu_ms_per_token": {k: round((after[k] - before[k]) / frames_total, 3) for k in pids}}
 
 
