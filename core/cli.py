@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
 
 from core.cli_errors import CliError
@@ -48,19 +49,28 @@ def cmd_nats(args) -> int:
         leaf = LeafRemote(tuple(u.strip() for u in args.leaf.split(",") if u.strip()), s.nats_credentials)
     srv = EmbeddedNats(s.nats_store_dir if not args.store_dir else Path(args.store_dir),
                        port=args.port, host=args.host, config=Path(args.config) if args.config else None,
-                       cluster=cluster, leaf_port=args.leaf_port, leaf=leaf).start()
-    what = f"leaf node of {args.leaf}, JetStream on the hub" if leaf else "JetStream"
-    print(f"nats-server with {what} at {srv.url} (store {srv.store_dir}"
-          f"{', users from ' + args.config if args.config else ', open: no users'}"
-          f"{', cluster node ' + cluster.name if cluster else ''}"
-          f"{f', leaf nodes on port {srv.leaf_port}' if srv.leaf_port is not None else ''})", flush=True)
+                       cluster=cluster, leaf_port=args.leaf_port, leaf=leaf)
+    # SIGTERM (kill, systemd's and docker's stop) ends this process as Ctrl-C does, so its nats-server
+    # stops with it: by default Python would exit at once and leave the server running
+    previous = signal.signal(signal.SIGTERM, _interrupted)
     try:
+        srv.start()
+        what = f"leaf node of {args.leaf}, JetStream on the hub" if leaf else "JetStream"
+        print(f"nats-server with {what} at {srv.url} (store {srv.store_dir}"
+              f"{', users from ' + args.config if args.config else ', open: no users'}"
+              f"{', cluster node ' + cluster.name if cluster else ''}"
+              f"{f', leaf nodes on port {srv.leaf_port}' if srv.leaf_port is not None else ''})", flush=True)
         srv.process.wait()
     except KeyboardInterrupt:
         pass
     finally:
         srv.stop()
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _interrupted(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _check_nats(s: Settings) -> None:

@@ -182,3 +182,24 @@ async def test_the_documented_commands_form_a_cluster_with_users(tmp_path):
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_swarm_nats_stopped_by_sigterm_stops_its_nats_server(tmp_path):
+    """`kill`, systemd's stop and docker's stop send SIGTERM: `swarm nats` then stops its nats-server and
+    exits 0, as on Ctrl-C. (It used to exit at once, leaving the server running with its port and store.)"""
+    from tests.processes import children_of, pid_alive
+
+    proc = SwarmProcess(["nats", "--port", "0", "--store-dir", str(tmp_path / "store")], swarm_env(tmp_path, None),
+                        tmp_path / "nats.log").start()
+    servers: list[int] = []
+    try:
+        wait_until(lambda: " at nats://" in proc.tail(), 30, "the server's URL")
+        servers = children_of(proc.proc.pid)
+        assert len(servers) == 1 and pid_alive(servers[0])
+        assert proc.stop() == 0, proc.tail()
+        assert not pid_alive(servers[0]), "the nats-server outlived `swarm nats`"
+    finally:
+        proc.kill()
+        for pid in servers:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
