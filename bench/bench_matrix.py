@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import statistics
 import sys
@@ -52,7 +53,9 @@ def make_checkpoint(out: Path, shape: tuple) -> Path:
     from tests.tiny import _tokenizer
 
     family, hidden, layers, mlp, vocab, heads, kv_heads, tied = shape
-    tok = _tokenizer()
+    # a copy: the cached tokenizer grown for one shape's vocabulary gave every later shape at least as many
+    # words (a full matrix ran llama-gqa8 with 32k, after q45m-v32k, not its 4k)
+    tok = copy.deepcopy(_tokenizer())
     extra = 0
     while len(tok) < vocab:  # some added words already exist: add until the vocabulary is exact
         tok.add_tokens([f"<w{i}>" for i in range(extra, extra + vocab - len(tok))])
