@@ -239,10 +239,10 @@ def step_costs(stage, batches: list[int], repeats: int = 3) -> dict[str, float]:
             inputs = torch.zeros(rows, 1, stage.config.hidden_size, dtype=stage.dtype, device=stage.input_device)
         if n == 0 or STEP_WARM_EACH:
             slab = stage.fused.slab if stage.fused is not None else None
-            if STEP_SLAB_FIRST and not STEP_WARM_EACH and slab is not None and stage.compiled is None \
-                    and slab.step(caches) is not None:
-                pass  # the sessions are in the slab: the first timed step finds them there
-            else:
+            # the sessions put in the slab (None where it would not take them): the first timed step finds them there
+            slabbed = STEP_SLAB_FIRST and not STEP_WARM_EACH and slab is not None and stage.compiled is None \
+                and slab.step(caches) is not None
+            if not slabbed:
                 stage.decode(caches, inputs)
         best, spent = float("inf"), 0.0
         for _ in range(repeats):
