@@ -36,7 +36,7 @@ import torch
 from fellow.runtime.engine.draft_graph import (CUDA_GRAPH, EAGER, Capture, FixedDecoder, SlotCache,
                                                capture_cuda_graph)
 from fellow.runtime.model.kv_budget import measured_kv_tokens
-from fellow.runtime.model.kv_cache import KVCache
+from fellow.runtime.model.kv_cache import KVCache, random_caches
 
 log = logging.getLogger(__name__)
 
@@ -117,15 +117,9 @@ def _timed(stage, decoder: PoolDecoder, rows: int) -> dict[str, float]:
     generator = torch.Generator(device=device).manual_seed(rows)
     ids = torch.randint(stage.config.vocab_size, (rows,), generator=generator, device=device)
     context = min(TIMED_CONTEXT, decoder.positions - TIMED_STEPS - 2)
-    own = [stage.new_cache() for _ in range(rows)]
-    pooled = [decoder.take(1) for _ in range(rows)]
+    own = random_caches(stage.new_cache, rows, context, TIMED_STEPS + 1, generator)
+    pooled = random_caches(lambda: decoder.take(1), rows, context, TIMED_STEPS + 1, generator)
     try:
-        for cache in own + pooled:
-            cache.reserve(context + TIMED_STEPS + 1)
-            for keys, values in zip(cache.keys, cache.values):
-                keys[:, :, :context].normal_(generator=generator)
-                values[:, :, :context].normal_(generator=generator)
-            cache.advance(context)
         stage.decode(own, ids)  # a first step of each, untimed
         decoder.step_logits(pooled, ids)
         return {"eager_ms": _best_ms(lambda: stage.decode(own, ids), device),
