@@ -83,7 +83,8 @@ def _weights(stage: dict) -> str:
     w = stage.get("weights") or {}
     if "bytes" not in w:
         return ""
-    return f", {w.get('quantization', 'none')} weights {_size(w['bytes'])}B of {_size(w.get('estimate_bytes', 0))}B priced"
+    said = f", {w.get('quantization', 'none')} weights {_size(w['bytes'])}B of {_size(w.get('estimate_bytes', 0))}B priced"
+    return said + (f"; {w['reason']}" if w.get("reason") else "")
 
 
 def cmd_model_unload(args) -> int:

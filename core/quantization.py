@@ -8,7 +8,9 @@ A request names one of four methods:
 - ``{"bits": 8}`` (or ``{"method": "int8"}``): int8 weight-only. On a CPU fellow torch's own int8 kernel
   (CAP_CPU_INT8); on a GPU bitsandbytes' (CAP_QUANTIZED);
 - ``{"method": "int4-fast"}`` (or ``{"backend": "torchao"}``): packed int4 weight-only kernels. On a
-  CPU fellow torch's own int4 kernel (CAP_CPU_INT4); on a GPU torchao's (CAP_INT4_FAST).
+  CPU fellow torch's own int4 kernel (CAP_CPU_INT4); on a GPU torch's CUDA int4 kernel (tinygemm, the one
+  torchao's int4 weight-only tile-packed layout calls), on Ampere or newer (CAP_INT4_FAST). With too few
+  such fellows the load stays 4-bit as NF4; a stage whose card cannot run it after all reloads as NF4.
 """
 
 from __future__ import annotations

@@ -90,6 +90,12 @@ def test_too_few_capable_fellows_serve_full_precision_and_say_why_never_priced_4
     assignments, served, why = place_keeping_price(place, INT4_FAST)
     assert (served, why, assignments[0].fellow_id) == (INT4_FAST, "", "q")
     assert assignments[0].weights_estimate == int(0.55 * PARAMS)
+    # too few fellows run the int4 kernels but some run bitsandbytes': it stays 4-bit, as NF4, at 4-bit's price
+    fellows = {"plain": cpu("plain", 64), "bnb": cpu("bnb", 4, CAP_QUANTIZED)}
+    assignments, served, why = place_keeping_price(place, INT4_FAST)
+    assert (served, assignments[0].fellow_id, assignments[0].weights_estimate) == (NF4, "bnb", int(0.55 * PARAMS))
+    assert why.startswith("int4-fast asked, served as nf4: ") and "serve-cpu-int4" in why
+    assert place_keeping_price(place, INT8)[1] == NONE  # int8 has no 4-bit step down
     # where full precision does not fit either, the quantized refusal is the one reported
     fellows = {"tiny": cpu("tiny", 1)}
     with pytest.raises(PlacementError, match="tiny does not declare serve-cpu-int4"):

@@ -16,7 +16,7 @@ import msgspec
 from sqlalchemy import text
 
 from core.bus import publish_struct
-from core.quantization import NONE, QuantizationError, as_request, manifest_method, method_of
+from core.quantization import INT4_FAST, NF4, NONE, QuantizationError, as_request, manifest_method, method_of
 from core.servable import ServableError, load_manifest
 from core.servable_plan import plan_stage, serving_ranges
 from events import subjects
@@ -37,13 +37,19 @@ log = logging.getLogger(__name__)
 def place_keeping_price(place: Callable[[str], list[StageAssignment]],
                         asked: str) -> tuple[list[StageAssignment], str, str]:
     """(assignments, the method served, why it differs from ``asked``): quantized where enough fellows
-    declare its kernels and fit it at its price, else in full precision, priced as such. A load is never
-    priced quantized and served otherwise: each stage is told the method it was priced at."""
+    declare its kernels and fit it at its price, else in full precision, priced as such. int4-fast first
+    stays 4-bit on bitsandbytes NF4 (the same price) where too few fellows run its kernels. A load is
+    never priced quantized and served otherwise: each stage is told the method it was priced at."""
     if asked == NONE:
         return place(NONE), NONE, ""
     try:
         return place(asked), asked, ""
     except PlacementError as quantized:
+        if asked == INT4_FAST:
+            try:
+                return place(NF4), NF4, f"{asked} asked, served as {NF4}: {quantized}"
+            except PlacementError:
+                pass
         try:
             assignments = place(NONE)
         except PlacementError:

@@ -23,7 +23,7 @@ from fellow.runtime.model.compiled import PlainWeights
 from fellow.runtime.model.fused import Linear, fusable, onednn_available
 from fellow.runtime.model.kv_cache import random_caches
 from fellow.runtime.model.packed_linear import pack_stage
-from fellow.runtime.model.quant import QUANT_KERNELS, LeanLoRA, QuantLinear, StageQuantizer
+from fellow.runtime.model.quant import LeanLoRA, QuantLinear, StageQuantizer, quant_kernel
 
 log = logging.getLogger(__name__)
 
@@ -138,9 +138,9 @@ class KernelChooser:
         return f"kernels chosen in {self.seconds:.2f} s (ms at rows {self.rows}): " + "; ".join(parts)
 
 
-def quant_chooser(method: str, batch_cap: int) -> KernelChooser:
-    """The chooser of a quantized stage: one kernel per method, timed per shape for the status."""
-    kernel = QUANT_KERNELS[method]
+def quant_chooser(method: str, batch_cap: int, device: torch.device = torch.device("cpu")) -> KernelChooser:
+    """The chooser of a quantized stage: one kernel per method and device, timed per shape for the status."""
+    kernel = quant_kernel(method, device)
     return KernelChooser([kernel], batch_cap, make=lambda weight, bias, _: QuantLinear(weight, bias, method))
 
 

@@ -9,16 +9,18 @@ from pathlib import Path
 
 import torch
 
-from core.quantization import NF4, NONE
+from core.quantization import INT4_FAST, INT8, NF4, NONE
 from core.servable import TOKENIZER_DIR, Manifest, ServableError, load_manifest
 from fellow.runtime.model.device_split import DeviceSplit, SplitError, plan_split
 from fellow.runtime.model.half_storage import apply_half_storage
 from fellow.runtime.model.compiled import compile_decode
 from fellow.runtime.model.cuda_graphs import graph_decode
+from fellow.runtime.model.fourbit_rows import plan_4bit_rows
 from fellow.runtime.model.kernels import prepare_stage, quant_chooser
 from fellow.runtime.model.kv_budget import CUDA_KEEP_BYTES, CUDA_USABLE, cpu_free_bytes, cuda_free_bytes
 from fellow.runtime.model.lora_merge import lora_scale
-from fellow.runtime.model.quant import QUANT_KERNELS, StageQuantizer, bitsandbytes_functional, weights_report
+from fellow.runtime.model.quant import (QUANT_KERNELS, Int4Unavailable, StageQuantizer, bitsandbytes_functional,
+                                        tinygemm_check_device, weights_report)
 from fellow.runtime.model.stage import StageModel
 from fellow.runtime.model.weights import StageModules, build_stage_modules, hf_config, stage_sizes
 
@@ -120,7 +122,8 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
                 device: torch.device | None, attention: str = "sdpa", packed: bool = True, batch_cap: int = 8,
                 quantization: str = NONE, devices: Devices = AUTO, kv_tokens: int = KV_RESERVE_TOKENS,
                 dtype: torch.dtype | None = None, lora: str = "lean",
-                compile: Sequence[int] = (), cuda_graphs: bool = True) -> tuple[StageModules, StageModel]:
+                compile: Sequence[int] = (), cuda_graphs: bool = True, fourbit_rows: str | int = "auto",
+                fourbit_float32: str = "auto", prefill_chunk: int = 256) -> tuple[StageModules, StageModel]:
     """One serving stage's modules and its StageModel, ready to serve (kernels.prepare_stage).
 
     ``device``: every piece there; None: the layers split over ``devices`` by free memory, keeping room
@@ -138,6 +141,10 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
     ``cuda_graphs`` (SWARM_SERVE_CUDA_GRAPHS): a whole-model stage on one CUDA device decodes from a pool
     of ``batch_cap`` sessions by replaying captured graphs, where they check and measure faster
     (fellow.runtime.model.cuda_graphs); ``kernels["cuda_graphs"]`` says what it found.
+    ``fourbit_rows`` / ``fourbit_float32`` (SWARM_SERVE_4BIT_ROWS / SWARM_SERVE_4BIT_FLOAT32): a 4-bit stage
+    splits its matmuls of a few rows, and computes row counts in float32, where that measures faster at
+    load, timing float32 at a prompt piece's width (``prefill_chunk``) too (fellow.runtime.model.fourbit_rows);
+    ``kernels["4bit_rows"]`` says what it found.
     """
     split = None
     if device is None and quantization != NONE:  # not split (its sizes are not the float ones): the first device
@@ -147,27 +154,26 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
         device = torch.device(split.devices[0])
         if len(split.parts) == 1:
             split = None  # one device: today's load, every piece there
-    quantizer = None
-    if quantization != NONE:
-        if quantization not in QUANT_KERNELS:
-            raise ServableError(f"{quantization} weights are not served by this fellow's stages "
-                                f"(served: {', '.join(QUANT_KERNELS)} on the CPU)")
-        if quantization == NF4:
-            try:
-                bitsandbytes_functional()
-            except ImportError as exc:
-                raise ServableError(f"nf4 weights need bitsandbytes, which this fellow lacks ({exc})") from None
-        scale = lora_scale(manifest.adapter_config or {}) if manifest.export == "adapters" else None
-        quantizer = StageQuantizer(quantization, hf_config(manifest), device, quant_chooser(quantization, batch_cap),
-                                   lora_scale=scale, lora=lora)
-    mods = build_stage_modules(manifest, stage_index, model_dir, num_stages=num_stages,
-                               dtype=dtype or pick_dtype(device), device=device, split=split,
-                               on_layer=quantizer.layer if quantizer else None,
-                               keep_adapters=quantizer is not None and manifest.export == "adapters")
+    asked, reason = quantization, None
+    try:
+        quantizer, mods = _load_layers(manifest, stage_index, model_dir, num_stages, device, dtype, split,
+                                       quantization, batch_cap, lora)
+    except Int4Unavailable as exc:  # the spec's fallback: bitsandbytes NF4 rather than failing
+        reason = f"int4-fast cannot run here ({exc}); reloaded as nf4"
+        log.warning("stage %d: %s", stage_index, reason)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the first attempt's layers are gone
+        quantization = NF4
+        quantizer, mods = _load_layers(manifest, stage_index, model_dir, num_stages, device, dtype, split,
+                                       quantization, batch_cap, lora)
     mods.config._attn_implementation = attention
     stage = StageModel(config=mods.config, layers=mods.layers, first_layer=mods.layer_indices[0],
                        rotary_emb=mods.rotary_emb, embed=mods.embed, norm=mods.norm, head=mods.lm_head)
     prepare_stage(stage, packed=packed, batch_cap=batch_cap, quantizer=quantizer, keep_plain=bool(compile))
+    if quantizer is not None and (rows := plan_4bit_rows(stage, fourbit_rows, fourbit_float32,
+                                                         prefill_chunk=prefill_chunk,
+                                                         label=f"stage{stage_index}")) is not None:
+        stage.kernels = {**stage.kernels, "4bit_rows": rows}  # None: no 4-bit weight, or both off
     if compile:
         stage.kernels = {**stage.kernels, "compiled": compile_decode(stage, compile, stage.plain_weights)}
     stage.plain_weights = None  # the compiled step holds what it needs
@@ -179,16 +185,47 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
         if half := apply_half_storage(stage):  # half-precision layers that compute faster upcast
             stage.kernels["half_storage"] = half
     stage.weights = weights_report(stage, quantization)
+    if reason is not None:
+        stage.weights.update(requested=asked, reason=reason)
     log.info("weights: %s, %.1f MB measured (%.1f MB at %s)", quantization, stage.weights["bytes"] / 1e6,
              stage.weights["float_bytes"] / 1e6, str(stage.dtype).removeprefix("torch."))
     return mods, stage
+
+
+def _load_layers(manifest: Manifest, stage_index: int, model_dir: Path, num_stages: int, device: torch.device,
+                 dtype: torch.dtype | None, split: DeviceSplit | None, quantization: str, batch_cap: int,
+                 lora: str) -> tuple[StageQuantizer | None, StageModules]:
+    """The stage's layers read and built one by one, each quantized as it is built where ``quantization``
+    asks (StageQuantizer); Int4Unavailable where the int4 kernel cannot run on ``device``."""
+    quantizer = None
+    if quantization != NONE:
+        if quantization not in QUANT_KERNELS:
+            raise ServableError(f"{quantization} weights are not served by this fellow's stages "
+                                f"(served: {', '.join(QUANT_KERNELS)})")
+        if quantization == INT4_FAST and device.type == "cuda":
+            tinygemm_check_device(device)  # before any layer is read
+        if quantization == NF4 or (quantization == INT8 and device.type == "cuda"):
+            try:
+                bitsandbytes_functional()
+            except ImportError as exc:
+                raise ServableError(f"{quantization} weights on {device.type} need bitsandbytes, which this "
+                                    f"fellow lacks ({exc})") from None
+        scale = lora_scale(manifest.adapter_config or {}) if manifest.export == "adapters" else None
+        quantizer = StageQuantizer(quantization, hf_config(manifest), device,
+                                   quant_chooser(quantization, batch_cap, device), lora_scale=scale, lora=lora)
+    mods = build_stage_modules(manifest, stage_index, model_dir, num_stages=num_stages,
+                               dtype=dtype or pick_dtype(device), device=device, split=split,
+                               on_layer=quantizer.layer if quantizer else None,
+                               keep_adapters=quantizer is not None and manifest.export == "adapters")
+    return quantizer, mods
 
 
 def load_one_stage(model_dir: str | Path, device: str | None = None, attention: str = "sdpa",
                    packed: bool = True, batch_cap: int = 8, quantization: str = NONE,
                    devices: Devices = AUTO, kv_tokens: int = KV_RESERVE_TOKENS,
                    dtype: torch.dtype | None = None, lora: str = "lean", compile: Sequence[int] = (),
-                   cuda_graphs: bool = True) -> LoadedStage:
+                   cuda_graphs: bool = True, fourbit_rows: str | int = "auto", fourbit_float32: str = "auto",
+                   prefill_chunk: int = 256) -> LoadedStage:
     """The whole model as one stage (embeddings, every layer, norm and head): a ring of one.
 
     ``device``: all of it there; None: split over ``devices`` (``build_stage``). ``packed``: float32 CPU
@@ -200,7 +237,8 @@ def load_one_stage(model_dir: str | Path, device: str | None = None, attention: 
     dev = torch.device(device) if device else None
     _, stage = build_stage(manifest, 0, model_dir, 1, dev, attention, packed, batch_cap, quantization,
                            devices=devices, kv_tokens=kv_tokens, dtype=dtype, lora=lora, compile=compile,
-                           cuda_graphs=cuda_graphs)
+                           cuda_graphs=cuda_graphs, fourbit_rows=fourbit_rows, fourbit_float32=fourbit_float32,
+                           prefill_chunk=prefill_chunk)
     tokenizer = load_tokenizer(model_dir)
     return LoadedStage(manifest, stage, tokenizer, stop_ids_for(manifest, tokenizer), stage_device(stage))
 

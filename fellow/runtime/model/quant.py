@@ -44,12 +44,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.quantization import INT4_FAST, INT8, LORA_MODES, NF4, NONE
-from events.fellow import CAP_CPU_INT4, CAP_CPU_INT8, CAP_QUANTIZED
+from events.fellow import CAP_CPU_INT4, CAP_CPU_INT8, CAP_INT4_FAST, CAP_QUANTIZED
 from fellow.runtime.model.fused import FusedLayer, bias_of, fusable, strip_linears
 
 log = logging.getLogger(__name__)
 
-QUANT_KERNELS = {INT8: "int8", INT4_FAST: "int4", NF4: "bnb-nf4"}
+QUANT_KERNELS = {INT8: "int8", INT4_FAST: "int4", NF4: "bnb-nf4"}  # on the CPU
+CUDA_KERNELS = {INT8: "bnb-int8", INT4_FAST: "int4-tinygemm", NF4: "bnb-nf4"}  # on a CUDA card
+FOUR_BIT_KERNELS = frozenset({"int4", "int4-tinygemm", "bnb-nf4"})  # what fourbit_rows may split / upcast
+SPLIT_MAX_ROWS = 8  # calls of more rows (prompt pieces) are never split
 HEAD_METHOD = {INT8: INT8, INT4_FAST: INT8, NF4: INT8}  # the head's own method, per stage method
 NF4_BLOCK = 64  # weights per NF4 scale: BitsAndBytesConfig's default
 INT4_GROUPS = (64, 32)  # inputs per int4 group, the first that divides in_features
@@ -69,6 +72,43 @@ def bitsandbytes_functional():
     finally:
         quiet.setLevel(level)
     return functional
+
+
+@cache
+def bitsandbytes_module():
+    """``bitsandbytes`` (its ``matmul_4bit`` and ``matmul``), imported quietly as ``bitsandbytes_functional``."""
+    bitsandbytes_functional()
+    import bitsandbytes
+
+    return bitsandbytes
+
+
+class Int4Unavailable(RuntimeError):
+    """The CUDA int4 kernel cannot run here (no CUDA card, one older than Ampere, or the kernel failed):
+    the loader then reloads the stage as NF4 and says so."""
+
+
+TINYGEMM_FLOOR = (8, 0)  # the CUDA int4 kernel's compute capability floor (Ampere)
+
+
+def tinygemm_check_device(device: torch.device) -> None:
+    """Raises Int4Unavailable where torch's CUDA int4 kernel (tinygemm, the one torchao's int4 weight-only
+    tile-packed layout calls) cannot run on ``device``."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise Int4Unavailable(f"the CUDA int4 kernel needs a CUDA card; this weight is on {device}")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < TINYGEMM_FLOOR:
+        raise Int4Unavailable(f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}; the CUDA int4 kernel "
+                              f"needs sm_{TINYGEMM_FLOOR[0]}{TINYGEMM_FLOOR[1]} (Ampere) or newer")
+
+
+def quant_kernel(method: str, device: torch.device) -> str:
+    """The kernel a ``method`` weight gets on ``device``: torch's CPU kernels and bitsandbytes' NF4 on a
+    CPU; bitsandbytes' NF4 and int8 and torch's int4 (tinygemm) on a CUDA card."""
+    table = CUDA_KERNELS if torch.device(device).type == "cuda" else QUANT_KERNELS
+    if method not in table:
+        raise ValueError(f"no weight-only kernel for {method!r}")
+    return table[method]
 
 
 def int4_layout(in_features: int) -> tuple[int, int] | None:
@@ -106,55 +146,118 @@ def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
 class QuantLinear:
     """A weight quantized to int8, int4 or NF4 and called like ``F.linear`` (fused.Linear's protocol)."""
 
-    __slots__ = ("kernel", "weight", "scales", "bias", "out_features", "in_features", "group", "pad")
+    __slots__ = ("kernel", "weight", "scales", "bias", "out_features", "in_features", "group", "pad", "state",
+                 "row_limit", "float32_rows")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, method: str) -> None:
-        if weight.device.type != "cpu":
-            raise ValueError(f"int8 / int4 weight-only kernels run on the CPU; this weight is on {weight.device}")
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, method: str, kernel: str | None = None) -> None:
+        """``kernel``: default, the method's kernel on the weight's device (quant_kernel). bitsandbytes'
+        kernels run on a CPU too, so tests drive a CUDA stage's ``bnb-int8`` there."""
+        self.kernel = kernel = kernel or quant_kernel(method, weight.device)
+        if kernel not in (QUANT_KERNELS.get(method), CUDA_KERNELS.get(method)):
+            raise ValueError(f"no {kernel!r} kernel for {method!r} weights")
+        if kernel in ("int8", "int4") and weight.device.type != "cpu":
+            raise ValueError(f"the {kernel} weight-only kernel runs on the CPU; this weight is on {weight.device}")
+        if kernel == "int4-tinygemm":
+            tinygemm_check_device(weight.device)
         self.out_features, self.in_features = weight.shape
-        self.bias = None if bias is None else bias.detach().float()
-        self.group = self.pad = 0
-        if method == INT8:
-            self.kernel = QUANT_KERNELS[INT8]
+        on_cpu = weight.device.type == "cpu"
+        # a CPU kernel adds a float32 bias to its float32 result; bitsandbytes' add the bias in the weight's dtype
+        self.bias = None if bias is None else bias.detach().float() if on_cpu else bias.detach().to(weight.dtype)
+        self.group = self.pad = self.row_limit = 0
+        self.float32_rows: frozenset[int] = frozenset()
+        self.state = None
+        if kernel == "int8":
             self.weight, self.scales = quantize_int8(weight)
+        elif kernel == "bnb-int8":
+            # as BitsAndBytesConfig(load_in_8bit=True) (bitsandbytes' Int8Params): row-wise absmax over the
+            # float16 weight; served as its Linear8bitLt without outliers (threshold 0): each input row
+            # quantized by its own absmax, an int8 matmul, then both scales
+            import bitsandbytes as bnb
+
+            self.weight, self.scales, _ = bitsandbytes_functional().int8_vectorwise_quant(
+                weight.detach().to(torch.float16).contiguous())
+            self.state = bnb.MatmulLtState()
+            self.state.CB, self.state.SCB = self.weight, self.scales
+            self.state.has_fp16_weights = self.state.is_training = False
+            self.state.threshold = 0.0
+            if self.bias is not None:
+                self.bias = self.bias.to(torch.float16)
         elif method == INT4_FAST:
-            self.kernel = QUANT_KERNELS[INT4_FAST]
-            # the kernel takes inputs in multiples of 32 and outputs in multiples of 16: zeros fill up
+            # the kernels take inputs in multiples of 32 and outputs in multiples of 16: zeros fill up
             self.pad = -self.in_features % 32
             if self.pad or self.out_features % 16:
                 weight = F.pad(weight.detach(), (0, self.pad, 0, -self.out_features % 16))
             self.group, tiles = int4_layout(self.in_features + self.pad)
             values, self.scales = quantize_int4(weight, self.group)
-            self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, tiles)
+            if kernel == "int4":
+                self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, tiles)
+            else:  # CUDA's packing takes two values a byte, the even input in the high nibble
+                packed = (values[:, ::2] << 4 | values[:, 1::2]).to(torch.uint8)
+                try:
+                    self.weight = torch.ops.aten._convert_weight_to_int4pack(packed, tiles)
+                except (RuntimeError, NotImplementedError) as exc:  # this build has no kernel for the card
+                    raise Int4Unavailable(_one_line(exc)) from exc
         elif method == NF4:
-            self.kernel = QUANT_KERNELS[NF4]
-            # as BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"): no double quantization
+            # as BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"): no double quantization,
+            # over the weight in the dtype it loaded in (float32 on a CPU stage)
             self.weight, self.scales = bitsandbytes_functional().quantize_4bit(
-                weight.detach().float().contiguous(), blocksize=NF4_BLOCK, compress_statistics=False, quant_type="nf4")
+                (weight.detach().float() if on_cpu else weight.detach()).contiguous(), blocksize=NF4_BLOCK,
+                compress_statistics=False, quant_type="nf4")
         else:
-            raise ValueError(f"no CPU weight-only kernel for {method!r}")
+            raise ValueError(f"no weight-only kernel for {method!r}")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == QUANT_KERNELS[NF4]:
-            out = F.linear(x.float(), self.dequantized(), self.bias)
-            return out.to(x.dtype)
+        """``F.linear(x, weight, bias)`` through the kernel, under the row policy fourbit_rows set:
+        a call of more than ``row_limit`` (and at most SPLIT_MAX_ROWS) rows is split into calls of at most
+        ``row_limit``; a call (or split part) whose row count is in ``float32_rows`` (0 there: any count past
+        SPLIT_MAX_ROWS) computes in float32, its input cast up and its result back."""
+        if not (self.row_limit or self.float32_rows):
+            return self._call(x)
+        n = x.numel() // self.in_features
+        if self.row_limit and self.row_limit < n <= SPLIT_MAX_ROWS:
+            rows = x.reshape(n, self.in_features)
+            parts = [self._policy_call(rows[i : i + self.row_limit]) for i in range(0, n, self.row_limit)]
+            return torch.cat(parts).view(*x.shape[:-1], self.out_features)
+        return self._policy_call(x)
+
+    def _policy_call(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.numel() // self.in_features
+        if (n if n <= SPLIT_MAX_ROWS else 0) in self.float32_rows and x.dtype != torch.float32:
+            return self._call(x.float()).to(x.dtype)
+        return self._call(x)
+
+    def _call(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = self.kernel
+        if kernel == "bnb-nf4":
+            if self.weight.device.type == "cpu":  # dequantized, then multiplied in float32 (module docstring)
+                return F.linear(x.float(), self.dequantized(), self.bias).to(x.dtype)
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return bitsandbytes_module().matmul_4bit(x, self.weight.t(), quant_state=self.scales, bias=bias)
+        if kernel == "bnb-int8":
+            rows = x.reshape(-1, self.in_features).to(torch.float16)
+            out = bitsandbytes_module().matmul(rows, self.weight, bias=self.bias, state=self.state)
+            return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         rows = x.reshape(-1, self.in_features).to(ACT)
         if self.pad:
             rows = F.pad(rows, (0, self.pad))
-        if self.group:
+        if kernel == "int4":
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight, self.group, self.scales)
-            if out.shape[-1] != self.out_features:
-                out = out[:, : self.out_features]
+        elif kernel == "int4-tinygemm":
+            out = torch.ops.aten._weight_int4pack_mm(rows, self.weight, self.group, self.scales)
         else:
             out = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
+        if out.shape[-1] != self.out_features:
+            out = out[:, : self.out_features]
         out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out.add_(self.bias)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this one multiplies by (NF4 computes with it; tests and error reports)."""
-        if self.kernel == QUANT_KERNELS[NF4]:
-            return bitsandbytes_functional().dequantize_4bit(self.weight, self.scales)
-        eye = torch.eye(self.in_features)
+        if self.kernel == "bnb-nf4":
+            return bitsandbytes_functional().dequantize_4bit(self.weight, self.scales).float()
+        if self.kernel == "bnb-int8":
+            return self.weight.float() * (self.scales.float()[:, None] / 127)
+        eye = torch.eye(self.in_features, device=self.weight.device)
         bias, self.bias = self.bias, None
         try:
             return self(eye.float()).t().contiguous()
@@ -164,7 +267,7 @@ class QuantLinear:
     @property
     def scale_tensor(self) -> torch.Tensor:
         """The scales as a tensor (NF4's are its QuantState's absmax)."""
-        return self.scales.absmax if self.kernel == QUANT_KERNELS[NF4] else self.scales
+        return self.scales.absmax if self.kernel == "bnb-nf4" else self.scales
 
     @property
     def bytes(self) -> int:
@@ -195,11 +298,12 @@ class LeanLoRA:
         self.base = base
         self.kernel = f"{base.kernel}+lora" if dtype == torch.float32 else f"{base.kernel}+lora16"
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.a = torch.cat([a.detach().float() for _, a, _ in parts]).to(dtype).contiguous()
-        b_full = torch.zeros(self.out_features, self.a.shape[0])
+        device = _device_of(base)  # the adapters sit beside the base weight (on its card)
+        self.a = torch.cat([a.detach().float() for _, a, _ in parts]).to(device=device, dtype=dtype).contiguous()
+        b_full = torch.zeros(self.out_features, self.a.shape[0], device=device)
         col = 0
         for row, a, b in parts:
-            b_full[row : row + b.shape[0], col : col + a.shape[0]] = b.detach().float() * scale
+            b_full[row : row + b.shape[0], col : col + a.shape[0]] = b.detach().to(device).float() * scale
             col += a.shape[0]
         self.b = b_full.to(dtype)
 
@@ -234,7 +338,15 @@ def peft_lora(base: nn.Module, a: torch.Tensor, b: torch.Tensor, scale: float) -
     with torch.no_grad():
         layer.lora_A["default"].weight.copy_(a.detach().float())
         layer.lora_B["default"].weight.copy_(b.detach().float())
+    layer.lora_A.to(_device_of(base)), layer.lora_B.to(_device_of(base))
     return layer.eval().requires_grad_(False)
+
+
+def _device_of(base) -> torch.device:
+    """Where a linear's weight is (a QuantModule's, a QuantLinear's, a fused Linear's)."""
+    base = getattr(base, "linear", base)
+    weight = getattr(base, "weight", None)
+    return weight.device if isinstance(weight, torch.Tensor) else torch.device("cpu")
 
 
 class QuantModule(nn.Module):
@@ -253,20 +365,25 @@ class QuantModule(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """An embedding table held as an int8 QuantLinear's rows (one bfloat16 scale a row), each looked-up
-    row scaled back to ``dtype``. Over a tied head it is the head's own int8 weight: one table for both."""
+    """An embedding table held as an int8 QuantLinear's rows (one scale a row), each looked-up row scaled
+    back to ``dtype``. Over a tied head it is the head's own int8 weight: one table for both. torch's int8
+    rows keep their scale; bitsandbytes' keep their absmax, so a row's scale is that over 127."""
+
+    INT8_ROWS = ("int8", "bnb-int8")
 
     def __init__(self, linear: QuantLinear, dtype: torch.dtype) -> None:
         super().__init__()
-        if linear.kernel != QUANT_KERNELS[INT8] or linear.bias is not None:
+        if linear.kernel not in self.INT8_ROWS or linear.bias is not None:
             raise ValueError(f"an embedding table is held in int8 rows, not {linear.kernel}")
         self.linear = linear
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = linear.out_features, linear.in_features
+        # torch's int8 rows: the linear's own scales; bitsandbytes': a vector of its own (stage_weights counts it)
+        self.row_scales = linear.scales if linear.kernel == "int8" else linear.scales.float() / 127
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.linear.weight[ids].to(self.dtype)
-        return rows.mul_(self.linear.scales[ids].to(self.dtype).unsqueeze(-1))
+        return rows.mul_(self.row_scales[ids].to(self.dtype).unsqueeze(-1))
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, int8 rows"
@@ -286,40 +403,67 @@ def quantize_children(module: nn.Module, method: str) -> int:
 
 # --- what this machine runs ----------------------------------------------------------------------
 
-def probe() -> list[str]:
-    """The CPU weight-only capabilities whose kernels run here and compute what they should: each
-    method's kernel, on a small weight at 1 and 3 rows, against float32 over its own dequantized weight.
-    NF4 (``serve-quantized``) only on a fellow without CUDA: on one with, placement puts it on the cards."""
-    caps = []
+def _kernel_runs(method: str, device: torch.device) -> bool:
+    """Whether ``method``'s kernel on ``device`` computes what it should: on a small weight at 1 and 3 rows,
+    against float32 over its own dequantized weight (the input as the kernel reads it), and a row's result
+    the same alone as beside others (exactly for torch's CPU kernels; to rounding for bitsandbytes', and
+    on a card, whose kernels may differ by row count)."""
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(96, 128, generator=generator) * 0.05
-    x = torch.randn(3, 128, generator=generator)
-    for method, cap in ((INT8, CAP_CPU_INT8), (INT4_FAST, CAP_CPU_INT4), (NF4, CAP_QUANTIZED)):
-        if cap == CAP_QUANTIZED and torch.cuda.is_available():
-            # placement sends a GPU fellow's quantized loads to its cards, where bitsandbytes' stages are
-            # not built: such a fellow does not declare them, and those loads serve full precision
-            log.info("%s not declared: this fellow's stages run on CUDA, where NF4 stages are not built", cap)
-            continue
+    weight = (torch.randn(96, 128, generator=generator) * 0.05).to(device)
+    x = torch.randn(3, 128, generator=generator).to(device)
+    linear = QuantLinear(weight, None, method)
+    rows = x.to(ACT).float() if linear.kernel in ("int8", "int4", "int4-tinygemm") else \
+        x.half().float() if linear.kernel == "bnb-int8" else x
+    want = F.linear(rows, linear.dequantized())
+    got = linear(x).float()
+    alone = linear(x[:1]).float()
+    exact = linear.kernel in ("int8", "int4")
+    ok = torch.allclose(got, want, atol=0.05, rtol=0.02) and (
+        torch.equal(alone, got[:1]) if exact else torch.allclose(alone, got[:1], atol=1e-2 if device.type == "cuda" else 1e-5))
+    if linear.kernel == "bnb-nf4":  # the weight it dequantizes is the one it was given, within NF4's steps
+        ok = ok and float((linear.dequantized() - weight).abs().max()) < 0.2 * float(weight.abs().max())
+    return bool(ok)
+
+
+PROBE_ERRORS = (ImportError, RuntimeError, ValueError, AttributeError, NotImplementedError, TypeError)
+
+
+def probe() -> list[str]:
+    """The weight-only capabilities whose kernels run here and compute what they should (_kernel_runs).
+
+    A fellow without CUDA: torch's CPU int8 and int4 kernels (CAP_CPU_INT8, CAP_CPU_INT4), and NF4
+    (CAP_QUANTIZED) where bitsandbytes' CPU NF4 and the int8 head's kernel run. A fellow with CUDA, whose
+    quantized loads placement puts on its cards: CAP_QUANTIZED where bitsandbytes' NF4 and int8 run on
+    every card, CAP_INT4_FAST where the int4 kernel does (every card Ampere or newer)."""
+    caps: list[str] = []
+
+    def runs(method: str, device: torch.device, cap: str) -> bool:
         try:
-            linear = QuantLinear(weight, None, method)
-            rows = x if method == NF4 else x.to(ACT).float()
-            want = F.linear(rows, linear.dequantized())
-            got = linear(x)
-            alone = linear(x[:1])  # a row's result whatever the rows beside it (float32 matmul: to rounding)
-            ok = torch.allclose(got, want, atol=0.05, rtol=0.02) and (
-                torch.allclose(alone, got[:1], atol=1e-5) if method == NF4 else torch.equal(alone, got[:1]))
-            if method == NF4:  # the weight it dequantizes is the one it was given, within NF4's steps;
-                # and its int8 head runs here
-                ok = ok and float((linear.dequantized() - weight).abs().max()) < 0.2 * float(weight.abs().max())
-                ok = ok and CAP_CPU_INT8 in caps
-        except (ImportError, RuntimeError, ValueError, AttributeError, NotImplementedError) as exc:
-            log.info("%s not declared: %s", cap, exc)
-            continue
-        if ok:
+            if _kernel_runs(method, device):
+                return True
+            log.info("%s not declared: %s on %s differs from float32 over the same weight", cap, method, device)
+        except PROBE_ERRORS as exc:
+            log.info("%s not declared: %s on %s: %s", cap, method, device, _one_line(exc))
+        return False
+
+    cpu = torch.device("cpu")
+    for method, cap in ((INT8, CAP_CPU_INT8), (INT4_FAST, CAP_CPU_INT4)):
+        if runs(method, cpu, cap):
             caps.append(cap)
-        else:
-            log.info("%s not declared: its results differ from float32 over the same weight", cap)
+    if not torch.cuda.is_available():
+        if CAP_CPU_INT8 in caps and runs(NF4, cpu, CAP_QUANTIZED):  # its head is int8
+            caps.append(CAP_QUANTIZED)
+        return caps
+    cards = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    if all(runs(NF4, card, CAP_QUANTIZED) and runs(INT8, card, CAP_QUANTIZED) for card in cards):
+        caps.append(CAP_QUANTIZED)
+    if all(runs(INT4_FAST, card, CAP_INT4_FAST) for card in cards):
+        caps.append(CAP_INT4_FAST)
     return caps
+
+
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 # --- a stage, quantized as it loads ----------------------------------------------------------------
@@ -338,8 +482,8 @@ class StageQuantizer:
             raise ValueError(f"LoRA adapters are served {' or '.join(LORA_MODES)}, not {lora!r}")
         if method == NONE:
             raise ValueError("StageQuantizer quantizes; a 'none' stage takes the float path")
-        if device.type != "cpu":
-            raise ValueError(f"{method} weight-only kernels are served on the CPU; this stage is on {device.type}")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{method} weight-only kernels are served on a CPU or a CUDA card, not {device.type}")
         self.method = method
         self.config = config
         self.device = device
@@ -401,7 +545,7 @@ class StageQuantizer:
         whose int8 weight then serves both. Another kind of embedding module stays as it is."""
         if type(embed) is not nn.Embedding or embed.max_norm is not None:
             return embed
-        linear = head.linear if isinstance(head, QuantModule) and head.linear.kernel == QUANT_KERNELS[INT8] else \
+        linear = head.linear if isinstance(head, QuantModule) and head.linear.kernel in QuantEmbedding.INT8_ROWS else \
             QuantLinear(embed.weight.detach(), None, INT8)
         return QuantEmbedding(linear, embed.weight.dtype)
 
@@ -478,6 +622,8 @@ def stage_weights(stage) -> tuple[int, int]:
     for module in (*stage.layers, stage.embed, stage.norm, stage.head):
         if module is None:
             continue
+        if isinstance(module, QuantEmbedding):
+            add(module.row_scales, 0)
         for name, t in module.named_parameters():
             add(t, 0 if "lora_" in name else None)  # PEFT's adapter layers: held, not base parameters
         for t in module.buffers():
