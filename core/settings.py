@@ -110,11 +110,25 @@ def _speculative(env: Mapping[str, str]) -> int:
     return int(raw)
 
 
+FOURBIT_MAX_ROWS = 8  # SWARM_SERVE_4BIT_ROWS: calls of more rows (prompt pieces) are never split
+
+
+def _fourbit_rows(env: Mapping[str, str]) -> str:
+    """SWARM_SERVE_4BIT_ROWS: auto (measured at load), off, or a fixed row limit from 1 to 8, as a string."""
+    raw = (env.get("SWARM_SERVE_4BIT_ROWS") or "").strip().lower()
+    if raw in ("", "auto"):
+        return "auto"
+    if raw == "off":
+        return "off"
+    if not raw.isdigit() or not 1 <= int(raw) <= FOURBIT_MAX_ROWS:
+        raise SettingsError(f"SWARM_SERVE_4BIT_ROWS={env.get('SWARM_SERVE_4BIT_ROWS')!r} must be auto, off, or a "
+                            f"row limit from 1 to {FOURBIT_MAX_ROWS}")
+    return str(int(raw))
+
+
 # Variables the spec names whose feature is not built yet, and the issue that builds it. Setting one is
 # refused at start rather than validated and ignored.
 NOT_IMPLEMENTED = {
-    "SWARM_SERVE_4BIT_ROWS": "quantized serving, issue 14",
-    "SWARM_SERVE_4BIT_FLOAT32": "quantized serving, issue 14",
     "SWARM_SERVE_ATTENTION": "a choice of attention kernels, issue 13",
     "SWARM_API_TOKENS_FILE": "no issue: API tokens are kept in the database",
     "SWARM_NATS_CREDS": "NATS .creds files, issue 18; use SWARM_NATS_USER and SWARM_NATS_PASSWORD",
@@ -172,6 +186,8 @@ class Settings:
     serve_lora: str = "lean"  # SWARM_SERVE_LORA (fellow): adapters kept apart over quantized weights (LORA_MODES)
     serve_compile: tuple[int, ...] = ()  # SWARM_SERVE_COMPILE (fellow): decode batch sizes compiled at load
     serve_cuda_graphs: bool = True  # SWARM_SERVE_CUDA_GRAPHS (fellow): auto (replayed where faster) or off
+    serve_4bit_rows: str = "auto"  # SWARM_SERVE_4BIT_ROWS (fellow): auto (measured at load), off, or "1".."8"
+    serve_4bit_float32: str = "auto"  # SWARM_SERVE_4BIT_FLOAT32 (fellow): auto (measured at load) or off
 
     @property
     def nats_credentials(self):
@@ -255,6 +271,8 @@ class Settings:
             serve_lora=_choice(env, "SWARM_SERVE_LORA", "lean", LORA_MODES),
             serve_compile=_compile(env),
             serve_cuda_graphs=_choice(env, "SWARM_SERVE_CUDA_GRAPHS", "auto", ("auto", "off")) == "auto",
+            serve_4bit_rows=_fourbit_rows(env),
+            serve_4bit_float32=_choice(env, "SWARM_SERVE_4BIT_FLOAT32", "auto", ("auto", "off")),
         )
 
     def replace(self, **changes) -> "Settings":

@@ -47,6 +47,8 @@ class StageConfig(msgspec.Struct, frozen=True, kw_only=True):
     lora: str = "lean"  # SWARM_SERVE_LORA: adapters kept apart over quantized weights, lean, lean16 or peft
     compile: list[int] = []  # SWARM_SERVE_COMPILE: decode batch sizes compiled at load (fellow.runtime.model.compiled)
     cuda_graphs: bool = True  # SWARM_SERVE_CUDA_GRAPHS: a whole-model CUDA stage's decode replays graphs where faster
+    fourbit_rows: str = "auto"  # SWARM_SERVE_4BIT_ROWS: auto, off, or a fixed row limit "1".."8" (model.fourbit_rows)
+    fourbit_float32: str = "auto"  # SWARM_SERVE_4BIT_FLOAT32: 4-bit matmuls in float32 where measured faster, or off
 
 
 class Report(msgspec.Struct, frozen=True, kw_only=True, tag_field="event"):

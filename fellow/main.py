@@ -25,11 +25,13 @@ def capabilities() -> list[str]:
     return [CAP_ONE_STAGE, CAP_N_STAGE, CAP_CONCURRENT, CAP_KV_BUDGET]
 
 
-async def probed_capabilities() -> list[str]:
-    """What ``python -m fellow.runtime.probe`` finds runs here (quantized kernels); [] when it fails."""
+async def probed_capabilities(fourbit_rows: str = "auto") -> list[str]:
+    """What ``python -m fellow.runtime.probe`` finds runs here (quantized kernels, and 4-bit row limits on
+    CUDA unless ``fourbit_rows``, SWARM_SERVE_4BIT_ROWS, is off); [] when it fails."""
     if importlib.util.find_spec("torch") is None:
         return []
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "fellow.runtime.probe",
+                                                "--4bit-rows", fourbit_rows,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:
         out, err = await asyncio.wait_for(proc.communicate(), PROBE_TIMEOUT_S)
@@ -56,7 +58,7 @@ async def probed_capabilities() -> list[str]:
 
 async def declare_probed(agent: FellowAgent) -> None:
     """Add what the probe finds to the agent's capabilities, and beat so the leader sees them at once."""
-    found = await probed_capabilities()
+    found = await probed_capabilities(agent.settings.serve_4bit_rows)
     if found:
         agent.capabilities = sorted(set(agent.capabilities) | set(found))
         log.info("fellow %s declares %s after probing its kernels", agent.fellow_id, ",".join(found))

@@ -105,7 +105,9 @@ class ModelManager:
                               link_host=self.settings.serve_link_host, link_port=self.settings.serve_link_port,
                               draft_model_dir=draft_dir, devices=self.settings.serve_devices,
                               lora=self.settings.serve_lora, compile=list(self.settings.serve_compile),
-                              cuda_graphs=self.settings.serve_cuda_graphs)
+                              cuda_graphs=self.settings.serve_cuda_graphs,
+                              fourbit_rows=self.settings.serve_4bit_rows,
+                              fourbit_float32=self.settings.serve_4bit_float32)
             logs = self.settings.data_dir / "logs"
             logs.mkdir(parents=True, exist_ok=True)
             creds = self.settings.nats_credentials  # the stage logs in to NATS as its fellow

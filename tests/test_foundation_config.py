@@ -31,14 +31,16 @@ from tests.processes import free_port, swarm_env
     ({"SWARM_SERVE_COMPILE": "1,0"}, "SWARM_SERVE_COMPILE='1,0' must be off, on"),
     ({"SWARM_SERVE_COMPILE": "1,99"}, "SWARM_SERVE_COMPILE='1,99' must be off, on"),
     ({"SWARM_SERVE_CUDA_GRAPHS": "always"}, "SWARM_SERVE_CUDA_GRAPHS='always' must be one of: auto, off"),
+    ({"SWARM_SERVE_4BIT_ROWS": "9"}, "SWARM_SERVE_4BIT_ROWS='9' must be auto, off, or a row limit from 1 to 8"),
+    ({"SWARM_SERVE_4BIT_ROWS": "0"}, "SWARM_SERVE_4BIT_ROWS='0' must be auto, off, or a row limit from 1 to 8"),
+    ({"SWARM_SERVE_4BIT_FLOAT32": "on"}, "SWARM_SERVE_4BIT_FLOAT32='on' must be one of: auto, off"),
 ])
 def test_bad_values_name_the_variable(env, needle):
     with pytest.raises(SettingsError, match=needle.replace("(", r"\(").replace("?", r"\?")):
         Settings.from_env(env)
 
 
-NOT_IMPLEMENTED = ["SWARM_SERVE_4BIT_ROWS",
-                   "SWARM_SERVE_4BIT_FLOAT32", "SWARM_SERVE_ATTENTION", "SWARM_API_TOKENS_FILE"]
+NOT_IMPLEMENTED = ["SWARM_SERVE_ATTENTION", "SWARM_API_TOKENS_FILE"]
 
 
 @pytest.mark.parametrize("name", NOT_IMPLEMENTED)
@@ -68,6 +70,8 @@ def test_defaults_follow_the_spec():
     assert Settings.from_env({"SWARM_SERVE_COMPILE": "off"}).serve_compile == ()
     assert s.serve_cuda_graphs  # a whole-model CUDA stage replays its decode step where that measures faster
     assert not Settings.from_env({"SWARM_SERVE_CUDA_GRAPHS": "off"}).serve_cuda_graphs
+    assert (s.serve_4bit_rows, s.serve_4bit_float32) == ("auto", "auto")  # 4-bit row limits measured at load
+    assert Settings.from_env({"SWARM_SERVE_4BIT_ROWS": "3"}).serve_4bit_rows == "3"
 
 
 def run_cli(args, env, timeout=30):
@@ -88,10 +92,11 @@ def test_cli_fails_fast_with_one_line(tmp_path, command, extra, needle):
 
 
 def test_swarm_up_refuses_a_setting_not_implemented(tmp_path):
-    out = run_cli(["up", "--no-demo"], swarm_env(tmp_path, None, SWARM_SERVE_4BIT_ROWS="auto"))
+    out = run_cli(["up", "--no-demo"], swarm_env(tmp_path, None, SWARM_SERVE_ATTENTION="sdpa"))
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "swarm: error: SWARM_SERVE_4BIT_ROWS is not implemented yet (quantized serving, issue 14); unset it"]
+        "swarm: error: SWARM_SERVE_ATTENTION is not implemented yet (a choice of attention kernels, issue 13); "
+        "unset it"]
     assert not (tmp_path / "data").exists()  # refused before anything started
 
 

@@ -52,7 +52,8 @@ def load_ring_stage(model_dir: str | Path, stage: int, num_stages: int, device: 
                     attention: str = "sdpa", packed: bool = True, batch_cap: int = 8,
                     quantization: str = NONE, devices: Devices = AUTO,
                     kv_tokens: int = KV_RESERVE_TOKENS, lora: str = "lean", compile: Sequence[int] = (),
-                    cuda_graphs: bool = True) -> RingStage:
+                    cuda_graphs: bool = True, fourbit_rows: str | int = "auto", fourbit_float32: str = "auto",
+                    prefill_chunk: int = 256) -> RingStage:
     """Stage ``stage`` of ``num_stages``: the trained split when the counts match, else an even one
     reading every overlapping shard (an untrained cut is served uncompressed); a servable without
     recorded boundaries refuses any count but its own (ServableError). ``device``: all of it there;
@@ -61,7 +62,8 @@ def load_ring_stage(model_dir: str | Path, stage: int, num_stages: int, device: 
     manifest = load_manifest(model_dir)
     mods, model = build_stage(manifest, stage, model_dir, num_stages, torch.device(device) if device else None,
                               attention, packed, batch_cap, quantization, devices=devices, kv_tokens=kv_tokens,
-                              lora=lora, compile=compile, cuda_graphs=cuda_graphs)
+                              lora=lora, compile=compile, cuda_graphs=cuda_graphs, fourbit_rows=fourbit_rows,
+                              fourbit_float32=fourbit_float32, prefill_chunk=prefill_chunk)
     dev = stage_device(model)
     plan = mods.plan
     hidden = manifest.hidden_size

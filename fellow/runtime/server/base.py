@@ -82,10 +82,13 @@ class StageServerBase:
     def _load_options(self) -> dict:
         """How the stage loads (fellow.runtime.model.loader.build_stage): its kernels, its quantization, and
         the devices its layers are split over, with room for the KV tokens placement planned, and how
-        adapters kept apart over quantized weights are served (SWARM_SERVE_LORA)."""
+        adapters kept apart over quantized weights are served (SWARM_SERVE_LORA), and how 4-bit matmuls
+        of a few rows are split or computed in float32 (SWARM_SERVE_4BIT_ROWS, SWARM_SERVE_4BIT_FLOAT32)."""
         return {"packed": self.cfg.packed_linear, "batch_cap": self.batch_cap, "quantization": self.cfg.quantization,
                 "devices": self.cfg.devices, "kv_tokens": self.cfg.transport.kv_tokens or KV_RESERVE_TOKENS,
-                "lora": self.cfg.lora, "compile": tuple(self.cfg.compile), "cuda_graphs": self.cfg.cuda_graphs}
+                "lora": self.cfg.lora, "compile": tuple(self.cfg.compile), "cuda_graphs": self.cfg.cuda_graphs,
+                "fourbit_rows": self.cfg.fourbit_rows, "fourbit_float32": self.cfg.fourbit_float32,
+                "prefill_chunk": self.cfg.transport.prefill_chunk}
 
     def __init__(self, cfg: StageConfig):
         self.cfg = cfg
