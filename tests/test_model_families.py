@@ -1,18 +1,20 @@
 """Families beyond the dense full-attention ones: sliding-window attention (Mistral's ``sliding_window``,
-Qwen2's ``use_sliding_window``) and Qwen3-MoE. Tiny random models built from configs; every reply is
+Qwen2's ``use_sliding_window``), Qwen3-MoE, and the hybrid Qwen3-Next (Gated DeltaNet linear attention
+between gated full-attention layers, MoE MLPs). Tiny random models built from configs; every reply is
 compared with Hugging Face ``generate``'s greedy one, token for token, on stages, batched engines and
 rings, with prompts and replies that run well past the window."""
 
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 import transformers
 
 from core.servable import ServableError
-from events.ring import Token
+from events.ring import VERIFY, Hidden, Token
 from fellow.runtime.model.fused import Linear, fusable, layer_windows
 from fellow.runtime.model.kernels import prepare_stage
 from fellow.runtime.model.stage import StageModel
@@ -34,6 +36,7 @@ def checkpoints(tmp_path_factory):
         "mistral-window": make_tiny_checkpoint(root / "mistral-window", "mistral", layers=3, window=WINDOW),
         "qwen2-window": make_tiny_checkpoint(root / "qwen2-window", "qwen2", layers=4, window=WINDOW, seed=1),
         "qwen3-moe": make_tiny_checkpoint(root / "qwen3-moe", "qwen3_moe", layers=4, seed=2),
+        "qwen3-next": make_tiny_checkpoint(root / "qwen3-next", "qwen3_next", layers=4, seed=3),
     }
 
 
@@ -89,11 +92,17 @@ def test_the_windows_are_read_from_each_familys_config(checkpoints):
         layer_windows(linear)
 
 
-def test_hybrid_linear_attention_is_refused_at_export(tmp_path):
+def test_linear_attention_outside_qwen3_next_is_refused_at_export(tmp_path):
+    """Linear-attention layers are served for the family whose layers were checked (Qwen3-Next), not by kind."""
     hybrid = transformers.Qwen2Config(num_hidden_layers=2, layer_types=["full_attention", "linear_attention"])
     hybrid.save_pretrained(str(tmp_path / "hybrid"))
-    with pytest.raises(ServableError, match="linear_attention"):
+    with pytest.raises(ServableError, match="'linear_attention' are served for qwen3_next only, not qwen2"):
         export(tmp_path / "hybrid", tmp_path / "out")
+    (tmp_path / "mamba").mkdir()
+    (tmp_path / "mamba" / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3_next", "num_hidden_layers": 2, "layer_types": ["full_attention", "mamba"]}))
+    with pytest.raises(ServableError, match=r"kind \['mamba'\] are not served"):
+        export(tmp_path / "mamba", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -143,7 +152,7 @@ def servables(checkpoints, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen2-window", "qwen3-moe"])
+@pytest.mark.parametrize("family", ["qwen2-window", "qwen3-moe", "qwen3-next"])
 def test_an_exported_family_serves_batched_and_over_a_ring_as_generate(checkpoints, servables, family):
     model = hf_model(checkpoints[family])
     want = {f"s{i}": generate(model, prompt) for i, prompt in enumerate(PROMPTS)}
@@ -164,3 +173,203 @@ def test_a_mixture_of_experts_is_served_by_the_hf_layers_and_says_why(checkpoint
     kernels = prepare_stage(stage, batch_cap=3)
     assert stage.fused is None and kernels["path"].startswith("hf")
     assert greedy_batched(stage, PROMPTS) == [generate(model, prompt) for prompt in PROMPTS]
+
+
+# --- the hybrid Qwen3-Next: linear-attention layers with a recurrent state, one session at a time ---------
+
+def test_a_hybrid_stage_replies_as_generate_alone_and_in_batches(checkpoints):
+    model = hf_model(checkpoints["qwen3-next"])
+    assert model.config.layer_types == ["linear_attention", "full_attention"] * 2
+    stage = StageModel.from_causal_lm(copy.deepcopy(model))
+    kernels = prepare_stage(stage, batch_cap=3)
+    assert stage.fused is None and kernels["path"].startswith("hf") and "Qwen3NextDecoderLayer" in kernels["why"]
+    assert stage.recurrent_layers == [0, 2] and "layers 0, 2 are linear attention" in stage.recurrent
+    want = [generate(model, prompt) for prompt in PROMPTS]
+    assert [greedy_alone(stage, prompt) for prompt in PROMPTS] == want  # prompts in pieces of 5
+    assert greedy_batched(stage, PROMPTS) == want
+    cache = stage.new_cache()
+    stage.prefill(cache, torch.tensor(PROMPTS[2]))
+    # keys and values for the two attention layers only; each linear layer's states beside them
+    assert cache.kv.num_layers == 2 and sorted(cache.conv) == sorted(cache.state) == [0, 2]
+    assert cache.bytes == cache.kv.bytes + sum(t.numel() * 4 for t in [*cache.conv.values(), *cache.state.values()])
+    cache.release()
+    assert cache.length == 0 and not cache.conv and not cache.state
+
+
+def test_qwen3_next_exports_without_its_multi_token_prediction_head(checkpoints, tmp_path):
+    """Qwen3-Next checkpoints carry ``mtp.*`` tensors (a multi-token prediction head transformers does not
+    load): export leaves them out rather than refusing the checkpoint."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    hf = shutil.copytree(checkpoints["qwen3-next"], tmp_path / "hf")
+    save_file({"mtp.fc.weight": torch.zeros(64, 128), "mtp.layers.0.input_layernorm.weight": torch.ones(64)},
+              str(hf / "mtp.safetensors"))
+    export(hf, tmp_path / "out", model_id="next")
+    with safe_open(str(next((tmp_path / "out").rglob("*.safetensors"))), framework="pt") as fh:
+        keys = list(fh.keys())
+    assert keys and not any("mtp" in key for key in keys)
+
+
+def test_hybrid_sessions_interleaved_in_decode_steps_get_what_each_gets_alone(checkpoints):
+    """A decode step over several sessions runs each alone through the layers, in order: the logits the
+    session gets decoding by itself (to float32 rounding: the head takes the step's rows at once), while
+    sessions of other lengths join, step and leave beside it."""
+    stage = StageModel.from_causal_lm(hf_model(checkpoints["qwen3-next"]))
+
+    def alone(prompt: list[int]) -> list[torch.Tensor]:
+        cache = stage.new_cache()
+        logits = [stage.prefill(cache, torch.tensor(prompt), prefill_chunk=4)]
+        for _ in range(12):
+            logits.append(stage.decode([cache], torch.tensor([int(logits[-1].argmax())]))[0])
+        return logits
+
+    want = [alone(prompt) for prompt in PROMPTS]
+    joins = [0, 3, 5]  # the step at which each session's prompt goes in
+    caches, got = [None] * 3, [[] for _ in PROMPTS]
+    for step in range(20):
+        for i, prompt in enumerate(PROMPTS):
+            if joins[i] == step:
+                caches[i] = stage.new_cache()
+                got[i].append(stage.prefill(caches[i], torch.tensor(prompt), prefill_chunk=4))
+        live = [i for i in range(3) if caches[i] is not None and len(got[i]) < 13 and joins[i] < step]
+        if live:
+            logits = stage.decode([caches[i] for i in live], torch.tensor([int(got[i][-1].argmax()) for i in live]))
+            for i, row in zip(live, logits):
+                got[i].append(row)
+    for mine, theirs in zip(got, want):
+        assert len(mine) == len(theirs) == 13
+        for a, b in zip(mine, theirs):  # the head reads every row of a step at once: float32 rounding apart
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+            assert int(a.argmax()) == int(b.argmax())
+
+
+def test_a_hybrid_stage_cannot_roll_back_and_its_engine_turns_drafts_and_prefix_reuse_off(checkpoints, servables):
+    from fellow.runtime.engine.draft_model import DraftModel, DraftModelMismatch
+    from fellow.runtime.engine.engine import Engine
+    from fellow.runtime.engine.sampling import SamplingParams
+    from fellow.runtime.engine.session import Session
+    from fellow.runtime.model.loader import load_one_stage
+    from fellow.runtime.model.recurrent import RollbackRefused
+
+    model = hf_model(checkpoints["qwen3-next"])
+    stage = load_one_stage(servables["qwen3-next"], "cpu").stage
+    cache = stage.new_cache()
+    stage.prefill(cache, torch.tensor(PROMPTS[0]))
+    with pytest.raises(RollbackRefused, match="cannot go back from 5 positions to 4"):
+        cache.crop_to(4)
+    cache.crop_to(5)  # where it is: nothing to undo
+    with pytest.raises(RollbackRefused, match="no verify pass: layers 0, 2 are linear attention"):
+        stage.verify([cache], [[1, 2, 3]])
+    with pytest.raises(DraftModelMismatch, match="cannot draft: layers 0, 2 are linear attention"):
+        DraftModel(stage, stage)
+    # asked for drafts and prefix reuse, the engine serves without them and the stage's status says why
+    engine = Engine(stage, kv_tokens=4096, prefix_cache=True, speculative=4)
+    assert engine.speculative == 0 and engine.prefix is None and engine.draft is None
+    note = stage.kernels["recurrent"]
+    assert note["off"] == ["speculative", "prefix_cache"] and note["layers"] == [0, 2]
+    assert note["sessions"] == "one at a time" and "cannot be rolled back or cut at a position" in note["why"]
+    # a prompt that repeats (prompt lookup would draft) twice: the second could have reused the first's positions
+    prompt = [5, 6, 7, 8] * 6
+    replies = []
+    for turn in range(2):
+        engine.add(Session(f"t{turn}", prompt, NEW_TOKENS, sampling=SamplingParams(temperature=0.0)))
+        out = []
+        while engine.busy:
+            result = engine.step()
+            out += result.tokens.get(f"t{turn}", [])
+            timing = [s.timing() for s in result.finished]
+        replies.append(out)
+        assert timing[0]["cached_tokens"] == 0 and "spec_k" not in timing[0]
+    assert replies == [generate(model, prompt)] * 2
+
+
+def test_a_hybrid_ring_serves_without_drafts_or_prefix_reuse_on_any_stage(checkpoints, servables):
+    """Stage 0 decides for the ring from the model's config (its own layers 0-1 and stage 1's 2-3 both hold
+    a linear one); stage 1 keeps no prefix either."""
+    model = hf_model(checkpoints["qwen3-next"])
+    ring = LocalRing(servables["qwen3-next"], 2, prefill_chunk=6, prefix=True, speculative=3)
+    try:
+        assert ring.head.speculative == 0 and ring.head.prefix is None and ring.workers[0].prefix is None
+        assert ring.stages[0].stage.kernels["recurrent"]["off"] == ["speculative", "prefix_cache"]
+        assert ring.stages[1].stage.kernels["recurrent"] == {
+            "layers": [2], "sessions": "one at a time", "off": ["prefix_cache"], "why": ring.stages[1].stage.recurrent}
+        prompts = [[5, 6, 7, 8] * 4, [5, 6, 7, 8] * 4 + [9]]
+        assert ring.generate(prompts, NEW_TOKENS) == {f"s{i}": generate(model, p) for i, p in enumerate(prompts)}
+        ring.settle()
+    finally:
+        ring.close()
+    assert not any(isinstance(frame, Hidden) and (frame.kind == VERIFY or frame.reuse) for _, frame in ring.sent)
+
+
+def test_a_hybrid_stages_cache_free_pass_and_step_costs(checkpoints, servables):
+    """The stage modules' cache-free pass (the reference a servable is checked by) equals the HF model's
+    logits over two stages; step costs time decode steps on random caches with random recurrent states."""
+    from core.servable import load_manifest
+    from fellow.runtime.model.kernels import step_costs
+    from fellow.runtime.model.kv_cache import random_caches
+    from fellow.runtime.model.weights import build_stage_modules
+
+    model = hf_model(checkpoints["qwen3-next"])
+    ids = torch.tensor([PROMPTS[2]])
+    manifest = load_manifest(servables["qwen3-next"])
+    x = ids
+    for index in range(2):
+        x = build_stage_modules(manifest, index, servables["qwen3-next"]).forward(x)
+    with torch.inference_mode():
+        torch.testing.assert_close(x, model(ids).logits, rtol=1e-4, atol=1e-4)
+    stage = StageModel.from_causal_lm(model)
+    caches = random_caches(stage.new_cache, 2, 16, 4, generator=torch.Generator().manual_seed(0))
+    assert all(c.length == 16 and sorted(c.state) == [0, 2] and c.keys[0].shape[0] == 2 for c in caches)
+    assert stage.decode(caches, torch.tensor([1, 2])).isfinite().all()
+    costs = step_costs(stage, [1, 3])
+    assert set(costs) == {"1", "3"} and all(ms > 0 for ms in costs.values())
+
+
+def test_a_quantized_hybrid_stage_serves_its_linear_layers_in_int8(checkpoints, servables):
+    """int8 weight-only: every nn.Linear of the HF layers (the Gated DeltaNet's projections too) swapped for a
+    quantized one; the convolution and the experts' stacked weights stay float. Its replies are its own (int8
+    rounds), the same alone and in a decode step with others, and its logits close to the float stage's."""
+    from fellow.runtime.model.loader import load_one_stage
+    from fellow.runtime.model.quant import QuantModule
+
+    stage = load_one_stage(servables["qwen3-next"], "cpu", quantization="int8").stage
+    assert stage.kernels["path"] == "hf" and stage.weights["quantization"] == "int8"
+    deltanet = stage.layers[0].linear_attn
+    assert all(isinstance(getattr(deltanet, name), QuantModule) for name in ("in_proj_qkvz", "in_proj_ba", "out_proj"))
+    assert isinstance(stage.layers[1].self_attn.q_proj, QuantModule) and type(deltanet.conv1d) is torch.nn.Conv1d
+    replies = [greedy_alone(stage, prompt) for prompt in PROMPTS]
+    assert greedy_batched(stage, PROMPTS) == replies
+    float_stage = StageModel.from_causal_lm(hf_model(checkpoints["qwen3-next"]))
+    for prompt in PROMPTS:
+        quantized = stage.prefill(stage.new_cache(), torch.tensor(prompt))
+        plain = float_stage.prefill(float_stage.new_cache(), torch.tensor(prompt))
+        assert torch.nn.functional.cosine_similarity(quantized, plain, dim=0) > 0.99
+
+
+def test_a_hybrid_model_through_the_serving_stack_replies_as_generate(tmp_path, nats_server):
+    """Leader and fellow processes: a load asking for drafts serves Qwen3-Next without them (its status says
+    why), times its decode steps on random recurrent states, and a greedy chat reply is generate's."""
+    from tests.serving_fixtures import Stack, hf_greedy, make_servable
+
+    hf, served = make_servable(tmp_path / "models", "tiny", family="qwen3_next", layers=4, stages=1, seed=3)
+    stack = Stack(tmp_path, nats_server.url, served.parent, SWARM_SERVE_STEP_COSTS="1").start()
+    try:
+        load = stack.load("tiny", speculative=2)
+        kernels = load["stages"][0]["kernels"]
+        assert kernels["path"].startswith("hf") and "1" in kernels["step_ms"]
+        assert all(ms > 0 for ms in kernels["step_ms"].values())
+        assert kernels["recurrent"]["off"] == ["speculative", "prefix_cache"]
+        assert kernels["recurrent"]["layers"] == [0, 2] and kernels["recurrent"]["sessions"] == "one at a time"
+        content = "Name three colours."
+        body = {"model": "tiny", "max_tokens": 16, "temperature": 0, "messages": [{"role": "user", "content": content}]}
+        reply = stack.post("/v1/chat/completions", body).json()
+        want = hf_greedy(hf, content, 16)
+        assert want  # a reply of some tokens, not an end of turn at once
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(hf))
+        assert reply["choices"][0]["message"]["content"] == tokenizer.decode(want, skip_special_tokens=False)
+        assert reply["usage"]["completion_tokens"] == len(want) and "spec_k" not in reply["swarm"]["timing"]
+    finally:
+        stack.stop()

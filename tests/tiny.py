@@ -10,6 +10,7 @@ import torch
 
 FAMILIES = ("qwen3", "qwen2", "llama", "mistral")  # the dense families every fused path serves
 MOE_FAMILIES = ("qwen3_moe",)  # served by the HF layers
+HYBRID_FAMILIES = ("qwen3_next",)  # linear-attention layers too: the HF layers, one session at a time
 TINY_VOCAB = 384  # 256 bytes + specials + a few merges: enough for words to be a few tokens
 
 
@@ -22,7 +23,7 @@ def _tokenizer():
 
 
 def _config(family: str, layers: int, hidden: int, vocab: int, tie: bool, window: int | None):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
 
     heads = max(2, hidden // 16)
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
@@ -42,7 +43,14 @@ def _config(family: str, layers: int, hidden: int, vocab: int, tie: bool, window
     if family == "qwen3_moe":  # four experts of half the dense width, two per token
         return Qwen3MoeConfig(head_dim=hidden // heads, num_experts=4, num_experts_per_tok=2,
                               moe_intermediate_size=hidden, **common)
-    raise ValueError(f"family {family!r} is not one of {', '.join(FAMILIES + MOE_FAMILIES)}")
+    if family == "qwen3_next":  # linear attention (Gated DeltaNet) and full attention in turn; MoE MLPs
+        return Qwen3NextConfig(head_dim=hidden // heads, linear_num_key_heads=2, linear_num_value_heads=4,
+                               linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden,
+                               shared_expert_intermediate_size=hidden,
+                               layer_types=[("full_attention" if i % 2 else "linear_attention")
+                                            for i in range(layers)], **common)
+    raise ValueError(f"family {family!r} is not one of {', '.join(FAMILIES + MOE_FAMILIES + HYBRID_FAMILIES)}")
 
 
 def make_tiny_checkpoint(dir: str | Path, family: str = "qwen3", layers: int = 4, hidden: int = 64,

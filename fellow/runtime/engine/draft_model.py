@@ -71,6 +71,8 @@ class DraftModel:
                  decoder: FixedDecoder | None = None) -> None:
         if not (stage.is_first and stage.is_last):
             raise DraftModelMismatch("a draft model must be a whole model (embeddings, every layer and the head)")
+        if stage.recurrent is not None:  # its drafts that fall are cropped from its caches
+            raise DraftModelMismatch(f"the draft model {name!r} cannot draft: {stage.recurrent}")
         if stage.config.vocab_size != target.config.vocab_size:
             raise DraftModelMismatch(
                 f"the draft model {name!r} has {stage.config.vocab_size:,} token ids where the served model has "

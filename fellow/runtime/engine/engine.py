@@ -14,6 +14,7 @@ from fellow.runtime.engine.sampling import make_generator
 from fellow.runtime.engine.scheduler import Scheduler, StepResult
 from fellow.runtime.engine.session import Session
 from fellow.runtime.engine.speculative import verify_drafts
+from fellow.runtime.model.recurrent import off_note
 from fellow.runtime.model.stage import StageModel
 
 
@@ -41,12 +42,21 @@ class Engine(Scheduler):
     when it matched a tail of LOOKUP_FIRST_RUN tokens or more and has a full set of drafts; every
     other drafting session asks the draft model, in one batch. The budget's tokens then each hold
     a position of both models (``DraftModel.budget_tokens``).
+
+    A stage with recurrent layers (``stage.recurrent``: fellow.runtime.model.recurrent) cannot roll a
+    session back nor start one from another's positions: speculative decoding, a draft model and the
+    prefix cache are off for it, and its ``kernels["recurrent"]`` says so and why.
     """
 
     def __init__(self, stage: StageModel, *, kv_tokens: int, max_batch: int = 0, prefill_chunk: int = 256,
                  prefix_cache: bool = True, speculative: int = 0, draft: DraftModel | None = None) -> None:
         if not (stage.is_first and stage.is_last):
             raise ValueError("the engine serves a stage that holds the embeddings and the head")
+        if stage.recurrent is not None:
+            off = [name for name, on in (("speculative", speculative), ("draft_model", draft is not None),
+                                         ("prefix_cache", prefix_cache)) if on]
+            off_note(stage, off)
+            speculative, draft, prefix_cache = 0, None, False
         if draft is not None:
             if not speculative:
                 raise ValueError("a draft model drafts only with speculative k > 0")
@@ -235,7 +245,9 @@ class Engine(Scheduler):
         of layers in budget tokens. It may use what is unreserved plus one prompt piece's room: a
         decode step never runs beside a piece.
         """
-        if self.stage.fused is not None:
-            return True  # fused layers attend row by row in each session's own cache: no padded copy
+        if self.stage.fused is not None or self.stage.recurrent is not None:
+            # fused layers attend row by row in each session's own cache; a stage with recurrent layers runs
+            # each session alone: no padded copy
+            return True
         copy_tokens = rows * (longest + 1) / len(self.stage.layers)
         return copy_tokens <= self.budget.free + (self.prefill_chunk or 256)

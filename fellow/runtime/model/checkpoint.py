@@ -15,6 +15,8 @@ from core.servable import ServableError
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _PIECES = {"model.embed_tokens.": "embed_tokens", "model.norm.": "norm", "lm_head.": "lm_head"}
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.")  # recomputed from the config, never trained
+# Qwen3-Next's multi-token prediction head: transformers does not load it, and no stage serves it
+_UNSERVED = re.compile(r"^mtp\.")
 # a mixture of experts' MLP as checkpoints store it: one module per expert
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
@@ -48,7 +50,7 @@ def classify(key: str) -> tuple[str, int | None, str] | None:
     ``model.layers.3.mlp.up_proj.weight`` -> ("layers", 3, "mlp.up_proj.weight");
     ``lm_head.weight`` -> ("lm_head", None, "weight").
     """
-    if _IGNORED.search(key):
+    if _IGNORED.search(key) or _UNSERVED.match(key):
         return None
     if match := _LAYER.match(key):
         return "layers", int(match.group(1)), match.group(2)

@@ -133,6 +133,8 @@ def why_not(stage) -> str | None:
     """None when the stage's decode step can be replayed from a pool, else why not (one line)."""
     if not (stage.is_first and stage.is_last):
         return "a ring stage: the replayed step takes a whole model (embeddings to head)"
+    if getattr(stage, "recurrent", None) is not None:
+        return "its layers keep recurrent states (linear attention), which the pool's slots do not hold"
     devices = set(stage.layer_devices) | {stage.input_device, stage.output_device}
     if len(devices) > 1:
         return "its pieces are on several devices"

@@ -67,26 +67,46 @@ class Linear:
 
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
+# layer kinds that keep a recurrent state per session instead of keys and values, and the families whose
+# layers of that kind are served (fellow.runtime.model.recurrent: one session at a time, no rollback)
+RECURRENT_KINDS = {"linear_attention": ("qwen3_next",)}
+
+
+def unserved_kinds(kinds, model_type: str | None) -> str | None:
+    """Why a model of ``model_type`` whose layers are of ``kinds`` is not served (one line); None when it is."""
+    unknown = sorted(set(kinds) - set(ATTENTION_KINDS) - set(RECURRENT_KINDS))
+    if unknown:
+        served = ", ".join([*ATTENTION_KINDS, *RECURRENT_KINDS])
+        return f"layers of kind {unknown} are not served (only {served})"
+    for kind, families in RECURRENT_KINDS.items():
+        if kind in kinds and model_type not in families:
+            return f"layers of kind {kind!r} are served for {', '.join(families)} only, not {model_type}"
+    return None
 
 
 def layer_windows(config) -> dict[int, int | None]:
     """Each layer's attention window by absolute index: None where a query sees every earlier position,
     else how many positions it sees (itself and the ``window - 1`` before it: HF's ``kv > q - window``).
+    A recurrent layer (RECURRENT_KINDS) attends to no keys: None too, and it takes no mask.
 
     Qwen2 / Qwen3 name each layer's kind in ``layer_types`` (sliding from ``max_window_layers`` on when
     ``use_sliding_window``); Mistral has none, and one ``sliding_window`` holds for every layer.
-    Raises ValueError for kinds not served (linear attention, ...).
+    Raises ValueError for kinds not served (``unserved_kinds``).
     """
     window = getattr(config, "sliding_window", None) or None
     kinds = getattr(config, "layer_types", None)
     if kinds is None:
         return {i: window for i in range(config.num_hidden_layers)}
-    unknown = sorted(set(kinds) - set(ATTENTION_KINDS))
-    if unknown:
-        raise ValueError(f"layers of kind {unknown} are not served (only {', '.join(ATTENTION_KINDS)})")
+    if why := unserved_kinds(kinds, getattr(config, "model_type", None)):
+        raise ValueError(why)
     if "sliding_attention" in kinds and not window:
         raise ValueError("sliding-attention layers without a sliding_window in the config")
     return {i: window if kind == "sliding_attention" else None for i, kind in enumerate(kinds)}
+
+
+def recurrent_layers(config) -> list[int]:
+    """The absolute indices of the layers that keep a recurrent state (RECURRENT_KINDS)."""
+    return [i for i, kind in enumerate(getattr(config, "layer_types", None) or []) if kind in RECURRENT_KINDS]
 
 
 def fusable(layers: Sequence[nn.Module], config, device: torch.device) -> str | None:

@@ -125,7 +125,8 @@ def random_caches(new_cache, rows: int, positions: int, room: int,
     """``rows`` caches from ``new_cache()``, each holding ``positions`` random positions and room for
     ``room`` more: what a stage's decode step is timed or checked on. ``tile``: only the first ``tile``
     positions are drawn, and repeated over the rest (a step's time does not depend on the values; drawing
-    a 1B model's eight caches of 256 positions took 0.15-0.2 s on two cores)."""
+    a 1B model's eight caches of 256 positions took 0.15-0.2 s on two cores). A stage with recurrent
+    layers (fellow.runtime.model.recurrent) gets random states in them too (``fill_states``)."""
     caches = [new_cache() for _ in range(rows)]
     for cache in caches:
         cache.reserve(positions + room)
@@ -138,6 +139,8 @@ def random_caches(new_cache, rows: int, positions: int, room: int,
                 for start in range(tile, positions, tile):
                     end = min(start + tile, positions)
                     buffer[:, :, start:end].copy_(buffer[:, :, : end - start])
+        if (fill_states := getattr(cache, "fill_states", None)) is not None:
+            fill_states(generator)
         cache.advance(positions)
     return caches
 

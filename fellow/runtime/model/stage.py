@@ -6,12 +6,15 @@ import inspect
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fellow.runtime.model.fused import (FusedLayer, FusedStack, Linear, MakeLinear, bias_of, layer_windows,
-                                        rotary_tables, strip_linears)
+                                        recurrent_layers, rotary_tables, strip_linears)
 from fellow.runtime.model.kv_cache import BatchedView, FreshBatchView, KVCache, SessionView
+from fellow.runtime.model.recurrent import (RecurrentCache, RecurrentView, RollbackRefused, recurrent_reason,
+                                            state_shapes)
 
 BATCHABLE_ATTENTION = ("sdpa", "eager")  # implementations that take an explicit additive 4D mask
 # cuDNN attention rebuilt its plan for every new key length: 52 ms a decode step on an H200 where
@@ -38,6 +41,10 @@ class StageModel:
     A stage is a ring of one when it holds the embeddings, every layer, the final norm and the head.
     Stage 0 takes token ids; later stages take hidden states. The last stage returns logits of the
     last position only; the others return hidden states of every position they ran.
+
+    A stage with recurrent layers (``recurrent``: why, else None; fellow.runtime.model.recurrent) keeps
+    each session in a RecurrentCache and runs every forward for one session at a time; it cannot roll
+    a session back (no ``verify``, no ``piece_logits``).
     """
 
     def __init__(
@@ -57,10 +64,17 @@ class StageModel:
             raise ValueError(f"attention {attention!r} cannot take a padded batch; load with one of {BATCHABLE_ATTENTION}")
         if not layers:
             raise ValueError("a stage needs at least one decoder layer")
-        windows = layer_windows(config)  # ValueError for kinds not served (linear attention, ...)
+        windows = layer_windows(config)  # ValueError for kinds not served (fused.unserved_kinds)
         # each layer's window (None: full attention); every mask is made once a forward per window
         self.layer_windows = [windows[first_layer + slot] for slot in range(len(layers))]
         self.windows = set(self.layer_windows)
+        # absolute indices of the layers with a recurrent state (linear attention), and why that means one
+        # session at a time and no rollback; None where there are none
+        indices = range(first_layer, first_layer + len(layers))
+        self.recurrent_layers = [i for i in recurrent_layers(config) if i in indices]
+        self.recurrent: str | None = recurrent_reason(config, indices)
+        # per slot: the layer attends to keys and values (else it keeps a recurrent state and takes no mask)
+        self._attends = [first_layer + slot not in self.recurrent_layers for slot in range(len(layers))]
         self.config = config
         self.layers = list(layers)
         self.first_layer = first_layer
@@ -124,9 +138,18 @@ class StageModel:
         """Where the logits come out (and sampling generators live); None before the last stage."""
         return self._head_device
 
-    def new_cache(self) -> KVCache:
+    def new_cache(self) -> KVCache | RecurrentCache:
         if self.graphed is not None and (pooled := self.graphed.take()) is not None:
             return pooled  # a slot of the pool its decode steps replay over (fellow.runtime.model.cuda_graphs)
+        if self.recurrent is not None:  # keys and values of the attention layers only, states of the others
+            slots = [slot for slot, attends in enumerate(self._attends) if attends]
+            kv = KVCache(0, len(slots), self.num_kv_heads, self.head_dim, self.dtype,
+                         [self.layer_devices[slot] for slot in slots])
+            shapes = {self.first_layer + slot: state_shapes(layer, self.dtype, device)
+                      for slot, (layer, device) in enumerate(zip(self.layers, self.layer_devices))
+                      if not self._attends[slot]}
+            return RecurrentCache(kv, {self.first_layer + slot: n for n, slot in enumerate(slots)},
+                                  self.recurrent_layers, shapes)
         return KVCache(self.first_layer, len(self.layers), self.num_kv_heads, self.head_dim,
                        self.dtype, self.layer_devices)
 
@@ -157,10 +180,12 @@ class StageModel:
         position it ran, [len(inputs[i]), V]; the caller crops each cache to the positions that stand.
 
         Fused layers run every session's positions in one forward; the HF layers run one forward
-        per session.
+        per session. A stage with recurrent layers refuses (RollbackRefused): its caches cannot be cropped.
         """
         if not (self.is_first and self.is_last):
             raise ValueError("a verify pass runs on a stage that holds the embeddings and the head")
+        if self.recurrent is not None:
+            raise RollbackRefused(f"no verify pass: {self.recurrent}")
         if self.fused is None:
             return [self._head_all(self._piece(cache, torch.tensor(list(ids), device=self.input_device)))[0]
                     for cache, ids in zip(caches, inputs)]
@@ -181,6 +206,8 @@ class StageModel:
         every one of them [q, V], for a verify pass."""
         if not self.is_last:
             raise ValueError("logits come from the stage that holds the head")
+        if self.recurrent is not None:
+            raise RollbackRefused(f"no verify pass: {self.recurrent}")
         return self._head_all(self._piece(cache, inputs))[0]
 
     def _piece(self, cache: KVCache, inputs: torch.Tensor) -> torch.Tensor:
@@ -192,7 +219,8 @@ class StageModel:
         if self.fused is not None:
             hidden = self._fused(hidden, position_ids, self.fused.attend_piece(cache, masks))
         else:
-            hidden = self._layers(hidden, position_ids, masks, SessionView(cache))
+            view = RecurrentView(cache) if self.recurrent is not None else SessionView(cache)
+            hidden = self._layers(hidden, position_ids, masks, view)
         cache.advance(positions)
         return hidden
 
@@ -206,6 +234,8 @@ class StageModel:
         """
         if not self.is_first:
             raise ValueError("fresh batched prompts start on the stage that holds the embeddings")
+        if self.recurrent is not None:
+            return self._each_alone(caches, [torch.as_tensor(list(p), dtype=torch.long) for p in pieces])
         width = max(len(p) for p in pieces)
         pads = [width - len(p) for p in pieces]
         ids = torch.zeros(len(pieces), width, dtype=torch.long)
@@ -242,8 +272,11 @@ class StageModel:
     def decode(self, caches: Sequence[KVCache], inputs: torch.Tensor) -> torch.Tensor:
         """One new position for each session: ids [B] on stage 0, hidden [B, 1, H] after it.
 
-        Returns logits [B, V] on the last stage, hidden [B, 1, H] before it.
+        Returns logits [B, V] on the last stage, hidden [B, 1, H] before it. A stage with recurrent
+        layers runs each session alone, in order.
         """
+        if self.recurrent is not None:
+            return self._each_alone(caches, [inputs[row : row + 1] for row in range(len(caches))])
         if self.compiled is not None and self.compiled.serves(len(caches)):
             try:
                 return self.compiled.decode(caches, inputs)
@@ -275,6 +308,16 @@ class StageModel:
         for cache in caches:
             cache.advance(1)
         return self._head(hidden) if self.is_last else hidden
+
+    def _each_alone(self, caches: Sequence[RecurrentCache], inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Each session's positions (ids [q] on stage 0, hidden [1, q, H] after it) in a forward of its own,
+        in order: the last position's logits [B, V] on the last stage, else hidden [B, q, H], a shorter
+        session's left-padded with zeros."""
+        outs = [self._piece(cache, piece) for cache, piece in zip(caches, inputs)]
+        if self.is_last:
+            return self._head(torch.cat([out[:, -1:] for out in outs]))
+        width = max(out.shape[1] for out in outs)
+        return torch.cat([F.pad(out, (0, 0, width - out.shape[1], 0)) for out in outs])
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed(ids.to(self.input_device))
@@ -308,14 +351,16 @@ class StageModel:
     def _run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, masks: dict, view) -> torch.Tensor:
         device = hidden.device
         position_embeddings = self.rotary_emb(hidden, position_ids)
-        for layer, layer_device, window in zip(self.layers, self.layer_devices, self.layer_windows):
+        for layer, layer_device, window, attends in zip(self.layers, self.layer_devices, self.layer_windows,
+                                                        self._attends):
             if layer_device != device:  # layers spread over several cards
                 device = layer_device
                 hidden = hidden.to(device)
                 position_ids = position_ids.to(device)
                 masks = {w: None if m is None else m.to(device) for w, m in masks.items()}
                 position_embeddings = tuple(t.to(device) for t in position_embeddings)
-            out = layer(hidden, attention_mask=masks[window], position_ids=position_ids,
+            # a recurrent layer takes a padding mask [B, q] only, and one session's forward has no padding
+            out = layer(hidden, attention_mask=masks[window] if attends else None, position_ids=position_ids,
                         position_embeddings=position_embeddings, **{self._cache_keyword: view})
             hidden = out[0] if isinstance(out, tuple) else out  # transformers 4.x returns a tuple
         return hidden

@@ -15,6 +15,7 @@ from core.servable_plan import StagePlan, plan_stage
 from fellow.runtime.tools.bottleneck import RECV, SEND, BottleneckDecoder, BottleneckEncoder
 from fellow.runtime.model.checkpoint import Checkpoint
 from fellow.runtime.model.device_split import DeviceSplit
+from fellow.runtime.model.fused import RECURRENT_KINDS
 from fellow.runtime.model.lora_merge import merge_lora
 
 
@@ -188,7 +189,8 @@ class StageModules:
 
 
 def _causal_masks(config, h: torch.Tensor, position_ids: torch.Tensor) -> dict[int, object]:
-    """Each layer's mask for a cache-free causal pass, chosen as the HF model chooses it."""
+    """Each layer's mask for a cache-free causal pass, chosen as the HF model chooses it (none for a
+    linear-attention layer: it takes a padding mask only, and this pass has no padding)."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     args = dict(config=config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=position_ids)
@@ -197,7 +199,8 @@ def _causal_masks(config, h: torch.Tensor, position_ids: torch.Tensor) -> dict[i
     kinds = getattr(config, "layer_types", None)
     if kinds is None:  # Mistral: one window for every layer when it has one
         return {i: sliding for i in range(config.num_hidden_layers)}
-    return {i: sliding if kind == "sliding_attention" else full for i, kind in enumerate(kinds)}
+    return {i: None if kind in RECURRENT_KINDS else sliding if kind == "sliding_attention" else full
+            for i, kind in enumerate(kinds)}
 
 
 def _materialize(module: nn.Module, state: dict[str, torch.Tensor], prefix: str, dtype, device) -> nn.Module:

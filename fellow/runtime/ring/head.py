@@ -19,6 +19,7 @@ from fellow.runtime.ring.codec import WireCodec
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.session import RingFailure, RingSession
 from fellow.runtime.engine.session import Session
+from fellow.runtime.model.recurrent import off_note, recurrent_reason
 from fellow.runtime.model.stage import StageModel
 
 WAIT_S = 0.02  # longest wait for a token before the serving loop looks at new jobs again
@@ -58,6 +59,10 @@ class RingHead(Scheduler):
     lookup still drafts first where it has a full run of LOOKUP_FIRST_RUN or more; the group's other
     drafting sessions ask the draft model, in one batch, beside this stage. Its caches are this
     stage's alone: the later stages only ever see the VERIFY frames.
+
+    A model with recurrent layers on any stage (fellow.runtime.model.recurrent) cannot roll a session
+    back nor start one from cached positions: speculative decoding, a draft model and prefix reuse are
+    off for the whole ring, and stage 0's ``kernels["recurrent"]`` says so and why.
     """
 
     def __init__(self, stage: StageModel, codec: WireCodec, send: Callable[[object], None], inbox: Inbox, *,
@@ -67,6 +72,11 @@ class RingHead(Scheduler):
                  draft: DraftModel | None = None) -> None:
         if not stage.is_first or stage.is_last:
             raise ValueError("a ring's head holds the embeddings and not the head")
+        if recurrent_reason(stage.config) is not None:  # on any stage: stage 0 decides for the ring
+            off = [name for name, on in (("speculative", speculative), ("draft_model", draft is not None),
+                                         ("prefix_cache", prefix_cache)) if on]
+            off_note(stage, off, model=True)
+            speculative, draft, prefix_cache = 0, None, False
         if draft is not None:
             if not speculative:
                 raise ValueError("a draft model drafts only with speculative k > 0")

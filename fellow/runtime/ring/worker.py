@@ -16,6 +16,7 @@ from fellow.runtime.engine.speculative import verify_drafts
 from fellow.runtime.engine.prefix_cache import PrefixCache
 from fellow.runtime.engine.serving_loop import StepStats
 from fellow.runtime.model.kv_cache import KVCache
+from fellow.runtime.model.recurrent import off_note
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.loader import RingStage
 from fellow.runtime.engine.processors import constraint_for, sample_next
@@ -74,6 +75,8 @@ class RingWorker:
     With ``prefix_tokens`` > 0 the stage keeps ended sessions' positions (an End with ``keep``) in its
     own PrefixCache, within that many KV tokens together with the live sessions' reservations, and a
     first frame that reuses a prefix copies it from there (fellow.runtime.ring.head says who decides).
+    A stage with recurrent layers keeps none (fellow.runtime.model.recurrent), and runs a decode batch's
+    sessions one at a time.
     """
 
     def __init__(self, ring: RingStage, inbox: Inbox, send: Callable[..., None], max_batch: int = 0,
@@ -85,6 +88,9 @@ class RingWorker:
         self.is_last = ring.plan.is_last
         self.max_batch = max_batch
         self.held: dict[str, _Held] = {}
+        if self.stage.recurrent is not None:  # recurrent layers: no positions kept for reuse (stage 0 reuses none)
+            off_note(self.stage, ["prefix_cache"] if prefix_tokens > 0 else [])
+            prefix_tokens = 0
         self.prefix = PrefixCache() if prefix_tokens > 0 else None
         self.prefix_tokens = prefix_tokens
         self.route = route or (lambda: "r")  # how this stage's frames leave now: "d" direct, "r" relay

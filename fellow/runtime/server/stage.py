@@ -12,6 +12,7 @@ from fellow.runtime.engine.engine import Engine
 from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.engine.serving_loop import ServingLoop
 from fellow.runtime.model.loader import load_one_stage
+from fellow.runtime.model.recurrent import recurrent_reason
 from fellow.runtime.server.base import StageServerBase, log, warm_up
 from fellow.runtime.server.intake import Intake
 
@@ -35,8 +36,11 @@ class StageServer(StageServerBase):
         self._load_draft()
 
     def _load_draft(self) -> None:
-        """SWARM_SERVE_DRAFT_MODEL's small model, beside this stage 0 (one stage or a ring's), when it drafts."""
-        if self.cfg.draft_model_dir and self.cfg.transport.speculative:
+        """SWARM_SERVE_DRAFT_MODEL's small model, beside this stage 0 (one stage or a ring's), when it drafts:
+        never beside a model with recurrent layers, which does not draft (fellow.runtime.model.recurrent)."""
+        if self.cfg.draft_model_dir and self.cfg.transport.speculative and recurrent_reason(self.stage.config):
+            log.info("[stage%d draft] no draft model: %s", self.cfg.stage, recurrent_reason(self.stage.config))
+        elif self.cfg.draft_model_dir and self.cfg.transport.speculative:
             self.draft = load_draft_model(self.cfg.draft_model_dir, self.stage, self.tokenizer, self.device,
                                           packed=self.cfg.packed_linear, batch_cap=self.batch_cap)
             warm_up(self.draft.stage)

@@ -15,7 +15,7 @@ from core.servable import (BottleneckCompressor, Compressor, Generation, Manifes
 from fellow.runtime.tools.bottleneck import codec_error, codec_tensors, fit_pca
 from fellow.runtime.tools.calibration import boundary_activations, calibration_sequences
 from fellow.runtime.model.checkpoint import Checkpoint, read_config
-from fellow.runtime.model.fused import ATTENTION_KINDS
+from fellow.runtime.model.fused import unserved_kinds
 
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>")
 
@@ -34,9 +34,8 @@ def export(hf_dir: str | Path, out_dir: str | Path, stages: int = 1, boundaries:
     """
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     config = read_config(hf_dir)
-    unserved = sorted(set(config.get("layer_types") or []) - set(ATTENTION_KINDS))
-    if unserved:  # hybrid models (Qwen3-Next's linear attention, ...): no stage serves them yet
-        raise ServableError(f"{hf_dir}: layers of kind {unserved} are not served (only {', '.join(ATTENTION_KINDS)})")
+    if why := unserved_kinds(config.get("layer_types") or [], config.get("model_type")):
+        raise ServableError(f"{hf_dir}: {why}")
     ranges = _ranges(config, stages, boundaries)
     source = Checkpoint(adapters, prefix="base_model.model.") if adapters else Checkpoint(hf_dir)
     staging = _fresh_staging(out_dir)
