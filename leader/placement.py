@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from msgspec import structs
 
-from core.quantization import NONE, bytes_per_param, capability_for
-from events.fellow import CAP_CONCURRENT, CAP_N_STAGE, CAP_ONE_STAGE, Heartbeat
+from core.quantization import BITS, NONE, bytes_per_param, capability_for
+from events.fellow import CAP_4BIT_ROWS, CAP_CONCURRENT, CAP_N_STAGE, CAP_ONE_STAGE, Heartbeat
 from events.loads import StageAssignment, TransportPlan
 
 HEADROOM = 1.2  # activations, allocator slack
@@ -46,6 +46,43 @@ def transport_plan(settings, num_stages: int) -> TransportPlan:
                          kv_tokens=max(settings.serve_context_tokens, in_flight * settings.serve_typical_tokens),
                          max_batch=settings.serve_max_batch or 0, speculative=settings.serve_speculative,
                          prefill_chunk=settings.serve_prefill_chunk, step_costs=settings.serve_step_costs)
+
+
+AMPERE = (8, 0)
+# the decode-batch cap of a 4-bit load with a stage on a card older than Ampere, where SWARM_SERVE_MAX_BATCH
+# is unset: bitsandbytes' 4-bit kernel for 4 rows and more was 4.5x slower than the one for 3 on a GTX 1660
+# SUPER, so batches stay at 2, unless every fellow of the load splits such calls (serve-4bit-rows)
+PRE_AMPERE_BATCH, PRE_AMPERE_BATCH_SPLIT = 2, 4
+
+
+def _capability(text: str) -> tuple[int, int] | None:
+    """"7.5" -> (7, 5); None where nvidia-smi gave nothing readable."""
+    try:
+        major, minor = text.strip().split(".")
+        return int(major), int(minor)
+    except ValueError:
+        return None
+
+
+def pre_ampere_batch_cap(transport: TransportPlan, assignments: list[StageAssignment],
+                         heartbeats: dict[str, Heartbeat], method: str, explicit: bool) -> tuple[TransportPlan, str]:
+    """(the transport, why its ``max_batch`` changed or ""): a 4-bit load with any stage on a fellow that
+    has a GPU older than Ampere decodes batches of at most PRE_AMPERE_BATCH sessions, or
+    PRE_AMPERE_BATCH_SPLIT where every fellow of the load declares serve-4bit-rows, unless the leader's
+    SWARM_SERVE_MAX_BATCH says otherwise (``explicit``). Other loads are left as they are."""
+    if explicit or BITS.get(method) != 4:
+        return transport, ""
+    fellows = [heartbeats.get(a.fellow_id) for a in assignments]
+    old = sorted({f"{g.name} (sm {g.compute_capability})" for hb in fellows if hb is not None for g in hb.gpus
+                  if (cc := _capability(g.compute_capability)) is not None and cc < AMPERE})
+    if not old:
+        return transport, ""
+    split = all(hb is not None and CAP_4BIT_ROWS in hb.capabilities for hb in fellows)
+    cap = PRE_AMPERE_BATCH_SPLIT if split else PRE_AMPERE_BATCH
+    why = (f"decode batches of at most {cap}: a {method} load on {', '.join(old)}, older than Ampere, "
+           + ("where every fellow splits 4-bit calls (serve-4bit-rows)" if split
+              else "where not every fellow splits 4-bit calls (serve-4bit-rows)"))
+    return structs.replace(transport, max_batch=cap), why
 
 
 def candidate(hb: Heartbeat) -> Candidate:

@@ -100,3 +100,43 @@ def test_too_few_capable_fellows_serve_full_precision_and_say_why_never_priced_4
     fellows = {"tiny": cpu("tiny", 1)}
     with pytest.raises(PlacementError, match="tiny does not declare serve-cpu-int4"):
         place_keeping_price(place, INT4_FAST)
+
+
+def test_a_4bit_load_on_a_card_older_than_ampere_decodes_batches_of_2_or_4_where_every_fellow_splits():
+    """SWARM_SERVE_MAX_BATCH unset: the spec's default cap for 4-bit loads on pre-Ampere cards (bitsandbytes'
+    kernel for 4 rows and more was 4.5x slower than for 3 on a GTX 1660 SUPER): 2, or 4 where every fellow
+    of the load splits such calls (serve-4bit-rows); none on newer cards, for 8-bit or full precision, or
+    where the leader sets the cap itself."""
+    from events.fellow import CAP_4BIT_ROWS, Gpu
+    from events.loads import TransportPlan
+    from leader.placement import pre_ampere_batch_cap
+
+    def card(fellow_id: str, cc: str, *caps: str) -> Heartbeat:
+        return Heartbeat(fellow_id=fellow_id, hostname="h", seq=1, interval_s=1.0, capabilities=[*BASE, *caps],
+                         gpus=[Gpu(index=0, name=f"card-{cc}", total_bytes=6 * GIB, free_bytes=5 * GIB,
+                                   compute_capability=cc)])
+
+    plan = TransportPlan(max_in_flight=4, kv_tokens=4096)
+    fellows = {"old": card("old", "7.5", CAP_QUANTIZED), "new": card("new", "8.6", CAP_QUANTIZED, CAP_4BIT_ROWS),
+               "old-split": card("old-split", "6.1", CAP_QUANTIZED, CAP_4BIT_ROWS)}
+    ring = lambda *ids: [place_for(i, f) for i, f in enumerate(ids)]  # noqa: E731
+
+    def cap(ids, method=NF4, explicit=False):
+        transport, why = pre_ampere_batch_cap(plan, ring(*ids), fellows, method, explicit)
+        return transport.max_batch, why
+
+    batch, why = cap(["old", "new"])
+    assert batch == 2 and "card-7.5 (sm 7.5), older than Ampere" in why and "not every fellow" in why
+    batch, why = cap(["old-split", "new"])
+    assert batch == 4 and "card-6.1 (sm 6.1)" in why and "every fellow splits 4-bit calls" in why
+    assert cap(["new"]) == (0, "")  # Ampere or newer: no cap
+    assert cap(["old"], INT8) == (0, "") and cap(["old"], NONE) == (0, "")  # not a 4-bit load
+    assert cap(["old"], explicit=True) == (0, "")  # SWARM_SERVE_MAX_BATCH set on the leader: its own
+    fellows["blank"] = card("blank", "")  # nvidia-smi gave no capability: nothing known to cap for
+    assert cap(["blank"]) == (0, "")
+
+
+def place_for(stage: int, fellow_id: str):
+    from events.loads import StageAssignment
+
+    return StageAssignment(stage=stage, fellow_id=fellow_id, layers=[0, 1], shards=[stage])

@@ -26,7 +26,7 @@ from events.loads import (LoadFailed, LoadPlaced, LoadRequested, StageAssignment
 from leader.catalog import Catalog
 from leader.db.tables import Load, LoadStage as LoadStageRow, Model
 from leader.errors import ApiError
-from leader.placement import (PlacementError, place_replacement, place_replicas, place_ring_replicas, ring_needs,
+from leader.placement import (PlacementError, place_replacement, pre_ampere_batch_cap, place_replicas, place_ring_replicas, ring_needs,
                               ring_stage_count, transport_plan)
 from leader.serving.rows import active_load, get_load, load_stages, model_not_found
 
@@ -169,13 +169,17 @@ class LoadCommands:
                                                  reason=str(exc), code="placement_failed"), wait=["loads"])
             raise ApiError(409, f"Cannot load '{model_id}': {exc}", code="placement_failed") from None
         quantization = as_request(served)
+        transport, capped = pre_ampere_batch_cap(plan.transport, assignments, self.leader.fellows.latest, served,
+                                                 explicit=self.leader.settings.serve_max_batch is not None)
+        if capped:
+            log.info("load %s of %s: %s", load_id, model_id, capped)
         await self.leader.publish(LoadPlaced(load_id=load_id, model_id=model_id, stages=assignments,
-                                             transport=plan.transport, quantization=quantization,
+                                             transport=transport, quantization=quantization,
                                              quantization_reason=reason), wait=["loads"])
         for a in assignments:
             cmd = LoadStage(load_id=load_id, model_id=model_id, assignment=a, num_stages=plan.num_stages,
                             stage_fellows=[x.fellow_id for x in assignments if x.replica == a.replica],
-                            transport=plan.transport, quantization=quantization, model_path=model.path,
+                            transport=transport, quantization=quantization, model_path=model.path,
                             manifest_sha256=model.manifest_sha256, replicas=plan.replicas)
             await publish_struct(self.leader.js, subjects.command(a.fellow_id, "load"), cmd,
                                  msg_id=load_msg_id(load_id, a))
