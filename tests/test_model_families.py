@@ -328,6 +328,35 @@ def test_a_hybrid_stages_cache_free_pass_and_step_costs(checkpoints, servables):
     assert set(costs) == {"1", "3"} and all(ms > 0 for ms in costs.values())
 
 
+def test_a_hybrid_stages_kv_budget_counts_keys_of_its_attention_layers_and_each_sessions_states(checkpoints):
+    """A token costs the keys and values of the attention layers only; the states a session keeps in each
+    linear layer, whatever its length, are what a real session's cache holds, and the budget keeps them
+    free for every session that may be in flight before it counts tokens."""
+    from fellow.runtime.model import kv_budget
+
+    stage = StageModel.from_causal_lm(hf_model(checkpoints["qwen3-next"]))
+    attention = sum(stage._attends)
+    assert 0 < attention < len(stage.layers)
+    element = torch.tensor([], dtype=stage.dtype).element_size()
+    per_token = kv_budget.bytes_per_token(stage, 0)[torch.device("cpu")]
+    scores = stage.config.num_attention_heads * stage.config.max_position_embeddings * kv_budget.SCORE_BYTES
+    assert per_token - scores == attention * 2 * stage.num_kv_heads * stage.head_dim * element
+    states = kv_budget.session_state_bytes(stage)[torch.device("cpu")]
+    cache = stage.new_cache()
+    stage.prefill(cache, torch.tensor(PROMPTS[0]))
+    held = sum(t.numel() * t.element_size() for t in (*cache.conv.values(), *cache.state.values()))
+    assert states == held > 0  # what one session's states really take
+    cache.release()
+    # every session's states come out of the usable memory before tokens are counted: as many sessions as
+    # twice the usable memory holds leave no token, where a stage without recurrent layers is unmoved
+    crowd = int(2 * kv_budget.CPU_USABLE * kv_budget.cpu_free_bytes() / states)
+    assert kv_budget.measured_kv_tokens(stage, 0) > 0
+    assert kv_budget.measured_kv_tokens(stage, 0, sessions=crowd) == 0
+    moe = StageModel.from_causal_lm(hf_model(checkpoints["qwen3-moe"]))
+    assert kv_budget.session_state_bytes(moe) == {}
+    assert kv_budget.measured_kv_tokens(moe, 0, sessions=crowd) > 0
+
+
 def test_a_quantized_hybrid_stage_serves_its_linear_layers_in_int8(checkpoints, servables):
     """int8 weight-only: every nn.Linear of the HF layers (the Gated DeltaNet's projections too) swapped for a
     quantized one; the convolution and the experts' stacked weights stay float. Its replies are its own (int8

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections import defaultdict
 
@@ -25,8 +26,9 @@ def bytes_per_token(stage: StageModel, prefill_chunk: int) -> dict[torch.device,
     """
     element = torch.tensor([], dtype=stage.dtype).element_size()
     kv = defaultdict(int)
-    for device in stage.layer_devices:
-        kv[device] += 2 * stage.num_kv_heads * stage.head_dim * element
+    attends = getattr(stage, "_attends", None) or [True] * len(stage.layer_devices)
+    for device, holds_keys in zip(stage.layer_devices, attends):  # a recurrent layer keeps no keys
+        kv[device] += 2 * stage.num_kv_heads * stage.head_dim * element if holds_keys else 0
     piece = prefill_chunk if prefill_chunk > 0 else stage.config.max_position_embeddings
     scores = stage.config.num_attention_heads * piece * SCORE_BYTES
     return {device: layer_bytes + scores for device, layer_bytes in kv.items()}
@@ -53,14 +55,34 @@ def cpu_free_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def measured_kv_tokens(stage: StageModel, prefill_chunk: int = 256) -> int:
-    """The stage's KV budget in tokens: the device that holds the fewest sets it."""
+def session_state_bytes(stage: StageModel) -> dict[torch.device, int]:
+    """Per device: the fixed-size states one session keeps in the stage's recurrent (linear-attention)
+    layers, whatever its length (fellow.runtime.model.recurrent); empty for a stage without such layers."""
+    from fellow.runtime.model.recurrent import state_shapes
+
+    states: dict[torch.device, int] = defaultdict(int)
+    if getattr(stage, "recurrent", None) is None:
+        return states
+    element = torch.tensor([], dtype=stage.dtype).element_size()
+    for layer, device, holds_keys in zip(stage.layers, stage.layer_devices, stage._attends):
+        if not holds_keys:
+            conv, state, _dtype, _device = state_shapes(layer, stage.dtype, device)
+            states[device] += math.prod(conv) * element + math.prod(state) * 4  # recurrent states in float32
+    return states
+
+
+def measured_kv_tokens(stage: StageModel, prefill_chunk: int = 256, sessions: int = 0) -> int:
+    """The stage's KV budget in tokens: the device that holds the fewest sets it. ``sessions``: how many
+    sessions it may hold at once; their fixed-size recurrent states (session_state_bytes) are kept free
+    first, so the tokens are what is left."""
     budgets = []
+    states = session_state_bytes(stage)
     for device, token_bytes in bytes_per_token(stage, prefill_chunk).items():
+        held = sessions * states.get(device, 0)
         if device.type == "cuda":
             budgets.append(kv_tokens_for(cuda_free_bytes(device), token_bytes,
-                                         usable=CUDA_USABLE, keep_bytes=CUDA_KEEP_BYTES))
+                                         usable=CUDA_USABLE, keep_bytes=CUDA_KEEP_BYTES + held))
         else:
-            tokens = kv_tokens_for(cpu_free_bytes(), token_bytes, usable=CPU_USABLE, keep_bytes=0)
+            tokens = kv_tokens_for(cpu_free_bytes(), token_bytes, usable=CPU_USABLE, keep_bytes=held)
             budgets.append(min(tokens, CPU_CAP_TOKENS))
     return min(budgets)

@@ -41,8 +41,10 @@ def report(msg: Report) -> None:
 
 def kv_budget(stage: StageModel, transport: Transport, planned: int | None = None) -> tuple[int, int]:
     """(held, planned): what the stage measures it holds, never more than placement planned (``planned``
-    where the stage plans more itself)."""
-    measured = measured_kv_tokens(stage, transport.prefill_chunk or 256)
+    where the stage plans more itself). A stage with recurrent layers keeps the states of as many sessions
+    as may be in flight free first (kv_budget.session_state_bytes)."""
+    measured = measured_kv_tokens(stage, transport.prefill_chunk or 256,
+                                  sessions=max(transport.max_in_flight, transport.in_flight_max))
     planned = transport.kv_tokens if planned is None else planned
     return (min(measured, planned) if planned else measured), (planned or measured)
 
