@@ -17,6 +17,7 @@ from core.servable import ServableError
 from events.ring import VERIFY, Hidden, Token
 from fellow.runtime.model.fused import Linear, fusable, layer_windows
 from fellow.runtime.model.kernels import prepare_stage
+from fellow.runtime.model.recurrent import SESSIONS
 from fellow.runtime.model.stage import StageModel
 from fellow.runtime.tools.export import export
 from tests.test_ring_runtime import LocalRing, one_stage
@@ -175,7 +176,7 @@ def test_a_mixture_of_experts_is_served_by_the_hf_layers_and_says_why(checkpoint
     assert greedy_batched(stage, PROMPTS) == [generate(model, prompt) for prompt in PROMPTS]
 
 
-# --- the hybrid Qwen3-Next: linear-attention layers with a recurrent state, one session at a time ---------
+# --- the hybrid Qwen3-Next: linear-attention layers with a recurrent state, prompts one session at a time ---
 
 def test_a_hybrid_stage_replies_as_generate_alone_and_in_batches(checkpoints):
     model = hf_model(checkpoints["qwen3-next"])
@@ -214,10 +215,12 @@ def test_qwen3_next_exports_without_its_multi_token_prediction_head(checkpoints,
 
 
 def test_hybrid_sessions_interleaved_in_decode_steps_get_what_each_gets_alone(checkpoints):
-    """A decode step over several sessions runs each alone through the layers, in order: the logits the
-    session gets decoding by itself (to float32 rounding: the head takes the step's rows at once), while
-    sessions of other lengths join, step and leave beside it."""
+    """A decode step over several sessions runs them in one batch (their states stacked in the linear
+    layers, their keys padded in the attention ones): each gets the logits it gets decoding by itself (to
+    float32 rounding), while sessions of other lengths join, step and leave beside it."""
     stage = StageModel.from_causal_lm(hf_model(checkpoints["qwen3-next"]))
+    rows_in: list[int] = []  # the rows of every forward through the first (linear-attention) layer
+    stage.layers[0].register_forward_pre_hook(lambda _module, args: rows_in.append(args[0].shape[0]))
 
     def alone(prompt: list[int]) -> list[torch.Tensor]:
         cache = stage.new_cache()
@@ -239,9 +242,10 @@ def test_hybrid_sessions_interleaved_in_decode_steps_get_what_each_gets_alone(ch
             logits = stage.decode([caches[i] for i in live], torch.tensor([int(got[i][-1].argmax()) for i in live]))
             for i, row in zip(live, logits):
                 got[i].append(row)
+    assert max(rows_in) == 3 and 2 in rows_in  # steps of three and of two sessions ran batched
     for mine, theirs in zip(got, want):
         assert len(mine) == len(theirs) == 13
-        for a, b in zip(mine, theirs):  # the head reads every row of a step at once: float32 rounding apart
+        for a, b in zip(mine, theirs):  # a batched step rounds its matmuls otherwise: float32 rounding apart
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
             assert int(a.argmax()) == int(b.argmax())
 
@@ -270,7 +274,7 @@ def test_a_hybrid_stage_cannot_roll_back_and_its_engine_turns_drafts_and_prefix_
     assert engine.speculative == 0 and engine.prefix is None and engine.draft is None
     note = stage.kernels["recurrent"]
     assert note["off"] == ["speculative", "prefix_cache"] and note["layers"] == [0, 2]
-    assert note["sessions"] == "one at a time" and "cannot be rolled back or cut at a position" in note["why"]
+    assert note["sessions"] == SESSIONS and "cannot be rolled back or cut at a position" in note["why"]
     # a prompt that repeats (prompt lookup would draft) twice: the second could have reused the first's positions
     prompt = [5, 6, 7, 8] * 6
     replies = []
@@ -295,7 +299,7 @@ def test_a_hybrid_ring_serves_without_drafts_or_prefix_reuse_on_any_stage(checkp
         assert ring.head.speculative == 0 and ring.head.prefix is None and ring.workers[0].prefix is None
         assert ring.stages[0].stage.kernels["recurrent"]["off"] == ["speculative", "prefix_cache"]
         assert ring.stages[1].stage.kernels["recurrent"] == {
-            "layers": [2], "sessions": "one at a time", "off": ["prefix_cache"], "why": ring.stages[1].stage.recurrent}
+            "layers": [2], "sessions": SESSIONS, "off": ["prefix_cache"], "why": ring.stages[1].stage.recurrent}
         prompts = [[5, 6, 7, 8] * 4, [5, 6, 7, 8] * 4 + [9]]
         assert ring.generate(prompts, NEW_TOKENS) == {f"s{i}": generate(model, p) for i, p in enumerate(prompts)}
         ring.settle()
@@ -393,7 +397,7 @@ def test_a_hybrid_model_through_the_serving_stack_replies_as_generate(tmp_path, 
         assert kernels["path"].startswith("hf") and "1" in kernels["step_ms"]
         assert all(ms > 0 for ms in kernels["step_ms"].values())
         assert kernels["recurrent"]["off"] == ["speculative", "prefix_cache"]
-        assert kernels["recurrent"]["layers"] == [0, 2] and kernels["recurrent"]["sessions"] == "one at a time"
+        assert kernels["recurrent"]["layers"] == [0, 2] and kernels["recurrent"]["sessions"] == SESSIONS
         content = "Name three colours."
         body = {"model": "tiny", "max_tokens": 16, "temperature": 0, "messages": [{"role": "user", "content": content}]}
         reply = stack.post("/v1/chat/completions", body).json()

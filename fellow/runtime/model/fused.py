@@ -68,7 +68,7 @@ class Linear:
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
 # layer kinds that keep a recurrent state per session instead of keys and values, and the families whose
-# layers of that kind are served (fellow.runtime.model.recurrent: one session at a time, no rollback)
+# layers of that kind are served (fellow.runtime.model.recurrent: prompts one session at a time, no rollback)
 RECURRENT_KINDS = {"linear_attention": ("qwen3_next",)}
 
 

@@ -11,8 +11,11 @@ project's batched views pad keys and values, which it has none of. So a stage wi
   a linear one keeps no keys) and each linear layer's states beside them (``RecurrentCache``); the
   layers reach both through ``RecurrentView``, which updates the states as transformers' own
   ``LinearAttentionLayer`` does (what ``generate`` runs on);
-- runs every forward for one session at a time: a decode step of N sessions runs each alone, in order,
-  and gives each the logits it gets alone (``StageModel.decode``);
+- runs a prompt piece for one session at a time (a linear layer's chunked rule would need every row's
+  padding masked), and a decode step of N sessions that have each run a position already in one batch
+  (``RecurrentBatchedView``: keys and values padded as for any stage, the linear layers' states stacked
+  and handed back after the step); each gets the logits it gets alone, to float32 rounding
+  (``StageModel.decode``);
 - cannot roll back: ``crop_to`` refuses to move back, ``StageModel.verify`` refuses, and the engines
   serve it without speculative decoding, a draft model or prefix reuse, saying so in the stage's
   ``kernels["recurrent"]`` (``off_note``).
@@ -27,9 +30,12 @@ import torch
 import torch.nn.functional as F
 
 from fellow.runtime.model.fused import recurrent_layers
-from fellow.runtime.model.kv_cache import KVCache
+from fellow.runtime.model.kv_cache import BatchedView, KVCache
 
 log = logging.getLogger(__name__)
+
+
+SESSIONS = "prompts one at a time, decode steps batched"  # how a stage with recurrent layers runs sessions
 
 
 class RollbackRefused(ValueError):
@@ -44,7 +50,7 @@ def recurrent_reason(config, layers: Iterable[int] | None = None) -> str | None:
     if not wanted:
         return None
     return (f"layers {_spans(wanted)} are linear attention: each session keeps a recurrent state that cannot "
-            f"be rolled back or cut at a position, so sessions run one at a time, without drafts or prefix reuse")
+            f"be rolled back or cut at a position, so prompts run one session at a time, without drafts or prefix reuse")
 
 
 def _spans(indices: list[int]) -> str:
@@ -60,13 +66,13 @@ def _spans(indices: list[int]) -> str:
 
 def off_note(stage, off: list[str], model: bool = False) -> dict:
     """What a recurrent stage's status says (``kernels["recurrent"]``): its linear layers (``model``: the
-    whole model's, where a ring's stage 0 decides for every stage), that sessions run one at a time, what
+    whole model's, where a ring's stage 0 decides for every stage), how sessions run, what
     the engine turned ``off`` for it, and why; logged once."""
     layers = recurrent_layers(stage.config) if model else stage.recurrent_layers
     why = recurrent_reason(stage.config) if model else stage.recurrent
-    note = {"layers": layers, "sessions": "one at a time", "off": off, "why": why}
+    note = {"layers": layers, "sessions": SESSIONS, "off": off, "why": why}
     stage.kernels = {**stage.kernels, "recurrent": note}
-    log.info("linear-attention layers %s: sessions run one at a time%s", _spans(layers),
+    log.info("linear-attention layers %s: %s%s", _spans(layers), SESSIONS,
              f"; {', '.join(off)} off" if off else "")
     return note
 
@@ -173,6 +179,70 @@ class RecurrentView:
                                **kwargs) -> torch.Tensor:
         self.cache.state[layer_idx] = recurrent_states
         return recurrent_states
+
+
+class RecurrentBatchedView:
+    """One decode position for several sessions in one forward, on a stage with recurrent layers.
+
+    The attention layers attend through a BatchedView over the sessions' own KVCaches (left-padded keys
+    and values, masked), addressed by each layer's slot there. Each linear layer gets the sessions' states
+    stacked into one batch ([B, C, kernel] and [B, heads, key, value]): a one-position step updates the
+    convolution state in place and returns a new recurrent state, and ``commit`` hands each session its
+    row of both. Every session must have run a position already (``batchable``): a fresh one has no
+    state to stack, and its first piece runs alone."""
+
+    def __init__(self, caches: list[RecurrentCache]) -> None:
+        self.caches = caches
+        self.attention = caches[0].attention
+        self.batched = BatchedView([cache.kv for cache in caches])
+        self.conv: dict[int, torch.Tensor] = {}
+        self.state: dict[int, torch.Tensor] = {}
+
+    @staticmethod
+    def batchable(caches) -> bool:
+        return len(caches) > 1 and all(isinstance(c, RecurrentCache) and c.length > 0 and len(c.conv) == len(c.linear)
+                                       and len(c.state) == len(c.linear) for c in caches)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return self.batched.update(key_states, value_states, self.attention[layer_idx])
+
+    def attention_mask(self, dtype: torch.dtype, device: torch.device, window: int | None = None):
+        return self.batched.attention_mask(dtype, device, window)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.batched.get_seq_length()
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        if layer_idx not in self.conv:
+            self.conv[layer_idx] = torch.cat([cache.conv[layer_idx] for cache in self.caches])
+        return self.conv[layer_idx]
+
+    def update_conv_state(self, *args, **kwargs):
+        raise RuntimeError("a batched step over recurrent layers takes one position a session")
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        if layer_idx not in self.state:
+            self.state[layer_idx] = torch.cat([cache.state[layer_idx] for cache in self.caches])
+        return self.state[layer_idx]
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs) -> torch.Tensor:
+        self.state[layer_idx] = recurrent_states
+        return recurrent_states
+
+    def commit(self) -> None:
+        """Each session's new keys and values, and its rows of the stepped states; the stage then advances
+        each by one."""
+        self.batched.commit()
+        for layer_idx, conv in self.conv.items():
+            for row, cache in enumerate(self.caches):
+                cache.conv[layer_idx].copy_(conv[row : row + 1])
+        for layer_idx, state in self.state.items():
+            for row, cache in enumerate(self.caches):
+                cache.state[layer_idx] = state[row : row + 1].clone()
 
 
 def state_shapes(layer: torch.nn.Module, dtype: torch.dtype,

@@ -13,8 +13,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fellow.runtime.model.fused import (FusedLayer, FusedStack, Linear, MakeLinear, bias_of, layer_windows,
                                         recurrent_layers, rotary_tables, strip_linears)
 from fellow.runtime.model.kv_cache import BatchedView, FreshBatchView, KVCache, SessionView
-from fellow.runtime.model.recurrent import (RecurrentCache, RecurrentView, RollbackRefused, recurrent_reason,
-                                            state_shapes)
+from fellow.runtime.model.recurrent import (RecurrentBatchedView, RecurrentCache, RecurrentView, RollbackRefused,
+                                            recurrent_reason, state_shapes)
 
 BATCHABLE_ATTENTION = ("sdpa", "eager")  # implementations that take an explicit additive 4D mask
 # cuDNN attention rebuilt its plan for every new key length: 52 ms a decode step on an H200 where
@@ -43,7 +43,8 @@ class StageModel:
     last position only; the others return hidden states of every position they ran.
 
     A stage with recurrent layers (``recurrent``: why, else None; fellow.runtime.model.recurrent) keeps
-    each session in a RecurrentCache and runs every forward for one session at a time; it cannot roll
+    each session in a RecurrentCache, runs prompt pieces for one session at a time and decode steps
+    batched (RecurrentBatchedView); it cannot roll
     a session back (no ``verify``, no ``piece_logits``).
     """
 
@@ -276,6 +277,8 @@ class StageModel:
         layers runs each session alone, in order.
         """
         if self.recurrent is not None:
+            if RecurrentBatchedView.batchable(caches):
+                return self._recurrent_step(caches, inputs)
             return self._each_alone(caches, [inputs[row : row + 1] for row in range(len(caches))])
         if self.compiled is not None and self.compiled.serves(len(caches)):
             try:
@@ -305,6 +308,21 @@ class StageModel:
         hidden = self._layers(hidden, position_ids, masks, view)
         if isinstance(view, BatchedView):
             view.commit()
+        for cache in caches:
+            cache.advance(1)
+        return self._head(hidden) if self.is_last else hidden
+
+    def _recurrent_step(self, caches: Sequence[RecurrentCache], inputs: torch.Tensor) -> torch.Tensor:
+        """One position for several sessions that have each run some already, batched through every layer
+        (RecurrentBatchedView): the attention layers over padded keys, the linear ones over stacked states."""
+        hidden = self._embed(inputs.view(-1, 1)) if self.is_first else inputs
+        for cache in caches:
+            cache.reserve(1)
+        position_ids = torch.tensor([[cache.length] for cache in caches], device=hidden.device)
+        view = RecurrentBatchedView(list(caches))
+        masks = {window: view.attention_mask(hidden.dtype, hidden.device, window) for window in self.windows}
+        hidden = self._layers(hidden, position_ids, masks, view)
+        view.commit()
         for cache in caches:
             cache.advance(1)
         return self._head(hidden) if self.is_last else hidden

@@ -76,7 +76,7 @@ class RingWorker:
     own PrefixCache, within that many KV tokens together with the live sessions' reservations, and a
     first frame that reuses a prefix copies it from there (fellow.runtime.ring.head says who decides).
     A stage with recurrent layers keeps none (fellow.runtime.model.recurrent), and runs a decode batch's
-    sessions one at a time.
+    sessions batched over stacked states (fellow.runtime.model.recurrent).
     """
 
     def __init__(self, ring: RingStage, inbox: Inbox, send: Callable[..., None], max_batch: int = 0,
