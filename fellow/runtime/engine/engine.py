@@ -245,9 +245,10 @@ class Engine(Scheduler):
         of layers in budget tokens. It may use what is unreserved plus one prompt piece's room: a
         decode step never runs beside a piece.
         """
-        if self.stage.fused is not None or self.stage.recurrent is not None:
-            # fused layers attend row by row in each session's own cache; a stage with recurrent layers runs
-            # each session alone: no padded copy
-            return True
-        copy_tokens = rows * (longest + 1) / len(self.stage.layers)
+        if self.stage.fused is not None:
+            return True  # fused layers attend row by row in each session's own cache: no padded copy
+        # a stage with recurrent layers pads its attention layers' keys only (RecurrentBatchedView), each of
+        # which a budget token counts (kv_budget.bytes_per_token)
+        layers = sum(self.stage._attends) if self.stage.recurrent is not None else len(self.stage.layers)
+        copy_tokens = rows * (longest + 1) / max(1, layers)
         return copy_tokens <= self.budget.free + (self.prefill_chunk or 256)
