@@ -28,6 +28,13 @@ vocabulary held 0.18x of its float32 bytes with it, 0.139x without (docs/benchma
   float head of a large vocabulary would hold more bytes than the layers saved), so a fellow declares
   NF4 only where the int8 kernel runs too.
 
+On a CUDA card (CUDA_KERNELS; none of it has run on a card in this project's tests yet): NF4 through
+``bitsandbytes.matmul_4bit`` in the stage's dtype; int8 held as ``from_pretrained(load_in_8bit=True)``
+holds it and multiplied as its Linear8bitLt does without outliers (``bnb-int8``; it runs on a CPU too,
+where tests drive it); int4-fast through torch's CUDA int4 kernel (tinygemm, the one torchao's int4
+weight-only tile-packed layout calls) on Ampere or newer, else Int4Unavailable and the loader reloads
+the stage as NF4. A stage on a card keeps its layers' HF forward (fused layers are CPU-only).
+
 A stage is quantized layer by layer as it loads (``StageQuantizer.layer``, called by
 ``weights.build_stage_modules`` once each layer is materialized), so its full-precision copy never
 exists whole: at most one layer's float weights at a time.
