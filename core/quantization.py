@@ -33,6 +33,19 @@ _KEYS = {"method", "bits", "backend"}
 _ASKED = ('{"method": "none"}, {"method": "nf4"}, {"bits": 8}, {"method": "int4-fast"}')
 
 
+# SWARM_SERVE_4BIT_ROWS: 4-bit calls of up to this many rows may be split; more (prompt pieces) never are
+SPLIT_MAX_ROWS = 8
+
+
+def fourbit_rows_value(raw: str | int) -> str | int | None:
+    """SWARM_SERVE_4BIT_ROWS as the fellow and its stages read it: ``auto`` (also for empty), ``off``, or a
+    row limit 1..SPLIT_MAX_ROWS as an int; None where it is none of those."""
+    value = str(raw).strip().lower()
+    if value in ("", "auto", "off"):
+        return value or "auto"
+    return int(value) if value.isdigit() and 1 <= int(value) <= SPLIT_MAX_ROWS else None
+
+
 class QuantizationError(ValueError):
     """A quantization that no load serves; the message says what would be."""
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Mapping
 
-from core.quantization import LORA_MODES
+from core.quantization import LORA_MODES, SPLIT_MAX_ROWS, fourbit_rows_value
 
 
 class SettingsError(ValueError):
@@ -110,20 +110,13 @@ def _speculative(env: Mapping[str, str]) -> int:
     return int(raw)
 
 
-FOURBIT_MAX_ROWS = 8  # SWARM_SERVE_4BIT_ROWS: calls of more rows (prompt pieces) are never split
-
-
 def _fourbit_rows(env: Mapping[str, str]) -> str:
     """SWARM_SERVE_4BIT_ROWS: auto (measured at load), off, or a fixed row limit from 1 to 8, as a string."""
-    raw = (env.get("SWARM_SERVE_4BIT_ROWS") or "").strip().lower()
-    if raw in ("", "auto"):
-        return "auto"
-    if raw == "off":
-        return "off"
-    if not raw.isdigit() or not 1 <= int(raw) <= FOURBIT_MAX_ROWS:
+    value = fourbit_rows_value(env.get("SWARM_SERVE_4BIT_ROWS") or "")
+    if value is None:
         raise SettingsError(f"SWARM_SERVE_4BIT_ROWS={env.get('SWARM_SERVE_4BIT_ROWS')!r} must be auto, off, or a "
-                            f"row limit from 1 to {FOURBIT_MAX_ROWS}")
-    return str(int(raw))
+                            f"row limit from 1 to {SPLIT_MAX_ROWS}")
+    return str(value)
 
 
 # Variables the spec names whose feature is not built yet, and the issue that builds it. Setting one is

@@ -339,7 +339,7 @@ def test_a_hybrid_stages_kv_budget_counts_keys_of_its_attention_layers_and_each_
     from fellow.runtime.model import kv_budget
 
     stage = StageModel.from_causal_lm(hf_model(checkpoints["qwen3-next"]))
-    attention = sum(stage._attends)
+    attention = sum(stage.attends)
     assert 0 < attention < len(stage.layers)
     element = torch.tensor([], dtype=stage.dtype).element_size()
     per_token = kv_budget.bytes_per_token(stage, 0)[torch.device("cpu")]

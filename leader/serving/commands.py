@@ -26,8 +26,8 @@ from events.loads import (LoadFailed, LoadPlaced, LoadRequested, StageAssignment
 from leader.catalog import Catalog
 from leader.db.tables import Load, LoadStage as LoadStageRow, Model
 from leader.errors import ApiError
-from leader.placement import (PlacementError, place_replacement, pre_ampere_batch_cap, place_replicas, place_ring_replicas, ring_needs,
-                              ring_stage_count, transport_plan)
+from leader.placement import (PlacementError, place_replacement, place_replicas, place_ring_replicas,
+                              pre_ampere_batch_cap, ring_needs, ring_stage_count, transport_plan)
 from leader.serving.rows import active_load, get_load, load_stages, model_not_found
 
 

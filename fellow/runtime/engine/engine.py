@@ -14,7 +14,7 @@ from fellow.runtime.engine.sampling import make_generator
 from fellow.runtime.engine.scheduler import Scheduler, StepResult
 from fellow.runtime.engine.session import Session
 from fellow.runtime.engine.speculative import verify_drafts
-from fellow.runtime.model.recurrent import off_note
+from fellow.runtime.model.recurrent import without_rollback
 from fellow.runtime.model.stage import StageModel
 
 
@@ -53,10 +53,7 @@ class Engine(Scheduler):
         if not (stage.is_first and stage.is_last):
             raise ValueError("the engine serves a stage that holds the embeddings and the head")
         if stage.recurrent is not None:
-            off = [name for name, on in (("speculative", speculative), ("draft_model", draft is not None),
-                                         ("prefix_cache", prefix_cache)) if on]
-            off_note(stage, off)
-            speculative, draft, prefix_cache = 0, None, False
+            speculative, draft, prefix_cache = without_rollback(stage, speculative, draft, prefix_cache)
         if draft is not None:
             if not speculative:
                 raise ValueError("a draft model drafts only with speculative k > 0")
@@ -249,6 +246,6 @@ class Engine(Scheduler):
             return True  # fused layers attend row by row in each session's own cache: no padded copy
         # a stage with recurrent layers pads its attention layers' keys only (RecurrentBatchedView), each of
         # which a budget token counts (kv_budget.bytes_per_token)
-        layers = sum(self.stage._attends) if self.stage.recurrent is not None else len(self.stage.layers)
+        layers = sum(self.stage.attends) if self.stage.recurrent is not None else len(self.stage.layers)
         copy_tokens = rows * (longest + 1) / max(1, layers)
         return copy_tokens <= self.budget.free + (self.prefill_chunk or 256)

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from core.quantization import fourbit_rows_value
 from events.fellow import CAP_4BIT_ROWS
 from fellow.runtime.model.quant import FOUR_BIT_KERNELS, SPLIT_MAX_ROWS, LeanLoRA, QuantLinear, QuantModule
 
@@ -137,11 +138,9 @@ def _curve(ms: dict[int, float]) -> str:
 
 def parse_rows(rows: str | int) -> str | int:
     """``auto``, ``off`` or a row limit 1..SPLIT_MAX_ROWS (ValueError otherwise)."""
-    value = str(rows).strip().lower()
-    if value in (AUTO, OFF):
+    value = fourbit_rows_value(rows) if str(rows).strip() else None
+    if value is not None:
         return value
-    if value.isdigit() and 1 <= int(value) <= SPLIT_MAX_ROWS:
-        return int(value)
     raise ValueError(f"4-bit row limit {rows!r}: auto, off, or 1 to {SPLIT_MAX_ROWS}")
 
 

@@ -26,7 +26,7 @@ def bytes_per_token(stage: StageModel, prefill_chunk: int) -> dict[torch.device,
     """
     element = torch.tensor([], dtype=stage.dtype).element_size()
     kv = defaultdict(int)
-    attends = getattr(stage, "_attends", None) or [True] * len(stage.layer_devices)
+    attends = getattr(stage, "attends", None) or [True] * len(stage.layer_devices)
     for device, holds_keys in zip(stage.layer_devices, attends):  # a recurrent layer keeps no keys
         kv[device] += 2 * stage.num_kv_heads * stage.head_dim * element if holds_keys else 0
     piece = prefill_chunk if prefill_chunk > 0 else stage.config.max_position_embeddings
@@ -64,7 +64,7 @@ def session_state_bytes(stage: StageModel) -> dict[torch.device, int]:
     if getattr(stage, "recurrent", None) is None:
         return states
     element = torch.tensor([], dtype=stage.dtype).element_size()
-    for layer, device, holds_keys in zip(stage.layers, stage.layer_devices, stage._attends):
+    for layer, device, holds_keys in zip(stage.layers, stage.layer_devices, stage.attends):
         if not holds_keys:
             conv, state, _dtype, _device = state_shapes(layer, stage.dtype, device)
             states[device] += math.prod(conv) * element + math.prod(state) * 4  # recurrent states in float32

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.quantization import INT4_FAST, INT8, LORA_MODES, NF4, NONE
+from core.quantization import INT4_FAST, INT8, LORA_MODES, NF4, NONE, SPLIT_MAX_ROWS
 from events.fellow import CAP_CPU_INT4, CAP_CPU_INT8, CAP_INT4_FAST, CAP_QUANTIZED
 from fellow.runtime.model.fused import FusedLayer, bias_of, fusable, strip_linears
 
@@ -59,7 +59,6 @@ log = logging.getLogger(__name__)
 QUANT_KERNELS = {INT8: "int8", INT4_FAST: "int4", NF4: "bnb-nf4"}  # on the CPU
 CUDA_KERNELS = {INT8: "bnb-int8", INT4_FAST: "int4-tinygemm", NF4: "bnb-nf4"}  # on a CUDA card
 FOUR_BIT_KERNELS = frozenset({"int4", "int4-tinygemm", "bnb-nf4"})  # what fourbit_rows may split / upcast
-SPLIT_MAX_ROWS = 8  # calls of more rows (prompt pieces) are never split
 HEAD_METHOD = {INT8: INT8, INT4_FAST: INT8, NF4: INT8}  # the head's own method, per stage method
 NF4_BLOCK = 64  # weights per NF4 scale: BitsAndBytesConfig's default
 INT4_GROUPS = (64, 32)  # inputs per int4 group, the first that divides in_features

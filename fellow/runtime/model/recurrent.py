@@ -77,6 +77,15 @@ def off_note(stage, off: list[str], model: bool = False) -> dict:
     return note
 
 
+def without_rollback(stage, speculative: int, draft, prefix_cache: bool, model: bool = False):
+    """(0, None, False): what a stage with recurrent layers serves with in place of its engine's
+    ``speculative``, ``draft`` and ``prefix_cache``, noting those that were on (off_note)."""
+    off = [name for name, on in (("speculative", speculative), ("draft_model", draft is not None),
+                                 ("prefix_cache", prefix_cache)) if on]
+    off_note(stage, off, model=model)
+    return 0, None, False
+
+
 class RecurrentCache:
     """One session's cache on a stage with recurrent layers: ``kv`` holds its attention layers' keys and
     values (compact: ``attention`` maps each such layer's absolute index to its slot there), ``conv`` and

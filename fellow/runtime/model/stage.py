@@ -75,7 +75,7 @@ class StageModel:
         self.recurrent_layers = [i for i in recurrent_layers(config) if i in indices]
         self.recurrent: str | None = recurrent_reason(config, indices)
         # per slot: the layer attends to keys and values (else it keeps a recurrent state and takes no mask)
-        self._attends = [first_layer + slot not in self.recurrent_layers for slot in range(len(layers))]
+        self.attends = [first_layer + slot not in self.recurrent_layers for slot in range(len(layers))]
         self.config = config
         self.layers = list(layers)
         self.first_layer = first_layer
@@ -143,12 +143,12 @@ class StageModel:
         if self.graphed is not None and (pooled := self.graphed.take()) is not None:
             return pooled  # a slot of the pool its decode steps replay over (fellow.runtime.model.cuda_graphs)
         if self.recurrent is not None:  # keys and values of the attention layers only, states of the others
-            slots = [slot for slot, attends in enumerate(self._attends) if attends]
+            slots = [slot for slot, attends in enumerate(self.attends) if attends]
             kv = KVCache(0, len(slots), self.num_kv_heads, self.head_dim, self.dtype,
                          [self.layer_devices[slot] for slot in slots])
             shapes = {self.first_layer + slot: state_shapes(layer, self.dtype, device)
                       for slot, (layer, device) in enumerate(zip(self.layers, self.layer_devices))
-                      if not self._attends[slot]}
+                      if not self.attends[slot]}
             return RecurrentCache(kv, {self.first_layer + slot: n for n, slot in enumerate(slots)},
                                   self.recurrent_layers, shapes)
         return KVCache(self.first_layer, len(self.layers), self.num_kv_heads, self.head_dim,
@@ -370,7 +370,7 @@ class StageModel:
         device = hidden.device
         position_embeddings = self.rotary_emb(hidden, position_ids)
         for layer, layer_device, window, attends in zip(self.layers, self.layer_devices, self.layer_windows,
-                                                        self._attends):
+                                                        self.attends):
             if layer_device != device:  # layers spread over several cards
                 device = layer_device
                 hidden = hidden.to(device)

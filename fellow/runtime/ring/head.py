@@ -19,7 +19,7 @@ from fellow.runtime.ring.codec import WireCodec
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.session import RingFailure, RingSession
 from fellow.runtime.engine.session import Session
-from fellow.runtime.model.recurrent import off_note, recurrent_reason
+from fellow.runtime.model.recurrent import recurrent_reason, without_rollback
 from fellow.runtime.model.stage import StageModel
 
 WAIT_S = 0.02  # longest wait for a token before the serving loop looks at new jobs again
@@ -73,10 +73,7 @@ class RingHead(Scheduler):
         if not stage.is_first or stage.is_last:
             raise ValueError("a ring's head holds the embeddings and not the head")
         if recurrent_reason(stage.config) is not None:  # on any stage: stage 0 decides for the ring
-            off = [name for name, on in (("speculative", speculative), ("draft_model", draft is not None),
-                                         ("prefix_cache", prefix_cache)) if on]
-            off_note(stage, off, model=True)
-            speculative, draft, prefix_cache = 0, None, False
+            speculative, draft, prefix_cache = without_rollback(stage, speculative, draft, prefix_cache, model=True)
         if draft is not None:
             if not speculative:
                 raise ValueError("a draft model drafts only with speculative k > 0")
