@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fellow.runtime.engine.draft_model import load_draft_model  # noqa: E402
-from fellow.runtime.engine.engine import Engine  # noqa: E402
+from fellow.runtime.engine.engine import local_engine  # noqa: E402
 from fellow.runtime.engine.prefix_cache import PrefixCache  # noqa: E402
 from fellow.runtime.engine.sampling import SamplingParams  # noqa: E402
 from fellow.runtime.engine.session import Session  # noqa: E402
@@ -51,7 +51,7 @@ def prompts(tok, templates: list[str], n: int) -> list[list[int]]:
 
 def decode_rate(stage, batch: list[list[int]], tokens: int, k: int, draft, prefix) -> tuple[float, dict, list]:
     """(decode tokens/s, the sessions' counters summed, their replies)."""
-    engine = Engine(stage, kv_tokens=1 << 20, speculative=k, draft=draft)
+    engine = local_engine(stage, kv_tokens=1 << 20, speculative=k, draft=draft)
     engine.prefix = prefix
     sessions = [Session(f"s{i}", ids, tokens, SamplingParams(temperature=0.0)) for i, ids in enumerate(batch)]
     for session in sessions:

@@ -9,7 +9,7 @@ import time
 import torch
 import transformers
 
-from fellow.runtime.engine.engine import Engine
+from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.model.kernels import prepare_stage
 from fellow.runtime.engine.sampling import SamplingParams
 from fellow.runtime.engine.session import Session
@@ -41,7 +41,7 @@ def run_generate(model, prompts: torch.Tensor, new_tokens: int, sampled: bool = 
 
 
 def run_engine(stage: StageModel, prompts: torch.Tensor, new_tokens: int, sampled: bool = False) -> float:
-    engine = Engine(stage, kv_tokens=1 << 20, prefill_chunk=256)
+    engine = local_engine(stage, kv_tokens=1 << 20, prefill_chunk=256)
     started = time.perf_counter()
     for row, ids in enumerate(prompts.tolist()):
         engine.add(Session(f"s{row}", ids, new_tokens, SAMPLED if sampled else GREEDY))

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from bench.bench_engine import build_model, shape_arguments
-from fellow.runtime.engine.engine import Engine
+from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.processors import constraint_for
 from fellow.runtime.engine.sampling import SamplingParams
 from fellow.runtime.engine.session import Session
@@ -41,7 +41,7 @@ def grammar() -> str:
 
 
 def run(stage: StageModel, tokenizer, prompts: list[list[int]], new_tokens: int, constrained: str, seed: int) -> float:
-    engine = Engine(stage, kv_tokens=1 << 20, prefill_chunk=256, prefix_cache=False)
+    engine = local_engine(stage, kv_tokens=1 << 20, prefill_chunk=256, prefix_cache=False)
     eos = frozenset({tokenizer.convert_tokens_to_ids("<|im_end|>")})
     started = time.perf_counter()
     for row, ids in enumerate(prompts):

@@ -4,7 +4,7 @@ One home per stage, every two homes at a round trip of RTT ms (one way RTT/2), e
 them through a delay proxy (tests/delay_proxy.py, each in a process of its own): nats-server and
 stage 0 are in home 0, stage i in home i. So each later stage's NATS connection crosses the WAN, and
 so does every direct hop (0 -> 1 -> ... -> 0: one crossing a hop). The ring is the real one
-(RingHead, RingWorker, RingLink over a real nats-server), its stages in this process on threads of
+(ring_engine, RingWorker, RingLink over a real nats-server), its stages in this process on threads of
 their own (tests/bus_ring.py), greedy, no stop ids.
 
 For each stage count, RTT and route it reports decode tokens/s at 1 and at 4 sessions in flight (the
@@ -111,7 +111,7 @@ async def measure_sized(model: Path, nats: EmbeddedNats, rtt_ms: float, tokens: 
         out = {"sized": True, "stages": stages, "rtt_ms": rtt_ms, "routes": ring.routes, **sizing.as_dict()}
         fixed = per_group * stages
         for label, n, groups in (("1", 1, stages), ("fixed", fixed, stages), ("sized", sizing.in_flight, sizing.groups)):
-            ring.head.groups = groups
+            ring.head.runner.units.groups = groups
             replies, timings = await asyncio.to_thread(ring.generate, prompts(n), tokens)
             assert all(len(r) == tokens for r in replies.values()), replies
             out[f"tok_s_{label}"] = round(sum(t["tokens_per_s"] for t in timings.values()), 2)

@@ -115,14 +115,14 @@ def hf_generate(model, tok, batch: int, tokens: int) -> float:
 
 def engine_alone(stage, tok, batch: int, tokens: int) -> tuple[float, float]:
     """(decode tokens/s, ms to the first token of one short prompt) of the stage as a fellow serves it."""
-    from fellow.runtime.engine.engine import Engine
+    from fellow.runtime.engine.engine import local_engine
     from fellow.runtime.engine.sampling import SamplingParams
     from fellow.runtime.engine.session import Session
 
     prompts = prompts_for(tok, batch)
 
     def run(n: int) -> float:
-        engine = Engine(stage, kv_tokens=1 << 20)
+        engine = local_engine(stage, kv_tokens=1 << 20)
         started = time.perf_counter()
         for row, ids in enumerate(prompts):
             engine.add(Session(f"s{row}", ids, n, SamplingParams(temperature=0.0)))

@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_matrix import SHAPES, make_checkpoint  # noqa: E402
 from bench.scratch import scratch_dir  # noqa: E402
-from fellow.runtime.engine.engine import Engine  # noqa: E402
+from fellow.runtime.engine.engine import local_engine  # noqa: E402
 from fellow.runtime.engine.sampling import SamplingParams  # noqa: E402
 from fellow.runtime.engine.session import Session  # noqa: E402
 
@@ -33,7 +33,7 @@ def user_message(vocab: int, chat: int, turn: int, size: int) -> list[int]:
 
 def run_chats(stage, vocab: int, chats: int, turns: int, message: int, reply: int, cache: bool) -> dict:
     """All chats turn by turn, their turns in flight together; per turn the median TTFT (ms)."""
-    engine = Engine(stage, kv_tokens=1 << 20, prefix_cache=cache)
+    engine = local_engine(stage, kv_tokens=1 << 20, prefix_cache=cache)
     histories = [[] for _ in range(chats)]
     ttft, decoded, decode_s, cached = [], 0, 0.0, []
     for turn in range(turns):

@@ -102,11 +102,11 @@ def decode_rate(stage, prompts: list[list[int]], streams: int, tokens: int, k: i
 
     ``prefix`` is a PrefixCache kept over the runs of one stage, so a prompt is computed once, not
     once per run (prompts are not timed)."""
-    from fellow.runtime.engine.engine import Engine
+    from fellow.runtime.engine.engine import local_engine
     from fellow.runtime.engine.sampling import SamplingParams
     from fellow.runtime.engine.session import Session
 
-    engine = Engine(stage, kv_tokens=1 << 20, speculative=k)
+    engine = local_engine(stage, kv_tokens=1 << 20, speculative=k)
     engine.prefix = prefix
 
     def send(stream: int, n: int) -> Session:

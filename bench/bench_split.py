@@ -32,11 +32,11 @@ WAYS = (("now", 8), ("before", 8), ("one batch", 16))
 
 def run(stage, prompts: list[list[int]], tokens: int, cap: int, prefix) -> tuple[float, int]:
     """(decode tokens/s, slab rebuilds while decoding)."""
-    from fellow.runtime.engine.engine import Engine
+    from fellow.runtime.engine.engine import local_engine
     from fellow.runtime.engine.sampling import SamplingParams
     from fellow.runtime.engine.session import Session
 
-    engine = Engine(stage, kv_tokens=1 << 22, max_batch=cap)
+    engine = local_engine(stage, kv_tokens=1 << 22, max_batch=cap)
     engine.prefix = prefix
     sessions = [Session(f"s{i}", ids, tokens, SamplingParams(temperature=0.0)) for i, ids in enumerate(prompts)]
     for session in sessions:

@@ -113,7 +113,7 @@ def engine_first_and_step(servable: Path, model_dir: Path, tokens: int = 32) -> 
     from transformers import AutoTokenizer
 
     from bench.bench_matrix import prompts_for
-    from fellow.runtime.engine.engine import Engine
+    from fellow.runtime.engine.engine import local_engine
     from fellow.runtime.engine.sampling import SamplingParams
     from fellow.runtime.engine.session import Session
     from fellow.runtime.model.loader import load_one_stage
@@ -122,7 +122,7 @@ def engine_first_and_step(servable: Path, model_dir: Path, tokens: int = 32) -> 
     prompt = prompts_for(AutoTokenizer.from_pretrained(str(model_dir)), 1)[0]
 
     def run(n: int) -> Session:
-        engine = Engine(stage, kv_tokens=1 << 20)
+        engine = local_engine(stage, kv_tokens=1 << 20)
         session = Session("s", prompt, n, SamplingParams(temperature=0.0))
         engine.add(session)
         while engine.busy:

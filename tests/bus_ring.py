@@ -9,7 +9,7 @@ import uuid
 from core.bus import connect
 from fellow.runtime.engine.sampling import SamplingParams
 from fellow.runtime.engine.session import Session
-from fellow.runtime.ring.head import RingHead
+from fellow.runtime.ring.head import ring_engine
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.link import RingLink
 from fellow.runtime.model.kernels import step_costs
@@ -45,9 +45,9 @@ class BusRing:
             self.inboxes.append(inbox)
             self.links_.append(link)
         link0 = self.links_[0]
-        self.head = RingHead(self.stages[0].stage, self.stages[0].sender, link0.send, self.inboxes[0],
-                             num_stages=self.num_stages, kv_tokens=self.kv_tokens, prefill_chunk=self.prefill_chunk,
-                             route=lambda: link0.route)
+        self.head = ring_engine(self.stages[0].stage, self.stages[0].sender, link0.send, self.inboxes[0],
+                               num_stages=self.num_stages, kv_tokens=self.kv_tokens, prefill_chunk=self.prefill_chunk,
+                               route=lambda: link0.route)
         self.workers = [RingWorker(self.stages[i], self.inboxes[i], self.links_[i].send, prefix_tokens=self.kv_tokens,
                                    route=lambda link=self.links_[i]: link.route) for i in range(1, self.num_stages)]
         for worker in self.workers:
@@ -65,7 +65,7 @@ class BusRing:
         link0 = self.links_[0]
         transit = await link0.transit_ms()
         sizing = size_ring([own, *link0.ring_step_ms], transit, per_group, ceiling)
-        self.head.groups = sizing.groups
+        self.head.runner.units.groups = sizing.groups
         return sizing
 
     def generate(self, prompts, max_new_tokens: int, progress: threading.Event | None = None):

@@ -3,7 +3,10 @@
 - events/ imports nothing of ours;
 - core/ imports no leader/ or fellow/, except the CLI entry point (core/cli.py, core/cli_*.py), lazily;
 - leader/ imports no fellow/, and fellow/ imports no leader/;
-- torch and transformers are imported only under fellow/runtime/.
+- torch and transformers are imported only under fellow/runtime/;
+- inside fellow/runtime/ the arrows run down: ring -> server -> engine -> tools -> model (a package imports
+  its own modules and the ones below it);
+- no module is over 350 lines unless its docstring has a line saying why (``Over 350 lines: ...``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("events", "core", "leader", "fellow")
 OURS = set(LAYERS)
 TORCH = {"torch", "transformers"}
+RUNTIME_ORDER = ("model", "tools", "engine", "server", "ring")  # each imports only itself and what is left of it
+MAX_LINES = 350
 
 
 class Import(NamedTuple):
@@ -98,8 +103,32 @@ def check_file(root: Path, path: Path) -> list[Violation]:
             why = f"imports {imp.module}: leader/ imports no fellow/"
         elif layer == "fellow" and top == "leader":
             why = f"imports {imp.module}: fellow/ imports no leader/"
+        elif (up := _runtime_upward(rel, imp.module)) is not None:
+            why = f"imports {imp.module}: fellow/runtime/{rel.parts[2]} is below {up}"
         if why:
             found.append(Violation(str(rel), imp.line, why))
+    return found
+
+
+def _runtime_upward(rel: Path, module: str) -> str | None:
+    """The runtime package ``module`` belongs to when it sits above ``rel``'s (an arrow up), else None."""
+    parts = module.split(".")
+    if rel.parts[:2] != ("fellow", "runtime") or len(rel.parts) < 4 or parts[:2] != ["fellow", "runtime"]:
+        return None
+    here, there = rel.parts[2], parts[2] if len(parts) > 2 else ""
+    if here in RUNTIME_ORDER and there in RUNTIME_ORDER and RUNTIME_ORDER.index(there) > RUNTIME_ORDER.index(here):
+        return there
+    return None
+
+
+def oversized(root: Path) -> list[str]:
+    """Modules of more than MAX_LINES lines whose docstring does not say why."""
+    found = []
+    for layer in LAYERS:
+        for path in sorted((root / layer).rglob("*.py")):
+            text = path.read_text()
+            if text.count("\n") > MAX_LINES and "Over 350 lines:" not in (ast.get_docstring(parse(path)) or ""):
+                found.append(f"{path.relative_to(root)}: {text.count(chr(10))} lines")
     return found
 
 
@@ -119,6 +148,10 @@ def test_the_tree_keeps_its_layers():
     assert not violations, "layering violations:\n" + "\n".join(map(str, violations))
 
 
+def test_no_module_is_over_350_lines_without_saying_why():
+    assert not oversized(ROOT), "split these by concern, or say why not in their docstring:\n" + "\n".join(oversized(ROOT))
+
+
 def test_the_checker_sees_each_kind_of_violation(tmp_path):
     files = {
         "events/bad.py": "from core.settings import Settings\n",
@@ -131,10 +164,17 @@ def test_the_checker_sees_each_kind_of_violation(tmp_path):
         "fellow/cpu.py": "import importlib\nimportlib.import_module('transformers')\n",
         "leader/t.py": "async def f():\n    import torch.nn\n",
         "fellow/runtime/fine.py": "import torch\nfrom transformers import AutoConfig\n",
+        "fellow/runtime/model/up.py": "from fellow.runtime.engine.session import Session\n",
+        "fellow/runtime/engine/up.py": "import os\nfrom fellow.runtime.ring import head\n",
+        "fellow/runtime/ring/down.py": "from fellow.runtime.server.base import report\nfrom fellow.runtime.model import stage\n",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     found = {(v.path, v.line) for v in check_tree(tmp_path)}
     assert found == {("events/bad.py", 1), ("core/bad.py", 2), ("core/cli_bad.py", 1), ("leader/bad.py", 6),
-                     ("fellow/bad.py", 1), ("fellow/sub/rel.py", 1), ("fellow/cpu.py", 2), ("leader/t.py", 2)}
+                     ("fellow/bad.py", 1), ("fellow/sub/rel.py", 1), ("fellow/cpu.py", 2), ("leader/t.py", 2),
+                     ("fellow/runtime/model/up.py", 1), ("fellow/runtime/engine/up.py", 2)}
+    (tmp_path / "core" / "long.py").write_text('"""A module."""\n' + "x = 1\n" * 400)
+    (tmp_path / "core" / "said.py").write_text('"""A module.\n\nOver 350 lines: one table."""\n' + "x = 1\n" * 400)
+    assert oversized(tmp_path) == ["core/long.py: 401 lines"]

@@ -252,7 +252,7 @@ def test_hybrid_sessions_interleaved_in_decode_steps_get_what_each_gets_alone(ch
 
 def test_a_hybrid_stage_cannot_roll_back_and_its_engine_turns_drafts_and_prefix_reuse_off(checkpoints, servables):
     from fellow.runtime.engine.draft_model import DraftModel, DraftModelMismatch
-    from fellow.runtime.engine.engine import Engine
+    from fellow.runtime.engine.engine import local_engine
     from fellow.runtime.engine.sampling import SamplingParams
     from fellow.runtime.engine.session import Session
     from fellow.runtime.model.loader import load_one_stage
@@ -270,7 +270,7 @@ def test_a_hybrid_stage_cannot_roll_back_and_its_engine_turns_drafts_and_prefix_
     with pytest.raises(DraftModelMismatch, match="cannot draft: layers 0, 2 are linear attention"):
         DraftModel(stage, stage)
     # asked for drafts and prefix reuse, the engine serves without them and the stage's status says why
-    engine = Engine(stage, kv_tokens=4096, prefix_cache=True, speculative=4)
+    engine = local_engine(stage, kv_tokens=4096, prefix_cache=True, speculative=4)
     assert engine.speculative == 0 and engine.prefix is None and engine.draft is None
     note = stage.kernels["recurrent"]
     assert note["off"] == ["speculative", "prefix_cache"] and note["layers"] == [0, 2]

@@ -5,7 +5,8 @@ import pytest
 import torch
 import transformers
 
-from fellow.runtime.engine.engine import Engine
+from fellow.runtime.engine.engine import local_engine
+from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.engine.prefix_cache import BLOCK, PrefixCache
 from fellow.runtime.engine.sampling import SamplingParams
 from fellow.runtime.engine.session import Session
@@ -31,7 +32,7 @@ def ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def run(engine: Engine, *sessions: Session) -> dict[str, Session]:
+def run(engine: Scheduler, *sessions: Session) -> dict[str, Session]:
     for session in sessions:
         engine.add(session)
     done = {}
@@ -40,7 +41,7 @@ def run(engine: Engine, *sessions: Session) -> dict[str, Session]:
     return done
 
 
-def chat(engine: Engine, turns: int, seed: int = 0, system: list[int] | None = None) -> list[Session]:
+def chat(engine: Scheduler, turns: int, seed: int = 0, system: list[int] | None = None) -> list[Session]:
     """A chat whose every turn sends the whole conversation again, plus a new user message."""
     history, out = list(system or []), []
     for turn in range(turns):
@@ -52,8 +53,8 @@ def chat(engine: Engine, turns: int, seed: int = 0, system: list[int] | None = N
 
 
 def test_multi_turn_replies_equal_the_cache_off_and_reuse_exactly_the_last_turn(stage):
-    on = chat(Engine(stage, kv_tokens=4096), 5)
-    off = chat(Engine(stage, kv_tokens=4096, prefix_cache=False), 5)
+    on = chat(local_engine(stage, kv_tokens=4096), 5)
+    off = chat(local_engine(stage, kv_tokens=4096, prefix_cache=False), 5)
     assert [s.output_ids for s in on] == [s.output_ids for s in off]
     assert on[0].cached_tokens == 0 and all(s.cached_tokens == 0 for s in off)
     for before, after in zip(on, on[1:]):
@@ -69,7 +70,7 @@ def test_batched_sessions_with_and_without_a_prefix_equal_the_cache_off(stage):
         sessions = [Session(f"s{i}", (system if i % 2 else []) + ids(6 + i, 10 + i), 10, GREEDY) for i in range(4)]
         done = run(engine, *sessions)
         return {k: (s.output_ids, s.cached_tokens) for k, s in done.items()}
-    on, off = batch(Engine(stage, kv_tokens=4096)), batch(Engine(stage, kv_tokens=4096, prefix_cache=False))
+    on, off = batch(local_engine(stage, kv_tokens=4096)), batch(local_engine(stage, kv_tokens=4096, prefix_cache=False))
     assert {k: v[0] for k, v in on.items()} == {k: v[0] for k, v in off.items()}
     # the system prompt's two whole blocks: its last 8 tokens share a block with the warm-up's own words
     assert [on[f"s{i}"][1] for i in range(4)] == [0, 2 * BLOCK, 0, 2 * BLOCK]
@@ -77,7 +78,7 @@ def test_batched_sessions_with_and_without_a_prefix_equal_the_cache_off(stage):
 
 def test_one_system_prompt_is_held_once_for_many_users(stage):
     system = ids(3 * BLOCK, 3)  # three whole blocks
-    engine = Engine(stage, kv_tokens=4096)
+    engine = local_engine(stage, kv_tokens=4096)
     users = [chat(engine, 1, seed=s, system=system)[0] for s in (1, 2, 3)]
     assert [u.cached_tokens for u in users] == [0, len(system), len(system)]
     kept = engine.stats()
@@ -88,7 +89,7 @@ def test_one_system_prompt_is_held_once_for_many_users(stage):
 
 
 def test_kept_blocks_never_keep_out_a_request_that_fits_without_them(stage):
-    engine = Engine(stage, kv_tokens=300)
+    engine = local_engine(stage, kv_tokens=300)
     for seed in range(6):  # fill the cache with finished chats of ~80 positions each
         run(engine, Session(f"old{seed}", ids(70, seed), 10, GREEDY))
     assert engine.prefix.tokens > 0
@@ -96,7 +97,7 @@ def test_kept_blocks_never_keep_out_a_request_that_fits_without_them(stage):
     done = run(engine, big)
     assert done["big"].finish_reason == "length" and len(done["big"].output_ids) == 50
     assert engine.budget.reserved == 0 and engine.prefix.tokens <= engine.kv_tokens
-    alone = run(Engine(stage, kv_tokens=300, prefix_cache=False), Session("big", ids(250, 99), 50, GREEDY))
+    alone = run(local_engine(stage, kv_tokens=300, prefix_cache=False), Session("big", ids(250, 99), 50, GREEDY))
     assert done["big"].output_ids == alone["big"].output_ids
 
 

@@ -98,6 +98,6 @@ async def test_a_ring_over_slow_links_keeps_more_decode_groups_in_flight_and_rep
     assert ring.routes == "ddd"
     assert sizing.transit_ms >= 30  # three hops, each one way through a 10 ms proxy
     assert len(sizing.step_ms) == 3 and all(ms > 0 for ms in sizing.step_ms)  # stage 0's and both later ones
-    assert sizing.groups == ring.head.groups > 3  # the pipe is longer than three steps
+    assert sizing.groups == ring.head.runner.units.groups > 3  # the pipe is longer than three steps
     assert sizing.in_flight == 2 * sizing.groups <= 24
     assert replies == expected

@@ -12,9 +12,9 @@ import torch
 
 from core.servable import ServableError, load_manifest
 from events.ring import Hidden, Token, decode_frame, encode_frame
-from fellow.runtime.engine.engine import Engine
+from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.tools.export import export
-from fellow.runtime.ring.head import RingHead
+from fellow.runtime.ring.head import ring_engine
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.loader import load_ring_stage
 from fellow.runtime.ring.worker import RingWorker
@@ -56,7 +56,7 @@ class LocalRing:
         self.stages = [load_ring_stage(model_dir, i, num_stages, device="cpu") for i in range(num_stages)]
         self.sent: list = []
         self.timings: dict[str, dict] = {}
-        self.head = RingHead(self.stages[0].stage, self.stages[0].sender, self._sender(0), self.inboxes[0],
+        self.head = ring_engine(self.stages[0].stage, self.stages[0].sender, self._sender(0), self.inboxes[0],
                              num_stages=num_stages, kv_tokens=kv_tokens, max_batch=max_batch,
                              prefill_chunk=prefill_chunk, prefix_cache=prefix, speculative=speculative, draft=draft)
         self.workers = [RingWorker(self.stages[i], self.inboxes[i], self._sender(i),
@@ -102,7 +102,7 @@ class LocalRing:
 
 def one_stage(model_dir, prompts, max_new_tokens: int, max_batch: int = 1,
               prefill_chunk: int = 256) -> dict[str, list[int]]:
-    engine = Engine(load_one_stage(model_dir, "cpu").stage, kv_tokens=4096, max_batch=max_batch,
+    engine = local_engine(load_one_stage(model_dir, "cpu").stage, kv_tokens=4096, max_batch=max_batch,
                     prefill_chunk=prefill_chunk)
     for i, prompt in enumerate(prompts):
         engine.add(Session(f"s{i}", prompt, max_new_tokens, sampling=GREEDY))
@@ -218,7 +218,7 @@ def test_a_cancelled_session_leaves_no_cache_on_any_stage(servables):
 
 def test_sampled_ring_draws_what_one_stage_draws_with_the_same_seed(servables):
     sampled = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=7)
-    engine = Engine(load_one_stage(servables["two"], "cpu").stage, kv_tokens=4096)
+    engine = local_engine(load_one_stage(servables["two"], "cpu").stage, kv_tokens=4096)
     engine.add(Session("a", PROMPTS[0], 16, sampling=sampled))
     engine.add(Session("b", PROMPTS[1], 16, sampling=SamplingParams(temperature=0.7, seed=8)))
     expected: dict[str, list[int]] = {}
@@ -299,7 +299,7 @@ def test_a_ring_reuses_the_last_turn_on_every_stage_and_replies_as_without(serva
         assert t1["cached_tokens"] == t0["prompt_tokens"] + len(before) - 1
     first = [f for s, f in on.sent if s == 0 and isinstance(f, Hidden) and f.first]
     assert [len(f.reuse) for f in first][1:] == [t["cached_tokens"] for _, t in with_cache[1:]]
-    assert on.head.prefix_fallbacks == 0 and all(w.prefix.tokens == on.head.prefix.tokens for w in on.workers)
+    assert on.head.runner.prefix_fallbacks == 0 and all(w.prefix.tokens == on.head.prefix.tokens for w in on.workers)
 
 
 @pytest.mark.parametrize("lost", [0, -1])
@@ -317,7 +317,7 @@ def test_a_stage_that_lost_the_prefix_makes_the_session_start_over_with_the_same
     finally:
         ring.close()
     assert second[0] == expected[1][0] and second[1]["cached_tokens"] == 0
-    assert ring.head.prefix_fallbacks == 1 and ring.head.budget.reserved == 0
+    assert ring.head.runner.prefix_fallbacks == 1 and ring.head.budget.reserved == 0
     missing = [f for _, f in ring.sent if isinstance(f, Token) and f.error]
     assert [f.code for f in missing] == ["prefix_missing"]
 
@@ -387,7 +387,7 @@ def spec_ring(model, stages: int, k: int, prefix: bool = False, full: bool = Tru
     so drafting and plain sessions mix."""
     ring = LocalRing(model, stages, prefill_chunk=8, prefix=prefix, speculative=k, draft=draft)
     if full:
-        ring.head.spec_max_active_per_stage = 8
+        ring.head.runner.units.spec_max_active_per_stage = 8
     return ring
 
 
@@ -470,7 +470,7 @@ def test_a_ring_that_drafts_samples_what_one_stage_that_drafts_samples(copier):
     so the same seed gives the same tokens."""
     params = [SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=7), SamplingParams(temperature=0.7, seed=8)]
     prompts = copying_prompts(2)
-    engine = Engine(load_one_stage(copier, "cpu").stage, kv_tokens=4096, speculative=4, max_batch=1)
+    engine = local_engine(load_one_stage(copier, "cpu").stage, kv_tokens=4096, speculative=4, max_batch=1)
     for i, p in enumerate(params):
         engine.add(Session(f"s{i}", prompts[i], 20, sampling=p))
     expected: dict[str, list[int]] = {}
@@ -531,7 +531,7 @@ def test_a_ring_whose_middle_stage_is_replaced_replays_its_sessions_to_the_same_
             finished += result.finished
             if not replaced and sum(map(len, got.values())) >= 6:
                 replaced = True
-                ring.head.pause("stage 1 is lost")
+                ring.head.runner.pause("stage 1 is lost")
                 paused = ring.head.step()  # what came back before the pause counts; nothing after it
                 for sid, tokens in paused.tokens.items():
                     got.setdefault(sid, []).extend(tokens)
@@ -539,11 +539,11 @@ def test_a_ring_whose_middle_stage_is_replaced_replays_its_sessions_to_the_same_
                 ring.inboxes[1] = Inbox()
                 ring.workers[0] = RingWorker(ring.stages[1], ring.inboxes[1], ring._sender(1))
                 threading.Thread(target=ring.workers[0].run, daemon=True).start()
-                ring.head.resume()
+                ring.head.runner.resume()
     finally:
         ring.close()
     assert replaced and got == expected, {k: (got[k], expected[k]) for k in got if got[k] != expected[k]}
-    assert [s.timing()["replays"] for s in finished] == [1, 1, 1] and ring.head.replays == 3
+    assert [s.timing()["replays"] for s in finished] == [1, 1, 1] and ring.head.runner.replays == 3
 
 
 def test_a_ring_that_drafts_leaves_a_grammar_row_undrafted(copier):
@@ -625,13 +625,13 @@ def test_stage0_sizes_its_in_flight_from_steps_and_links_then_lowers_it_to_the_k
     sizing = size_ring([1.0, 1.0, 1.0], 4.0, head.per_group, 48)
     assert (sizing.groups, sizing.in_flight) == (7, 14)
     head._fit_ring_kv([6144, 6144], sizing)
-    assert (head.in_flight, head.engine.groups, head.kv_tokens) == (14, 7, 14 * 128)
+    assert (head.in_flight, head.runner.units.groups, head.kv_tokens) == (14, 7, 14 * 128)
     assert head.engine.prefix_room == 6 * 128  # finished prefixes keep to the plan's KV, not the raised one
     assert head.stage.kernels["ring"]["in_flight"] == 14 and head.stage.kernels["ring"]["transit_ms"] == 4.0
     head._fit_ring_kv([6144, 1000], sizing)  # stage 2 holds 1,000 tokens: seven 128-token shares
-    assert (head.in_flight, head.engine.groups, head.kv_tokens) == (7, 4, 1000)
+    assert (head.in_flight, head.runner.units.groups, head.kv_tokens) == (7, 4, 1000)
     head._fit_ring_kv([6144, 6144], size_ring([1.0, 1.0, 1.0], 0.2, head.per_group, 48))  # a short pipe
-    assert (head.in_flight, head.engine.groups, head.kv_tokens) == (6, 3, 6 * 128)
+    assert (head.in_flight, head.runner.units.groups, head.kv_tokens) == (6, 3, 6 * 128)
 
     from fellow.runtime.ring.servers import RingStageServer
 
@@ -647,14 +647,14 @@ def test_a_full_ring_drafts_only_once_at_most_one_session_a_stage_is_in_it(copie
     prompts, lengths = copying_prompts(4), [6, 10, 40, 40]
     expected = one_stage(copier, prompts, 40)
     ring = spec_ring(copier, 2, 4, full=False)
-    send, in_ring = ring.head.send, []
+    send, in_ring = ring.head.runner.send, []
 
     def watch(frame):  # how many sessions the head held when it sent each VERIFY frame
         if isinstance(frame, Hidden) and frame.kind == 3:
             in_ring.append(len(ring.head.sessions))
         send(frame)
 
-    ring.head.send = watch
+    ring.head.runner.send = watch
     try:
         for i, (prompt, n) in enumerate(zip(prompts, lengths)):
             ring.head.add(Session(f"s{i}", prompt, n, sampling=GREEDY))

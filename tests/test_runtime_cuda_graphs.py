@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from fellow.runtime.engine.engine import Engine
+from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.model.cuda_graphs import GraphedDecode, PoolCache, graph_decode
 from fellow.runtime.model.kernels import prepare_stage
 from fellow.runtime.model.kv_cache import KVCache
@@ -68,7 +68,7 @@ class _Watch:
 @pytest.mark.parametrize("speculative", [0, 4])
 @pytest.mark.parametrize("path", ["hf", "fused"])
 def test_a_pool_stage_decodes_as_its_eager_self_with_sessions_in_and_out_of_slots(path, speculative, caplog):
-    off, _ = run(Engine(_stage(path), kv_tokens=8192, speculative=speculative), _sessions())
+    off, _ = run(local_engine(_stage(path), kv_tokens=8192, speculative=speculative), _sessions())
     stage = _stage(path)
     replays: list[int] = []
     with caplog.at_level(logging.INFO, logger="fellow.runtime.model.cuda_graphs"):
@@ -80,7 +80,7 @@ def test_a_pool_stage_decodes_as_its_eager_self_with_sessions_in_and_out_of_slot
     checked = len(replays)
     assert checked == 3  # the load's check replayed each bucket once
     watch = _Watch()
-    on, ends = run(Engine(stage, kv_tokens=8192, speculative=speculative), _sessions(), watch)
+    on, ends = run(local_engine(stage, kv_tokens=8192, speculative=speculative), _sessions(), watch)
     assert on == off  # token for token, every session
     assert len(replays) > checked  # steps replayed from the pool
     assert {"r0", "r1", "r2"} <= watch.pooled and {"r0", "r1", "r2"} <= watch.moved  # they outgrew their slots
@@ -142,12 +142,12 @@ def test_a_replayed_step_over_some_slots_in_any_order_gives_each_session_its_own
 
 
 def test_a_replay_that_fails_while_serving_leaves_eager_steps_and_the_same_replies(caplog):
-    off, _ = run(Engine(_stage("hf"), kv_tokens=8192), random_prompts(3, 30))
+    off, _ = run(local_engine(_stage("hf"), kv_tokens=8192), random_prompts(3, 30))
     stage = _stage("hf")
     replays: list[int] = []
     graph_decode(stage, slots=4, positions=64, capture=_counting(replays, fail_after=8), choose=False)
     with caplog.at_level(logging.WARNING, logger="fellow.runtime.model.cuda_graphs"):
-        on, _ = run(Engine(stage, kv_tokens=8192), random_prompts(3, 30))
+        on, _ = run(local_engine(stage, kv_tokens=8192), random_prompts(3, 30))
     assert on == off
     assert len(replays) == 9  # the check's three, five steps, the one that failed; then none
     assert stage.graphed.failed == "RuntimeError: replay failed"
@@ -204,7 +204,7 @@ def test_on_cuda_the_decode_step_replays_a_checked_cuda_graph_and_greedy_replies
     assert status["path"] == "cuda-graph", (status, caplog.text)
     assert set(status["step_ms"]) == {"1", "4"}
     sessions = random_prompts(batch, 40)
-    replies, _ = run(Engine(stage, kv_tokens=8192), sessions)
+    replies, _ = run(local_engine(stage, kv_tokens=8192), sessions)
     for session in random_prompts(batch, 40):
         ids = torch.tensor([session.prompt_ids], device="cuda")
         want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,

@@ -14,7 +14,7 @@ import torch
 
 from fellow.runtime.engine.draft_graph import CUDA_GRAPH, EAGER, FixedDecoder, SlotCache, fixed_decoder
 from fellow.runtime.engine.draft_model import DraftModel, load_draft_model
-from fellow.runtime.engine.engine import Engine
+from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.model.kernels import prepare_stage
 from fellow.runtime.model.stage import StageModel
 from tests.test_runtime_draft_model import _planted
@@ -49,7 +49,7 @@ def test_the_fixed_shape_step_checks_against_eager_and_keeps_greedy_replies(path
     """Two slots of 24 positions for five sessions: the copying ones never fit (eager from the start),
     one random one finds no free slot, two start in slots and move out when they outgrow them."""
     target, small = _pair(path)
-    off, _ = run(Engine(target, kv_tokens=8192), _sessions())
+    off, _ = run(local_engine(target, kv_tokens=8192), _sessions())
     replays: list[int] = []
     with caplog.at_level(logging.INFO, logger="swarm.draft"):
         decoder, label = fixed_decoder(small, slots=2, positions=24, capture=_counting(replays), label="fixed-shape")
@@ -65,14 +65,14 @@ def test_the_fixed_shape_step_checks_against_eager_and_keeps_greedy_replies(path
         for session_id, state in draft.states.items():
             (slotted if isinstance(state.cache, SlotCache) else moved).add(session_id)
 
-    on, ends = run(Engine(target, kv_tokens=8192, speculative=4, draft=draft), _sessions(), watch)
+    on, ends = run(local_engine(target, kv_tokens=8192, speculative=4, draft=draft), _sessions(), watch)
     assert on == off
     assert len(replays) > checked  # steps ran through the fixed-shape decoder
     assert slotted == {"r0", "r1"} and {"r0", "r1", "r2", "c0", "c1"} <= moved | slotted
     assert {"r0", "r1"} <= moved  # they outgrew their slots and went on eagerly
     assert sum(s.spec_model_drafted for s in ends.values()) > 0
     assert decoder.free == {0, 1} and not draft.states
-    _, eager_ends = run(Engine(target, kv_tokens=8192, speculative=4, draft=DraftModel(small, target)), _sessions())
+    _, eager_ends = run(local_engine(target, kv_tokens=8192, speculative=4, draft=DraftModel(small, target)), _sessions())
     counts = lambda ends: {k: (s.spec_model_drafted, s.spec_model_accepted) for k, s in ends.items()}  # noqa: E731
     assert counts(ends) == counts(eager_ends)  # the same drafts as the eager steps'
 
@@ -104,8 +104,8 @@ def test_a_capture_that_fails_leaves_eager_steps_and_one_log_line(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "swarm.draft"]
     assert lines == ["draft decoder: eager, the capture failed: RuntimeError: operation not permitted when "
                      "stream is capturing"]
-    off, _ = run(Engine(target, kv_tokens=8192), _sessions())
-    on, _ = run(Engine(target, kv_tokens=8192, speculative=4, draft=DraftModel(small, target, decoder=decoder)),
+    off, _ = run(local_engine(target, kv_tokens=8192), _sessions())
+    on, _ = run(local_engine(target, kv_tokens=8192, speculative=4, draft=DraftModel(small, target, decoder=decoder)),
                 _sessions())
     assert on == off
 
@@ -139,8 +139,8 @@ def test_on_cuda_the_draft_steps_replay_a_checked_cuda_graph_and_greedy_replies_
         decoder, label = fixed_decoder(small, slots=4, positions=128)
     assert label == CUDA_GRAPH and decoder is not None, caplog.text
     assert set(decoder.replays) == {1, 2, 4}
-    off, _ = run(Engine(target, kv_tokens=8192), _sessions())
+    off, _ = run(local_engine(target, kv_tokens=8192), _sessions())
     draft = DraftModel(small, target, decoder=decoder)
-    on, ends = run(Engine(target, kv_tokens=8192, speculative=4, draft=draft), _sessions())
+    on, ends = run(local_engine(target, kv_tokens=8192, speculative=4, draft=draft), _sessions())
     assert on == off and sum(s.spec_model_drafted for s in ends.values()) > 0
     assert decoder.free == {0, 1, 2, 3}

@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from fellow.runtime.engine.draft_model import DraftModel, DraftModelMismatch, check_same_vocabulary, load_draft_model
-from fellow.runtime.engine.engine import Engine
+from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.sampling import SamplingParams
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.kernels import prepare_stage
@@ -44,7 +44,7 @@ def test_greedy_with_a_draft_model_equals_off_token_for_token_batched_with_sessi
     target, small = pair
     sessions = lambda: copying(3, 30) + random_prompts(2, 16)  # noqa: E731
     short = lambda: Session("short", TEXT[:20], 2, GREEDY)  # noqa: E731  its 2nd token is its only decode
-    off, off_ends = run(Engine(target, kv_tokens=4096), sessions() + [short()])
+    off, off_ends = run(local_engine(target, kv_tokens=4096), sessions() + [short()])
     draft = DraftModel(small, target)
     mixed, passes = [], []
 
@@ -55,7 +55,7 @@ def test_greedy_with_a_draft_model_equals_off_token_for_token_batched_with_sessi
         if len(passes) == 5:
             mixed.append(passes[-1] > passes[-2])
 
-    on, on_ends = run(Engine(target, kv_tokens=4096, speculative=4, draft=draft), sessions(), watch)
+    on, on_ends = run(local_engine(target, kv_tokens=4096, speculative=4, draft=draft), sessions(), watch)
     assert on == off
     assert {k: s.finish_reason for k, s in on_ends.items()} == {k: s.finish_reason for k, s in off_ends.items()}
     model_drafted = sum(s.spec_model_drafted for s in on_ends.values())
@@ -73,8 +73,8 @@ def test_greedy_with_a_draft_model_equals_off_token_for_token_batched_with_sessi
 def test_the_served_model_as_its_own_draft_keeps_every_draft(pair):
     target, _ = pair
     sessions = lambda: random_prompts(3, 20)  # noqa: E731
-    off, _ = run(Engine(target, kv_tokens=4096), sessions())
-    on, ends = run(Engine(target, kv_tokens=4096, speculative=3, draft=DraftModel(target, target)), sessions())
+    off, _ = run(local_engine(target, kv_tokens=4096), sessions())
+    on, ends = run(local_engine(target, kv_tokens=4096, speculative=3, draft=DraftModel(target, target)), sessions())
     assert on == off
     drafted = sum(s.spec_model_drafted for s in ends.values())
     assert drafted > 0 and sum(s.spec_model_accepted for s in ends.values()) == drafted
@@ -87,8 +87,8 @@ def test_sampled_replies_with_a_draft_model_stay_seeded_and_draft():
     target, small = StageModel.from_causal_lm(_planted(3, 64, 0)), StageModel.from_causal_lm(_planted(1, 64, 5))
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
     make = lambda: [Session("s", TEXT[:9], 24, params)]  # noqa: E731
-    first, ends = run(Engine(target, kv_tokens=4096, speculative=4, draft=DraftModel(small, target)), make())
-    again, _ = run(Engine(target, kv_tokens=4096, speculative=4, draft=DraftModel(small, target)), make())
+    first, ends = run(local_engine(target, kv_tokens=4096, speculative=4, draft=DraftModel(small, target)), make())
+    again, _ = run(local_engine(target, kv_tokens=4096, speculative=4, draft=DraftModel(small, target)), make())
     assert first == again and ends["s"].spec_model_drafted > 0
 
 
@@ -98,7 +98,7 @@ def test_a_draft_model_with_another_vocabulary_is_refused():
     with pytest.raises(DraftModelMismatch, match="share the served model's vocabulary"):
         DraftModel(other, target)
     with pytest.raises(ValueError, match="only with speculative"):
-        Engine(target, kv_tokens=4096, draft=DraftModel(target, target))
+        local_engine(target, kv_tokens=4096, draft=DraftModel(target, target))
 
 
 def test_a_servable_draft_loads_with_the_same_tokenizer_and_is_refused_with_another(tmp_path):
@@ -113,8 +113,8 @@ def test_a_servable_draft_loads_with_the_same_tokenizer_and_is_refused_with_anot
     assert draft.name == "small" and draft.ratio == pytest.approx(0.25)  # 1 layer of half the width's kv
     prompts = [target.tokenizer.encode("hello there, hello there, hello")] * 2
     make = lambda: [Session(f"p{i}", p, 12, GREEDY) for i, p in enumerate(prompts)]  # noqa: E731
-    off, _ = run(Engine(target.stage, kv_tokens=4096), make())
-    on, ends = run(Engine(target.stage, kv_tokens=4096, speculative=2, draft=draft), make())
+    off, _ = run(local_engine(target.stage, kv_tokens=4096), make())
+    on, ends = run(local_engine(target.stage, kv_tokens=4096, speculative=2, draft=draft), make())
     assert on == off and sum(s.spec_drafted for s in ends.values()) > 0
 
     hf_dir = tmp_path / "hf-small"
@@ -131,7 +131,7 @@ def test_a_servable_draft_loads_with_the_same_tokenizer_and_is_refused_with_anot
 def test_a_cancelled_session_leaves_no_cache_in_the_draft_model(pair):
     target, small = pair
     draft = DraftModel(small, target)
-    engine = Engine(target, kv_tokens=4096, speculative=4, draft=draft)
+    engine = local_engine(target, kv_tokens=4096, speculative=4, draft=draft)
     session, other = random_prompts(2, 40)
     engine.add(session)
     engine.add(other)
@@ -154,7 +154,7 @@ def test_the_budget_counts_the_draft_models_cache_and_never_over_commits(pair):
     draft = DraftModel(small, target)
     sessions = copying(2, 25) + random_prompts(2, 25)
     measured = int(sum(s.reserved_tokens for s in sessions) * (1 + draft.ratio)) + 1
-    engine = Engine(target, kv_tokens=measured, speculative=8, draft=draft)
+    engine = local_engine(target, kv_tokens=measured, speculative=8, draft=draft)
     assert engine.kv_tokens == draft.budget_tokens(measured) < measured
     seen = []
 

@@ -7,7 +7,8 @@ import torch
 import transformers
 
 from fellow.runtime.engine.budget import AdmissionFailed, ContextTooLong
-from fellow.runtime.engine.engine import Engine
+from fellow.runtime.engine.engine import local_engine
+from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.model.kernels import prepare_stage
 from fellow.runtime.model.packed_linear import pack_stage
 from fellow.runtime.engine.sampling import SamplingParams
@@ -42,7 +43,7 @@ def prompt(length: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def drain(engine: Engine, outputs: dict, finished: dict, joins: dict | None = None, batch_sizes=None) -> None:
+def drain(engine: Scheduler, outputs: dict, finished: dict, joins: dict | None = None, batch_sizes=None) -> None:
     """Step until idle, adding the sessions in ``joins`` (step number -> sessions) as their step comes."""
     joins = dict(joins or {})
     step = 0
@@ -60,7 +61,7 @@ def drain(engine: Engine, outputs: dict, finished: dict, joins: dict | None = No
 
 def alone(stage: StageModel, session: Session) -> list[int]:
     outputs, finished = {}, {}
-    engine = Engine(stage, kv_tokens=4096)
+    engine = local_engine(stage, kv_tokens=4096)
     engine.add(Session(session.session_id, session.prompt_ids, session.max_new_tokens, session.sampling))
     drain(engine, outputs, finished)
     assert finished == {session.session_id: "length"}
@@ -79,7 +80,7 @@ def four_sessions(sampled: bool) -> list[Session]:
 def test_batched_sessions_get_what_they_get_alone(stage, sampled, max_batch):
     sessions = four_sessions(sampled)
     expected = {s.session_id: alone(stage, s) for s in sessions}
-    engine = Engine(stage, kv_tokens=4096, max_batch=max_batch, prefill_chunk=16)
+    engine = local_engine(stage, kv_tokens=4096, max_batch=max_batch, prefill_chunk=16)
     outputs, finished, batch_sizes = {}, {}, []
     drain(engine, outputs, finished, joins={0: sessions[:1], 3: sessions[1:3], 9: sessions[3:]},
           batch_sizes=batch_sizes)
@@ -93,7 +94,7 @@ def test_stop_id_ends_the_session_without_showing_it(stage):
     ids = prompt(9, seed=7)
     free_run = alone(stage, Session("s", ids, 12, GREEDY))
     stop = free_run[5]
-    engine = Engine(stage, kv_tokens=4096)
+    engine = local_engine(stage, kv_tokens=4096)
     engine.add(Session("s", ids, 12, GREEDY, stop_ids={stop}))
     outputs, finished = {}, {}
     drain(engine, outputs, finished)
@@ -102,7 +103,7 @@ def test_stop_id_ends_the_session_without_showing_it(stage):
 
 
 def test_cancel_frees_the_cache_and_the_reservation(stage):
-    engine = Engine(stage, kv_tokens=4096)
+    engine = local_engine(stage, kv_tokens=4096)
     keep, drop = Session("keep", prompt(10, 1), 20, GREEDY), Session("drop", prompt(30, 2), 40, GREEDY)
     engine.add(keep)
     engine.add(drop)
@@ -125,7 +126,7 @@ def test_cancel_frees_the_cache_and_the_reservation(stage):
 
 
 def test_admission_waits_for_tokens_and_refuses_what_never_fits(stage):
-    engine = Engine(stage, kv_tokens=100, prefill_chunk=8)
+    engine = local_engine(stage, kv_tokens=100, prefill_chunk=8)
     first, second = Session("a", prompt(20, 3), 40, GREEDY), Session("b", prompt(25, 4), 35, GREEDY)
     assert engine.can_admit(60)
     engine.add(first)
@@ -158,7 +159,7 @@ def test_a_batch_stops_growing_where_its_padded_copy_would_pass_the_budget(stage
     expected = {s.session_id: alone(stage, s) for s in sessions}
     tight = 2 if stage.fused is not None else 1
     for kv_tokens, widest in ((4096, 2), (250, tight)):  # 250: 240 reserved, too little room to pad two rows
-        engine = Engine(stage, kv_tokens=kv_tokens, prefill_chunk=8)
+        engine = local_engine(stage, kv_tokens=kv_tokens, prefill_chunk=8)
         outputs, finished, batch_sizes = {}, {}, []
         drain(engine, outputs, finished, joins={0: [Session(s.session_id, s.prompt_ids, 20, GREEDY)
                                                     for s in sessions]}, batch_sizes=batch_sizes)
@@ -168,13 +169,13 @@ def test_a_batch_stops_growing_where_its_padded_copy_would_pass_the_budget(stage
 @pytest.mark.parametrize("reserved", [False, True])
 def test_a_failing_admission_fails_that_session_alone_and_gives_its_tokens_back(stage, reserved):
     """A seed past 2**64 makes torch's generator raise while the session is admitted (issue 21, item 2)."""
-    engine = Engine(stage, kv_tokens=4096)
+    engine = local_engine(stage, kv_tokens=4096)
     bad = Session("bad", prompt(12, 6), 30, SamplingParams(temperature=0.8, seed=2**64))
     good = [Session(f"good{i}", prompt(10 + i, 7 + i), 12, GREEDY) for i in range(2)]
     for session in [good[0], bad, good[1]]:  # admitted in one step, batched together
-        if reserved:  # as the stage's intake does: tokens taken from the ledger first
-            assert engine.budget.try_reserve(session.reserved_tokens)
-        engine.add(session, reserved=reserved)
+        if reserved:  # as the stage's intake does: tokens offered to the scheduler first
+            assert engine.offer(session.session_id, len(session.prompt_ids), session.max_new_tokens)
+        engine.add(session)
     outputs, finished = {}, {}
     drain(engine, outputs, finished)
     assert finished == {"bad": "error", "good0": "length", "good1": "length"}
@@ -187,7 +188,7 @@ def test_a_failing_admission_fails_that_session_alone_and_gives_its_tokens_back(
 
 def test_a_job_the_engine_refuses_gives_its_reserved_tokens_back(stage):
     """The intake takes a request's tokens from the ledger before the engine sees it: a refusal returns them."""
-    engine = Engine(stage, kv_tokens=4096)
+    engine = local_engine(stage, kv_tokens=4096)
     outputs, delivered = [], threading.Event()
 
     def deliver(outs):
@@ -197,8 +198,8 @@ def test_a_job_the_engine_refuses_gives_its_reserved_tokens_back(stage):
     loop = ServingLoop(engine, tokenizer=None, stop_ids=frozenset(), deliver=deliver)
     loop.start()
     try:
-        assert engine.budget.try_reserve(12)
-        loop.submit(Job("empty", prompt(12, 9), 0, GREEDY, reserved=True))  # max_new_tokens 0: Session refuses
+        assert engine.offer("empty", 12, 0)
+        loop.submit(Job("empty", prompt(12, 9), 0, GREEDY))  # max_new_tokens 0: Session refuses
         assert delivered.wait(10)
     finally:
         loop.stop()

@@ -4,7 +4,7 @@ import pytest
 import torch
 import transformers
 
-from fellow.runtime.engine.engine import Engine
+from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.sampling import SamplingParams
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.stage import StageModel
@@ -31,7 +31,7 @@ def sessions(sampled: bool) -> list[Session]:
 
 
 def run(stage: StageModel, batch: list[Session], chunk: int = 256, max_batch: int = 0) -> tuple[dict, list[int]]:
-    engine = Engine(stage, kv_tokens=8192, prefill_chunk=chunk, max_batch=max_batch)
+    engine = local_engine(stage, kv_tokens=8192, prefill_chunk=chunk, max_batch=max_batch)
     for s in batch:
         engine.add(Session(s.session_id, s.prompt_ids, s.max_new_tokens, s.sampling))
     out: dict[str, list[int]] = {}
@@ -60,8 +60,8 @@ def test_the_padded_batch_respects_the_prefill_chunk(stage):
 
 def test_max_batch_caps_the_padded_prefill_too(stage):
     for cap, batched in ((0, 5), (2, 2), (1, 0)):  # 1: batching off
-        engine = Engine(stage, kv_tokens=8192, max_batch=cap)
+        engine = local_engine(stage, kv_tokens=8192, max_batch=cap)
         for s in sessions(False):
             engine.add(s)
         engine.step()
-        assert engine.last_prefill_batch == batched, cap
+        assert engine.runner.last_prefill_batch == batched, cap

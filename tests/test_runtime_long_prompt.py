@@ -3,7 +3,7 @@
 import torch
 import transformers
 
-from fellow.runtime.engine.engine import Engine
+from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.sampling import SamplingParams
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.stage import StageModel
@@ -20,7 +20,7 @@ def stage() -> StageModel:
 
 
 def reply(model: StageModel, prompt: list[int], chunk: int, sampling: SamplingParams) -> tuple[list[int], int]:
-    engine = Engine(model, kv_tokens=4096, prefill_chunk=chunk)
+    engine = local_engine(model, kv_tokens=4096, prefill_chunk=chunk)
     engine.add(Session("long", prompt, 24, sampling))
     out, steps = [], 0
     while engine.busy:

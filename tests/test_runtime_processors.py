@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from fellow.runtime.engine.engine import Engine
+from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.processors import MIN_LOGPROB, logprob_of, processed, sample_next
 from fellow.runtime.engine.sampling import SamplingParams
 from fellow.runtime.engine.session import Session
@@ -118,7 +118,7 @@ def test_a_two_stage_ring_applies_the_processors_and_logprobs_as_one_stage_does(
     def sessions():
         return {sid: Session(sid, prompts[sid], 10, sampling=p, stop_ids={1, 2}) for sid, p in PENALISED.items()}
 
-    expected = _run(Engine(load_one_stage(two_stages, "cpu").stage, kv_tokens=4096), sessions())
+    expected = _run(local_engine(load_one_stage(two_stages, "cpu").stage, kv_tokens=4096), sessions())
     ring = LocalRing(two_stages, 2, prefill_chunk=4)
     try:
         got = _run(ring.head, sessions())

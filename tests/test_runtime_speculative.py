@@ -9,7 +9,8 @@ import torch
 import transformers
 
 from fellow.runtime.engine.drafting import FAILED_PASSES, PAUSE_PASSES, DraftGuard, PromptLookup, check_speculative
-from fellow.runtime.engine.engine import Engine
+from fellow.runtime.engine.engine import local_engine
+from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.engine.sampling import SamplingParams
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.kernels import prepare_stage
@@ -44,7 +45,7 @@ def stage(request) -> StageModel:
     return stage
 
 
-def run(engine: Engine, sessions: list[Session], on_step=None) -> tuple[dict, dict]:
+def run(engine: Scheduler, sessions: list[Session], on_step=None) -> tuple[dict, dict]:
     for session in sessions:
         engine.add(session)
     outputs, finished = {}, {}
@@ -85,7 +86,7 @@ def test_prompt_lookup_drafts_what_followed_the_latest_earlier_occurrence():
 
 def test_greedy_with_drafts_equals_without_token_for_token_batched_with_sessions_that_do_not_draft(stage):
     sessions = lambda: copying(3, 40) + random_prompts(2, 12)  # noqa: E731
-    off, off_ends = run(Engine(stage, kv_tokens=4096), sessions())
+    off, off_ends = run(local_engine(stage, kv_tokens=4096), sessions())
     mixed_passes = []
 
     def watch(engine):
@@ -93,7 +94,7 @@ def test_greedy_with_drafts_equals_without_token_for_token_batched_with_sessions
         if drafting and any(not s.spec_drafted for s in engine.sessions.values() if not s.prefilling):
             mixed_passes.append(len(engine.sessions))
 
-    on, on_ends = run(Engine(stage, kv_tokens=4096, speculative=4), sessions(), watch)
+    on, on_ends = run(local_engine(stage, kv_tokens=4096, speculative=4), sessions(), watch)
     assert on == off
     assert {k: s.finish_reason for k, s in on_ends.items()} == {k: s.finish_reason for k, s in off_ends.items()}
     drafted = sum(on_ends[f"c{i}"].spec_drafted for i in range(3))
@@ -111,8 +112,8 @@ def test_processors_and_logprobs_see_each_drafted_position_as_if_sampled_one_by_
     params = SamplingParams(temperature=0.0, frequency_penalty=0.6, presence_penalty=0.3,
                             repetition_penalty=1.2, logit_bias=((TEXT[3], 2.5),), logprobs=2)
     sessions = lambda: copying(2, 30, params)  # noqa: E731
-    off, off_ends = run(Engine(stage, kv_tokens=4096), sessions())
-    on, on_ends = run(Engine(stage, kv_tokens=4096, speculative=4), sessions())
+    off, off_ends = run(local_engine(stage, kv_tokens=4096), sessions())
+    on, on_ends = run(local_engine(stage, kv_tokens=4096, speculative=4), sessions())
     assert on == off
     assert sum(s.spec_accepted for s in on_ends.values()) > 0
     for key in off_ends:
@@ -167,7 +168,7 @@ def test_sampled_replies_keep_their_distribution(params):
     draws = 2000
 
     def sample(speculative: int, seed0: int) -> tuple[dict, list[Session]]:
-        engine = Engine(stage, kv_tokens=draws * 64, prefill_chunk=0, prefix_cache=False, speculative=speculative)
+        engine = local_engine(stage, kv_tokens=draws * 64, prefill_chunk=0, prefix_cache=False, speculative=speculative)
         sessions = [Session(f"s{i}", text[:24], 4, _seeded(params, seed0 + i)) for i in range(draws)]
         outputs, ends = run(engine, sessions)
         counts: dict = {}
@@ -195,8 +196,8 @@ def _seeded(params: SamplingParams, seed: int) -> SamplingParams:
 
 def test_a_seeded_sampled_reply_with_drafts_repeats_itself(stage):
     params = SamplingParams(temperature=0.9, seed=5)
-    first, _ = run(Engine(stage, kv_tokens=4096, speculative=4), copying(2, 30, params))
-    again, ends = run(Engine(stage, kv_tokens=4096, speculative=4), copying(2, 30, params))
+    first, _ = run(local_engine(stage, kv_tokens=4096, speculative=4), copying(2, 30, params))
+    again, ends = run(local_engine(stage, kv_tokens=4096, speculative=4), copying(2, 30, params))
     assert first == again and sum(s.spec_passes for s in ends.values()) > 0
 
 
@@ -240,7 +241,7 @@ def test_a_session_whose_drafts_keep_failing_pauses_then_drafts_again():
             history.append(session.spec_drafted)
 
     session = Session("g", prompt, 45, GREEDY)
-    outputs, _ = run(Engine(StageModel.from_causal_lm(model), kv_tokens=4096, speculative=4), [session], watch)
+    outputs, _ = run(local_engine(StageModel.from_causal_lm(model), kv_tokens=4096, speculative=4), [session], watch)
     assert outputs["g"] == chain[2:47]  # the model walks the chain
     assert session.spec_accepted == 0 and session.guard.pauses >= 2
     passes = "".join("d" if b > a else "." for a, b in zip(history, history[1:]))
@@ -261,14 +262,14 @@ def test_the_budget_never_over_commits_with_drafts_in_flight(stage):
         assert total <= engine.budget.reserved + engine.prefix.tokens <= kv_tokens
         seen.append(total)
 
-    outputs, ends = run(Engine(stage, kv_tokens=kv_tokens, speculative=8), sessions, watch)
+    outputs, ends = run(local_engine(stage, kv_tokens=kv_tokens, speculative=8), sessions, watch)
     assert {k: s.finish_reason for k, s in ends.items()} == {s.session_id: "length" for s in sessions}
     assert sum(s.spec_accepted for s in ends.values()) > 0
     assert ends["short"].spec_drafted <= 1  # a reply of 2 tokens drafts at most 1 after its first
 
 
 def test_a_session_cancelled_after_a_verify_pass_leaves_no_cache_and_no_drafts_behind(stage):
-    engine = Engine(stage, kv_tokens=4096, speculative=4)
+    engine = local_engine(stage, kv_tokens=4096, speculative=4)
     session = copying(1, 40)[0]
     engine.add(session)
     while not session.spec_passes or session.spec_accepted == session.spec_drafted:
@@ -299,7 +300,7 @@ def test_a_stop_string_inside_a_pass_ends_the_reply_there_and_counts_only_what_w
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     plant_bigrams(model, ids)
-    engine = Engine(StageModel.from_causal_lm(model), kv_tokens=4096, speculative=8)
+    engine = local_engine(StageModel.from_causal_lm(model), kv_tokens=4096, speculative=8)
     outputs, done = [], threading.Event()
 
     def deliver(batch):
@@ -337,7 +338,7 @@ def test_a_grammar_row_drafts_nothing_and_keeps_its_grammar_beside_drafting_rows
     grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
     bound = Session("g", TEXT[:40], 40, SamplingParams(temperature=0.0, grammar=grammar), stop_ids=frozenset({stop}))
     bound.constraint = constraint_for(tok, grammar, frozenset({stop}))
-    outputs, ends = run(Engine(stage, kv_tokens=4096, speculative=4), copying(2, 24) + [bound])
+    outputs, ends = run(local_engine(stage, kv_tokens=4096, speculative=4), copying(2, 24) + [bound])
     assert ends["g"].finish_reason == "stop" and ends["g"].spec_drafted == 0
     assert set(json.loads(tok.decode(ends["g"].output_ids))) == {"n", "ok"}
     assert sum(ends[f"c{i}"].spec_drafted for i in range(2)) > 0  # the rows beside it did draft

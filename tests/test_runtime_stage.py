@@ -4,7 +4,7 @@ import pytest
 import torch
 import transformers
 
-from fellow.runtime.engine.engine import Engine
+from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.sampling import SamplingParams
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.stage import StageModel
@@ -30,7 +30,7 @@ def prompt(length: int, seed: int) -> list[int]:
 
 
 def run_alone(model, ids: list[int], new_tokens: int, prefill_chunk: int = 0) -> list[int]:
-    engine = Engine(StageModel.from_causal_lm(model), kv_tokens=4096, prefill_chunk=prefill_chunk)
+    engine = local_engine(StageModel.from_causal_lm(model), kv_tokens=4096, prefill_chunk=prefill_chunk)
     engine.add(Session("s", ids, new_tokens, GREEDY))
     tokens = []
     while engine.busy:

@@ -68,7 +68,7 @@ def test_the_demo_draft_shares_the_demo_models_tokenizer_and_drafts_for_it(tmp_p
     """`swarm demo-model --draft`: a smaller model trained on the same text, with the same tokenizer,
     exported in one stage; it loads as the demo model's draft model, and greedy replies stay the same."""
     from fellow.runtime.engine.draft_model import load_draft_model
-    from fellow.runtime.engine.engine import Engine
+    from fellow.runtime.engine.engine import local_engine
     from fellow.runtime.engine.sampling import SamplingParams
     from fellow.runtime.engine.session import Session
     from fellow.runtime.model.loader import load_one_stage
@@ -83,7 +83,7 @@ def test_the_demo_draft_shares_the_demo_models_tokenizer_and_drafts_for_it(tmp_p
     assert len(draft.stage.layers) == DRAFT_SHAPE["layers"] and draft.stage.config.hidden_size == DRAFT_SHAPE["hidden"]
 
     def replies(**spec):
-        engine = Engine(target.stage, kv_tokens=4096, **spec)
+        engine = local_engine(target.stage, kv_tokens=4096, **spec)
         sessions = [Session(f"s{i}", target.tokenizer(demo_examples()[i], add_special_tokens=False)["input_ids"][:24],
                             10, SamplingParams(temperature=0.0)) for i in range(2)]
         for session in sessions:

@@ -1,4 +1,4 @@
-"""Admission by tokens: a session reserves its prompt plus max_new_tokens of the stage's KV budget until it ends."""
+"""The KV token ledger of a stage: who holds how many of its tokens. Written by the scheduler alone."""
 
 from __future__ import annotations
 
@@ -34,40 +34,67 @@ class AdmissionFailed(RuntimeError):
 
 
 class TokenBudget:
-    """The KV tokens a stage holds, and how many of them are reserved: the stage's one ledger.
+    """The KV tokens a stage holds, and which session holds how many of them: the stage's one ledger.
 
-    Safe from any thread: the stage's intake reserves on the bus thread, the scheduler admits and
-    gives back on the engine's.
+    Holdings are keyed by session id, so a session's tokens go back exactly once and in the amount it
+    took. Safe from any thread (the stage's intake offers on the bus thread, the scheduler admits and
+    gives back on the engine's); only fellow.runtime.engine.scheduler calls ``reserve``, ``release``
+    and ``resize`` (tests/test_stage_core.py checks the tree for other writers).
     """
 
     def __init__(self, kv_tokens: int) -> None:
         if kv_tokens < 1:
             raise ValueError(f"kv_tokens={kv_tokens} must be at least 1")
-        self.kv_tokens = kv_tokens
-        self.reserved = 0
+        self._kv_tokens = kv_tokens
+        self._held: dict[str, int] = {}
+        self._reserved = 0
         self._lock = threading.Lock()
 
     @property
+    def kv_tokens(self) -> int:
+        return self._kv_tokens
+
+    @property
+    def reserved(self) -> int:
+        return self._reserved
+
+    @property
     def free(self) -> int:
-        return self.kv_tokens - self.reserved
+        return self._kv_tokens - self._reserved
+
+    def holds(self, key: str) -> int:
+        """The tokens ``key`` holds (0: none)."""
+        return self._held.get(key, 0)
 
     def check(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """The tokens a request would reserve; ContextTooLong when even an empty pool could not hold them."""
         needed = prompt_tokens + max_new_tokens
-        if needed > self.kv_tokens:
-            raise ContextTooLong(prompt_tokens, max_new_tokens, self.kv_tokens)
+        if needed > self._kv_tokens:
+            raise ContextTooLong(prompt_tokens, max_new_tokens, self._kv_tokens)
         return needed
 
-    def try_reserve(self, tokens: int) -> bool:
-        """Reserve ``tokens`` if they are free now; False (and nothing reserved) if not."""
+    def reserve(self, key: str, tokens: int, *, over: bool = False) -> bool:
+        """``key`` takes ``tokens`` if they are free now; False (and nothing taken) if not. ``over``
+        takes them even past the budget (a later ring stage holds what stage 0 admitted)."""
         with self._lock:
-            if tokens > self.kv_tokens - self.reserved:
+            if key in self._held:
+                raise ValueError(f"{key!r} holds {self._held[key]} tokens already")
+            if not over and tokens > self._kv_tokens - self._reserved:
                 return False
-            self.reserved += tokens
+            self._held[key] = tokens
+            self._reserved += tokens
             return True
 
-    def release(self, tokens: int) -> None:
+    def release(self, key: str) -> int:
+        """What ``key`` held goes back; the number of tokens (0 when it held none)."""
         with self._lock:
-            if tokens > self.reserved:
-                raise RuntimeError(f"releasing {tokens} tokens with only {self.reserved} reserved")
-            self.reserved -= tokens
+            tokens = self._held.pop(key, 0)
+            self._reserved -= tokens
+            return tokens
+
+    def resize(self, kv_tokens: int) -> None:
+        """The stage holds ``kv_tokens`` from now on (a ring admits by its smallest stage's)."""
+        if kv_tokens < 1:
+            raise ValueError(f"kv_tokens={kv_tokens} must be at least 1")
+        with self._lock:
+            self._kv_tokens = kv_tokens

@@ -72,19 +72,11 @@ class PromptLookup:
         return [], 0
 
 
-def next_drafts(session) -> list[int]:
-    """Prompt lookup's drafts for a session's next pass (``spec_k``, ``guard``, ``lookup`` set). At
-    most the tokens its reply has left but one: a pass then never writes past the session's
-    reservation (the reserved prompt plus max_tokens holds the positions of the pass in flight).
-    A session under a grammar drafts nothing: its mask is computed one position at a time."""
-    limit = draft_limit(session)
-    if limit <= 0:
-        return []
-    return caught_up(session).draft(limit)
-
-
 def draft_limit(session) -> int:
-    """How many tokens a session may draft for its next pass (0: none); see next_drafts."""
+    """How many tokens a session may draft for its next pass (0: none). At most the tokens its reply has
+    left but one: a pass then never writes past the session's reservation (the reserved prompt plus
+    max_tokens holds the positions of the pass in flight). A session under a grammar drafts nothing: its
+    mask is computed one position at a time."""
     if not session.spec_k or session.sampling.grammar or not session.guard.allows():
         return 0
     return min(session.guard.limit, session.max_new_tokens - len(session.output_ids) - 1)

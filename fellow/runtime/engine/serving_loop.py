@@ -27,7 +27,19 @@ class Job:
     max_new_tokens: int
     sampling: SamplingParams
     stop: list[str] = field(default_factory=list)
-    reserved: bool = False  # its tokens are taken from the engine's budget already (Scheduler.add)
+
+
+@dataclass(frozen=True)
+class Cancel:
+    request_id: str
+    reason: str = "cancelled"
+
+
+class Wake:
+    """Nothing to do but look again (the loop is stopping)."""
+
+
+Inbound = Job | Cancel | Wake  # what the serving loop's inbox carries
 
 
 @dataclass
@@ -111,22 +123,24 @@ class StepStats:
 
 
 class ServingLoop:
-    """Owns the engine on one thread; `submit` and `cancel` are safe from any thread.
+    """Owns the scheduler on one thread; `submit` and `cancel` are safe from any thread.
 
     `deliver(outputs)` is called on this thread after every step with at least one output; the
-    caller hands them to its event loop.
+    caller hands them to its event loop. ``samples_here``: the scheduler's runner samples on this stage,
+    so a request's grammar is compiled here (a ring's last stage samples instead). ``wake`` is called
+    after anything goes into the inbox, for a runner that waits on an inbox of its own.
     """
 
-    samples_here = True  # the engine samples on this stage, so a request's grammar is compiled here
-
     def __init__(self, engine: Scheduler, tokenizer, stop_ids: frozenset[int], deliver: Callable[[list[Output]], None],
-                 stage: int = 0):
+                 stage: int = 0, samples_here: bool = True, wake: Callable[[], None] | None = None):
         self.engine = engine
         self.stats = StepStats(stage, stage_stats_s())
         self.tokenizer = tokenizer
         self.stop_ids = stop_ids
         self.deliver = deliver
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.samples_here = samples_here
+        self.wake = wake or (lambda: None)
+        self.inbox: queue.SimpleQueue[Inbound] = queue.SimpleQueue()
         self.replies: dict[str, _Reply] = {}
         self.texts = TokenTexts(tokenizer)
         self.running = True
@@ -140,15 +154,20 @@ class ServingLoop:
         """Drive the engine on the calling thread until `stop`."""
         self._run()
 
+    def _put(self, item: Inbound) -> None:
+        self.inbox.put(item)
+        self.wake()
+
     def submit(self, job: Job) -> None:
-        self.inbox.put(("add", job))
+        """A job whose tokens were offered to the scheduler (``Scheduler.offer``) or are taken at admission."""
+        self._put(job)
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
-        self.inbox.put(("cancel", (request_id, reason)))
+        self._put(Cancel(request_id, reason))
 
     def stop(self) -> None:
         self.running = False
-        self.inbox.put(("wake", None))
+        self._put(Wake())
 
     def _drain(self, block: bool) -> list[Output]:
         refused: list[Output] = []
@@ -157,27 +176,29 @@ class ServingLoop:
         except queue.Empty:
             return refused
         while True:
-            kind, arg = item
-            if kind == "add":
+            if isinstance(item, Job):
                 try:
-                    session = Session(arg.request_id, arg.prompt_ids, arg.max_new_tokens, sampling=arg.sampling,
-                                      stop_ids=self.stop_ids)
-                    if self.samples_here:
-                        session.constraint = constraint_for(self.tokenizer, session.sampling.grammar, self.stop_ids)
-                    self.engine.add(session, reserved=arg.reserved)
-                except Exception as exc:  # refused: its tokens are still ours to give back
-                    if arg.reserved:
-                        self.engine.budget.release(len(arg.prompt_ids) + arg.max_new_tokens)
-                    refused.append(Output(arg.request_id, prompt_tokens=len(arg.prompt_ids), error=exc))
-                else:
-                    self.replies[arg.request_id] = _Reply(arg, self.tokenizer)
-            elif kind == "cancel":
-                if arg[0] in self.replies:
-                    self.engine.cancel(*arg)
+                    self._add(item)
+                except Exception as exc:  # refused: the scheduler gave its tokens back
+                    refused.append(Output(item.request_id, prompt_tokens=len(item.prompt_ids), error=exc))
+            elif isinstance(item, Cancel) and item.request_id in self.replies:
+                self.engine.cancel(item.request_id, item.reason)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 return refused
+
+    def _add(self, job: Job) -> None:
+        try:
+            session = Session(job.request_id, job.prompt_ids, job.max_new_tokens, sampling=job.sampling,
+                              stop_ids=self.stop_ids)
+            if self.samples_here:
+                session.constraint = constraint_for(self.tokenizer, session.sampling.grammar, self.stop_ids)
+        except Exception:
+            self.engine.withdraw(job.request_id)
+            raise
+        self.engine.add(session)
+        self.replies[job.request_id] = _Reply(job, self.tokenizer)
 
     def _run(self) -> None:
         while self.running:

@@ -19,7 +19,7 @@ class Session:
 
     ``stop_ids`` are the end-of-turn ids (tokenizer and generation config). A stop id ends the
     session with finish_reason "stop" and is not part of ``output_ids``; stop strings are the
-    caller's to spot, and it ends the session with ``Engine.cancel(session_id, "stop")``.
+    caller's to spot, and it ends the session with ``Scheduler.cancel(session_id, "stop")``.
     """
 
     session_id: str
@@ -40,7 +40,6 @@ class Session:
     first_token_at: float | None = field(default=None, init=False)
     decode_s: float = field(default=0.0, init=False)  # wall time of the decode steps it took part in
     decode_steps: int = field(default=0, init=False)
-    holds_tokens: bool = field(default=False, init=False)  # its reserved_tokens are taken from the budget
     error: Exception | None = field(default=None, init=False)  # why it failed (finish_reason "error")
     pending_logprob: tuple | None = field(default=None, init=False)  # the sampler's, for the token it drew
     logprobs: list[tuple] = field(default_factory=list, init=False)  # one per output id, when asked for
@@ -92,6 +91,19 @@ class Session:
             self.finish_reason = "length"
             return True
         return False
+
+    def record_pass(self, drafted: int, gained: int) -> None:
+        """A verify pass that carried ``drafted`` tokens gained ``gained`` (the drafts that stood plus one of
+        the model's own): its guard sizes the next drafts by it, and its counters go into timing."""
+        accepted = min(gained - 1, drafted)
+        self.guard.record(drafted, accepted)
+        self.spec_passes += 1
+        self.spec_tokens += gained
+        self.spec_drafted += drafted
+        self.spec_accepted += accepted
+        if self.model_drafting:
+            self.spec_model_drafted += drafted
+            self.spec_model_accepted += accepted
 
     def timing(self, now: float | None = None) -> dict:
         """The numbers a done frame carries: the whole prompt's wall time, time to first token, decode pace."""

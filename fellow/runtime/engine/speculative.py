@@ -44,7 +44,7 @@ def verify_drafts(logits: torch.Tensor, drafts: list[int], row) -> list[tuple[in
     then one of the model's own. ``logits`` [len(drafts) + 1, V] are the pass's for that row; ``row``
     is a Session (sampling, generator, prompt_ids, output_ids, stop_ids, constraint).
 
-    A row with a grammar (``constraint``) drafts nothing (Engine._drafts): its one position is masked
+    A row with a grammar (``constraint``) drafts nothing (drafting.draft_limit): its one position is masked
     by the processors, and the token it gains advances its grammar."""
     gained = _verify(logits, drafts, row)
     constraint = getattr(row, "constraint", None)

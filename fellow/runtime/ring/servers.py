@@ -11,7 +11,7 @@ from events.base import decode_event
 from events.loads import LoadFailed, StageReady, StageReplaced
 from events.stage import FailedReport, MetricsReport
 from fellow.runtime.engine.serving_loop import ServingLoop
-from fellow.runtime.ring.head import WAKE, RingHead
+from fellow.runtime.ring.head import WAKE, RingRunner, ring_engine
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.link import RingLink
 from fellow.runtime.ring.session import route_name
@@ -27,28 +27,10 @@ PROBE_TIMEOUT_S = 600.0  # the later stages may still be loading (or fetching th
 SETTLE_S = 30.0  # how long stage 0 waits for the hops to choose direct or relay before it serves anyway
 
 
-class RingServingLoop(ServingLoop):
-    """The one-stage serving loop over a RingHead: new jobs wake it from its wait for tokens."""
-
-    samples_here = False  # the ring's last stage samples, and holds the request's grammar
-
-    def submit(self, job) -> None:
-        super().submit(job)
-        self.engine.inbox.put(WAKE)
-
-    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
-        super().cancel(request_id, reason)
-        self.engine.inbox.put(WAKE)
-
-    def stop(self) -> None:
-        super().stop()
-        self.engine.inbox.put(WAKE)
-
-
 class RingHeadServer(StageServer):
     """Stage 0: pulls requests by KV room, tokenizes, runs its blocks, and streams the frames."""
 
-    engine: RingHead
+    runner: RingRunner
     link: RingLink | None = None
 
     def _load(self) -> None:
@@ -60,11 +42,12 @@ class RingHeadServer(StageServer):
     def _build(self) -> None:
         t = self.cfg.transport
         self.inbox = Inbox()
-        self.engine = RingHead(self.stage, self.ring.sender, lambda frame: self.link.send(frame), self.inbox,
-                               num_stages=self.cfg.num_stages, kv_tokens=self.kv_tokens, max_batch=t.max_batch,
-                               prefill_chunk=t.prefill_chunk, prefix_cache=t.prefix_cache,
-                               route=lambda: self.link.route if self.link is not None else "r",
-                               speculative=t.speculative, draft=self.draft)
+        self.engine = ring_engine(self.stage, self.ring.sender, lambda frame: self.link.send(frame), self.inbox,
+                                  num_stages=self.cfg.num_stages, kv_tokens=self.kv_tokens, max_batch=t.max_batch,
+                                  prefill_chunk=t.prefill_chunk, prefix_cache=t.prefix_cache,
+                                  route=lambda: self.link.route if self.link is not None else "r",
+                                  speculative=t.speculative, draft=self.draft)
+        self.runner = self.engine.runner
         # stage 0's own (with a draft model, each token holds a position of both); the ring's is the
         # smallest of every stage's
         self.kv_own = self.kv_tokens = self.engine.kv_tokens
@@ -74,12 +57,14 @@ class RingHeadServer(StageServer):
         self.serving = self.make_loop()
 
     def make_loop(self) -> ServingLoop:
-        return RingServingLoop(self.engine, self.tokenizer, self.stop_ids, self._deliver, stage=self.cfg.stage)
+        # the ring's last stage samples, and holds the request's grammar; a new job wakes the runner's wait
+        return ServingLoop(self.engine, self.tokenizer, self.stop_ids, self._deliver, stage=self.cfg.stage,
+                           samples_here=False, wake=lambda: self.inbox.put(WAKE))
 
     async def _start(self) -> None:
         self.link = RingLink(self.nc, self.load_id, 0, self.cfg.num_stages, self.inbox, **self._link_options())
         await self.link.start()
-        self.engine.max_piece = max(1, (self.link.max_payload - 1024) // self.ring.sender.bytes_per_position)
+        self.runner.units.max_piece = max(1, (self.link.max_payload - 1024) // self.ring.sender.bytes_per_position)
         await self.nc.subscribe(subjects.event(LoadFailed.__struct_config__.tag), cb=self._on_load_failed)
         self._replacing: set[int] = set()  # later stages being re-placed; the ring is paused meanwhile
         for kind in (StageReplaced, StageReady):
@@ -121,17 +106,18 @@ class RingHeadServer(StageServer):
                      1 + kv.index(smallest), smallest, own, smallest)
         wanted = sizing.in_flight if sizing is not None else t.max_in_flight
         planned = max(t.kv_tokens, wanted * self.session_tokens()) if t.kv_tokens else smallest
-        self.kv_tokens = self.engine.budget.kv_tokens = min(smallest, planned)
+        self.kv_tokens = min(smallest, planned)
+        self.engine.resize(self.kv_tokens)
         self.in_flight = self.fitting_in_flight(wanted)
         if self.intake is not None:
             self.intake.max_in_flight = self.in_flight
         if sizing is not None:
-            self.engine.groups = groups_for(self.in_flight, sizing.per_group, self.cfg.num_stages)
+            self.runner.units.groups = groups_for(self.in_flight, sizing.per_group, self.cfg.num_stages)
             self.stage.kernels = {**self.stage.kernels,
-                                  "ring": {**sizing.as_dict(), "in_flight": self.in_flight, "groups": self.engine.groups}}
+                                  "ring": {**sizing.as_dict(), "in_flight": self.in_flight, "groups": self.runner.units.groups}}
             log.info("[stage0 in-flight] steps %s ms at %d rows, links %.2f ms round the ring: %d in flight in %d "
                      "groups%s", " ".join(f"{ms:.2f}" for ms in sizing.step_ms), sizing.per_group,
-                     sizing.transit_ms, self.in_flight, self.engine.groups,
+                     sizing.transit_ms, self.in_flight, self.runner.units.groups,
                      f" (KV room for {self.in_flight} of {sizing.in_flight})" if self.in_flight < sizing.in_flight else "")
 
     async def _on_load_failed(self, msg) -> None:
@@ -142,7 +128,7 @@ class RingHeadServer(StageServer):
             return
         if isinstance(evt, LoadFailed) and evt.load_id == self.load_id:
             log.warning("load failed (%s): failing every request in the ring", evt.reason)
-            self.engine.fail_all(f"the ring serving this model failed: {evt.reason}", evt.code or "ring_failed")
+            self.runner.fail_all(f"the ring serving this model failed: {evt.reason}", evt.code or "ring_failed")
 
     async def _on_stage_event(self, msg) -> None:
         """A later stage of this ring moved to another fellow: pause until it is ready and a probe has
@@ -156,14 +142,14 @@ class RingHeadServer(StageServer):
             return
         if isinstance(evt, StageReplaced):
             self._replacing.add(evt.stage)
-            self.engine.pause(f"stage {evt.stage} moves from {evt.lost_fellow_id} to {evt.fellow_id}")
+            self.runner.pause(f"stage {evt.stage} moves from {evt.lost_fellow_id} to {evt.fellow_id}")
         elif isinstance(evt, StageReady) and evt.stage in self._replacing:
             self._replacing.discard(evt.stage)
             if not self._replacing:
                 await self.link.probe(PROBE_TIMEOUT_S)
                 await self._fit_ring()  # the new stage may hold less, step slower, or be farther
                 log.info("stage %d is back on %s: the ring resumes", evt.stage, evt.fellow_id)
-                self.engine.resume()
+                self.runner.resume()
 
     async def _shutdown(self) -> None:
         await super()._shutdown()  # errors the requests in flight

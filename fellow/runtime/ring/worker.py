@@ -14,6 +14,7 @@ from events.ring import DECODE, LAST_PIECE, NO_TOKEN, PREFIX_MISSING, VERIFY, En
 from fellow.runtime.engine.drafting import until_stop
 from fellow.runtime.engine.speculative import verify_drafts
 from fellow.runtime.engine.prefix_cache import PrefixCache
+from fellow.runtime.engine.scheduler import Follower
 from fellow.runtime.engine.serving_loop import StepStats
 from fellow.runtime.model.kv_cache import KVCache
 from fellow.runtime.model.recurrent import off_note
@@ -50,7 +51,6 @@ class _Held:
     output_ids: list[int] = field(default_factory=list)
     pending_logprob: tuple | None = None
     ids: list[int] = field(default_factory=list)  # the token ids of its cache's positions, when frames carry them
-    reserve: int = 0  # its KV reservation on stage 0's ledger
     attempt: int = 0  # the session's try whose frames it runs (events.ring.Hidden.attempt)
     unverified: int = 0  # positions of its last VERIFY frame that may not stand: its next frame says
     constraint: object | None = None  # processors.Constraint of the request's grammar, if any
@@ -92,6 +92,7 @@ class RingWorker:
             off_note(self.stage, ["prefix_cache"] if prefix_tokens > 0 else [])
             prefix_tokens = 0
         self.prefix = PrefixCache() if prefix_tokens > 0 else None
+        self.ledger = Follower(kv_tokens)  # what stage 0 admitted for each session it holds
         self.prefix_tokens = prefix_tokens
         self.route = route or (lambda: "r")  # how this stage's frames leave now: "d" direct, "r" relay
         self.running = True
@@ -153,6 +154,7 @@ class RingWorker:
                     self.prefix.insert(held.ids, held.cache)
                 held.cache.release()
                 del self.held[frame.session]  # last: a session is gone from held once its blocks are kept
+                self.ledger.drop(frame.session)
                 self._fit_prefix()
             if not self.is_last:
                 self.send(frame)
@@ -173,11 +175,12 @@ class RingWorker:
                          prompt_ids=list(ring.prompt_ids) if ring else [],
                          stop_ids=frozenset(ring.stop_ids) if ring else frozenset(),
                          output_ids=list(ring.output_ids) if ring else [],
-                         ids=list(frame.reuse), reserve=frame.reserve, attempt=frame.attempt)
+                         ids=list(frame.reuse), attempt=frame.attempt)
             if self.is_last and params.grammar:  # a replayed session's grammar resumes after its reply so far
                 tokenizer, stop_ids = self.ring.grammar_tokenizer()
                 held.constraint = constraint_for(tokenizer, params.grammar, stop_ids, held.output_ids)
             self.held[frame.session] = held
+            self.ledger.hold(frame.session, frame.reserve)
             self._fit_prefix()
             if frame.reuse and (self.prefix is None or not self.prefix.take(held.cache, list(frame.reuse))):
                 raise PrefixMissing(f"stage {self.ring.index} no longer holds the {len(frame.reuse)} cached "
@@ -287,12 +290,13 @@ class RingWorker:
         return held
 
     def _fit_prefix(self) -> None:
-        """Kept blocks make room for the live sessions' reservations, by stage 0's ledger."""
+        """Kept blocks make room for the live sessions' reservations, as stage 0 admitted them."""
         if self.prefix is not None:
-            self.prefix.fit(sum(h.reserve for h in self.held.values()), self.prefix_tokens)
+            self.prefix.fit(self.ledger.reserved, self.prefix_tokens)
 
     def _drop(self, session: str) -> None:
         held = self.held.pop(session, None)
+        self.ledger.drop(session)
         if held is not None:
             held.cache.release()
 

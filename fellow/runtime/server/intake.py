@@ -21,7 +21,8 @@ from events import subjects
 from events.requests import ChatRequest, RequestFailed, RequestFinished, request_failed_id, request_finished_id
 from events.stage import StageConfig
 from events.subjects import REQUESTS_STREAM, TOKENS_STREAM
-from fellow.runtime.engine.budget import ContextTooLong, TokenBudget
+from fellow.runtime.engine.budget import ContextTooLong
+from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.engine.sampling import SamplingParams
 from fellow.runtime.engine.serving_loop import Job, Output, ServingLoop
 from fellow.token_batcher import TokenBatcher
@@ -66,16 +67,17 @@ class _Taken:
 class Intake:
     """The requests a stage serves, from the bus to their last frame.
 
-    A request's KV tokens come from the engine's budget, the stage's one ledger: taken here when the
-    request is taken, given back by the scheduler when it ends. Anything that goes wrong while taking
+    It asks the scheduler for a request's KV tokens before it claims the request (``Scheduler.offer``:
+    admitted, busy, or too long for the stage) and never writes the ledger itself; the scheduler gives
+    them back when the request ends. Anything that goes wrong while taking
     a request fails that request alone; a message that does not decode is logged, acked and skipped.
     """
 
-    def __init__(self, cfg: StageConfig, nc: Client, js: JetStreamContext, tokenizer, budget: TokenBudget,
+    def __init__(self, cfg: StageConfig, nc: Client, js: JetStreamContext, tokenizer, scheduler: Scheduler,
                  serving: ServingLoop, max_in_flight: int = 0):
         self.cfg, self.nc, self.js = cfg, nc, js
         self.load_id, self.model_id, self.fellow_id = cfg.load_id, cfg.model_id, cfg.fellow_id
-        self.tokenizer, self.budget, self.serving = tokenizer, budget, serving
+        self.tokenizer, self.scheduler, self.serving = tokenizer, scheduler, serving
         self.max_in_flight = max(1, max_in_flight or cfg.transport.max_in_flight)  # the stage's, fitted to its KV
         self.active: dict[str, _Taken] = {}
         self.metrics = Metrics()
@@ -96,7 +98,7 @@ class Intake:
             config=ConsumerConfig(durable_name=durable, deliver_policy=DeliverPolicy.ALL,
                                   ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S, inactive_threshold=3600.0))
         while self.running:
-            if len(self.active) >= self.max_in_flight or self.budget.free <= 0:
+            if len(self.active) >= self.max_in_flight or self.scheduler.budget.free <= 0:
                 await self._wait_room()
                 continue
             try:
@@ -153,23 +155,22 @@ class Intake:
             await _ack(msg)
             await self._refuse(req, 0, f"the prompt could not be tokenized: {exc}", "invalid_prompt")
             return
-        kv_tokens = self.budget.kv_tokens
-        max_tokens = req.max_tokens
-        if req.max_tokens_fit and len(prompt_ids) < kv_tokens:
-            max_tokens = min(max_tokens, kv_tokens - len(prompt_ids))
-        needed = len(prompt_ids) + max_tokens
-        if needed > kv_tokens:
-            await _ack(msg)
-            err = ContextTooLong(len(prompt_ids), max_tokens, kv_tokens)
-            await self._refuse(req, len(prompt_ids), str(err), err.code, err.data)
-            return
         try:
             sampling = SamplingParams.of(req.sampling)
         except ValueError as exc:
             await _ack(msg)
             await self._refuse(req, len(prompt_ids), f"invalid sampling: {exc}", "invalid_request")
             return
-        if not self.budget.try_reserve(needed):
+        max_tokens = req.max_tokens
+        if req.max_tokens_fit and len(prompt_ids) < self.scheduler.kv_tokens:
+            max_tokens = min(max_tokens, self.scheduler.kv_tokens - len(prompt_ids))
+        try:
+            admitted = self.scheduler.offer(req.request_id, len(prompt_ids), max_tokens)
+        except ContextTooLong as err:
+            await _ack(msg)
+            await self._refuse(req, len(prompt_ids), str(err), err.code, err.data)
+            return
+        if not admitted:
             # Not now: back to the bus for another replica, and we wait until a session ends.
             await _ack(msg, nak=True)
             if self.active:
@@ -179,13 +180,13 @@ class Intake:
         try:
             claimed = await batcher.start(self.fellow_id, self.cfg.replica)  # from here, our death fails it
         except Exception as exc:  # a bus timeout, say: the start frame may be stored or not
-            self.budget.release(needed)
+            self.scheduler.withdraw(req.request_id)
             await _ack(msg)
             await self._refuse(req, len(prompt_ids), f"the start frame was not published: {exc}", "intake_failed",
                                batcher=batcher)
             return
         if not claimed:
-            self.budget.release(needed)
+            self.scheduler.withdraw(req.request_id)
             log.warning("request %s was started by another replica; not serving it again", req.request_id,
                         extra=for_request(req.request_id))
             await _ack(msg)
@@ -193,7 +194,7 @@ class Intake:
         bus_wait = max(0.0, time.time() - req.created) if req.created else 0.0
         self.active[req.request_id] = _Taken(batcher, time.monotonic(), bus_wait)
         self.metrics.requests += 1
-        self.serving.submit(Job(req.request_id, prompt_ids, max_tokens, sampling, list(req.stop), reserved=True))
+        self.serving.submit(Job(req.request_id, prompt_ids, max_tokens, sampling, list(req.stop)))
         if self.early_cancels.pop(req.request_id, None) is not None:  # its client hung up while it waited
             self.serving.cancel(req.request_id)
         await _ack(msg)  # served either way: a redelivery finds the start frame and leaves it

@@ -8,7 +8,7 @@ import time
 from events import subjects
 from events.stage import MetricsReport
 from fellow.runtime.engine.draft_model import DraftModel, load_draft_model
-from fellow.runtime.engine.engine import Engine
+from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.engine.serving_loop import ServingLoop
 from fellow.runtime.model.loader import load_one_stage
@@ -51,7 +51,7 @@ class StageServer(StageServerBase):
 
     def _build(self) -> None:
         t = self.cfg.transport
-        self.engine = Engine(self.stage, kv_tokens=self.kv_tokens, max_batch=t.max_batch,
+        self.engine = local_engine(self.stage, kv_tokens=self.kv_tokens, max_batch=t.max_batch,
                              prefill_chunk=t.prefill_chunk, prefix_cache=t.prefix_cache,
                              speculative=t.speculative, draft=self.draft)
         self.kv_tokens = self.engine.kv_tokens  # with a draft model, each token holds a position of both
@@ -70,7 +70,7 @@ class StageServer(StageServerBase):
         self.serving.stop()
 
     async def _start(self) -> None:
-        self.intake = Intake(self.cfg, self.nc, self.js, self.tokenizer, self.engine.budget, self.serving,
+        self.intake = Intake(self.cfg, self.nc, self.js, self.tokenizer, self.engine, self.serving,
                              max_in_flight=self.in_flight)
         await self.nc.subscribe(subjects.cancels_of(self.load_id), cb=self.intake.on_cancel)
 
