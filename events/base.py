@@ -37,11 +37,3 @@ _encoder = msgspec.json.Encoder()
 
 def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
-
-
-def decode_event(data: bytes) -> Event | None:
-    """`events.union.decode_event`, for callers that import it from here (imported on use: that
-    module imports every event type, each of which imports this one)."""
-    from events.union import decode_event as decode
-
-    return decode(data)

@@ -28,7 +28,8 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from events import subjects
-from events.base import decode_event, new_id
+from events.base import new_id
+from events.union import decode_event
 from events.frames import AnyFrame, ErrorFrame, StartFrame, TokenFrame, frame_decoder
 from events.loads import LoadFailed, ModelUnloaded, ReplicaLost
 

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 from nats.js.errors import NotFoundError
 
-from events.base import decode_event
+from events.union import decode_event
 from events.loads import LoadRequested, UnloadRequested
 from events.subjects import EVENTS_STREAM, event
 from leader.api.deps import OPEN_CALLER

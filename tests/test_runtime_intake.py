@@ -10,7 +10,7 @@ import pytest
 
 from core.bus import settle
 from events import subjects
-from events.base import decode_event
+from events.union import decode_event
 from events.frames import DoneFrame, ErrorFrame
 from events.requests import RequestFinished
 from events.stage import ReadyReport, StageConfig, Transport

@@ -8,7 +8,7 @@ import time
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from events.api_tokens import ApiTokenPruned
-from events.base import decode_event
+from events.union import decode_event
 from events.subjects import EVENTS_ALL, EVENTS_STREAM, event
 from leader.auth.pruner import PRUNE_AFTER_S
 from leader.auth.token_format import TOKEN_PREFIX, hash_secret

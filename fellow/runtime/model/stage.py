@@ -1,4 +1,8 @@
-"""A serving stage: a contiguous range of HF decoder layers, with the embeddings on stage 0 and the head on the last."""
+"""A serving stage: a contiguous range of HF decoder layers, with the embeddings on stage 0 and the head on the last.
+
+Over 350 lines: one class whose forward paths (a piece, fresh prompts side by side, a decode batch, a verify
+pass, recurrent sessions) share its private layer loop, embedding and head; its masks live in model/masks.py.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fellow.runtime.model.fused import (FusedLayer, FusedStack, Linear, MakeLinear, bias_of, layer_windows,
                                         recurrent_layers, rotary_tables, strip_linears)
 from fellow.runtime.model.kv_cache import BatchedView, FreshBatchView, KVCache, SessionView
+from fellow.runtime.model.masks import fresh_masks, piece_mask
 from fellow.runtime.model.recurrent import (RecurrentBatchedView, RecurrentCache, RecurrentView, RollbackRefused,
                                             recurrent_reason, state_shapes)
 
@@ -216,7 +221,8 @@ class StageModel:
         positions = hidden.shape[1]
         cache.reserve(positions)
         position_ids = torch.arange(cache.length, cache.length + positions, device=hidden.device)[None, :]
-        masks = {window: self._piece_mask(cache.length, positions, hidden, window) for window in self.windows}
+        masks = {window: piece_mask(cache.length, positions, hidden, window, self.attention)
+                 for window in self.windows}
         if self.fused is not None:
             hidden = self._fused(hidden, position_ids, self.fused.attend_piece(cache, masks))
         else:
@@ -247,20 +253,7 @@ class StageModel:
             if cache.length:
                 raise ValueError("prefill_fresh takes sessions with empty caches")
             cache.reserve(len(piece))
-        device = hidden.device
-        pad = torch.tensor(pads, device=device)[:, None, None]  # [B, 1, 1]
-        rows = torch.arange(width, device=device)[None, :, None]
-        columns = torch.arange(width, device=device)[None, None, :]
-        # a real query sees real keys up to itself (and within its window); a padding row sees only itself
-        # (no empty softmax)
-        masks = {}
-        for window in self.windows:
-            seen = (columns <= rows) & (columns >= pad)
-            if window is not None:
-                seen &= columns > rows - window
-            mask = torch.zeros(len(pieces), 1, width, width, dtype=hidden.dtype, device=device)
-            masks[window] = mask.masked_fill_(~(seen | (columns == rows))[:, None], torch.finfo(hidden.dtype).min)
-        position_ids = (torch.arange(width, device=device)[None, :] - pad[:, :, 0]).clamp(min=0)
+        masks, position_ids = fresh_masks(self.windows, pads, width, hidden.dtype, hidden.device)
         if self.fused is not None:
             hidden = self._fused(hidden, position_ids, self.fused.attend_fresh(caches, pads, masks))
         else:
@@ -301,7 +294,8 @@ class StageModel:
             return self._head(hidden) if self.is_last else hidden
         if len(caches) == 1:  # alone: attend straight to the cache, nothing to pad (a window may mask)
             view = SessionView(caches[0])
-            masks = {window: self._piece_mask(caches[0].length, 1, hidden, window) for window in self.windows}
+            masks = {window: piece_mask(caches[0].length, 1, hidden, window, self.attention)
+                     for window in self.windows}
         else:
             view = BatchedView(caches)
             masks = {window: view.attention_mask(hidden.dtype, hidden.device, window) for window in self.windows}
@@ -339,21 +333,6 @@ class StageModel:
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed(ids.to(self.input_device))
-
-    def _piece_mask(self, past: int, positions: int, hidden: torch.Tensor,
-                    window: int | None = None) -> torch.Tensor | None:
-        """The additive mask [1, 1, q, past + q] of ``positions`` new positions after ``past``: causal,
-        and within ``window`` positions where the layer has one; None where plain causal serves."""
-        windowed = window is not None and past + positions > window  # some query has a key out of its window
-        if not windowed and (positions == 1 or (past == 0 and self.attention == "sdpa")):
-            return None  # one query sees everything; an empty past is plain causal, which sdpa does itself
-        rows = torch.arange(past, past + positions, device=hidden.device)[:, None]
-        columns = torch.arange(past + positions, device=hidden.device)[None, :]
-        hidden_keys = columns > rows
-        if windowed:
-            hidden_keys |= columns <= rows - window
-        mask = torch.zeros(1, 1, positions, past + positions, dtype=hidden.dtype, device=hidden.device)
-        return mask.masked_fill_(hidden_keys[None, None], torch.finfo(hidden.dtype).min)
 
     def _fused(self, hidden: torch.Tensor, position_ids: torch.Tensor, attend) -> torch.Tensor:
         cos, sin = rotary_tables(*self.rotary_emb(hidden, position_ids))

@@ -7,7 +7,7 @@ import logging
 import time
 
 from events import subjects
-from events.base import decode_event
+from events.union import decode_event
 from events.loads import LoadFailed, StageReady, StageReplaced
 from events.stage import FailedReport, MetricsReport
 from fellow.runtime.engine.serving_loop import ServingLoop
