@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from fellow.runtime.engine.draft_model import load_draft_model  # noqa: E402
 from fellow.runtime.engine.engine import local_engine  # noqa: E402
 from fellow.runtime.engine.prefix_cache import PrefixCache  # noqa: E402
-from fellow.runtime.engine.sampling import SamplingParams  # noqa: E402
+from events.requests import Sampling  # noqa: E402
 from fellow.runtime.engine.session import Session  # noqa: E402
 from fellow.runtime.model.loader import load_one_stage  # noqa: E402
 
@@ -53,7 +53,7 @@ def decode_rate(stage, batch: list[list[int]], tokens: int, k: int, draft, prefi
     """(decode tokens/s, the sessions' counters summed, their replies)."""
     engine = local_engine(stage, kv_tokens=1 << 20, speculative=k, draft=draft)
     engine.prefix = prefix
-    sessions = [Session(f"s{i}", ids, tokens, SamplingParams(temperature=0.0)) for i, ids in enumerate(batch)]
+    sessions = [Session(f"s{i}", ids, tokens, Sampling(temperature=0.0)) for i, ids in enumerate(batch)]
     for session in sessions:
         engine.add(session)
     while any(s.first_token_at is None for s in sessions):  # the prompts and first tokens, not timed

@@ -11,12 +11,12 @@ import transformers
 
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.model.kernels import prepare_stage
-from fellow.runtime.engine.sampling import SamplingParams
+from events.requests import Sampling
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.stage import StageModel
 
-GREEDY = SamplingParams(temperature=0.0)
-SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=0)
+GREEDY = Sampling(temperature=0.0)
+SAMPLED = Sampling(temperature=0.8, top_p=0.9, top_k=50, seed=0)
 
 
 def build_model(layers: int, hidden: int, vocab: int, device: str = "cpu", dtype: torch.dtype = torch.float32):

@@ -19,7 +19,7 @@ import torch
 from bench.bench_engine import build_model, shape_arguments
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.processors import constraint_for
-from fellow.runtime.engine.sampling import SamplingParams
+from events.requests import Sampling
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.kernels import prepare_stage
 from fellow.runtime.model.stage import StageModel
@@ -45,7 +45,7 @@ def run(stage: StageModel, tokenizer, prompts: list[list[int]], new_tokens: int,
     eos = frozenset({tokenizer.convert_tokens_to_ids("<|im_end|>")})
     started = time.perf_counter()
     for row, ids in enumerate(prompts):
-        session = Session(f"s{row}", ids, new_tokens, SamplingParams(temperature=1.0, seed=seed + row))
+        session = Session(f"s{row}", ids, new_tokens, Sampling(temperature=1.0, seed=seed + row))
         session.constraint = constraint_for(tokenizer, constrained, eos) if constrained else None
         engine.add(session)
     produced = 0

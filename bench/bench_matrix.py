@@ -116,7 +116,7 @@ def hf_generate(model, tok, batch: int, tokens: int) -> float:
 def engine_alone(stage, tok, batch: int, tokens: int) -> tuple[float, float]:
     """(decode tokens/s, ms to the first token of one short prompt) of the stage as a fellow serves it."""
     from fellow.runtime.engine.engine import local_engine
-    from fellow.runtime.engine.sampling import SamplingParams
+    from events.requests import Sampling
     from fellow.runtime.engine.session import Session
 
     prompts = prompts_for(tok, batch)
@@ -125,7 +125,7 @@ def engine_alone(stage, tok, batch: int, tokens: int) -> tuple[float, float]:
         engine = local_engine(stage, kv_tokens=1 << 20)
         started = time.perf_counter()
         for row, ids in enumerate(prompts):
-            engine.add(Session(f"s{row}", ids, n, SamplingParams(temperature=0.0)))
+            engine.add(Session(f"s{row}", ids, n, Sampling(temperature=0.0)))
         while engine.busy:
             engine.step()
         return time.perf_counter() - started

@@ -21,10 +21,10 @@ sys.path.insert(0, str(ROOT))
 from bench.bench_matrix import SHAPES, make_checkpoint  # noqa: E402
 from bench.scratch import scratch_dir  # noqa: E402
 from fellow.runtime.engine.engine import local_engine  # noqa: E402
-from fellow.runtime.engine.sampling import SamplingParams  # noqa: E402
+from events.requests import Sampling  # noqa: E402
 from fellow.runtime.engine.session import Session  # noqa: E402
 
-GREEDY = SamplingParams(temperature=0.0)
+GREEDY = Sampling(temperature=0.0)
 
 
 def user_message(vocab: int, chat: int, turn: int, size: int) -> list[int]:

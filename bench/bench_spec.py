@@ -103,7 +103,7 @@ def decode_rate(stage, prompts: list[list[int]], streams: int, tokens: int, k: i
     ``prefix`` is a PrefixCache kept over the runs of one stage, so a prompt is computed once, not
     once per run (prompts are not timed)."""
     from fellow.runtime.engine.engine import local_engine
-    from fellow.runtime.engine.sampling import SamplingParams
+    from events.requests import Sampling
     from fellow.runtime.engine.session import Session
 
     engine = local_engine(stage, kv_tokens=1 << 20, speculative=k)
@@ -111,7 +111,7 @@ def decode_rate(stage, prompts: list[list[int]], streams: int, tokens: int, k: i
 
     def send(stream: int, n: int) -> Session:
         session = Session(f"s{stream}.{n}", prompts[(stream + n * streams) % len(prompts)], tokens,
-                          SamplingParams(temperature=0.0))
+                          Sampling(temperature=0.0))
         engine.add(session)
         return session
 

@@ -33,12 +33,12 @@ WAYS = (("now", 8), ("before", 8), ("one batch", 16))
 def run(stage, prompts: list[list[int]], tokens: int, cap: int, prefix) -> tuple[float, int]:
     """(decode tokens/s, slab rebuilds while decoding)."""
     from fellow.runtime.engine.engine import local_engine
-    from fellow.runtime.engine.sampling import SamplingParams
+    from events.requests import Sampling
     from fellow.runtime.engine.session import Session
 
     engine = local_engine(stage, kv_tokens=1 << 22, max_batch=cap)
     engine.prefix = prefix
-    sessions = [Session(f"s{i}", ids, tokens, SamplingParams(temperature=0.0)) for i, ids in enumerate(prompts)]
+    sessions = [Session(f"s{i}", ids, tokens, Sampling(temperature=0.0)) for i, ids in enumerate(prompts)]
     for session in sessions:
         engine.add(session)
     while any(s.first_token_at is None for s in sessions):

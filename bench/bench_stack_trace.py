@@ -114,7 +114,7 @@ def engine_first_and_step(servable: Path, model_dir: Path, tokens: int = 32) -> 
 
     from bench.bench_matrix import prompts_for
     from fellow.runtime.engine.engine import local_engine
-    from fellow.runtime.engine.sampling import SamplingParams
+    from events.requests import Sampling
     from fellow.runtime.engine.session import Session
     from fellow.runtime.model.loader import load_one_stage
 
@@ -123,7 +123,7 @@ def engine_first_and_step(servable: Path, model_dir: Path, tokens: int = 32) -> 
 
     def run(n: int) -> Session:
         engine = local_engine(stage, kv_tokens=1 << 20)
-        session = Session("s", prompt, n, SamplingParams(temperature=0.0))
+        session = Session("s", prompt, n, Sampling(temperature=0.0))
         engine.add(session)
         while engine.busy:
             engine.step()

@@ -14,8 +14,15 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     tool_call_id: str = ""  # a tool message's: the call it answers
 
 
+MAX_LOGPROBS = 20  # top candidates a request may ask for (OpenAI's top_logprobs bound)
+
+
 class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """Filled in by the leader from the model's generation config; temperature 0 is greedy."""
+    """A request's sampling, the one declaration the gateway, the ring's first frame and the engine share.
+
+    Filled in by the leader from the model's generation config; temperature 0 is greedy, and 0 / 1.0
+    switch the other filters off. ``check()`` says what is out of range (the stage refuses such a request).
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -29,6 +36,38 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     min_tokens: int = 0  # vLLM's: end-of-turn ids are barred until this many tokens came
     logprobs: int | None = None  # the sampled token's logprob plus this many top candidates
     grammar: str = ""  # an llguidance grammar the reply must follow (structured outputs, tool calls)
+
+    def check(self) -> "Sampling":
+        """Itself, or ValueError naming the first field out of range."""
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens={self.min_tokens} must be >= 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs={self.logprobs} must be in [0, {MAX_LOGPROBS}]")
+        return self
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether a logits processor changes this request's logits before it samples."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens or self.grammar)
+
+    @property
+    def greedy(self) -> bool:
+        # top_k 1 keeps only the argmax, so it needs no random draw either
+        return self.temperature == 0.0 or self.top_k == 1
 
 
 class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):

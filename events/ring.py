@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import msgspec
 
+from events.requests import Sampling
+
 STATS_LANE = "stats"
 
 # Hidden.kind: a decode position, a prompt piece with more to come, the prompt's last piece, and a
@@ -38,29 +40,17 @@ class _Hot(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen
 
 
 class RingSampling(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
-    """The request's sampling, named once in the session's first frame for the last stage.
-
-    ``stop_ids`` ride along only with ``min_tokens``, and ``prompt_ids`` only with a
-    ``repetition_penalty``: the processors that need them (fellow.runtime.engine.processors).
-    ``grammar`` (structured outputs, constrained tool calls) is compiled by the last stage, which
-    loads the tokenizer for it.
+    """The request's sampling, named once in the session's first frame for the last stage, with the ids its
+    logits processors need (fellow.runtime.engine.processors): ``stop_ids`` ride along only with
+    ``min_tokens``, and ``prompt_ids`` only with a ``repetition_penalty``. ``sampling.grammar``
+    (structured outputs, constrained tool calls) is compiled by the last stage, which loads the tokenizer
+    for it.
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: list[tuple[int, float]] = []
-    min_tokens: int = 0
-    logprobs: int | None = None
+    sampling: Sampling = Sampling()
     stop_ids: list[int] = []
     prompt_ids: list[int] = []
     output_ids: list[int] = []  # a replayed session's reply so far (its frames replay them after the prompt)
-    grammar: str = ""  # an llguidance grammar the reply must follow; the last stage masks with it
 
 
 class Hidden(_Hot, tag="h"):

@@ -7,7 +7,7 @@ import threading
 import uuid
 
 from core.bus import connect
-from fellow.runtime.engine.sampling import SamplingParams
+from events.requests import Sampling
 from fellow.runtime.engine.session import Session
 from fellow.runtime.ring.head import ring_engine
 from fellow.runtime.ring.inbox import Inbox
@@ -17,7 +17,7 @@ from fellow.runtime.ring.loader import load_ring_stage
 from fellow.runtime.ring.sizing import RingSizing, size_ring
 from fellow.runtime.ring.worker import RingWorker
 
-GREEDY = SamplingParams(temperature=0.0)
+GREEDY = Sampling(temperature=0.0)
 
 
 class BusRing:

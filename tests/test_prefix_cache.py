@@ -8,14 +8,14 @@ import transformers
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.engine.prefix_cache import BLOCK, PrefixCache
-from fellow.runtime.engine.sampling import SamplingParams
+from events.requests import Sampling
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.kernels import prepare_stage
 from fellow.runtime.model.kv_cache import KVCache
 from fellow.runtime.model.stage import StageModel
 
 VOCAB = 256
-GREEDY = SamplingParams(temperature=0.0)
+GREEDY = Sampling(temperature=0.0)
 
 
 @pytest.fixture(scope="module")

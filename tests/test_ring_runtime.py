@@ -18,14 +18,14 @@ from fellow.runtime.ring.head import ring_engine
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.loader import load_ring_stage
 from fellow.runtime.ring.worker import RingWorker
-from fellow.runtime.engine.sampling import SamplingParams
+from events.requests import Sampling
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.loader import load_one_stage
 from tests.tiny import make_tiny_checkpoint
 from tests.processes import wait_until
 from tests.serving_fixtures import make_servable
 
-GREEDY = SamplingParams(temperature=0.0)
+GREEDY = Sampling(temperature=0.0)
 PROMPTS = [list(range(5, 40)), [7, 8, 9], list(range(100, 117)), [3] * 21, list(range(200, 260))]
 
 
@@ -217,10 +217,10 @@ def test_a_cancelled_session_leaves_no_cache_on_any_stage(servables):
 
 
 def test_sampled_ring_draws_what_one_stage_draws_with_the_same_seed(servables):
-    sampled = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=7)
+    sampled = Sampling(temperature=0.9, top_p=0.95, top_k=40, seed=7)
     engine = local_engine(load_one_stage(servables["two"], "cpu").stage, kv_tokens=4096)
     engine.add(Session("a", PROMPTS[0], 16, sampling=sampled))
-    engine.add(Session("b", PROMPTS[1], 16, sampling=SamplingParams(temperature=0.7, seed=8)))
+    engine.add(Session("b", PROMPTS[1], 16, sampling=Sampling(temperature=0.7, seed=8)))
     expected: dict[str, list[int]] = {}
     while engine.busy:
         for sid, tokens in engine.step().tokens.items():
@@ -228,7 +228,7 @@ def test_sampled_ring_draws_what_one_stage_draws_with_the_same_seed(servables):
     ring = LocalRing(servables["two"], 2, prefill_chunk=8)
     try:
         ring.head.add(Session("a", PROMPTS[0], 16, sampling=sampled))
-        ring.head.add(Session("b", PROMPTS[1], 16, sampling=SamplingParams(temperature=0.7, seed=8)))
+        ring.head.add(Session("b", PROMPTS[1], 16, sampling=Sampling(temperature=0.7, seed=8)))
         got: dict[str, list[int]] = {}
         while ring.head.busy:
             for sid, tokens in ring.head.step().tokens.items():
@@ -468,7 +468,7 @@ def test_a_ring_stage_0_loads_the_draft_model_beside_it_and_budgets_for_both(cop
 def test_a_ring_that_drafts_samples_what_one_stage_that_drafts_samples(copier):
     """Sampled: the last stage verifies with the request's own generator as the one-stage engine does,
     so the same seed gives the same tokens."""
-    params = [SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=7), SamplingParams(temperature=0.7, seed=8)]
+    params = [Sampling(temperature=0.9, top_p=0.95, top_k=40, seed=7), Sampling(temperature=0.7, seed=8)]
     prompts = copying_prompts(2)
     engine = local_engine(load_one_stage(copier, "cpu").stage, kv_tokens=4096, speculative=4, max_batch=1)
     for i, p in enumerate(params):
@@ -562,7 +562,7 @@ def test_a_ring_that_drafts_leaves_a_grammar_row_undrafted(copier):
     try:
         for i, prompt in enumerate(copying_prompts(2)):
             ring.head.add(Session(f"c{i}", prompt, 24, sampling=GREEDY))
-        ring.head.add(Session("g", COPY_TEXT[:40], 40, sampling=SamplingParams(temperature=0.0, grammar=grammar),
+        ring.head.add(Session("g", COPY_TEXT[:40], 40, sampling=Sampling(temperature=0.0, grammar=grammar),
                               stop_ids=stops))
         out = ring.drain()
     finally:

@@ -11,7 +11,7 @@ import transformers
 
 from fellow.runtime.engine.draft_model import DraftModel, DraftModelMismatch, check_same_vocabulary, load_draft_model
 from fellow.runtime.engine.engine import local_engine
-from fellow.runtime.engine.sampling import SamplingParams
+from events.requests import Sampling
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.kernels import prepare_stage
 from fellow.runtime.model.loader import load_one_stage
@@ -85,7 +85,7 @@ def test_sampled_replies_with_a_draft_model_stay_seeded_and_draft():
     """A greedy draft is a point mass: speculative sampling checks it exactly (test_runtime_speculative's
     chi-square covers that check); here the draft model's drafts meet a sampled request."""
     target, small = StageModel.from_causal_lm(_planted(3, 64, 0)), StageModel.from_causal_lm(_planted(1, 64, 5))
-    params = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+    params = Sampling(temperature=0.8, top_p=0.95, seed=11)
     make = lambda: [Session("s", TEXT[:9], 24, params)]  # noqa: E731
     first, ends = run(local_engine(target, kv_tokens=4096, speculative=4, draft=DraftModel(small, target)), make())
     again, _ = run(local_engine(target, kv_tokens=4096, speculative=4, draft=DraftModel(small, target)), make())

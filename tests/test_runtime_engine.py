@@ -11,13 +11,13 @@ from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.model.kernels import prepare_stage
 from fellow.runtime.model.packed_linear import pack_stage
-from fellow.runtime.engine.sampling import SamplingParams
+from events.requests import Sampling
 from fellow.runtime.engine.serving_loop import Job, ServingLoop
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.stage import StageModel
 
 VOCAB = 512
-GREEDY = SamplingParams(temperature=0.0)
+GREEDY = Sampling(temperature=0.0)
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu,
                                    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")])
 
@@ -71,7 +71,7 @@ def alone(stage: StageModel, session: Session) -> list[int]:
 def four_sessions(sampled: bool) -> list[Session]:
     lengths, news = (5, 31, 12, 47), (30, 22, 35, 26)
     return [Session(f"s{i}", prompt(n, seed=i), new,
-                    SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=100 + i) if sampled else GREEDY)
+                    Sampling(temperature=0.9, top_p=0.9, top_k=50, seed=100 + i) if sampled else GREEDY)
             for i, (n, new) in enumerate(zip(lengths, news))]
 
 
@@ -170,7 +170,7 @@ def test_a_batch_stops_growing_where_its_padded_copy_would_pass_the_budget(stage
 def test_a_failing_admission_fails_that_session_alone_and_gives_its_tokens_back(stage, reserved):
     """A seed past 2**64 makes torch's generator raise while the session is admitted (issue 21, item 2)."""
     engine = local_engine(stage, kv_tokens=4096)
-    bad = Session("bad", prompt(12, 6), 30, SamplingParams(temperature=0.8, seed=2**64))
+    bad = Session("bad", prompt(12, 6), 30, Sampling(temperature=0.8, seed=2**64))
     good = [Session(f"good{i}", prompt(10 + i, 7 + i), 12, GREEDY) for i in range(2)]
     for session in [good[0], bad, good[1]]:  # admitted in one step, batched together
         if reserved:  # as the stage's intake does: tokens offered to the scheduler first

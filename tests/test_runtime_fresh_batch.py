@@ -5,7 +5,7 @@ import torch
 import transformers
 
 from fellow.runtime.engine.engine import local_engine
-from fellow.runtime.engine.sampling import SamplingParams
+from events.requests import Sampling
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.stage import StageModel
 
@@ -26,8 +26,8 @@ def sessions(sampled: bool) -> list[Session]:
     lengths = (5, 40, 17, 1, 29)
     gen = torch.Generator().manual_seed(0)
     return [Session(f"s{i}", torch.randint(0, VOCAB, (n,), generator=gen).tolist(), 20,
-                    SamplingParams(temperature=0.9, top_p=0.95, seed=50 + i) if sampled
-                    else SamplingParams(temperature=0.0)) for i, n in enumerate(lengths)]
+                    Sampling(temperature=0.9, top_p=0.95, seed=50 + i) if sampled
+                    else Sampling(temperature=0.0)) for i, n in enumerate(lengths)]
 
 
 def run(stage: StageModel, batch: list[Session], chunk: int = 256, max_batch: int = 0) -> tuple[dict, list[int]]:

@@ -49,7 +49,7 @@ async def test_a_stage_skips_what_does_not_decode_and_serves_on(tmp_path, nats_s
         for i, data in enumerate(POISON):
             await js.publish(subjects.request(cfg.load_id), data, headers={"Nats-Msg-Id": f"poison-{i}"})
         _, frames, _, _ = await chat_over_bus(nc, js, cfg.load_id, "tiny", "Hi", max_tokens=6, temperature=-1.0,
-                                              timeout=60)  # decodes, and SamplingParams refuses it
+                                              timeout=60)  # decodes, and Sampling refuses it
         assert isinstance(frames[-1], ErrorFrame) and frames[-1].code == "invalid_request", frames
         _, frames, _, _ = await chat_over_bus(nc, js, cfg.load_id, "tiny", "Hi", max_tokens=6, temperature=0.8,
                                               seed=2**64, timeout=60)  # torch refuses the seed at admission

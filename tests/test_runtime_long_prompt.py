@@ -4,7 +4,7 @@ import torch
 import transformers
 
 from fellow.runtime.engine.engine import local_engine
-from fellow.runtime.engine.sampling import SamplingParams
+from events.requests import Sampling
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.stage import StageModel
 
@@ -19,7 +19,7 @@ def stage() -> StageModel:
     return StageModel.from_causal_lm(transformers.AutoModelForCausalLM.from_config(config).eval())
 
 
-def reply(model: StageModel, prompt: list[int], chunk: int, sampling: SamplingParams) -> tuple[list[int], int]:
+def reply(model: StageModel, prompt: list[int], chunk: int, sampling: Sampling) -> tuple[list[int], int]:
     engine = local_engine(model, kv_tokens=4096, prefill_chunk=chunk)
     engine.add(Session("long", prompt, 24, sampling))
     out, steps = [], 0
@@ -32,7 +32,7 @@ def reply(model: StageModel, prompt: list[int], chunk: int, sampling: SamplingPa
 def test_two_thousand_token_prompt_in_pieces_equals_whole():
     model = stage()
     prompt = torch.randint(0, VOCAB, (2000,), generator=torch.Generator().manual_seed(7)).tolist()
-    for sampling in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=11)):
+    for sampling in (Sampling(temperature=0.0), Sampling(temperature=0.8, top_p=0.9, seed=11)):
         whole, whole_steps = reply(model, prompt, 0, sampling)
         pieces, piece_steps = reply(model, prompt, 256, sampling)
         assert pieces == whole and len(whole) == 24

@@ -9,7 +9,7 @@ import torch
 
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.processors import MIN_LOGPROB, logprob_of, processed, sample_next
-from fellow.runtime.engine.sampling import SamplingParams
+from events.requests import Sampling
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.loader import load_one_stage
 from tests.serving_fixtures import make_servable
@@ -20,7 +20,7 @@ V = 12
 
 @dataclass
 class Row:
-    sampling: SamplingParams
+    sampling: Sampling
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()
@@ -33,7 +33,7 @@ def _logits() -> torch.Tensor:
 
 
 def test_presence_and_frequency_penalties_subtract_per_output_token():
-    row = Row(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), prompt_ids=[1], output_ids=[2, 2, 2, 5])
+    row = Row(Sampling(presence_penalty=0.5, frequency_penalty=0.25), prompt_ids=[1], output_ids=[2, 2, 2, 5])
     got = processed(_logits(), [row])[0]
     expected = _logits()[0].clone()
     expected[2] -= 3 * 0.25 + 0.5
@@ -42,7 +42,7 @@ def test_presence_and_frequency_penalties_subtract_per_output_token():
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_prompt_and_output():
-    row = Row(SamplingParams(repetition_penalty=2.0), prompt_ids=[0], output_ids=[11])
+    row = Row(Sampling(repetition_penalty=2.0), prompt_ids=[0], output_ids=[11])
     got, base = processed(_logits(), [row])[0], _logits()[0]
     assert got[0] == base[0] * 2.0 and base[0] < 0  # more negative
     assert got[11] == base[11] / 2.0 and base[11] > 0
@@ -50,7 +50,7 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_p
 
 
 def test_logit_bias_adds_and_min_tokens_bars_the_stop_ids_until_reached():
-    params = SamplingParams(temperature=0.0, logit_bias=((3, 100.0), (4, -1.0)), min_tokens=2)
+    params = Sampling(temperature=0.0, logit_bias={3: 100.0, 4: -1.0}, min_tokens=2)
     row = Row(params, output_ids=[3], stop_ids=frozenset({3}))
     got = processed(_logits(), [row])[0]
     assert got[3] == float("-inf") and got[4] == _logits()[0, 4] - 1.0
@@ -60,7 +60,7 @@ def test_logit_bias_adds_and_min_tokens_bars_the_stop_ids_until_reached():
 
 
 def test_rows_without_processors_keep_their_logits_and_rows_do_not_mix():
-    plain, penalised = Row(SamplingParams()), Row(SamplingParams(frequency_penalty=1.0), output_ids=[0])
+    plain, penalised = Row(Sampling()), Row(Sampling(frequency_penalty=1.0), output_ids=[0])
     logits = torch.cat([_logits(), _logits()])
     assert processed(logits[:1], [plain]) is logits[:1] or torch.equal(processed(logits[:1], [plain]), logits[:1])
     got = processed(logits, [plain, penalised])
@@ -68,7 +68,7 @@ def test_rows_without_processors_keep_their_logits_and_rows_do_not_mix():
 
 
 def test_logprobs_are_the_processed_log_softmax_over_the_temperature():
-    row = Row(SamplingParams(temperature=0.5, frequency_penalty=1.0, logprobs=3, seed=1), output_ids=[11])
+    row = Row(Sampling(temperature=0.5, frequency_penalty=1.0, logprobs=3, seed=1), output_ids=[11])
     row.generator = torch.Generator().manual_seed(1)
     token = sample_next(_logits(), [row])[0]
     expected = torch.log_softmax(processed(_logits(), [row])[0] / 0.5, dim=-1)
@@ -81,7 +81,7 @@ def test_logprobs_are_the_processed_log_softmax_over_the_temperature():
 
 
 def test_the_session_keeps_one_logprob_per_output_token():
-    session = Session("s", [1, 2], 3, sampling=SamplingParams(temperature=0.0, logprobs=0), stop_ids={0})
+    session = Session("s", [1, 2], 3, sampling=Sampling(temperature=0.0, logprobs=0), stop_ids={0})
     session.pending_logprob = (5, -0.1, [])
     session.accept(5, 0.0)
     session.pending_logprob = (0, -0.2, [])
@@ -96,8 +96,8 @@ def two_stages(tmp_path_factory):
 
 
 PENALISED = {
-    "a": SamplingParams(temperature=0.0, logprobs=5, frequency_penalty=1.5, presence_penalty=0.5),
-    "b": SamplingParams(temperature=0.8, seed=3, logprobs=2, repetition_penalty=1.3, logit_bias=((9, 2.0),),
+    "a": Sampling(temperature=0.0, logprobs=5, frequency_penalty=1.5, presence_penalty=0.5),
+    "b": Sampling(temperature=0.8, seed=3, logprobs=2, repetition_penalty=1.3, logit_bias={9: 2.0},
                         min_tokens=4),
 }
 
@@ -147,9 +147,9 @@ def test_a_grammar_masks_its_row_only_and_advances_with_each_drawn_token():
     grammar = LLMatcher.grammar_from_json_schema({"type": "object", "properties": {"ok": {"type": "boolean"}},
                                                   "required": ["ok"], "additionalProperties": False},
                                                  defaults={"whitespace_flexible": False})
-    bound = Row(SamplingParams(temperature=0.0, grammar=grammar), stop_ids=frozenset({stop}))
+    bound = Row(Sampling(temperature=0.0, grammar=grammar), stop_ids=frozenset({stop}))
     bound.constraint = constraint_for(tok, grammar, frozenset({stop}))
-    free = Row(SamplingParams(temperature=0.0))
+    free = Row(Sampling(temperature=0.0))
     free.constraint = None
     vocab = len(tok) + 6  # a model's head may be wider than its tokenizer: those ids are barred too
     logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0))

@@ -4,6 +4,7 @@ The model is a random one with a bigram table of a text planted in it (tests/cop
 it copies its prompt in runs: drafts then both stand and fall.
 """
 
+import msgspec
 import pytest
 import torch
 import transformers
@@ -11,14 +12,14 @@ import transformers
 from fellow.runtime.engine.drafting import FAILED_PASSES, PAUSE_PASSES, DraftGuard, PromptLookup, check_speculative
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.scheduler import Scheduler
-from fellow.runtime.engine.sampling import SamplingParams
+from events.requests import Sampling
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.kernels import prepare_stage
 from fellow.runtime.model.stage import StageModel
 from tests.copying import plant_bigrams
 
 VOCAB = 512
-GREEDY = SamplingParams(temperature=0.0)
+GREEDY = Sampling(temperature=0.0)
 
 
 def _text(seed: int = 1) -> list[int]:
@@ -109,8 +110,8 @@ def test_greedy_with_drafts_equals_without_token_for_token_batched_with_sessions
 
 
 def test_processors_and_logprobs_see_each_drafted_position_as_if_sampled_one_by_one(stage):
-    params = SamplingParams(temperature=0.0, frequency_penalty=0.6, presence_penalty=0.3,
-                            repetition_penalty=1.2, logit_bias=((TEXT[3], 2.5),), logprobs=2)
+    params = Sampling(temperature=0.0, frequency_penalty=0.6, presence_penalty=0.3,
+                            repetition_penalty=1.2, logit_bias={TEXT[3]: 2.5}, logprobs=2)
     sessions = lambda: copying(2, 30, params)  # noqa: E731
     off, off_ends = run(local_engine(stage, kv_tokens=4096), sessions())
     on, on_ends = run(local_engine(stage, kv_tokens=4096, speculative=4), sessions())
@@ -147,8 +148,8 @@ def _chi_square_p(a: dict, b: dict) -> float:
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
-                                    SamplingParams(temperature=0.8, top_k=3, top_p=0.95, min_p=0.05,
+@pytest.mark.parametrize("params", [Sampling(temperature=1.0),
+                                    Sampling(temperature=0.8, top_k=3, top_p=0.95, min_p=0.05,
                                                    frequency_penalty=0.5)],
                          ids=["plain", "filtered-penalised"])
 def test_sampled_replies_keep_their_distribution(params):
@@ -189,13 +190,12 @@ def test_sampled_replies_keep_their_distribution(params):
     assert _chi_square_p(without, shifted) < 0.001
 
 
-def _seeded(params: SamplingParams, seed: int) -> SamplingParams:
-    fields = {name: getattr(params, name) for name in params.__dataclass_fields__}
-    return SamplingParams(**{**fields, "seed": seed})
+def _seeded(params: Sampling, seed: int) -> Sampling:
+    return msgspec.structs.replace(params, seed=seed)
 
 
 def test_a_seeded_sampled_reply_with_drafts_repeats_itself(stage):
-    params = SamplingParams(temperature=0.9, seed=5)
+    params = Sampling(temperature=0.9, seed=5)
     first, _ = run(local_engine(stage, kv_tokens=4096, speculative=4), copying(2, 30, params))
     again, ends = run(local_engine(stage, kv_tokens=4096, speculative=4), copying(2, 30, params))
     assert first == again and sum(s.spec_passes for s in ends.values()) > 0
@@ -336,7 +336,7 @@ def test_a_grammar_row_drafts_nothing_and_keeps_its_grammar_beside_drafting_rows
     schema = {"type": "object", "additionalProperties": False, "required": ["n", "ok"],
               "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}}}
     grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
-    bound = Session("g", TEXT[:40], 40, SamplingParams(temperature=0.0, grammar=grammar), stop_ids=frozenset({stop}))
+    bound = Session("g", TEXT[:40], 40, Sampling(temperature=0.0, grammar=grammar), stop_ids=frozenset({stop}))
     bound.constraint = constraint_for(tok, grammar, frozenset({stop}))
     outputs, ends = run(local_engine(stage, kv_tokens=4096, speculative=4), copying(2, 24) + [bound])
     assert ends["g"].finish_reason == "stop" and ends["g"].spec_drafted == 0

@@ -5,13 +5,13 @@ import torch
 import transformers
 
 from fellow.runtime.engine.engine import local_engine
-from fellow.runtime.engine.sampling import SamplingParams
+from events.requests import Sampling
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.stage import StageModel
 
 SHAPE = dict(num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, vocab_size=512)
-GREEDY = SamplingParams(temperature=0.0)
+GREEDY = Sampling(temperature=0.0)
 ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
 

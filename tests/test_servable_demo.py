@@ -69,7 +69,7 @@ def test_the_demo_draft_shares_the_demo_models_tokenizer_and_drafts_for_it(tmp_p
     exported in one stage; it loads as the demo model's draft model, and greedy replies stay the same."""
     from fellow.runtime.engine.draft_model import load_draft_model
     from fellow.runtime.engine.engine import local_engine
-    from fellow.runtime.engine.sampling import SamplingParams
+    from events.requests import Sampling
     from fellow.runtime.engine.session import Session
     from fellow.runtime.model.loader import load_one_stage
     from fellow.runtime.tools.demo_model import DRAFT_SHAPE, make_demo_draft
@@ -85,7 +85,7 @@ def test_the_demo_draft_shares_the_demo_models_tokenizer_and_drafts_for_it(tmp_p
     def replies(**spec):
         engine = local_engine(target.stage, kv_tokens=4096, **spec)
         sessions = [Session(f"s{i}", target.tokenizer(demo_examples()[i], add_special_tokens=False)["input_ids"][:24],
-                            10, SamplingParams(temperature=0.0)) for i in range(2)]
+                            10, Sampling(temperature=0.0)) for i in range(2)]
         for session in sessions:
             engine.add(session)
         while engine.busy:

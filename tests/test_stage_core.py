@@ -11,14 +11,14 @@ import torch
 
 from fellow.runtime.engine.budget import ContextTooLong
 from fellow.runtime.engine.engine import local_engine
-from fellow.runtime.engine.sampling import SamplingParams
+from events.requests import Sampling
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.loader import load_one_stage
 from fellow.runtime.ring.session import RingFailure
 from tests.test_ring_runtime import COPY_TEXT, LocalRing, planted_servable
 
 ROOT = Path(__file__).resolve().parents[1]
-GREEDY = SamplingParams(temperature=0.0)
+GREEDY = Sampling(temperature=0.0)
 WRITES = {"reserve", "release", "resize"}  # TokenBudget's writing methods
 OWNERS = {"fellow/runtime/engine/budget.py", "fellow/runtime/engine/scheduler.py"}
 
@@ -34,7 +34,7 @@ def sessions(bad: bool = True) -> list[Session]:
     """A session that drafts (its verify passes crop its cache), one cancelled mid-reply, and on one stage
     one whose sampling generator cannot be made (it fails at admission; a ring's stage 0 makes none)."""
     return [Session("copy", COPY_TEXT[:60], 24, GREEDY), Session("cancel", COPY_TEXT[5:40], 30, GREEDY),
-            *([Session("bad", COPY_TEXT[:12], 8, SamplingParams(temperature=0.8, seed=2**64))] if bad else [])]
+            *([Session("bad", COPY_TEXT[:12], 8, Sampling(temperature=0.8, seed=2**64))] if bad else [])]
 
 
 def drive(sched, checks) -> dict[str, Session]:

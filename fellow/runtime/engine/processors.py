@@ -72,8 +72,9 @@ def _process_row(scores: torch.Tensor, row) -> None:
     p = row.sampling
     device, vocab = scores.device, scores.shape[-1]
     if p.logit_bias:
-        ids = torch.tensor([i for i, _ in p.logit_bias if 0 <= i < vocab], device=device, dtype=torch.long)
-        scores[ids] += torch.tensor([b for i, b in p.logit_bias if 0 <= i < vocab], device=device)
+        bias = [(i, b) for i, b in p.logit_bias.items() if 0 <= i < vocab]
+        ids = torch.tensor([i for i, _ in bias], device=device, dtype=torch.long)
+        scores[ids] += torch.tensor([b for _, b in bias], device=device)
     if p.min_tokens and len(row.output_ids) < p.min_tokens and row.stop_ids:
         scores[torch.tensor(sorted(row.stop_ids), device=device, dtype=torch.long)] = float("-inf")
     if p.repetition_penalty != 1.0:

@@ -13,7 +13,7 @@ from core.logs import stage_stats_s
 from events.frames import TokenLogprob
 from fellow.runtime.engine.detokenizer import Detokenizer, TokenTexts
 from fellow.runtime.engine.processors import constraint_for
-from fellow.runtime.engine.sampling import SamplingParams
+from events.requests import Sampling
 from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.engine.session import Session
 
@@ -25,7 +25,7 @@ class Job:
     request_id: str
     prompt_ids: list[int]
     max_new_tokens: int
-    sampling: SamplingParams
+    sampling: Sampling
     stop: list[str] = field(default_factory=list)
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fellow.runtime.engine.drafting import DraftGuard, PromptLookup
-from fellow.runtime.engine.sampling import SamplingParams
+from events.requests import Sampling
 from fellow.runtime.model.kv_cache import KVCache
 
 
@@ -25,7 +25,7 @@ class Session:
     session_id: str
     prompt_ids: list[int]
     max_new_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: Sampling = field(default_factory=Sampling)
     stop_ids: frozenset[int] = frozenset()
 
     output_ids: list[int] = field(default_factory=list, init=False)
@@ -64,7 +64,7 @@ class Session:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
         self.stop_ids = frozenset(self.stop_ids)
-        self.sampling = SamplingParams.of(self.sampling)
+        self.sampling.check()
 
     @property
     def reserved_tokens(self) -> int:

@@ -142,10 +142,6 @@ class RingUnits:
 def ring_sampling(session: Session) -> RingSampling:
     """A session's sampling for the last stage, with the ids its processors need."""
     s = session.sampling
-    return RingSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
-                        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-                        repetition_penalty=s.repetition_penalty, logit_bias=list(s.logit_bias),
-                        min_tokens=s.min_tokens, logprobs=s.logprobs,
-                        stop_ids=sorted(session.stop_ids) if s.min_tokens else [],
+    return RingSampling(sampling=s, stop_ids=sorted(session.stop_ids) if s.min_tokens else [],
                         prompt_ids=session.prompt_ids if s.repetition_penalty != 1.0 else [],
-                        output_ids=list(session.output_ids), grammar=s.grammar)
+                        output_ids=list(session.output_ids))

@@ -21,7 +21,8 @@ from fellow.runtime.model.recurrent import off_note
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.loader import RingStage
 from fellow.runtime.engine.processors import constraint_for, sample_next
-from fellow.runtime.engine.sampling import SamplingParams, make_generator
+from events.requests import Sampling
+from fellow.runtime.engine.sampling import make_generator
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class _Held:
     ids its logits processors need (the tokens it sampled so far among them)."""
 
     cache: KVCache
-    sampling: SamplingParams
+    sampling: Sampling
     generator: torch.Generator | None
     prompt_ids: list[int] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()
@@ -168,7 +169,7 @@ class RingWorker:
         started = time.perf_counter()
         if frame.first:  # a fresh cache (with its reused prefix), and its sampling for the last stage
             self._drop(frame.session)
-            params = SamplingParams.of(frame.sampling) if frame.sampling is not None else SamplingParams()
+            params = frame.sampling.sampling if frame.sampling is not None else Sampling()
             generator = make_generator(params, self.stage.output_device) if self.is_last else None
             ring = frame.sampling
             held = _Held(self.stage.new_cache(), params, generator,

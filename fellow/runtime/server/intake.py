@@ -23,7 +23,7 @@ from events.stage import StageConfig
 from events.subjects import REQUESTS_STREAM, TOKENS_STREAM
 from fellow.runtime.engine.budget import ContextTooLong
 from fellow.runtime.engine.scheduler import Scheduler
-from fellow.runtime.engine.sampling import SamplingParams
+from events.requests import Sampling
 from fellow.runtime.engine.serving_loop import Job, Output, ServingLoop
 from fellow.token_batcher import TokenBatcher
 
@@ -156,7 +156,7 @@ class Intake:
             await self._refuse(req, 0, f"the prompt could not be tokenized: {exc}", "invalid_prompt")
             return
         try:
-            sampling = SamplingParams.of(req.sampling)
+            sampling = req.sampling.check()
         except ValueError as exc:
             await _ack(msg)
             await self._refuse(req, len(prompt_ids), f"invalid sampling: {exc}", "invalid_request")
