@@ -5,7 +5,7 @@ bench/bench_matrix.py.
 
     .venv/bin/python bench/bench_quant.py [--shapes q46m-v4k llama-deep] [--streams 1 8] [--tokens 48] [--threads N]
 
-Also prints each stage's measured weight bytes (fellow.runtime.model.quant.stage_weights) against float32's.
+Also prints each stage's measured weight bytes (fellow.runtime.model.quant.report.stage_weights) against float32's.
 """
 
 from __future__ import annotations

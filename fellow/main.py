@@ -10,6 +10,7 @@ import signal
 import sys
 
 from core.settings import Settings
+from core.tasks import cancel_and_wait
 from events.fellow import CAP_CONCURRENT, CAP_KV_BUDGET, CAP_N_STAGE, CAP_ONE_STAGE
 from fellow.agent import FellowAgent
 from fellow.manager import ModelManager
@@ -56,13 +57,26 @@ async def probed_capabilities(fourbit_rows: str = "auto") -> list[str]:
     return [str(c) for c in found]
 
 
-async def declare_probed(agent: FellowAgent) -> None:
-    """Add what the probe finds to the agent's capabilities, and beat so the leader sees them at once."""
-    found = await probed_capabilities(agent.settings.serve_4bit_rows)
+async def probe_first(agent: FellowAgent) -> bool:
+    """Add what the probe finds to the agent's capabilities before it first beats, so a load placed as soon
+    as the fellow is online gets the quantization it asks (its kernels are declared from the first
+    heartbeat on). False when the fellow is stopped while probing."""
+    probing = asyncio.create_task(probed_capabilities(agent.settings.serve_4bit_rows), name="probe")
+    stopping = asyncio.create_task(agent.stopped.wait(), name="stop while probing")
+    try:
+        await asyncio.wait({probing, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        await cancel_and_wait(probing, stopping)
+    if not probing.done() or probing.cancelled():
+        return False
+    if probing.exception() is not None:  # the probe could not start: no quantized kernel declared
+        log.warning("the kernel probe did not run: %s", probing.exception())
+        return True
+    found = probing.result()
     if found:
         agent.capabilities = sorted(set(agent.capabilities) | set(found))
         log.info("fellow %s declares %s after probing its kernels", agent.fellow_id, ",".join(found))
-        await agent.beat()
+    return True
 
 
 async def run_fellow(settings: Settings, fellow_id: str | None = None) -> int:
@@ -72,13 +86,12 @@ async def run_fellow(settings: Settings, fellow_id: str | None = None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, agent.stopped.set)
+    if settings.serve_quantized and not await probe_first(agent):
+        return 0
     await agent.start()
     manager.start()
-    # quantized loads placed before the probe answers serve full precision (their status says why)
-    probing = asyncio.create_task(declare_probed(agent) if settings.serve_quantized else asyncio.sleep(0), name="probe")
     try:
         await agent.stopped.wait()
     finally:
-        probing.cancel()
         await agent.stop()
     return 1 if agent.failure else 0

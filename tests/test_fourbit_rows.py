@@ -22,7 +22,7 @@ from fellow.runtime.model import fourbit_rows
 from fellow.runtime.model.fourbit_rows import (FLOAT32_SAVING, capabilities, choose_row_limit, describe_float32,
                                                plan_4bit_rows, stage_blocks)
 from fellow.runtime.model.loader import build_stage
-from fellow.runtime.model.quant import QuantLinear
+from fellow.runtime.model.quant.linear import QuantLinear
 from tests.serving_fixtures import make_servable
 
 
@@ -236,7 +236,7 @@ def test_the_fellow_declares_serve_4bit_rows_on_cuda_unless_off(capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("method", [NF4, INT4_FAST])
 def test_on_cuda_a_4bit_stage_measures_its_rows_and_decodes_as_with_whole_calls(servable, method):
-    from fellow.runtime.model.quant import Int4Unavailable, tinygemm_check_device
+    from fellow.runtime.model.quant.linear import Int4Unavailable, tinygemm_check_device
 
     if method == INT4_FAST:
         try:

@@ -368,7 +368,7 @@ def test_a_quantized_hybrid_stage_serves_its_linear_layers_quantized(checkpoints
     its own (quantization rounds), the same alone and in a decode step with others, and its logits close to
     the float stage's."""
     from fellow.runtime.model.loader import load_one_stage
-    from fellow.runtime.model.quant import QuantModule
+    from fellow.runtime.model.quant.quantizer import QuantModule
 
     stage = load_one_stage(servables["qwen3-next"], "cpu", quantization=method).stage
     assert stage.kernels["path"] == "hf" and stage.weights["quantization"] == method

@@ -15,7 +15,10 @@ import torch
 
 from core.quantization import INT4_FAST, INT8, NF4, NONE
 from core.servable import load_manifest
-from fellow.runtime.model import quant
+from fellow.runtime.model.quant.linear import (CUDA_KERNELS, QUANT_KERNELS, TINYGEMM_FLOOR, Int4Unavailable,
+                                               QuantLinear, quant_kernel)
+from fellow.runtime.model.quant.probe import _kernel_runs, probe
+from fellow.runtime.model.quant.quantizer import FUSED_GROUPS, QuantEmbedding, QuantModule
 from fellow.runtime.model.loader import build_stage
 from tests.serving_fixtures import make_servable
 
@@ -66,7 +69,7 @@ def batched(stage, prompt_ids: list[list[int]], steps: int = NEW_TOKENS) -> list
 def bnb_int8_stage(servable):
     """An int8 stage built with the CUDA stage's kernel (bitsandbytes'), on the CPU."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(quant.QUANT_KERNELS, INT8, quant.CUDA_KERNELS[INT8])
+        patch.setitem(QUANT_KERNELS, INT8, CUDA_KERNELS[INT8])
         return build_stage(load_manifest(servable), 0, servable, 1, torch.device("cpu"), quantization=INT8)[1]
 
 
@@ -84,8 +87,8 @@ def test_bnb_int8_weights_are_bit_identical_to_from_pretrained_load_in_8bit(serv
                                                  quantization_config=BitsAndBytesConfig(load_in_8bit=True))
     compared = 0
     for ours, theirs in zip(bnb_int8_stage.fused.layers, model.model.layers):
-        for attr, names in quant.FUSED_GROUPS.items():
-            mine: quant.QuantLinear = getattr(ours, attr)
+        for attr, names in FUSED_GROUPS.items():
+            mine: QuantLinear = getattr(ours, attr)
             assert mine.kernel == "bnb-int8"
             parts = [theirs.get_submodule(name).weight for name in names]
             assert torch.equal(mine.weight, torch.cat([p.data for p in parts]))
@@ -99,7 +102,7 @@ def test_a_bnb_int8_stage_serves_close_to_float32_and_batched_equal_to_alone(bnb
     assert {e["kernel"] for e in stage.kernels["shapes"].values()} == {"bnb-int8"}
     assert stage.head.linear.kernel == "bnb-int8"
     # the tied table: the head's bitsandbytes int8 rows, each looked-up row within half a step of float32
-    assert isinstance(stage.embed, quant.QuantEmbedding) and stage.embed.linear is stage.head.linear
+    assert isinstance(stage.embed, QuantEmbedding) and stage.embed.linear is stage.head.linear
     ids = torch.arange(stage.embed.num_embeddings)
     step = float_stage.embed.weight.abs().amax(dim=1, keepdim=True) / 127
     assert ((stage.embed(ids) - float_stage.embed(ids)).abs() <= step * 0.51 + 1e-3).all()
@@ -124,7 +127,7 @@ def test_int4_fast_where_its_kernel_cannot_run_reloads_as_nf4_and_says_so(servab
     what was asked and why. It then serves what an NF4 load serves, token for token."""
     manifest = load_manifest(servable)
     with pytest.MonkeyPatch.context() as patch, caplog.at_level("WARNING"):
-        patch.setitem(quant.QUANT_KERNELS, INT4_FAST, quant.CUDA_KERNELS[INT4_FAST])
+        patch.setitem(QUANT_KERNELS, INT4_FAST, CUDA_KERNELS[INT4_FAST])
         stage = build_stage(manifest, 0, servable, 1, torch.device("cpu"), quantization=INT4_FAST)[1]
     nf4 = build_stage(manifest, 0, servable, 1, torch.device("cpu"), quantization=NF4)[1]
     w = stage.weights
@@ -147,21 +150,21 @@ def test_the_cli_says_why_a_stage_serves_another_quantization():
 
 def test_each_kernel_refuses_a_device_it_does_not_run_on():
     weight = torch.randn(32, 64)
-    with pytest.raises(quant.Int4Unavailable, match="needs a CUDA card"):
-        quant.QuantLinear(weight, None, INT4_FAST, kernel="int4-tinygemm")
+    with pytest.raises(Int4Unavailable, match="needs a CUDA card"):
+        QuantLinear(weight, None, INT4_FAST, kernel="int4-tinygemm")
     with pytest.raises(ValueError, match="no 'int4' kernel for 'int8'"):
-        quant.QuantLinear(weight, None, INT8, kernel="int4")
-    assert quant.quant_kernel(INT8, torch.device("cpu")) == "int8"
-    assert quant.quant_kernel(INT8, torch.device("cuda", 0)) == "bnb-int8"  # a name: nothing runs
-    assert quant.quant_kernel(INT4_FAST, torch.device("cuda", 0)) == "int4-tinygemm"
-    assert quant.quant_kernel(NF4, torch.device("cuda", 0)) == "bnb-nf4"
+        QuantLinear(weight, None, INT8, kernel="int4")
+    assert quant_kernel(INT8, torch.device("cpu")) == "int8"
+    assert quant_kernel(INT8, torch.device("cuda", 0)) == "bnb-int8"  # a name: nothing runs
+    assert quant_kernel(INT4_FAST, torch.device("cuda", 0)) == "int4-tinygemm"
+    assert quant_kernel(NF4, torch.device("cuda", 0)) == "bnb-nf4"
 
 
 def test_the_bnb_int8_kernel_checks_on_the_cpu_as_the_probe_checks_a_card(monkeypatch):
     """The probe's check, run on the CPU over bitsandbytes' int8 (what a CUDA fellow checks per card)."""
-    monkeypatch.setitem(quant.QUANT_KERNELS, INT8, "bnb-int8")
-    assert quant._kernel_runs(INT8, torch.device("cpu"))
-    linear = quant.QuantLinear(torch.randn(48, 64) * 0.05, torch.randn(48), INT8)
+    monkeypatch.setitem(QUANT_KERNELS, INT8, "bnb-int8")
+    assert _kernel_runs(INT8, torch.device("cpu"))
+    linear = QuantLinear(torch.randn(48, 64) * 0.05, torch.randn(48), INT8)
     x = torch.randn(5, 64)
     want = torch.nn.functional.linear(x.half().float(), linear.dequantized(), linear.bias.float())
     assert torch.allclose(linear(x), want, atol=0.02)
@@ -176,8 +179,8 @@ def test_on_a_card_each_method_loads_with_its_cuda_kernel_and_serves(servable, m
     card = torch.device("cuda", 0)
     full = build_stage(manifest, 0, servable, 1, card)[1]
     stage = build_stage(manifest, 0, servable, 1, card, quantization=method)[1]
-    kernel = quant.CUDA_KERNELS[method]
-    linears = [m.linear for m in stage.layers[0].modules() if isinstance(m, quant.QuantModule)]
+    kernel = CUDA_KERNELS[method]
+    linears = [m.linear for m in stage.layers[0].modules() if isinstance(m, QuantModule)]
     assert linears and {linear.kernel for linear in linears} == {kernel}
     assert stage.weights["quantization"] == method and "reason" not in stage.weights
     assert stage.weights["bytes"] / full.weights["bytes"] <= (0.6 if method == INT8 else 0.35)  # of 16-bit
@@ -217,9 +220,9 @@ def test_on_a_card_int4_fast_below_its_floor_reloads_as_nf4(servable, monkeypatc
 
 @GPU
 def test_on_a_card_the_probe_declares_bitsandbytes_and_the_int4_kernel():
-    caps = quant.probe()
+    caps = probe()
     assert "serve-quantized" in caps
-    assert ("serve-int4-fast" in caps) == all(torch.cuda.get_device_capability(i) >= quant.TINYGEMM_FLOOR
+    assert ("serve-int4-fast" in caps) == all(torch.cuda.get_device_capability(i) >= TINYGEMM_FLOOR
                                               for i in range(torch.cuda.device_count()))
 
 

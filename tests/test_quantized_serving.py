@@ -44,6 +44,23 @@ def declares(stack: Stack, fellow_id: str, cap: str) -> bool:
     return any(f["id"] == fellow_id and cap in f["capabilities"] for f in fellows)
 
 
+def test_an_int8_load_asked_as_soon_as_the_stack_is_up_serves_int8(tmp_path, nats_server, servables):
+    """A fellow is online only once its kernel probe has run (fellow.main.probe_first): a load asked the
+    moment the stack is up (as `swarm up` reports it: every fellow online) is placed on its declared
+    kernels and serves int8, not full precision."""
+    stack = Stack(tmp_path, nats_server.url, servables, fellows=1).start()
+    try:
+        load = stack.load(MODEL, quantization={"bits": 8})
+        assert load["quantization"] == {"bits": 8}, load.get("quantization_reason")
+        assert load["quantization_reason"] is None
+        priced_as_served(load)
+        [stage] = load["stages"]
+        assert stage["weights"]["quantization"] == "int8"
+        assert {e["kernel"] for e in stage["kernels"]["shapes"].values()} == {"int8"}
+    finally:
+        stack.stop()
+
+
 def test_fallback_without_capable_fellows_then_quantized_on_one_that_declares_them(tmp_path, nats_server, servables):
     stack = Stack(tmp_path, nats_server.url, servables, fellows=1, SWARM_SERVE_QUANTIZED="off").start()
     capable = None

@@ -6,7 +6,8 @@ The model: a random tiny Qwen3 of 8 layers, hidden 256, MLP 512, vocabulary 384,
 parameters). Its layers hold 96 % of the parameters, so the weight-byte claims are about the quantized
 part; what stays in full precision (the float32 embedding table, norms) is counted in the measured bytes.
 Random weights give nearly flat logits (top-1 margins of a few hundredths), the hardest case for greedy
-agreement; the numbers are printed for the record (pytest -s).
+agreement; the numbers are printed for the record (pytest -s). On the trained demo model the quantized
+stages keep float32's perplexity (bench/bench_perplexity.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -16,7 +17,11 @@ import torch
 
 from core.quantization import INT4_FAST, INT8, NF4, NONE
 from core.servable import load_manifest
-from fellow.runtime.model import quant
+from fellow.runtime.model.quant.linear import NF4_BLOCK, QUANT_KERNELS, QuantLinear, int4_layout
+from fellow.runtime.model.quant.lora import LeanLoRA
+from fellow.runtime.model.quant.probe import probe
+from fellow.runtime.model.quant.quantizer import QuantEmbedding, QuantModule, StageQuantizer, quantize_children
+from fellow.runtime.model.quant.report import stage_weights
 from fellow.runtime.model.kernels import quant_chooser
 from fellow.runtime.model.loader import build_stage
 from fellow.runtime.model.weights import build_stage_modules, hf_config
@@ -118,21 +123,21 @@ def test_measured_weight_bytes_and_the_kernels_in_the_status(stages, method):
     assert ratio <= RATIO[method]
     assert stage.kernels["path"] == "fused"
     kernels = {entry["kernel"] for entry in stage.kernels["shapes"].values()}
-    assert kernels == {quant.QUANT_KERNELS[method]}
-    assert isinstance(stage.head, quant.QuantModule) and stage.head.linear.kernel == "int8"  # the head: int8
+    assert kernels == {QUANT_KERNELS[method]}
+    assert isinstance(stage.head, QuantModule) and stage.head.linear.kernel == "int8"  # the head: int8
     # a tied model's embedding table: the head's int8 rows, held once, each looked-up row within a step
-    assert isinstance(stage.embed, quant.QuantEmbedding) and stage.embed.linear is stage.head.linear
+    assert isinstance(stage.embed, QuantEmbedding) and stage.embed.linear is stage.head.linear
     ids = torch.arange(stage.embed.num_embeddings)
     step = full.embed.weight.abs().amax(dim=1, keepdim=True) / 127
     assert ((stage.embed(ids) - full.embed(ids)).abs() <= step * 0.51).all()
-    assert isinstance(stage.fused.layers[0].qkv, quant.QuantLinear)
+    assert isinstance(stage.fused.layers[0].qkv, QuantLinear)
 
 
 def test_layers_are_quantized_one_by_one_as_they_load(servable):
     """When a layer is read, every layer before it holds quantized weights only: the stage's float
     copy never exists whole."""
     manifest = load_manifest(servable)
-    quantizer = quant.StageQuantizer(INT8, hf_config(manifest), torch.device("cpu"), quant_chooser(INT8, 4))
+    quantizer = StageQuantizer(INT8, hf_config(manifest), torch.device("cpu"), quant_chooser(INT8, 4))
     float_layers_seen = []
 
     def on_layer(index, layer, adapters):
@@ -148,10 +153,10 @@ def test_layers_are_quantized_one_by_one_as_they_load(servable):
 
 
 def test_int4_pads_inputs_to_multiples_of_32_and_the_hf_path_quantizes_too():
-    assert quant.int4_layout(256) == (64, 8) and quant.int4_layout(96) == (32, 2) and quant.int4_layout(48) is None
+    assert int4_layout(256) == (64, 8) and int4_layout(96) == (32, 2) and int4_layout(48) is None
     g = torch.Generator().manual_seed(0)
     weight, x = torch.randn(40, 48, generator=g), torch.randn(3, 48, generator=g)
-    linear = quant.QuantLinear(weight, None, INT4_FAST)  # 48 inputs: zero columns to 64
+    linear = QuantLinear(weight, None, INT4_FAST)  # 48 inputs: zero columns to 64
     assert linear.pad == 16 and linear.dequantized().shape == (40, 48)
     # the kernel rounds its result to bfloat16, and dequantized() comes through it too: within about a
     # bfloat16 step (1/128) of the largest output (measured over 200 seeds: at most 0.0044 of it)
@@ -161,13 +166,13 @@ def test_int4_pads_inputs_to_multiples_of_32_and_the_hf_path_quantizes_too():
     layer = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.GELU(), torch.nn.Linear(32, 64, bias=False))
     x = torch.randn(3, 64)
     want = layer(x)
-    assert quant.quantize_children(layer, INT8) == 2
-    assert all(isinstance(layer[i], quant.QuantModule) for i in (0, 2))
+    assert quantize_children(layer, INT8) == 2
+    assert all(isinstance(layer[i], QuantModule) for i in (0, 2))
     assert torch.allclose(layer(x), want, atol=0.05)
 
 
 def test_the_probe_declares_the_kernels_that_run_here():
-    assert quant.probe() == ["serve-cpu-int8", "serve-cpu-int4", "serve-quantized"]
+    assert probe() == ["serve-cpu-int8", "serve-cpu-int4", "serve-quantized"]
 
 
 def test_nf4_weights_are_bit_identical_to_from_pretrained_with_bitsandbytes(servable, stages):
@@ -186,9 +191,9 @@ def test_nf4_weights_are_bit_identical_to_from_pretrained_with_bitsandbytes(serv
     compared = 0
     for ours, theirs in zip(stages[NF4].fused.layers, model.model.layers):
         for attr, names in groups.items():
-            mine: quant.QuantLinear = getattr(ours, attr)
+            mine: QuantLinear = getattr(ours, attr)
             parts = [theirs.get_submodule(name).weight for name in names]
-            assert all(p.quant_state.quant_type == "nf4" and p.quant_state.blocksize == quant.NF4_BLOCK for p in parts)
+            assert all(p.quant_state.quant_type == "nf4" and p.quant_state.blocksize == NF4_BLOCK for p in parts)
             assert torch.equal(mine.weight, torch.cat([p.data for p in parts]))
             assert torch.equal(mine.scales.absmax, torch.cat([p.quant_state.absmax for p in parts]))
             compared += 1
@@ -209,7 +214,7 @@ def test_lean_lora_computes_what_peft_does_on_a_fused_weight(tmp_path):
     q_rows, k_rows = base[0].shape[0], base[1].shape[0]
     parts = [(0, attn.q_proj.lora_A["default"].weight, attn.q_proj.lora_B["default"].weight),
              (q_rows + k_rows, attn.v_proj.lora_A["default"].weight, attn.v_proj.lora_B["default"].weight)]
-    lean = quant.LeanLoRA(Linear(torch.cat(base), None, "mkl"), parts, attn.q_proj.scaling["default"])
+    lean = LeanLoRA(Linear(torch.cat(base), None, "mkl"), parts, attn.q_proj.scaling["default"])
     assert torch.allclose(lean(x), want, atol=1e-5)
 
 
@@ -224,9 +229,9 @@ def test_qlora_a_quantized_base_plus_adapters_serves_the_tuned_model(tmp_path, m
     manifest = export(hf, tmp_path / "sv", stages=1, adapters=lora)
     stage = build_stage(manifest, 0, tmp_path / "sv", 1, torch.device("cpu"), quantization=method)[1]
     kinds = {entry["kernel"] for entry in stage.kernels["shapes"].values()}
-    assert kinds == {quant.QUANT_KERNELS[method]}  # the kernels time the base weights
-    adapted = [name for name in ("qkv", "down") if isinstance(getattr(stage.fused.layers[0], name), quant.LeanLoRA)]
-    assert adapted == ["qkv", "down"] and not isinstance(stage.fused.layers[0].o, quant.LeanLoRA)
+    assert kinds == {QUANT_KERNELS[method]}  # the kernels time the base weights
+    adapted = [name for name in ("qkv", "down") if isinstance(getattr(stage.fused.layers[0], name), LeanLoRA)]
+    assert adapted == ["qkv", "down"] and not isinstance(stage.fused.layers[0].o, LeanLoRA)
     got = stage.prefill(stage.new_cache(), IDS[0])
     from transformers import AutoModelForCausalLM
 
@@ -257,9 +262,9 @@ def test_serve_lora_modes_lean16_and_peft_serve_what_lean_does(tmp_path):
     assert built["lean"].kernels["path"] == built["lean16"].kernels["path"] == "fused"
     assert built["peft"].kernels["path"] == "hf" and "PEFT" in built["peft"].kernels["why"]
     peft_layers = [m for layer in built["peft"].layers for m in layer.modules() if isinstance(m, PeftLinear)]
-    assert len(peft_layers) == modules and all(isinstance(m.base_layer, quant.QuantModule) for m in peft_layers)
+    assert len(peft_layers) == modules and all(isinstance(m.base_layer, QuantModule) for m in peft_layers)
     lean16 = built["lean16"].fused.layers[0].qkv
-    assert isinstance(lean16, quant.LeanLoRA) and lean16.a.dtype == lean16.b.dtype == torch.bfloat16
+    assert isinstance(lean16, LeanLoRA) and lean16.a.dtype == lean16.b.dtype == torch.bfloat16
 
     logits = {mode: stage.prefill(stage.new_cache(), IDS[0]) for mode, stage in built.items()}
     from transformers import AutoModelForCausalLM
@@ -275,8 +280,8 @@ def test_serve_lora_modes_lean16_and_peft_serve_what_lean_does(tmp_path):
     assert 0 < lean16_error < effect / 20
     ids = IDS[0].tolist()
     assert greedy(built["peft"], ids)[0] == greedy(built["lean"], ids)[0]
-    _, params = quant.stage_weights(built["lean"])
-    assert quant.stage_weights(built["peft"])[1] == params  # PEFT's adapter layers are not base parameters
+    _, params = stage_weights(built["lean"])
+    assert stage_weights(built["peft"])[1] == params  # PEFT's adapter layers are not base parameters
 
     # the spec's [stageN lora-cost]: a step as served and with the adapters off, then back as they were
     from fellow.runtime.model.kernels import adapters_off, lora_costs

@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 
-from fellow.runtime.engine.draft_graph import CUDA_GRAPH, EAGER, FixedDecoder, SlotCache, fixed_decoder
+from fellow.runtime.model.draft_graph import CUDA_GRAPH, EAGER, FixedDecoder, SlotCache, fixed_decoder
 from fellow.runtime.engine.draft_model import DraftModel, load_draft_model
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.model.kernels import prepare_stage

@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from fellow.runtime.model.fourbit_rows import capabilities
-    from fellow.runtime.model.quant import probe
+    from fellow.runtime.model.quant.probe import probe
 
     print(json.dumps(probe() + capabilities(torch.cuda.is_available(), args.fourbit_rows)), flush=True)
     return 0

@@ -10,7 +10,7 @@ the sequence, a point mass, so ``verify_drafts`` keeps greedy replies identical 
 exactly distributed (standard speculative sampling with q = the point mass on the draft).
 
 On CUDA the one-token steps replay a fixed-shape decoder captured as CUDA graphs
-(``fellow.runtime.engine.draft_graph``): a session then keeps its cache in one of the decoder's
+(``fellow.runtime.model.draft_graph``): a session then keeps its cache in one of the decoder's
 slots while it fits (its sequence and drafts within a slot's positions, a slot free); one that does
 not has its own growing cache and steps eagerly beside them. ``decoder_label`` says which runs.
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from fellow.runtime.engine.draft_graph import EAGER, FixedDecoder, SlotCache, fixed_decoder
+from fellow.runtime.model.draft_graph import EAGER, FixedDecoder, SlotCache, fixed_decoder
 from fellow.runtime.model.kv_cache import KVCache
 from fellow.runtime.model.stage import StageModel
 

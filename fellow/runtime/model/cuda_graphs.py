@@ -2,7 +2,7 @@
 
 On a GPU a small model's decode step is launch-bound: its time goes to launching a few hundred
 kernels, not to running them. The stage's sessions keep their keys and values in one static pool
-of ``slots`` x ``positions`` (the draft model's fixed-shape decoder, engine.draft_graph.FixedDecoder),
+of ``slots`` x ``positions`` (the draft model's fixed-shape decoder, model.draft_graph.FixedDecoder),
 and a decode step over sessions in the pool replays one captured graph per slot-count bucket (1, 2,
 4, ... slots): the embedding, every layer with its attention over the pool's columns under a mask
 of each row's past, and the head, writing the logits to a static buffer.
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fellow.runtime.engine.draft_graph import (CUDA_GRAPH, EAGER, Capture, FixedDecoder, SlotCache,
+from fellow.runtime.model.draft_graph import (CUDA_GRAPH, EAGER, Capture, FixedDecoder, SlotCache,
                                                capture_cuda_graph)
 from fellow.runtime.model.kv_budget import measured_kv_tokens
 from fellow.runtime.model.kv_cache import KVCache, random_caches

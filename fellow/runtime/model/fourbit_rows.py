@@ -18,7 +18,7 @@ float32 where that is clearly faster, both measured at load (SWARM_SERVE_4BIT_RO
   device without measuring. A quantized stage is never split over devices, so one card's block speaks
   for the stage.
 
-``quant.QuantLinear`` applies the policy (``row_limit``, ``float32_rows``); this module measures,
+``quant.linear.QuantLinear`` applies the policy (``row_limit``, ``float32_rows``); this module measures,
 chooses, sets it on every 4-bit weight of the stage (the int8 head is left as it is), logs the spec's
 ``[stageN 4bit-rows]`` line and returns what ``kernels["4bit_rows"]`` shows.
 """
@@ -31,9 +31,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from core.quantization import fourbit_rows_value
+from core.quantization import SPLIT_MAX_ROWS, fourbit_rows_value
 from events.fellow import CAP_4BIT_ROWS
-from fellow.runtime.model.quant import FOUR_BIT_KERNELS, SPLIT_MAX_ROWS, LeanLoRA, QuantLinear, QuantModule
+from fellow.runtime.model.quant.linear import FOUR_BIT_KERNELS, QuantLinear
+from fellow.runtime.model.quant.lora import LeanLoRA
+from fellow.runtime.model.quant.quantizer import QuantModule
 
 log = logging.getLogger(__name__)
 

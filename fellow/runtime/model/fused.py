@@ -166,7 +166,7 @@ class FusedLayer:
         return sum(linear.bytes for linear in linears) + sum(w.numel() * w.element_size() for w in norms)
 
 
-MakeLinear = Callable[[torch.Tensor, "torch.Tensor | None"], Linear]  # or a quant.QuantLinear, called alike
+MakeLinear = Callable[[torch.Tensor, "torch.Tensor | None"], Linear]  # or a quant.linear.QuantLinear, called alike
 
 
 def strip_linears(layer: nn.Module) -> None:
@@ -209,7 +209,7 @@ class FusedStack:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.groups = self.num_heads // self.num_kv_heads
         self.windows = layer_windows(config)  # absolute layer index -> its window (None: full attention)
-        # a layer fused already (quantized as it loaded: fellow.runtime.model.quant) is taken as it is
+        # a layer fused already (quantized as it loaded: fellow.runtime.model.quant.quantizer) is taken as it is
         self.layers = [layer if isinstance(layer, FusedLayer) else
                        FusedLayer(layer, make_linear, self.num_heads, self.num_kv_heads) for layer in layers]
         # a decode batch's caches side by side, kept across steps (None: every step attends row by row)

@@ -23,7 +23,9 @@ from fellow.runtime.model.compiled import PlainWeights
 from fellow.runtime.model.fused import Linear, fusable, onednn_available
 from fellow.runtime.model.kv_cache import random_caches
 from fellow.runtime.model.packed_linear import pack_stage
-from fellow.runtime.model.quant import LeanLoRA, QuantLinear, StageQuantizer, quant_kernel
+from fellow.runtime.model.quant.linear import QuantLinear, quant_kernel
+from fellow.runtime.model.quant.lora import LeanLoRA
+from fellow.runtime.model.quant.quantizer import StageQuantizer
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ class KernelChooser:
 
     def __init__(self, kernels: list[str], batch_cap: int, make=Linear) -> None:
         self.kernels = kernels
-        self.make = make  # (weight, bias, kernel) -> the linear; quant.QuantLinear's maker for a quantized stage
+        self.make = make  # (weight, bias, kernel) -> the linear; quant.linear.QuantLinear's maker for a quantized stage
         self.rows = sorted({1, max(1, batch_cap)})
         self.choices: dict[tuple[int, int], str] = {}
         self.timings: dict[tuple[int, int], dict[str, list[float]]] = {}

@@ -19,8 +19,10 @@ from fellow.runtime.model.fourbit_rows import plan_4bit_rows
 from fellow.runtime.model.kernels import prepare_stage, quant_chooser
 from fellow.runtime.model.kv_budget import CUDA_KEEP_BYTES, CUDA_USABLE, cpu_free_bytes, cuda_free_bytes
 from fellow.runtime.model.lora_merge import lora_scale
-from fellow.runtime.model.quant import (QUANT_KERNELS, Int4Unavailable, StageQuantizer, bitsandbytes_functional,
-                                        tinygemm_check_device, weights_report)
+from fellow.runtime.model.quant.linear import (QUANT_KERNELS, Int4Unavailable, bitsandbytes_functional,
+                                               tinygemm_check_device)
+from fellow.runtime.model.quant.quantizer import StageQuantizer
+from fellow.runtime.model.quant.report import weights_report
 from fellow.runtime.model.stage import StageModel
 from fellow.runtime.model.weights import StageModules, build_stage_modules, hf_config, stage_sizes
 
@@ -132,10 +134,10 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
     a split stage in half precision computes each matmul in float32 on the devices where that measures
     faster (half_storage).
     ``quantization`` (core.quantization's method): with int8 or int4-fast each layer is quantized as
-    it loads (fellow.runtime.model.quant); the stage's ``weights`` says what it serves and measures.
+    it loads (fellow.runtime.model.quant.quantizer); the stage's ``weights`` says what it serves and measures.
     An adapters export's LoRA pairs are merged into a full-precision stage, and kept apart over a
     quantized one, so a QLoRA run serves as it trained, without a second rounding: ``lora`` (the fellow's
-    SWARM_SERVE_LORA) says how (quant.LORA_MODES: lean or lean16 quant.LeanLoRA, or PEFT's own layers).
+    SWARM_SERVE_LORA) says how (LORA_MODES: lean or lean16 quant.lora.LeanLoRA, or PEFT's own layers).
     ``compile`` (SWARM_SERVE_COMPILE): decode batch sizes whose step is compiled where that serves and
     measures faster (fellow.runtime.model.compiled); ``kernels["compiled"]`` says what it found.
     ``cuda_graphs`` (SWARM_SERVE_CUDA_GRAPHS): a whole-model stage on one CUDA device decodes from a pool

@@ -12,7 +12,7 @@ from torch import nn
 
 from core.servable import BottleneckCompressor, Manifest, ServableError, load_manifest, resolve_base
 from core.servable_plan import StagePlan, plan_stage
-from fellow.runtime.tools.bottleneck import RECV, SEND, BottleneckDecoder, BottleneckEncoder
+from fellow.runtime.model.bottleneck import RECV, SEND, BottleneckDecoder, BottleneckEncoder
 from fellow.runtime.model.checkpoint import Checkpoint
 from fellow.runtime.model.device_split import DeviceSplit
 from fellow.runtime.model.fused import RECURRENT_KINDS

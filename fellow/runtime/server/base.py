@@ -19,7 +19,7 @@ from events.stage import MetricsReport, ReadyReport, Report, StageConfig, Transp
 from fellow.runtime.model.kernels import lora_costs, step_costs
 from fellow.runtime.model.kv_budget import measured_kv_tokens
 from fellow.runtime.model.loader import KV_RESERVE_TOKENS
-from fellow.runtime.model.quant import stage_weights
+from fellow.runtime.model.quant.report import stage_weights
 from fellow.runtime.model.stage import StageModel
 
 log = logging.getLogger("swarm.serve")

@@ -1,0 +1,1 @@
+"""Weight-only quantized stages: the weight and its kernels (linear), LoRA (lora), probe, quantizer, report."""

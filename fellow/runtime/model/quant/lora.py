@@ -1,0 +1,98 @@
+"""LoRA adapters kept apart from a quantized stage's weights: lean (LeanLoRA, one addmm) or PEFT's own layers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+PEFT_UNFUSED = "SWARM_SERVE_LORA=peft: adapters through PEFT's LoRA layers, in the layers' HF forward"
+LEAN16_DTYPE = torch.bfloat16  # lean16's adapters on a stage that computes in float32 (every CPU stage)
+
+
+class LeanLoRA:
+    """A linear with LoRA adapters kept apart (lean LoRA, the spec's TS7): ``base(x) + (x A^T) B^T`` with
+    PEFT's scale folded into B, the add one ``addmm``, and no per-call Python beyond that. One weight of
+    a fused layer ([q; k; v], [gate; up]) takes its modules' adapters side by side: their A's stacked,
+    their B's block-diagonal, each in its module's rows of the output.
+
+    ``dtype``: what A and B are held and multiplied in. float32 (``lean``): the product as PEFT computes
+    it over a float32 stage. A half dtype (``lean16``): half the adapters' memory, the product rounded in
+    half precision, then added to the base's float32 result."""
+
+    __slots__ = ("base", "a", "b", "kernel", "in_features", "out_features")
+
+    def __init__(self, base, parts: Sequence[tuple[int, torch.Tensor, torch.Tensor]], scale: float,
+                 dtype: torch.dtype = torch.float32) -> None:
+        """``parts``: (first output row, A [r, in], B [rows, r]) per adapted module of ``base``."""
+        self.base = base
+        self.kernel = f"{base.kernel}+lora" if dtype == torch.float32 else f"{base.kernel}+lora16"
+        self.in_features, self.out_features = base.in_features, base.out_features
+        device = _device_of(base)  # the adapters sit beside the base weight (on its card)
+        self.a = torch.cat([a.detach().float() for _, a, _ in parts]).to(device=device, dtype=dtype).contiguous()
+        b_full = torch.zeros(self.out_features, self.a.shape[0], device=device)
+        col = 0
+        for row, a, b in parts:
+            b_full[row : row + b.shape[0], col : col + a.shape[0]] = b.detach().to(device).float() * scale
+            col += a.shape[0]
+        self.b = b_full.to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        rows = x.reshape(-1, self.in_features)
+        flat = out.view(-1, self.out_features)
+        if self.a.dtype == flat.dtype:
+            torch.addmm(flat, rows @ self.a.t(), self.b.t(), out=flat)
+        else:  # lean16: the product in half precision, one cast in and one add out
+            flat.add_((rows.to(self.a.dtype) @ self.a.t()) @ self.b.t())
+        return out
+
+    @property
+    def bytes(self) -> int:
+        return self.base.bytes + self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()
+
+
+def peft_lora(base: nn.Module, a: torch.Tensor, b: torch.Tensor, scale: float) -> nn.Module:
+    """``SWARM_SERVE_LORA=peft``: PEFT's own LoRA layer over ``base`` (a QuantModule), holding this
+    module's A [r, in] and B [out, r] at PEFT's scale (alpha = scale x r), in float32."""
+    import warnings
+
+    from peft import LoraConfig
+    from peft.tuners.lora.layer import Linear as PeftLinear
+
+    rank = a.shape[0]
+    with warnings.catch_warnings():  # PEFT warns of any base it does not know; a QuantModule is called alike
+        warnings.filterwarnings("ignore", message="Unsupported layer type")
+        layer = PeftLinear(base, "default", LoraConfig(r=rank, lora_alpha=scale * rank), r=rank,
+                           lora_alpha=scale * rank)
+    with torch.no_grad():
+        layer.lora_A["default"].weight.copy_(a.detach().float())
+        layer.lora_B["default"].weight.copy_(b.detach().float())
+    layer.lora_A.to(_device_of(base)), layer.lora_B.to(_device_of(base))
+    return layer.eval().requires_grad_(False)
+
+
+def _device_of(base) -> torch.device:
+    """Where a linear's weight is (a QuantModule's, a QuantLinear's, a fused Linear's)."""
+    base = getattr(base, "linear", base)
+    weight = getattr(base, "weight", None)
+    return weight.device if isinstance(weight, torch.Tensor) else torch.device("cpu")
+
+
+
+def lora_pairs(adapters: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """module -> (A, B) from ``<module>.lora_A.weight`` / ``<module>.lora_B.weight``."""
+    pairs = {}
+    for key, a in adapters.items():
+        if ".lora_A." not in key:
+            if ".lora_B." not in key:
+                raise ValueError(f"adapter tensor {key} is of a LoRA kind not served unmerged")
+            continue
+        module = key.split(".lora_A.")[0]
+        b = adapters.get(f"{module}.lora_B.weight")
+        if b is None:
+            raise ValueError(f"LoRA weight {key} has no partner lora_B")
+        pairs[module] = (a, b)
+    return pairs
+
