@@ -96,7 +96,7 @@ class StageModel:
         self._head_device = _module_device(head) if head is not None else None
         self.fused: FusedStack | None = None  # set by ``fuse``: the layers then run by hand
         self.kernels: dict = {"path": "hf"}  # how it computes, for the load's status (kernels.prepare_stage)
-        self.weights: dict = {}  # its quantization and measured weight bytes, for the status (quant.weights_report)
+        self.weights: dict = {}  # its quantization and measured weight bytes, for the status (quant.report.weights_report)
         self.compiled = None  # a compiled.CompiledDecode: its decode step at the batch sizes it serves faster
         self.graphed = None  # a cuda_graphs.GraphedDecode: a pool of sessions whose decode step replays a graph
         self.plain_weights = None  # while it loads with SWARM_SERVE_COMPILE: compiled.PlainWeights

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from core.servable import BottleneckCompressor, Compressor, NoCompressor, QuantizerCompressor, ServableError
-from fellow.runtime.tools.bottleneck import BottleneckDecoder, BottleneckEncoder
+from fellow.runtime.model.bottleneck import BottleneckDecoder, BottleneckEncoder
 
 WIRE = torch.float16  # hidden × 2 bytes a position uncompressed, whatever the stage computes in
 QMAX = 127
