@@ -80,6 +80,9 @@ class Stack:
 
     def __init__(self, tmp_path: Path, nats_url: str, servables: Path, fellows: int = 1, **env):
         self.tmp = tmp_path
+        # a fellow probes its quantized kernels before it is online (seconds of torch start-up each): a stack
+        # that serves no quantized load skips that; the quantized tests ask for it
+        env.setdefault("SWARM_SERVE_QUANTIZED", "off")
         self.env = swarm_env(tmp_path, nats_url, f"sqlite+aiosqlite:///{tmp_path / 'swarm.db'}",
                              SWARM_SERVABLE_MODELS_ROOT=str(servables), **env)
         self.leader = SwarmProcess(["leader"], self.env, tmp_path / "leader.log")

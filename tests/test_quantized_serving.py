@@ -48,7 +48,7 @@ def test_an_int8_load_asked_as_soon_as_the_stack_is_up_serves_int8(tmp_path, nat
     """A fellow is online only once its kernel probe has run (fellow.main.probe_first): a load asked the
     moment the stack is up (as `swarm up` reports it: every fellow online) is placed on its declared
     kernels and serves int8, not full precision."""
-    stack = Stack(tmp_path, nats_server.url, servables, fellows=1).start()
+    stack = Stack(tmp_path, nats_server.url, servables, fellows=1, SWARM_SERVE_QUANTIZED="auto").start()
     try:
         load = stack.load(MODEL, quantization={"bits": 8})
         assert load["quantization"] == {"bits": 8}, load.get("quantization_reason")
@@ -147,7 +147,8 @@ def test_a_fellow_serves_adapters_over_int8_weights_through_peft_when_asked(tmp_
     export(hf, tmp_path / "servables" / "tuned", stages=1, adapters=lora)
     (tmp_path / "stack").mkdir()
     stack = Stack(tmp_path / "stack", nats_server.url, tmp_path / "servables", fellows=1,
-                  SWARM_SERVE_LORA="peft", SWARM_SERVE_STEP_COSTS="1", SWARM_SERVE_COMPILE="1").start()
+                  SWARM_SERVE_LORA="peft", SWARM_SERVE_STEP_COSTS="1", SWARM_SERVE_COMPILE="1",
+                  SWARM_SERVE_QUANTIZED="auto").start()
     try:
         wait_until(lambda: declares(stack, "f0", "serve-cpu-int8"), 120, "f0 declares serve-cpu-int8")
         load = stack.load("tuned", quantization={"bits": 8})
