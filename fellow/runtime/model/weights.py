@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from core.quantization import INT8, NONE, PRICE
 from core.servable import BottleneckCompressor, Manifest, ServableError, load_manifest, resolve_base
 from core.servable_plan import StagePlan, plan_stage
 from fellow.runtime.tools.bottleneck import RECV, SEND, BottleneckDecoder, BottleneckEncoder
@@ -230,22 +231,36 @@ class StageSizes:
     kv_token_bytes: int  # one layer's keys and values for one token
 
 
-def stage_sizes(manifest: Manifest, stage_index: int, num_stages: int | None, dtype: torch.dtype) -> StageSizes:
-    """The stage's sizes from its config's shapes on the meta device: full-precision bytes (a quantized
-    stage takes less)."""
+def stage_sizes(manifest: Manifest, stage_index: int, num_stages: int | None, dtype: torch.dtype,
+                quantization: str = NONE) -> StageSizes:
+    """The stage's sizes from its config's shapes on the meta device (config_sizes)."""
     plan = plan_stage(manifest, stage_index, num_stages)
-    config = hf_config(manifest)
+    return config_sizes(hf_config(manifest), plan.layers, dtype, quantization, first=plan.is_first,
+                        last=plan.is_last)
+
+
+def config_sizes(config, layers: tuple[int, int], dtype: torch.dtype, quantization: str = NONE, *,
+                 first: bool, last: bool) -> StageSizes:
+    """What the layers [lo, hi) of a model of ``config`` take, with the embeddings where ``first`` and the
+    norm and head where ``last``. Full precision in ``dtype``; quantized (core.quantization's method),
+    each layer's linear weights at the spec's price a parameter (0.55 bytes at 4 bits, 1.05 at 8) and
+    the rest in ``dtype``, the embeddings and head in int8 rows (quant.HEAD_METHOD)."""
     inner = (skeleton := _skeleton(config)).model
     element = torch.tensor([], dtype=dtype).element_size()
 
-    def size(module: nn.Module) -> int:
-        return sum(p.numel() for p in module.parameters()) * element
+    def size(module: nn.Module, price: float | None = None) -> int:
+        if price is None:
+            return sum(p.numel() for p in module.parameters()) * element
+        linear = sum(m.weight.numel() for m in module.modules() if isinstance(m, (nn.Linear, nn.Embedding)))
+        return int(linear * price) + (sum(p.numel() for p in module.parameters()) - linear) * element
 
+    price = PRICE.get(quantization)
+    rows = None if price is None else PRICE[INT8]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return StageSizes(
-        first_layer=plan.layers[0], layer_bytes=[size(inner.layers[i]) for i in range(*plan.layers)],
-        embed_bytes=size(inner.embed_tokens) if plan.is_first else 0,
-        head_bytes=size(inner.norm) + size(skeleton.lm_head) if plan.is_last else 0,
+        first_layer=layers[0], layer_bytes=[size(inner.layers[i], price) for i in range(*layers)],
+        embed_bytes=size(inner.embed_tokens, rows) if first else 0,
+        head_bytes=size(inner.norm) + size(skeleton.lm_head, rows) if last else 0,
         kv_token_bytes=2 * config.num_key_value_heads * head_dim * element)
 
 
