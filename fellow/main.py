@@ -10,7 +10,7 @@ import signal
 import sys
 
 from core.settings import Settings
-from events.fellow import CAP_CONCURRENT, CAP_KV_BUDGET, CAP_N_STAGE, CAP_ONE_STAGE
+from events.fellow import CAP_CONCURRENT, CAP_KV_BUDGET, CAP_N_STAGE, CAP_ONE_STAGE, CAP_SPECULATIVE
 from fellow.agent import FellowAgent
 from fellow.manager import ModelManager
 
@@ -22,7 +22,7 @@ def capabilities() -> list[str]:
     """What this fellow can do: serving needs the torch side installed."""
     if importlib.util.find_spec("torch") is None:
         return []
-    return [CAP_ONE_STAGE, CAP_N_STAGE, CAP_CONCURRENT, CAP_KV_BUDGET]
+    return [CAP_ONE_STAGE, CAP_N_STAGE, CAP_CONCURRENT, CAP_KV_BUDGET, CAP_SPECULATIVE]
 
 
 async def probed_capabilities(fourbit_rows: str = "auto") -> list[str]:

@@ -11,6 +11,7 @@ import torch
 
 from core.quantization import INT4_FAST, INT8, NF4, NONE
 from core.servable import TOKENIZER_DIR, Manifest, ServableError, load_manifest
+from fellow.runtime.model.boundary import apply_inner
 from fellow.runtime.model.device_split import Card, DeviceSplit, SplitError, by_free_memory, plan_devices
 from fellow.runtime.model.half_storage import apply_half_storage
 from fellow.runtime.model.compiled import compile_decode
@@ -169,6 +170,7 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
     stage = StageModel(config=mods.config, layers=mods.layers, first_layer=mods.layer_indices[0],
                        rotary_emb=mods.rotary_emb, embed=mods.embed, norm=mods.norm, head=mods.lm_head)
     prepare_stage(stage, packed=packed, batch_cap=batch_cap, quantizer=quantizer, keep_plain=bool(compile))
+    apply_inner(stage, mods.inner)  # cuts training made inside the stage, where they were trained
     if quantizer is not None and (rows := plan_4bit_rows(stage, fourbit_rows, fourbit_float32,
                                                          prefill_chunk=prefill_chunk,
                                                          label=f"stage{stage_index}")) is not None:
