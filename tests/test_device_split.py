@@ -206,3 +206,20 @@ def test_serve_devices_naming_the_cpu_loads_there_and_equals_the_cpu_stage(serva
     listed = load_one_stage(servable, devices="cpu", packed=False).stage
     assert [d.type for d in listed.layer_devices] == ["cpu"] * 4
     assert greedy(listed, ids)[0] == greedy(load_one_stage(servable, "cpu", packed=False).stage, ids)[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_4bit_stage_balanced_over_two_cards_equals_one_card(servable):
+    """The spec's case at small scale: NF4 layers planned at their 4-bit sizes and balanced over two cards
+    (each told it may take the same), greedy as on one card. Not run here: no GPU machine."""
+    from core.quantization import NF4
+
+    sizes = stage_sizes(load_manifest(servable), 0, 1, torch.float16, NF4)
+    half = sizes.embed_bytes + sizes.head_bytes + sum(sizes.layer_bytes)
+    split = load_one_stage(servable, devices=[("cuda:0", half), ("cuda:1", half)], kv_tokens=0,
+                           quantization=NF4).stage
+    assert [p["device"] for p in split.kernels["devices"]] == ["cuda:0", "cuda:1"]
+    one = load_one_stage(servable, "cuda:0", quantization=NF4).stage
+    ids = [5, 9, 33, 2, 17, 80, 41, 3]
+    assert greedy(split, ids)[0] == greedy(one, ids)[0]

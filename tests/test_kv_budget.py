@@ -50,3 +50,33 @@ def test_an_old_leaders_plan_is_held_at_most():
 def test_a_limit_below_what_the_process_holds_leaves_no_room():
     assert cpu_free_bytes(resident_bytes() // 2) == 0
     assert 0 < cpu_free_bytes(resident_bytes() + GB) <= GB
+
+
+def test_a_card_computing_prompt_pieces_in_float32_keeps_their_weight_free():
+    """The spec's TS12: Qwen3-14B's MLP weight dequantized in float32 (5120 x 17408 x 4 bytes, about
+    356 MB) replaces the 300 MiB kept for passing buffers; a smaller one leaves the 300 MiB."""
+    from fellow.runtime.model.device_split import CUDA_KEEP_BYTES
+    from fellow.runtime.model.kv_budget import card_keep_bytes, float32_piece_bytes
+
+    assert card_keep_bytes(5120 * 17408 * 4) == 356_515_840 > CUDA_KEEP_BYTES
+    assert card_keep_bytes(64 * 128 * 4) == card_keep_bytes(0) == CUDA_KEEP_BYTES
+
+
+def test_float32_piece_bytes_are_the_largest_4bit_weight_per_device(stage, tmp_path):
+    """Where fourbit_rows chose float32 prompt pieces (on a card; here its verdict is set on a CPU NF4
+    stage), each device keeps its largest 4-bit weight in float32 free: a fused layer's gate_up."""
+    from core.quantization import NF4
+    from fellow.runtime.model.kv_budget import float32_piece_bytes
+    from fellow.runtime.model.loader import load_one_stage
+    from tests.serving_fixtures import make_servable
+
+    assert float32_piece_bytes(stage) == {}  # no 4-bit weights, no float32 pieces
+    _, servable = make_servable(tmp_path, "tiny", layers=2, hidden=64, stages=1)
+    try:
+        nf4 = load_one_stage(servable, "cpu", quantization=NF4).stage
+    except Exception as exc:  # bitsandbytes absent or without a CPU NF4 kernel here
+        pytest.skip(f"NF4 does not load here ({exc})")
+    assert float32_piece_bytes(nf4) == {}  # prompt pieces stay in the stage's dtype
+    nf4.kernels = {**nf4.kernels, "4bit_rows": {"float32_prompt_pieces": True}}
+    config = nf4.config
+    assert float32_piece_bytes(nf4) == {torch.device("cpu"): 2 * config.intermediate_size * config.hidden_size * 4}

@@ -47,7 +47,8 @@ def servables(tmp_path_factory):
 def ring_replies(servables):
     """What the 2-stage ring answers each prompt, per servable: the whole sequence through both ring
     stages and the boundary's wire codec each step (the ring's own tests hold its cached serving to this)."""
-    return {which: {f"s{i}": ring_greedy(model, p) for i, p in enumerate(PROMPTS)} for which, model in servables.items()}
+    return {which: {f"s{i}": ring_greedy(model, p) for i, p in enumerate(PROMPTS)}
+            for which, model in servables.items()}
 
 
 def ring_greedy(model_dir, prompt: list[int]) -> list[int]:

@@ -107,15 +107,40 @@ def measured_kv_tokens(stage: StageModel, prefill_chunk: int = 256, sessions: in
     free first, so the tokens are what is left."""
     budgets = []
     states = session_state_bytes(stage)
+    pieces = float32_piece_bytes(stage)
     for device, token_bytes in bytes_per_token(stage, prefill_chunk).items():
         held = sessions * states.get(device, 0)
         if device.type == "cuda":
+            keep = card_keep_bytes(pieces.get(device, 0))
             budgets.append(kv_tokens_for(cuda_free_bytes(device), token_bytes,
-                                         usable=CUDA_USABLE, keep_bytes=CUDA_KEEP_BYTES + held))
+                                         usable=CUDA_USABLE, keep_bytes=keep + held))
         else:
             tokens = kv_tokens_for(cpu_free_bytes(memory_limit), token_bytes, usable=CPU_USABLE, keep_bytes=held)
             budgets.append(min(tokens, CPU_CAP_TOKENS))
     return min(budgets)
+
+
+def float32_piece_bytes(stage: StageModel) -> dict[torch.device, int]:
+    """Per card: the largest 4-bit weight there dequantized in float32, which a prompt piece holds while
+    it computes in float32 (the spec's TS12: about 356 MB for Qwen3-14B's MLP); empty where the stage's
+    prompt pieces stay in its own dtype (fourbit_rows' ``float32_prompt_pieces``)."""
+    from fellow.runtime.model.fourbit_rows import stage_blocks
+
+    if not ((stage.kernels or {}).get("4bit_rows") or {}).get("float32_prompt_pieces"):
+        return {}
+    out: dict[torch.device, int] = defaultdict(int)
+    for block in stage_blocks(stage):
+        for linear in block:
+            device = linear.weight.device
+            out[device] = max(out[device], linear.in_features * linear.out_features * 4)
+    return out
+
+
+def card_keep_bytes(float32_piece: int) -> int:
+    """What a card keeps free besides its KV: room for a float32 prompt piece's dequantized weight, which
+    replaces the 300 MiB kept for other passing buffers rather than adding to it (a stage runs one forward
+    at a time)."""
+    return max(CUDA_KEEP_BYTES, float32_piece)
 
 
 def held_tokens(measured: int, planned: int, most: int = 0) -> int:

@@ -324,7 +324,8 @@ def build_stage_modules(manifest: Manifest, stage_index: int, servable_dir: str 
     send, recv = codec[SEND], codec[RECV]  # the sender after the last layer, the receiver before the first
     cuts = {}
     for cut, compressor in plan.inner:  # on the device of the layer after the cut, where the hidden state is then
-        halves = {p: {k.rpartition(".")[2]: v for k, v in state.take(f"{INNER}{cut}.{p}").items()} for p in (SEND, RECV)}
+        halves = {p: {k.rpartition(".")[2]: v for k, v in state.take(f"{INNER}{cut}.{p}").items()}
+                  for p in (SEND, RECV)}
         cuts[cut] = InnerBoundary.of(compressor, halves[SEND], halves[RECV], dtype,
                                       layer_devices[indices.index(cut)])
     return StageModules(
