@@ -94,3 +94,11 @@ def test_usable_bytes_keep_the_margins():
 def test_cards_too_small_for_a_layer_leave_it_to_the_cpu():
     split = plan_devices([Card("cuda:0", 100 * MIB), Card("cpu", 16 * G)], [G] * 3)
     assert split.devices == ["cpu"]
+
+
+def test_a_card_older_than_ampere_computes_in_float16_not_emulated_bfloat16():
+    from fellow.runtime.model.device_split import half_dtype
+
+    assert [half_dtype(c.capability) for c in (*TWO_6GB[:2], *BIG_SMALL[:2], GTX_1060[0])] == [
+        "float16", "float16", "bfloat16", "bfloat16", "float16"]
+    assert half_dtype(None) == "float16"

@@ -151,6 +151,14 @@ class Card:
         return int(CPU_WEIGHTS_USABLE * self.free_bytes)
 
 
+AMPERE = (8, 0)  # bfloat16 in hardware from here; older cards emulate it, far slower than float16
+
+
+def half_dtype(capability: tuple[int, int] | None) -> str:
+    """A card's half precision for weights and compute: bfloat16 on Ampere or newer, float16 before."""
+    return "bfloat16" if capability is not None and capability >= AMPERE else "float16"
+
+
 def by_free_memory(inventory: Sequence[Card]) -> list[Card]:
     """The cards with the most free memory first (ties in the inventory's order), the CPU last."""
     cards = sorted((c for c in inventory if c.is_gpu), key=lambda c: -c.free_bytes)

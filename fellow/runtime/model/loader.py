@@ -12,7 +12,8 @@ import torch
 from core.quantization import INT4_FAST, INT8, NF4, NONE
 from core.servable import TOKENIZER_DIR, Manifest, ServableError, load_manifest
 from fellow.runtime.model.boundary import apply_inner
-from fellow.runtime.model.device_split import Card, DeviceSplit, SplitError, by_free_memory, plan_devices
+from fellow.runtime.model.device_split import (Card, DeviceSplit, SplitError, by_free_memory, half_dtype,
+                                               plan_devices)
 from fellow.runtime.model.half_storage import apply_half_storage
 from fellow.runtime.model.compiled import compile_decode
 from fellow.runtime.model.cuda_graphs import graph_decode
@@ -44,8 +45,10 @@ class LoadedStage:
 
 
 def pick_dtype(device: torch.device) -> torch.dtype:
+    """float32 on the CPU; on a card its half precision by its capability (device_split.half_dtype): torch's
+    is_bf16_supported() also says yes where bfloat16 is only emulated (a GTX 10xx)."""
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return getattr(torch, half_dtype(torch.cuda.get_device_capability(device)))
     return torch.float32
 
 
