@@ -73,8 +73,9 @@ def cmd_model_load(args) -> int:
                        + f"stage {s['stage']} on {s['fellow_id']} (kv {s['kv_tokens']} tokens{_weights(s)})"
                        for s in load["stages"])
     print(f"{args.model_id}: {load['state']} as {load['load_id']}" + (f" — {stages}" if stages else ""))
-    if load.get("quantization_reason"):
-        print(f"note: {load['quantization_reason']}")
+    for note in (load.get("quantization_reason"), load.get("reason")):  # placement's choices, when it made any
+        if note:
+            print(f"note: {note}")
     return 0
 
 

@@ -220,7 +220,8 @@ def verify_checksums(m: Manifest, model_dir: str | Path) -> None:
 
 
 def resolve_base(base: str | None, model_cache: str | Path | None = None) -> Path | None:
-    """The base checkpoint's folder: a path as given, else an id under SWARM_FELLOW_MODEL_CACHE."""
+    """The base checkpoint's folder: a path as given, else an id under SWARM_FELLOW_MODEL_CACHE, else
+    where a fellow keeps a base it fetched from the leader (fetched_base_dir)."""
     if not base:
         return None
     if Path(base).expanduser().is_dir():
@@ -229,8 +230,18 @@ def resolve_base(base: str | None, model_cache: str | Path | None = None) -> Pat
         from core.settings import Settings
 
         model_cache = Settings.from_env().fellow_model_cache
-    candidate = Path(model_cache) / base
-    return candidate if candidate.is_dir() else None
+    for candidate in ([] if Path(base).expanduser().is_absolute() else [Path(model_cache) / base]) + [
+            fetched_base_dir(base, model_cache)]:
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def fetched_base_dir(base: str, model_cache: str | Path) -> Path:
+    """Where a fellow unpacks a base checkpoint it fetched: named by the base's last part and a hash of
+    the whole (a path on the leader's machine, or an id), under the model cache's ``bases``."""
+    digest = hashlib.sha256(base.encode()).hexdigest()[:12]
+    return Path(model_cache) / "bases" / f"{Path(base).name or 'base'}-{digest}"
 
 
 def safetensors_shapes(path: str | Path) -> dict[str, list[int]]:

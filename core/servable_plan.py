@@ -16,6 +16,9 @@ class StagePlan(msgspec.Struct, frozen=True, kw_only=True):
     shards: list[int]  # exported shards whose layers overlap ``layers``
     recv: Compressor  # codec on the boundary before this stage (none for stage 0)
     send: Compressor  # codec on the boundary after this stage (none for the last)
+    # cuts training made inside this stage's layers, as (the first layer after the cut, its codec), where
+    # the codec is a learned bottleneck or a fixed quantizer: applied where they were trained
+    inner: list[tuple[int, Compressor]] = []
 
     @property
     def is_first(self) -> bool:
@@ -66,7 +69,16 @@ def plan_stage(manifest: Manifest, stage: int, num_stages: int | None = None) ->
         shards=sorted(set(overlap) | _piece_shards(manifest, stage == 0, stage == n - 1)),
         recv=_codec_at(manifest, first) if stage > 0 else NoCompressor(),
         send=_codec_at(manifest, last) if stage < n - 1 else NoCompressor(),
+        inner=inner_boundaries(manifest, first, last),
     )
+
+
+def inner_boundaries(manifest: Manifest, first: int, last: int) -> list[tuple[int, Compressor]]:
+    """The trained cuts strictly inside layers [first, last) that code what crosses them (a serving stage
+    over several trained stages keeps its bottlenecks, the spec's _inner_boundaries)."""
+    trained = manifest.stage_ranges()
+    cuts = [(trained[b][1], manifest.compressor(b)) for b in range(len(trained) - 1)]
+    return [(layer, codec) for layer, codec in cuts if first < layer < last and not isinstance(codec, NoCompressor)]
 
 
 def _piece_shards(manifest: Manifest, first: bool, last: bool) -> set[int]:

@@ -12,6 +12,7 @@ CAP_ONE_STAGE = "serve-one-stage"
 CAP_N_STAGE = "serve-n-stage"
 CAP_CONCURRENT = "serve-concurrent"
 CAP_KV_BUDGET = "serve-kv-budget"
+CAP_SPECULATIVE = "serve-speculative"  # its ring stages crop drafts a later stage rejected (a frame's pos)
 CAP_QUANTIZED = "serve-quantized"  # bitsandbytes NF4 / int8 kernels run here
 CAP_INT4_FAST = "serve-int4-fast"  # the CUDA int4 weight-only kernel (tinygemm) runs on every GPU here
 CAP_CPU_INT8 = "serve-cpu-int8"  # torch's CPU int8 weight-only matmul runs here (aten._weight_int8pack_mm)

@@ -22,6 +22,7 @@ MAX_SPECULATIVE = 8  # the most tokens a decode pass may draft (SWARM_SERVE_SPEC
 class TransportPlan(msgspec.Struct, frozen=True, kw_only=True):
     max_in_flight: int = 1
     kv_tokens: int = 0
+    kv_tokens_max: int = 0  # a stage that measures room grows its budget up to this (0: kv_tokens at most)
     max_batch: int = 0
     speculative: int = 0  # tokens drafted per decode pass by prompt lookup (0: off); one-stage loads only
     prefill_chunk: int = 256
@@ -47,6 +48,9 @@ class LoadPlaced(Event, frozen=True, tag="load.placed"):
     transport: TransportPlan = TransportPlan()
     quantization: dict | None = None  # what the stages are told to serve (core.quantization.as_request)
     quantization_reason: str = ""  # why that differs from what was asked, when it does
+    # what placement chose that the request did not say (fewer stages than trained, a decode-batch cap, a
+    # plan for older fellows), one clause each; the load's status shows it as its reason
+    reason: str = ""
 
 
 class StageReady(Event, frozen=True, tag="load.stage_ready"):

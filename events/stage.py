@@ -14,7 +14,8 @@ class Transport(msgspec.Struct, frozen=True, kw_only=True):
     """What placement planned for this stage (0 where it left the choice to the stage)."""
 
     max_in_flight: int = 8
-    kv_tokens: int = 0  # the most KV tokens it may hold; 0: what it measures
+    kv_tokens: int = 0  # the KV tokens placement planned; 0: what it measures
+    kv_tokens_max: int = 0  # where it measures room, it grows past kv_tokens up to this (0: holds at most kv_tokens)
     max_batch: int = 0  # 0: no cap, 1: no batching
     prefill_chunk: int = 256
     step_costs: bool = False  # time the decode step at batch 1 and at the cap before ready

@@ -1,4 +1,5 @@
-"""Fetch a servable the fellow lacks from the leader's archive into SWARM_FELLOW_MODEL_CACHE."""
+"""Fetch a servable the fellow lacks, and an adapters export's base checkpoint, from the leader's archives
+into SWARM_FELLOW_MODEL_CACHE."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from core.servable import MANIFEST_NAME
+from core.servable import MANIFEST_NAME, fetched_base_dir, load_manifest, resolve_base
 from core.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -46,46 +47,67 @@ def draft_model_dir(settings: Settings) -> Path:
 
 
 def fetch_model(settings: Settings, model_id: str, manifest_sha256: str, attempts: int = 3) -> Path:
-    """Download (resuming a partial file with Range), check the sha256, unpack; returns the folder."""
-    target = cached_dir(settings, model_id, manifest_sha256)
-    settings.fellow_model_cache.mkdir(parents=True, exist_ok=True)
-    part = target.with_suffix(".tar.part")
-    url = f"{settings.leader_url}/api/v1/models/{model_id}/archive"
+    """Download the servable's archive (resuming a partial file with Range), check the sha256, unpack;
+    returns the folder."""
+    return _fetch_archive(settings, model_id, "", cached_dir(settings, model_id, manifest_sha256), attempts)
+
+
+def ensure_base(settings: Settings, model_id: str, model_dir: Path, attempts: int = 3) -> Path | None:
+    """An adapters export's base checkpoint on this fellow: where it already is (core.servable.resolve_base),
+    else fetched from the leader's archive of it (checksummed as the servable's) into the model cache's
+    ``bases``. None for a servable that carries its own weights; FetchError where the leader has no base."""
+    manifest = load_manifest(model_dir)
+    if manifest.export != "adapters" or not manifest.base:
+        return None
+    found = resolve_base(manifest.base, settings.fellow_model_cache)
+    if found is not None:
+        return found
+    log.info("fetching the base checkpoint of %s (%s) from the leader", model_id, manifest.base)
+    return _fetch_archive(settings, model_id, "base", fetched_base_dir(manifest.base, settings.fellow_model_cache),
+                          attempts)
+
+
+def _fetch_archive(settings: Settings, model_id: str, part: str, target: Path, attempts: int) -> Path:
+    """GET the model's archive (``part``: "" the servable, "base" its base checkpoint) into ``target``."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    part_file = target.with_suffix(".tar.part")
+    url = f"{settings.leader_url}/api/v1/models/{model_id}/archive" + (f"?part={part}" if part else "")
+    what = f"the {part} of {model_id}" if part else model_id
     headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
     expected = None
     for attempt in range(1, attempts + 1):
-        have = part.stat().st_size if part.exists() else 0
+        have = part_file.stat().st_size if part_file.exists() else 0
         try:
             with httpx.stream("GET", url, headers={**headers, **({"Range": f"bytes={have}-"} if have else {})},
                               timeout=httpx.Timeout(30.0, read=300.0)) as resp:
                 if resp.status_code == 416:  # the partial file is complete (or stale): start over
-                    part.unlink(missing_ok=True)
+                    part_file.unlink(missing_ok=True)
                     continue
                 if resp.status_code not in (200, 206):
                     resp.read()
                     raise FetchError(f"the leader answered {resp.status_code} for {url}: {resp.text[:200]}")
                 expected = resp.headers.get("x-swarm-sha256")
                 mode = "ab" if resp.status_code == 206 else "wb"
-                with open(part, mode) as f:
+                with open(part_file, mode) as f:
                     for block in resp.iter_bytes(1 << 20):
                         f.write(block)
             break
         except httpx.HTTPError as exc:
-            log.warning("fetching %s (attempt %d): %s", model_id, attempt, exc)
+            log.warning("fetching %s (attempt %d): %s", what, attempt, exc)
             if attempt == attempts:
-                raise FetchError(f"cannot fetch {model_id} from {settings.leader_url}: {exc}") from None
+                raise FetchError(f"cannot fetch {what} from {settings.leader_url}: {exc}") from None
     digest = hashlib.sha256()
-    with open(part, "rb") as f:
+    with open(part_file, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     if not expected or digest.hexdigest() != expected:
-        part.unlink(missing_ok=True)
-        raise FetchError(f"the archive of {model_id} does not match its checksum")
+        part_file.unlink(missing_ok=True)
+        raise FetchError(f"the archive of {what} does not match its checksum")
     tmp = target.with_suffix(".unpack")
     shutil.rmtree(tmp, ignore_errors=True)
-    with tarfile.open(part) as tar:
+    with tarfile.open(part_file) as tar:
         tar.extractall(tmp, filter="data")
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
-    part.unlink(missing_ok=True)
+    part_file.unlink(missing_ok=True)
     return target

@@ -12,12 +12,13 @@ import time
 
 from core.bus import publish_event
 from core.quantization import QuantizationError, method_of
+from core.servable import ServableError
 from events.commands import LoadStage, StopFellow, UnloadStage, UpdateFellow
 from events.fellow import LoadedModel
 from events.loads import (STAGE_RESTARTING, LoadFailed, ModelUnloaded, ReplicaLost, StageReady, load_failed_id,
                           replica_lost_id, replica_part, stage_restart_id)
 from events.stage import FailedReport, MetricsReport, ReadyReport, StageConfig, StageReport, Transport
-from fellow.fetch import FetchError, draft_model_dir, fetch_model, local_model_dir
+from fellow.fetch import FetchError, draft_model_dir, ensure_base, fetch_model, local_model_dir
 from fellow.stage_process import StageProcess
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,13 @@ class ModelManager:
                     await self._fail(cmd.load_id, cmd.model_id, f"servable not on this fellow and not fetched: {exc}",
                                      replica=cmd.assignment.replica, replicas=cmd.replicas)
                     return
+            try:  # an adapters export needs its base here too
+                await asyncio.to_thread(ensure_base, self.settings, cmd.model_id, model_dir)
+            except (FetchError, ServableError, OSError, tarfile.TarError) as exc:
+                await self._fail(cmd.load_id, cmd.model_id,
+                                 f"base checkpoint not on this fellow and not fetched: {exc}",
+                                 replica=cmd.assignment.replica, replicas=cmd.replicas)
+                return
             while len(self.procs) >= self.settings.max_loaded_models:
                 oldest = next(iter(self.procs.values()))
                 log.info("evicting %s (%s) to load %s", oldest.model_id, oldest.load_id, cmd.model_id)
@@ -93,6 +101,7 @@ class ModelManager:
                               fellow_id=self.agent.fellow_id, stage=cmd.assignment.stage, num_stages=cmd.num_stages,
                               replica=cmd.assignment.replica, replicas=cmd.replicas,
                               transport=Transport(max_in_flight=t.max_in_flight, kv_tokens=t.kv_tokens,
+                                                  kv_tokens_max=t.kv_tokens_max,
                                                   in_flight_max=t.in_flight_max if cmd.num_stages > 1 else 0,
                                                   step_costs=t.step_costs or self.settings.serve_step_costs,
                                                   prefix_cache=self.settings.serve_prefix_cache,

@@ -8,6 +8,8 @@ import os
 import tarfile
 from pathlib import Path
 
+from core.servable import load_manifest, resolve_base
+
 CHUNK = 1 << 20
 
 
@@ -41,6 +43,25 @@ def build_archive(model_dir: Path, cache_dir: Path, manifest_sha256: str) -> tup
 
 async def archive_for(model_dir: Path, cache_dir: Path, manifest_sha256: str) -> tuple[Path, str]:
     return await asyncio.to_thread(build_archive, model_dir, cache_dir, manifest_sha256)
+
+
+def base_dir_of(model_dir: Path, model_cache: Path) -> Path:
+    """The base checkpoint an adapters export is served over, as the leader holds it (a path, or an id
+    under its SWARM_FELLOW_MODEL_CACHE); ValueError with the reason where there is none to send."""
+    manifest = load_manifest(model_dir)
+    if manifest.export != "adapters" or not manifest.base:
+        raise ValueError(f"{manifest.model_id} carries its own weights; it has no base checkpoint to send")
+    found = resolve_base(manifest.base, model_cache)
+    if found is None:
+        raise ValueError(f"the base checkpoint {manifest.base!r} of {manifest.model_id} is not on the leader")
+    return found
+
+
+async def base_archive_for(model_dir: Path, cache_dir: Path, model_cache: Path,
+                           manifest_sha256: str) -> tuple[Path, str]:
+    """(tar path, sha256) of an adapters export's base checkpoint, cached beside the servables' archives."""
+    base = await asyncio.to_thread(base_dir_of, model_dir, model_cache)
+    return await asyncio.to_thread(build_archive, base, cache_dir / "bases", manifest_sha256)
 
 
 def parse_range(header: str | None, size: int) -> tuple[int, int] | None:

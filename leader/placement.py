@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 from msgspec import structs
 
-from core.quantization import BITS, NONE, bytes_per_param, capability_for
-from events.fellow import CAP_4BIT_ROWS, CAP_CONCURRENT, CAP_N_STAGE, CAP_ONE_STAGE, Heartbeat
+from core.quantization import NONE, bytes_per_param, capability_for
+from events.fellow import (CAP_4BIT_ROWS, CAP_CONCURRENT, CAP_KV_BUDGET, CAP_N_STAGE, CAP_ONE_STAGE, CAP_SPECULATIVE,
+                           Heartbeat)
 from events.loads import StageAssignment, TransportPlan
 
 HEADROOM = 1.2  # activations, allocator slack
@@ -32,7 +33,8 @@ def transport_plan(settings, num_stages: int) -> TransportPlan:
     In flight: SWARM_SERVE_IN_FLIGHT, else what a fellow holds (SWARM_SERVE_MAX_IN_FLIGHT) for one stage,
     else 4 per stage of a ring, so every stage has work while the others run theirs. KV tokens: a typical
     chat per request in flight, never below one whole SWARM_SERVE_CONTEXT_TOKENS conversation; each stage
-    lowers it to what it measures it can hold. Speculative decoding: SWARM_SERVE_SPECULATIVE, one stage or a ring.
+    lowers it to what it measures it can hold, or grows into what it measures up to a full context per
+    request in flight (``kv_tokens_max``). Speculative decoding: SWARM_SERVE_SPECULATIVE, one stage or a ring.
 
     A ring without SWARM_SERVE_IN_FLIGHT may go up to RING_IN_FLIGHT_MAX_PER_STAGE a stage: its stage 0
     times its stages' steps and its links at start and keeps enough decode groups in flight to fill the
@@ -44,14 +46,16 @@ def transport_plan(settings, num_stages: int) -> TransportPlan:
     return TransportPlan(max_in_flight=in_flight,
                          in_flight_max=RING_IN_FLIGHT_MAX_PER_STAGE * num_stages if sized else 0,
                          kv_tokens=max(settings.serve_context_tokens, in_flight * settings.serve_typical_tokens),
+                         kv_tokens_max=in_flight * settings.serve_context_tokens,
                          max_batch=settings.serve_max_batch or 0, speculative=settings.serve_speculative,
                          prefill_chunk=settings.serve_prefill_chunk, step_costs=settings.serve_step_costs)
 
 
 AMPERE = (8, 0)
-# the decode-batch cap of a 4-bit load with a stage on a card older than Ampere, where SWARM_SERVE_MAX_BATCH
-# is unset: bitsandbytes' 4-bit kernel for 4 rows and more was 4.5x slower than the one for 3 on a GTX 1660
-# SUPER, so batches stay at 2, unless every fellow of the load splits such calls (serve-4bit-rows)
+# the decode-batch cap of a load with a stage on a card older than Ampere, where SWARM_SERVE_MAX_BATCH is
+# unset: batches of 4 took 671 ms on two GTX 1660 SUPER against about 120 ms for one session, and float16
+# batches are weight-bound there too; bitsandbytes' 4-bit kernel for 4 rows and more was 4.5x slower than
+# the one for 3, so batches stay at 2, unless every fellow of the load splits such calls (serve-4bit-rows)
 PRE_AMPERE_BATCH, PRE_AMPERE_BATCH_SPLIT = 2, 4
 
 
@@ -66,11 +70,11 @@ def _capability(text: str) -> tuple[int, int] | None:
 
 def pre_ampere_batch_cap(transport: TransportPlan, assignments: list[StageAssignment],
                          heartbeats: dict[str, Heartbeat], method: str, explicit: bool) -> tuple[TransportPlan, str]:
-    """(the transport, why its ``max_batch`` changed or ""): a 4-bit load with any stage on a fellow that
-    has a GPU older than Ampere decodes batches of at most PRE_AMPERE_BATCH sessions, or
-    PRE_AMPERE_BATCH_SPLIT where every fellow of the load declares serve-4bit-rows, unless the leader's
-    SWARM_SERVE_MAX_BATCH says otherwise (``explicit``). Other loads are left as they are."""
-    if explicit or BITS.get(method) != 4:
+    """(the transport, why its ``max_batch`` changed or ""): a load (4-bit, 8-bit or float16 alike) with any
+    stage on a fellow that has a GPU older than Ampere decodes batches of at most PRE_AMPERE_BATCH sessions,
+    or PRE_AMPERE_BATCH_SPLIT where every fellow of the load declares serve-4bit-rows, unless the leader's
+    SWARM_SERVE_MAX_BATCH says otherwise (``explicit``). Loads on newer cards or CPUs are left as they are."""
+    if explicit:
         return transport, ""
     fellows = [heartbeats.get(a.fellow_id) for a in assignments]
     old = sorted({f"{g.name} (sm {g.compute_capability})" for hb in fellows if hb is not None for g in hb.gpus
@@ -83,6 +87,34 @@ def pre_ampere_batch_cap(transport: TransportPlan, assignments: list[StageAssign
            + ("where every fellow splits 4-bit calls (serve-4bit-rows)" if split
               else "where not every fellow splits 4-bit calls (serve-4bit-rows)"))
     return structs.replace(transport, max_batch=cap), why
+
+
+OLD_FELLOW_IN_FLIGHT = 2  # a stage, with a fellow that predates serve-kv-budget (SWARM_SERVE_IN_FLIGHT unset)
+
+
+def for_old_fellows(transport: TransportPlan, assignments: list[StageAssignment], heartbeats: dict[str, Heartbeat],
+                    settings, num_stages: int) -> tuple[TransportPlan, list[str]]:
+    """(the transport, why each change): the spec's plan where a fellow of the load predates a capability.
+    Without serve-kv-budget it admits by count alone: in flight 2 a stage (SWARM_SERVE_IN_FLIGHT where
+    set), a full SWARM_SERVE_CONTEXT_TOKENS conversation of KV per request in flight, no growth nor ring
+    sizing. A ring drafts (speculative) only where every fellow declares serve-speculative: a stage from
+    before would keep rejected drafts in its cache; a one-stage load drafts on its own."""
+    fellows = {a.fellow_id: heartbeats.get(a.fellow_id) for a in assignments}
+
+    def lacking(cap: str) -> list[str]:
+        return sorted(fid for fid, hb in fellows.items() if hb is None or cap not in hb.capabilities)
+
+    why = []
+    if old := lacking(CAP_KV_BUDGET):
+        in_flight = settings.serve_in_flight or OLD_FELLOW_IN_FLIGHT * num_stages
+        transport = structs.replace(transport, max_in_flight=in_flight, in_flight_max=0, kv_tokens_max=0,
+                                    kv_tokens=in_flight * settings.serve_context_tokens)
+        why.append(f"{in_flight} in flight with a full context each: fellow {', '.join(old)} does not "
+                   f"declare {CAP_KV_BUDGET}")
+    if num_stages > 1 and transport.speculative and (old := lacking(CAP_SPECULATIVE)):
+        transport = structs.replace(transport, speculative=0)
+        why.append(f"no drafting: fellow {', '.join(old)} does not declare {CAP_SPECULATIVE}")
+    return transport, why
 
 
 def candidate(hb: Heartbeat) -> Candidate:
@@ -168,8 +200,18 @@ def ring_needs(max_in_flight: int) -> tuple[str, ...]:
 
 def ring_stage_count(manifest_stages: int, fellows: dict[str, Heartbeat], online: set[str]) -> int:
     """The servable's own count when that many online fellows can form a ring, else one stage."""
-    able = sum(1 for fid, hb in fellows.items() if fid in online and CAP_N_STAGE in hb.capabilities)
-    return manifest_stages if manifest_stages > 1 and able >= manifest_stages else 1
+    return manifest_stages if manifest_stages > 1 and _ring_able(fellows, online) >= manifest_stages else 1
+
+
+def _ring_able(fellows: dict[str, Heartbeat], online: set[str]) -> int:
+    return sum(1 for fid, hb in fellows.items() if fid in online and CAP_N_STAGE in hb.capabilities)
+
+
+def fewer_stages_note(manifest_stages: int, fellows: dict[str, Heartbeat], online: set[str]) -> str:
+    """What the load's status says when ring_stage_count falls back to one stage."""
+    able = _ring_able(fellows, online)
+    return (f"served as one stage: the model trained over {manifest_stages} stages and {able} online fellow(s) "
+            f"declare {CAP_N_STAGE}; its trained cuts are kept inside the stage")
 
 
 def place_ring(parameters: int, ranges: list[tuple[int, int]], shards: list[list[int]],

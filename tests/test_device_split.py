@@ -28,7 +28,7 @@ def test_two_gpus_fill_in_order_and_the_rest_goes_to_the_cpu():
     assert split.describe().startswith("cuda:0: layers 0-6 +embed, 7.50 GB weights + 0.00 GB KV; cuda:1: layers 7-10")
 
 
-def test_all_on_the_first_gpu_when_it_holds_everything():
+def test_all_on_the_first_device_when_it_holds_everything():
     split = plan_split([G] * 4, [("cuda:0", 8 * G), ("cuda:1", 8 * G), ("cpu", 64 * G)], embed_bytes=G, head_bytes=G)
     assert [(p.device, p.layers, p.embed, p.head) for p in split.parts] == [("cuda:0", (0, 4), True, True)]
 
@@ -184,11 +184,42 @@ def test_half_storage_upcasts_where_it_measures_faster():
     assert (logits.float() - expected).abs().max() < 0.05 * expected.abs().max()
 
 
-def test_a_quantized_stage_is_not_split_and_loads_on_the_first_device(servable):
+def test_a_quantized_stage_splits_at_its_quantized_sizes_and_serves_as_one(servable):
+    """int8 on the CPU over two CPU "devices" sized for its int8 layers (a float stage would not fit
+    them): split as planned, and the greedy tokens equal the one-device int8 stage's."""
     from core.quantization import INT8
-    from fellow.runtime.model.loader import build_stage
 
-    # one byte on each device: a float stage would be refused; an int8 one loads as before, unplanned
-    _, stage = build_stage(load_manifest(servable), 0, servable, 1, None, quantization=INT8,
-                           devices=[("cpu", 1), ("cpu", 1)])
-    assert stage.weights["quantization"] == INT8 and "devices" not in stage.kernels
+    sizes = stage_sizes(load_manifest(servable), 0, 1, torch.float32, INT8)
+    first = sizes.embed_bytes + sum(sizes.layer_bytes[:2])
+    whole = sum(sizes.layer_bytes) + sizes.embed_bytes + sizes.head_bytes
+    assert whole < sum(stage_sizes(load_manifest(servable), 0, 1, torch.float32).layer_bytes)
+    split = load_one_stage(servable, devices=[("cpu", first), ("cpu", whole)], kv_tokens=0, quantization=INT8).stage
+    assert split.weights["quantization"] == INT8
+    assert [(p["device"], p["layers"]) for p in split.kernels["devices"]] == [("cpu", [0, 2]), ("cpu", [2, 4])]
+    one = load_one_stage(servable, "cpu", quantization=INT8).stage
+    ids = [5, 9, 33, 2, 17, 80, 41, 3]
+    assert greedy(split, ids)[0] == greedy(one, ids)[0]
+
+
+def test_serve_devices_naming_the_cpu_loads_there_and_equals_the_cpu_stage(servable):
+    ids = [5, 9, 33, 2, 17, 80, 41, 3]
+    listed = load_one_stage(servable, devices="cpu", packed=False).stage
+    assert [d.type for d in listed.layer_devices] == ["cpu"] * 4
+    assert greedy(listed, ids)[0] == greedy(load_one_stage(servable, "cpu", packed=False).stage, ids)[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_4bit_stage_balanced_over_two_cards_equals_one_card(servable):
+    """The spec's case at small scale: NF4 layers planned at their 4-bit sizes and balanced over two cards
+    (each told it may take the same), greedy as on one card. Not run here: no GPU machine."""
+    from core.quantization import NF4
+
+    sizes = stage_sizes(load_manifest(servable), 0, 1, torch.float16, NF4)
+    half = sizes.embed_bytes + sizes.head_bytes + sum(sizes.layer_bytes)
+    split = load_one_stage(servable, devices=[("cuda:0", half), ("cuda:1", half)], kv_tokens=0,
+                           quantization=NF4).stage
+    assert [p["device"] for p in split.kernels["devices"]] == ["cuda:0", "cuda:1"]
+    one = load_one_stage(servable, "cuda:0", quantization=NF4).stage
+    ids = [5, 9, 33, 2, 17, 80, 41, 3]
+    assert greedy(split, ids)[0] == greedy(one, ids)[0]

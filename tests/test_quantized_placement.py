@@ -102,10 +102,10 @@ def test_too_few_capable_fellows_serve_full_precision_and_say_why_never_priced_4
         place_keeping_price(place, INT4_FAST)
 
 
-def test_a_4bit_load_on_a_card_older_than_ampere_decodes_batches_of_2_or_4_where_every_fellow_splits():
-    """SWARM_SERVE_MAX_BATCH unset: the spec's default cap for 4-bit loads on pre-Ampere cards (bitsandbytes'
-    kernel for 4 rows and more was 4.5x slower than for 3 on a GTX 1660 SUPER): 2, or 4 where every fellow
-    of the load splits such calls (serve-4bit-rows); none on newer cards, for 8-bit or full precision, or
+def test_a_load_on_a_card_older_than_ampere_decodes_batches_of_2_or_4_where_every_fellow_splits():
+    """SWARM_SERVE_MAX_BATCH unset: the spec's default cap for loads on pre-Ampere cards, 4-bit, 8-bit or
+    float16 alike (bitsandbytes' kernel for 4 rows and more was 4.5x slower than for 3 on a GTX 1660 SUPER):
+    2, or 4 where every fellow of the load splits 4-bit calls (serve-4bit-rows); none on newer cards, or
     where the leader sets the cap itself."""
     from events.fellow import CAP_4BIT_ROWS, Gpu
     from events.loads import TransportPlan
@@ -130,7 +130,10 @@ def test_a_4bit_load_on_a_card_older_than_ampere_decodes_batches_of_2_or_4_where
     batch, why = cap(["old-split", "new"])
     assert batch == 4 and "card-6.1 (sm 6.1)" in why and "every fellow splits 4-bit calls" in why
     assert cap(["new"]) == (0, "")  # Ampere or newer: no cap
-    assert cap(["old"], INT8) == (0, "") and cap(["old"], NONE) == (0, "")  # not a 4-bit load
+    batch, why = cap(["old"], NONE)  # a float16 load on a GTX 16xx: capped too
+    assert batch == 2 and "a none load on card-7.5 (sm 7.5)" in why
+    assert cap(["old"], INT8)[0] == 2 and cap(["old-split"], NONE)[0] == 4
+    assert cap(["new"], NONE) == (0, "")
     assert cap(["old"], explicit=True) == (0, "")  # SWARM_SERVE_MAX_BATCH set on the leader: its own
     fellows["blank"] = card("blank", "")  # nvidia-smi gave no capability: nothing known to cap for
     assert cap(["blank"]) == (0, "")

@@ -11,7 +11,7 @@ from core.nats_server import EmbeddedNats
 from tests.processes import wait_until
 from tests.serving_fixtures import Stack, make_servable
 
-BUDGET = 160  # SWARM_SERVE_CONTEXT_TOKENS: the stage's whole KV budget in these tests
+BUDGET = 160  # the stage's whole KV budget in these tests: a context (80) for each of 2 requests in flight
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("admission")
     make_servable(root, "tiny", layers=2, hidden=64, stages=1, seed=5)
     nats = EmbeddedNats(root / "js").start()
-    stack = Stack(root, nats.url, root / "servables", SWARM_SERVE_CONTEXT_TOKENS=BUDGET,
+    stack = Stack(root, nats.url, root / "servables", SWARM_SERVE_CONTEXT_TOKENS=BUDGET // 2,
                   SWARM_SERVE_TYPICAL_TOKENS=10, SWARM_SERVE_IN_FLIGHT=2).start()
     stack.load("tiny")
     yield stack
@@ -39,7 +39,10 @@ def requests_rows(stack: Stack) -> dict[str, tuple]:
 
 async def test_status_reports_the_budget(stack):
     load = stack.get("/api/v1/models/tiny/status").json()["load"]
-    assert load["stages"][0]["kv_tokens"] == BUDGET == load["stages"][0]["kv_tokens_planned"]
+    # planned: one context; the stage measured room and grew to a context per request in flight
+    assert load["stages"][0]["kv_tokens"] == BUDGET == 2 * load["stages"][0]["kv_tokens_planned"]
+    kv = load["stages"][0]["kernels"]["kv"]
+    assert kv["held"] == BUDGET == kv["most"] and kv["planned"] == BUDGET // 2 and kv["measured"] >= BUDGET
     assert load["queued"] == 0 and load["transport"]["max_in_flight"] == 2
 
 

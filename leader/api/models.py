@@ -136,17 +136,27 @@ ROUTES = [list_models, list_models_openai, get_model_openai, get_model, model_st
 
 
 @get("/api/v1/models/{model_id:str}/archive", opt={"scope": "read"}, tags=["models"],
-     summary="The servable as a tar: sha256 in X-Swarm-Sha256, resumable with Range")
+     summary="The servable (or with part=base an adapters export's base checkpoint) as a tar: sha256 in "
+             "X-Swarm-Sha256, resumable with Range")
 async def model_archive(request: Request, serving: ServingDep, settings: SettingsDep,
-                        model_id: FromPath[str]) -> Response:
+                        model_id: FromPath[str], part: str = "") -> Response:
     from pathlib import Path
 
-    from leader.archive import archive_for, parse_range, read_range
+    from leader.archive import archive_for, base_archive_for, parse_range, read_range
 
     m = await _model(serving, model_id)
     if not m.available:
         raise ApiError(409, f"The model '{model_id}' is not servable: {m.reason}", code="model_unavailable")
-    path, digest = await archive_for(Path(m.path), settings.data_dir / "archives", m.manifest_sha256)
+    if part not in ("", "base"):
+        raise ApiError(400, f"part must be base or absent, not {part!r}", code="invalid_value", param="part")
+    if part == "base":
+        try:
+            path, digest = await base_archive_for(Path(m.path), settings.data_dir / "archives",
+                                                  settings.fellow_model_cache, m.manifest_sha256)
+        except ValueError as exc:
+            raise ApiError(404, str(exc), code="base_not_found") from None
+    else:
+        path, digest = await archive_for(Path(m.path), settings.data_dir / "archives", m.manifest_sha256)
     size = path.stat().st_size
     headers = {"Accept-Ranges": "bytes", "X-Swarm-Sha256": digest, "ETag": f'"{digest}"',
                "Content-Disposition": f'attachment; filename="{model_id}.tar"'}

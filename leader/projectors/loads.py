@@ -40,6 +40,7 @@ class LoadsProjector(Projector):
                 load.transport = msgspec.to_builtins(evt.transport)
                 load.quantization = evt.quantization
                 load.quantization_reason = evt.quantization_reason
+                load.reason = evt.reason
                 placed = method_of(evt.quantization)
                 for a in evt.stages:
                     session.add(LoadStage(load_id=evt.load_id, stage=a.stage, replica=a.replica, fellow_id=a.fellow_id,

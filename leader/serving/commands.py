@@ -26,8 +26,8 @@ from events.loads import (LoadFailed, LoadPlaced, LoadRequested, StageAssignment
 from leader.catalog import Catalog
 from leader.db.tables import Load, LoadStage as LoadStageRow, Model
 from leader.errors import ApiError
-from leader.placement import (PlacementError, place_replacement, place_replicas, place_ring_replicas,
-                              pre_ampere_batch_cap, ring_needs, ring_stage_count, transport_plan)
+from leader.placement import (PlacementError, fewer_stages_note, for_old_fellows, place_replacement, place_replicas,
+                              place_ring_replicas, pre_ampere_batch_cap, ring_needs, ring_stage_count, transport_plan)
 from leader.serving.rows import active_load, get_load, load_stages, model_not_found
 
 
@@ -74,6 +74,7 @@ class LoadPlan:
     pinned: list[str]
     transport: TransportPlan
     place: Callable[[str], list[StageAssignment]]  # at a quantization method, from the fellows' latest heartbeats
+    note: str = ""  # why it has fewer stages than the model trained with, where placement chose that
 
 
 @asynccontextmanager
@@ -128,9 +129,12 @@ class LoadCommands:
         monitor = self.leader.fellows
         if replicas > 1 and num_stages is None:
             num_stages = 1  # replicas are one-stage copies unless num_stages asks for rings
+        note = ""
         if num_stages is None:
             num_stages = (len(fellow_ids) if fellow_ids else 1 if fellow_id else
                           ring_stage_count(model.num_stages, monitor.latest, set(monitor.online)))
+            if num_stages < model.num_stages and not fellow_id and not fellow_ids:
+                note = fewer_stages_note(model.num_stages, monitor.latest, set(monitor.online))
         transport = transport_plan(self.leader.settings, num_stages)
         if speculative is not None:
             transport = msgspec.structs.replace(transport, speculative=speculative)
@@ -141,7 +145,7 @@ class LoadCommands:
                 pinned = [fellow_id] if fellow_id else (fellow_ids or [])[:1]
             return LoadPlan(1, replicas, pinned, transport, lambda method: place_replicas(
                 model.parameters, model.num_layers, replicas, monitor.latest, set(monitor.online), pinned or None,
-                method))
+                method), note)
         try:
             manifest = load_manifest(model.path)
             ranges = serving_ranges(manifest, num_stages)
@@ -171,11 +175,14 @@ class LoadCommands:
         quantization = as_request(served)
         transport, capped = pre_ampere_batch_cap(plan.transport, assignments, self.leader.fellows.latest, served,
                                                  explicit=self.leader.settings.serve_max_batch is not None)
-        if capped:
-            log.info("load %s of %s: %s", load_id, model_id, capped)
+        transport, older = for_old_fellows(transport, assignments, self.leader.fellows.latest, self.leader.settings,
+                                           plan.num_stages)
+        notes = [why for why in (plan.note, capped, *older) if why]
+        for why in notes:
+            log.info("load %s of %s: %s", load_id, model_id, why)
         await self.leader.publish(LoadPlaced(load_id=load_id, model_id=model_id, stages=assignments,
                                              transport=transport, quantization=quantization,
-                                             quantization_reason=reason), wait=["loads"])
+                                             quantization_reason=reason, reason="; ".join(notes)), wait=["loads"])
         for a in assignments:
             cmd = LoadStage(load_id=load_id, model_id=model_id, assignment=a, num_stages=plan.num_stages,
                             stage_fellows=[x.fellow_id for x in assignments if x.replica == a.replica],

@@ -72,6 +72,8 @@ def why_not(stage) -> str | None:
         return "a ring stage: the compiled step takes a whole model (embeddings to head)"
     if stage.fused is None:
         return f"its layers are not fused ({stage.kernels.get('why', stage.kernels.get('path'))})"
+    if stage.fused.before:
+        return "a cut training made inside it runs between its layers (model.boundary)"
     if len(set(stage.layer_devices)) > 1 or stage.layer_devices[0].type != "cpu":
         return "it is not on the CPU alone"
     if stage.dtype != torch.float32:

@@ -1,9 +1,11 @@
-"""How one stage's layers are split over its fellow's devices by free memory: the GPUs in order, filled
-up to what each can hold, and the CPU last, for what no GPU holds (offload). Arithmetic only, no torch.
+"""How one stage's layers are split over its fellow's devices by free memory: the cards balanced, each
+filled to the same share of what it may take, and the CPU last, for what no card holds (offload).
+Arithmetic only, no torch: the plan is data, from an inventory (plan_devices), tested with cards that
+are not here.
 
-Each layer costs its weight bytes plus the keys and values of a reserve of KV tokens; the embeddings
-go with the first device that takes layers, the final norm and the head with the last. Contiguous
-ranges keep the hidden states crossing devices once per boundary.
+Each layer costs its weight bytes (quantized or not: weights.stage_sizes) plus the keys and values of
+a reserve of KV tokens; the embeddings go with the first device that takes layers, the final norm and
+the head with the last. Contiguous ranges keep the hidden states crossing devices once per boundary.
 """
 
 from __future__ import annotations
@@ -12,6 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 GB = 1e9
+MIB = 1 << 20
+CUDA_USABLE = 0.85  # of what is free on a card: the allocator fragments, and other buffers come and go
+CUDA_KEEP_BYTES = 300 * MIB  # passing buffers of a forward besides the weights and the cache
+CPU_WEIGHTS_USABLE = 0.8  # of the host's available memory, for offloaded layers (the rest: the process, KV)
+SHARE_STEPS = 40  # bisections of the cards' common share: far below a byte of a card
 
 
 class SplitError(ValueError):
@@ -116,3 +123,75 @@ def plan_split(layer_bytes: Sequence[int], devices: Sequence[tuple[str, int]], *
     raise SplitError(f"the stage needs {need / GB:.2f} GB ({n} layers, their weights and {kv_tokens} KV tokens) "
                      f"and its devices hold {held} GB: layers from {first_layer + i} on fit nowhere, "
                      f"even on the last device")
+
+
+@dataclass(frozen=True)
+class Card:
+    """One entry of a device inventory: ``name`` as torch spells it ("cuda:1", "cpu"), what is free on it,
+    and a card's compute capability (None for the CPU); ``label`` names the card in a log line."""
+
+    name: str
+    free_bytes: int
+    capability: tuple[int, int] | None = None
+    label: str = ""
+    take: int | None = None  # what it may take, where given outright (a test's made-up budget)
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.name.startswith("cuda")
+
+    @property
+    def usable_bytes(self) -> int:
+        """What the stage may take here: on a card 85 % of what is free less 300 MiB (kv_budget keeps the
+        same margins), on the CPU 80 % of the host's available memory."""
+        if self.take is not None:
+            return self.take
+        if self.is_gpu:
+            return max(0, int(CUDA_USABLE * self.free_bytes) - CUDA_KEEP_BYTES)
+        return int(CPU_WEIGHTS_USABLE * self.free_bytes)
+
+
+AMPERE = (8, 0)  # bfloat16 in hardware from here; older cards emulate it, far slower than float16
+
+
+def half_dtype(capability: tuple[int, int] | None) -> str:
+    """A card's half precision for weights and compute: bfloat16 on Ampere or newer, float16 before."""
+    return "bfloat16" if capability is not None and capability >= AMPERE else "float16"
+
+
+def by_free_memory(inventory: Sequence[Card]) -> list[Card]:
+    """The cards with the most free memory first (ties in the inventory's order), the CPU last."""
+    cards = sorted((c for c in inventory if c.is_gpu), key=lambda c: -c.free_bytes)
+    return cards + [c for c in inventory if not c.is_gpu]
+
+
+def plan_devices(inventory: Sequence[Card], layer_bytes: Sequence[int], *, first_layer: int = 0,
+                 embed_bytes: int = 0, head_bytes: int = 0, kv_token_bytes: int = 0,
+                 kv_tokens: int = 0) -> DeviceSplit:
+    """The stage's layers over an inventory in its order (by_free_memory orders one), balanced over the
+    cards: each card takes the same share of what it may take (Card.usable_bytes), the smallest share
+    at which the cards hold the whole stage, as training spreads its blocks. Where the cards cannot
+    hold it all, each is filled and the CPU (or whatever device follows them) takes the rest.
+    SplitError as plan_split's. Arguments past the inventory: plan_split's."""
+    sizes = dict(first_layer=first_layer, embed_bytes=embed_bytes, head_bytes=head_bytes,
+                 kv_token_bytes=kv_token_bytes, kv_tokens=kv_tokens)
+    budgets = [(c.name, c.usable_bytes) for c in inventory]
+    cards = [(c.name, c.usable_bytes) for c in inventory if c.is_gpu]
+
+    def on_cards(share: float) -> DeviceSplit | None:
+        try:
+            return plan_split(layer_bytes, [(name, int(share * free)) for name, free in cards], **sizes)
+        except SplitError:
+            return None
+
+    best = on_cards(1.0) if cards else None
+    if best is None:  # the cards alone cannot hold it: fill them in order, the rest after them
+        return plan_split(layer_bytes, budgets, **sizes)
+    low, high = 0.0, 1.0
+    for _ in range(SHARE_STEPS):  # a bigger share never fits less, so bisect to the smallest that fits
+        middle = (low + high) / 2
+        if (split := on_cards(middle)) is None:
+            low = middle
+        else:
+            high, best = middle, split
+    return best

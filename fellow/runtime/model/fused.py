@@ -214,6 +214,7 @@ class FusedStack:
                        FusedLayer(layer, make_linear, self.num_heads, self.num_kv_heads) for layer in layers]
         # a decode batch's caches side by side, kept across steps (None: every step attends row by row)
         self.slab: DecodeSlab | None = DecodeSlab(self.layers[0].layer_idx, self.windows) if self.layers else None
+        self.before: dict[int, Callable] = {}  # absolute layer index -> a trained cut run before it (model.boundary)
 
     @property
     def bytes(self) -> int:
@@ -225,6 +226,8 @@ class FusedStack:
         heads, qk_heads = self.num_heads, self.num_heads + self.num_kv_heads
         half = self.head_dim // 2
         for layer in self.layers:
+            if self.before and layer.layer_idx in self.before:
+                hidden = self.before[layer.layer_idx](hidden)
             qkv = layer.qkv(_rms(hidden, layer.input_norm))
             qk = qkv[..., : qk_heads * self.head_dim].view(batch, width, qk_heads, self.head_dim)
             if layer.qk_norm is not None:

@@ -8,11 +8,9 @@ from collections import defaultdict
 
 import torch
 
+from fellow.runtime.model.device_split import CUDA_KEEP_BYTES, CUDA_USABLE
 from fellow.runtime.model.stage import StageModel
 
-MIB = 1 << 20
-CUDA_USABLE = 0.85  # of what is free: the allocator fragments, and other buffers come and go
-CUDA_KEEP_BYTES = 300 * MIB  # passing buffers of a forward besides the cache
 CPU_USABLE = 0.25  # a CPU stage shares its host with everything else on it
 CPU_CAP_TOKENS = 131_072  # past this a CPU stage is far too slow for the context to matter
 SCORE_BYTES = 4  # attention scores go through softmax in float32
@@ -44,7 +42,29 @@ def cuda_free_bytes(device: torch.device) -> int:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def cpu_free_bytes() -> int:
+def cpu_free_bytes(limit: int = 0) -> int:
+    """What this process may still take on the host: the host's available memory, or less where a memory
+    limit holds the process: its cgroup's (v2 or v1), or ``limit`` (bytes for the whole process, set
+    by its caller), less what the process holds already."""
+    room = [_meminfo_available()]
+    for cap, used in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                      ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        cap_bytes, used_bytes = _read_int(cap), _read_int(used)
+        if cap_bytes is not None and used_bytes is not None and cap_bytes < 1 << 60:  # "max", or v1's no-limit
+            room.append(cap_bytes - used_bytes)
+            break
+    if limit > 0:
+        room.append(limit - resident_bytes())
+    return max(0, min(room))
+
+
+def resident_bytes() -> int:
+    """This process's resident memory."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _meminfo_available() -> int:
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
@@ -53,6 +73,14 @@ def cpu_free_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):  # no such cgroup file, or "max"
+        return None
 
 
 def session_state_bytes(stage: StageModel) -> dict[torch.device, int]:
@@ -71,18 +99,54 @@ def session_state_bytes(stage: StageModel) -> dict[torch.device, int]:
     return states
 
 
-def measured_kv_tokens(stage: StageModel, prefill_chunk: int = 256, sessions: int = 0) -> int:
-    """The stage's KV budget in tokens: the device that holds the fewest sets it. ``sessions``: how many
-    sessions it may hold at once; their fixed-size recurrent states (session_state_bytes) are kept free
-    first, so the tokens are what is left."""
+def measured_kv_tokens(stage: StageModel, prefill_chunk: int = 256, sessions: int = 0, memory_limit: int = 0) -> int:
+    """The stage's KV budget in tokens: the device that holds the fewest sets it. On a card, 85 % of what
+    is free less 300 MiB (the spec's reserve); on the CPU a quarter of what the host or the process's
+    memory limit leaves (cpu_free_bytes; ``memory_limit``: a limit its caller sets). ``sessions``: how
+    many sessions it may hold at once; their fixed-size recurrent states (session_state_bytes) are kept
+    free first, so the tokens are what is left."""
     budgets = []
     states = session_state_bytes(stage)
+    pieces = float32_piece_bytes(stage)
     for device, token_bytes in bytes_per_token(stage, prefill_chunk).items():
         held = sessions * states.get(device, 0)
         if device.type == "cuda":
+            keep = card_keep_bytes(pieces.get(device, 0))
             budgets.append(kv_tokens_for(cuda_free_bytes(device), token_bytes,
-                                         usable=CUDA_USABLE, keep_bytes=CUDA_KEEP_BYTES + held))
+                                         usable=CUDA_USABLE, keep_bytes=keep + held))
         else:
-            tokens = kv_tokens_for(cpu_free_bytes(), token_bytes, usable=CPU_USABLE, keep_bytes=held)
+            tokens = kv_tokens_for(cpu_free_bytes(memory_limit), token_bytes, usable=CPU_USABLE, keep_bytes=held)
             budgets.append(min(tokens, CPU_CAP_TOKENS))
     return min(budgets)
+
+
+def float32_piece_bytes(stage: StageModel) -> dict[torch.device, int]:
+    """Per card: the largest 4-bit weight there dequantized in float32, which a prompt piece holds while
+    it computes in float32 (the spec's TS12: about 356 MB for Qwen3-14B's MLP); empty where the stage's
+    prompt pieces stay in its own dtype (fourbit_rows' ``float32_prompt_pieces``)."""
+    from fellow.runtime.model.fourbit_rows import stage_blocks
+
+    if not ((stage.kernels or {}).get("4bit_rows") or {}).get("float32_prompt_pieces"):
+        return {}
+    out: dict[torch.device, int] = defaultdict(int)
+    for block in stage_blocks(stage):
+        for linear in block:
+            device = linear.weight.device
+            out[device] = max(out[device], linear.in_features * linear.out_features * 4)
+    return out
+
+
+def card_keep_bytes(float32_piece: int) -> int:
+    """What a card keeps free besides its KV: room for a float32 prompt piece's dequantized weight, which
+    replaces the 300 MiB kept for other passing buffers rather than adding to it (a stage runs one forward
+    at a time)."""
+    return max(CUDA_KEEP_BYTES, float32_piece)
+
+
+def held_tokens(measured: int, planned: int, most: int = 0) -> int:
+    """What a stage holds of what it measured: at most what placement planned, or grown past that up to
+    ``most`` where placement set a ceiling (a full context per request in flight); nothing planned: all
+    it measured."""
+    if not planned:
+        return measured
+    return min(measured, max(planned, most))

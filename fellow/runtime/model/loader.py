@@ -11,13 +11,15 @@ import torch
 
 from core.quantization import INT4_FAST, INT8, NF4, NONE
 from core.servable import TOKENIZER_DIR, Manifest, ServableError, load_manifest
-from fellow.runtime.model.device_split import DeviceSplit, SplitError, plan_split
+from fellow.runtime.model.boundary import apply_inner
+from fellow.runtime.model.device_split import (Card, DeviceSplit, SplitError, by_free_memory, half_dtype,
+                                               plan_devices)
 from fellow.runtime.model.half_storage import apply_half_storage
 from fellow.runtime.model.compiled import compile_decode
 from fellow.runtime.model.cuda_graphs import graph_decode
 from fellow.runtime.model.fourbit_rows import plan_4bit_rows
 from fellow.runtime.model.kernels import prepare_stage, quant_chooser
-from fellow.runtime.model.kv_budget import CUDA_KEEP_BYTES, CUDA_USABLE, cpu_free_bytes, cuda_free_bytes
+from fellow.runtime.model.kv_budget import cpu_free_bytes, cuda_free_bytes
 from fellow.runtime.model.lora_merge import lora_scale
 from fellow.runtime.model.quant.linear import (QUANT_KERNELS, Int4Unavailable, bitsandbytes_functional,
                                                tinygemm_check_device)
@@ -30,7 +32,6 @@ log = logging.getLogger(__name__)
 
 AUTO = "auto"
 KV_RESERVE_TOKENS = 4096  # the KV tokens each layer keeps room for in a split, when placement planned none
-CPU_WEIGHTS_USABLE = 0.8  # of the host's available memory, for offloaded layers (the rest: the process, KV)
 # devices a stage is split over: "auto" (every GPU torch sees, in order, then the CPU), or a list of
 # (device, bytes it may take) in order, the CPU last where it offloads
 Devices = str | Sequence[str] | Sequence[tuple[str, int]]
@@ -46,8 +47,10 @@ class LoadedStage:
 
 
 def pick_dtype(device: torch.device) -> torch.dtype:
+    """float32 on the CPU; on a card its half precision by its capability (device_split.half_dtype): torch's
+    is_bf16_supported() also says yes where bfloat16 is only emulated (a GTX 10xx)."""
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return getattr(torch, half_dtype(torch.cuda.get_device_capability(device)))
     return torch.float32
 
 
@@ -64,52 +67,54 @@ def stop_ids_for(manifest: Manifest, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def device_budgets(devices: Devices = AUTO) -> list[tuple[str, int]]:
-    """(device, bytes it may take) in order: ``auto`` is every GPU torch sees, then the CPU; a comma list
-    or list of names measures each; a list of pairs is taken as it is (a test's made-up sizes).
-    A GPU may take 85 % of what is free less 300 MiB (kv_budget's margins), the CPU 80 % of the host's
-    available memory."""
+def device_inventory(devices: Devices = AUTO) -> list[Card]:
+    """The devices a stage may split over, measured here: ``auto`` is every GPU torch sees, the most free
+    memory first, then the CPU (device_split.by_free_memory); a comma list or list of names measures
+    each, in its order; a list of (device, bytes) pairs is taken as what each may take (a test's
+    made-up sizes)."""
     if isinstance(devices, str):
-        devices = ([f"cuda:{i}" for i in range(torch.cuda.device_count())] + ["cpu"] if devices == AUTO
-                   else [d.strip() for d in devices.split(",") if d.strip()])
-    out = []
-    for entry in devices:
-        if not isinstance(entry, str):
-            out.append((str(entry[0]), int(entry[1])))
-            continue
-        device = torch.device(entry)
-        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-            raise ServableError(f"{entry} is not a GPU this fellow has ({torch.cuda.device_count()} found)")
-        if device.type == "cuda":
-            out.append((entry, max(0, int(CUDA_USABLE * cuda_free_bytes(device)) - CUDA_KEEP_BYTES)))
-        else:
-            out.append((entry, int(CPU_WEIGHTS_USABLE * cpu_free_bytes())))
-    return out
+        if devices == AUTO:
+            names = [f"cuda:{i}" for i in range(torch.cuda.device_count())] + ["cpu"]
+            return by_free_memory([_measured(name) for name in names])
+        devices = [d.strip() for d in devices.split(",") if d.strip()]
+    return [_measured(entry) if isinstance(entry, str) else Card(str(entry[0]), int(entry[1]), take=int(entry[1]))
+            for entry in devices]
+
+
+def _measured(name: str) -> Card:
+    device = torch.device(name)
+    if device.type != "cuda":
+        return Card(name, cpu_free_bytes())
+    if (device.index or 0) >= torch.cuda.device_count():
+        raise ServableError(f"{name} is not a GPU this fellow has ({torch.cuda.device_count()} found)")
+    return Card(name, cuda_free_bytes(device), torch.cuda.get_device_capability(device),
+                torch.cuda.get_device_name(device))
 
 
 def split_stage(manifest: Manifest, stage_index: int, num_stages: int, devices: Devices = AUTO,
-                kv_tokens: int = KV_RESERVE_TOKENS,
-                dtype: torch.dtype | None = None) -> tuple[DeviceSplit, torch.dtype]:
-    """The stage's layers over ``devices`` by free memory (device_split), and the one dtype every part
-    keeps: the first listed device's (bfloat16 or float16 with a GPU first), so offloaded layers compute
-    in half precision too; float32 where no GPU takes a layer and the stage fits so; ``dtype`` where
-    given. ServableError when it fits nowhere."""
-    budgets = device_budgets(devices)
-    if not budgets:
+                kv_tokens: int = KV_RESERVE_TOKENS, dtype: torch.dtype | None = None,
+                quantization: str = NONE) -> tuple[DeviceSplit, torch.dtype]:
+    """The stage's layers over ``devices`` by free memory (device_split.plan_devices, its layers sized
+    quantized where ``quantization`` asks), and the one dtype every part keeps: the first listed device's
+    (bfloat16 or float16 with a GPU first), so offloaded layers compute in half precision too; float32
+    where no GPU takes a layer and the stage fits so; ``dtype`` where given. ServableError when it fits
+    nowhere."""
+    inventory = device_inventory(devices)
+    if not inventory:
         raise ServableError("no device to load the stage on")
 
     def plan(dtype: torch.dtype) -> DeviceSplit:
-        sizes = stage_sizes(manifest, stage_index, num_stages, dtype)
+        sizes = stage_sizes(manifest, stage_index, num_stages, dtype, quantization)
         try:
-            return plan_split(sizes.layer_bytes, budgets, first_layer=sizes.first_layer,
-                              embed_bytes=sizes.embed_bytes, head_bytes=sizes.head_bytes,
-                              kv_token_bytes=sizes.kv_token_bytes, kv_tokens=kv_tokens)
+            return plan_devices(inventory, sizes.layer_bytes, first_layer=sizes.first_layer,
+                                embed_bytes=sizes.embed_bytes, head_bytes=sizes.head_bytes,
+                                kv_token_bytes=sizes.kv_token_bytes, kv_tokens=kv_tokens)
         except SplitError as exc:
             raise ServableError(str(exc)) from None
 
     if dtype is not None:
         return plan(dtype), dtype
-    dtype = pick_dtype(torch.device(budgets[0][0]))
+    dtype = pick_dtype(torch.device(inventory[0].name))
     split = plan(dtype)
     own = pick_dtype(torch.device(split.devices[0]))
     if own != dtype:  # no GPU took a layer: a CPU stage computes in its own dtype (float32) where that fits
@@ -149,10 +154,8 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
     ``kernels["4bit_rows"]`` says what it found.
     """
     split = None
-    if device is None and quantization != NONE:  # not split (its sizes are not the float ones): the first device
-        device = torch.device(device_budgets(devices)[0][0])
-    elif device is None:
-        split, dtype = split_stage(manifest, stage_index, num_stages, devices, kv_tokens, dtype)
+    if device is None:  # a quantized stage is planned at its quantized sizes
+        split, dtype = split_stage(manifest, stage_index, num_stages, devices, kv_tokens, dtype, quantization)
         device = torch.device(split.devices[0])
         if len(split.parts) == 1:
             split = None  # one device: today's load, every piece there
@@ -172,6 +175,7 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
     stage = StageModel(config=mods.config, layers=mods.layers, first_layer=mods.layer_indices[0],
                        rotary_emb=mods.rotary_emb, embed=mods.embed, norm=mods.norm, head=mods.lm_head)
     prepare_stage(stage, packed=packed, batch_cap=batch_cap, quantizer=quantizer, keep_plain=bool(compile))
+    apply_inner(stage, mods.inner)  # cuts training made inside the stage, where they were trained
     if quantizer is not None and (rows := plan_4bit_rows(stage, fourbit_rows, fourbit_float32,
                                                          prefill_chunk=prefill_chunk,
                                                          label=f"stage{stage_index}")) is not None:

@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from core.quantization import INT8, NONE, PRICE
 from core.servable import BottleneckCompressor, Manifest, ServableError, load_manifest, resolve_base
 from core.servable_plan import StagePlan, plan_stage
 from fellow.runtime.model.bottleneck import RECV, SEND, BottleneckDecoder, BottleneckEncoder
 from fellow.runtime.model.checkpoint import Checkpoint
+from fellow.runtime.model.boundary import InnerBoundary
 from fellow.runtime.model.device_split import DeviceSplit
 from fellow.runtime.model.fused import RECURRENT_KINDS
 from fellow.runtime.model.lora_merge import merge_lora
+
+
+INNER = "inner."  # a trained cut inside the stage: inner.<first layer after it>.bottleneck.send.weight, ...
 
 
 class _Tensors:
@@ -76,10 +81,21 @@ def _absolute(key: str, shard_range: tuple[int, int], plan: StagePlan) -> str | 
     if head in ("norm", "lm_head"):
         return key if plan.is_last else None
     if key.startswith(SEND):
-        return key if shard_range[1] == plan.layers[1] and isinstance(plan.send, BottleneckCompressor) else None
+        if shard_range[1] == plan.layers[1] and isinstance(plan.send, BottleneckCompressor):
+            return key
+        return _inner_key(key, SEND, shard_range[1], plan)
     if key.startswith(RECV):
-        return key if shard_range[0] == plan.layers[0] and isinstance(plan.recv, BottleneckCompressor) else None
+        if shard_range[0] == plan.layers[0] and isinstance(plan.recv, BottleneckCompressor):
+            return key
+        return _inner_key(key, RECV, shard_range[0], plan)
     raise ServableError(f"shard tensor {key!r} is not part of the servable format")
+
+
+def _inner_key(key: str, half: str, cut: int, plan: StagePlan) -> str | None:
+    """A bottleneck half on a cut inside the stage, as ``inner.<layer>.<bottleneck half>``; None elsewhere."""
+    if any(layer == cut and isinstance(codec, BottleneckCompressor) for layer, codec in plan.inner):
+        return f"{INNER}{cut}.{key}"
+    return None
 
 
 def _stage_tensors(m: Manifest, servable_dir: Path, plan: StagePlan) -> _Tensors:
@@ -167,6 +183,7 @@ class StageModules:
     rotary_emb: nn.Module
     encoder: BottleneckEncoder | None  # sender half of the boundary after this stage
     decoder: BottleneckDecoder | None  # receiver half of the boundary before this stage
+    inner: dict[int, InnerBoundary] = field(default_factory=dict)  # trained cuts inside, by the layer after
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -181,6 +198,8 @@ class StageModules:
         position_embeddings = self.rotary_emb(h, position_ids)
         masks = _causal_masks(self.config, h, position_ids)
         for index, layer in zip(self.layer_indices, self.layers):
+            if index in self.inner:
+                h = self.inner[index](h)
             h = layer(h, attention_mask=masks[index], position_ids=position_ids,
                       position_embeddings=position_embeddings)
         if self.lm_head is not None:
@@ -230,22 +249,36 @@ class StageSizes:
     kv_token_bytes: int  # one layer's keys and values for one token
 
 
-def stage_sizes(manifest: Manifest, stage_index: int, num_stages: int | None, dtype: torch.dtype) -> StageSizes:
-    """The stage's sizes from its config's shapes on the meta device: full-precision bytes (a quantized
-    stage takes less)."""
+def stage_sizes(manifest: Manifest, stage_index: int, num_stages: int | None, dtype: torch.dtype,
+                quantization: str = NONE) -> StageSizes:
+    """The stage's sizes from its config's shapes on the meta device (config_sizes)."""
     plan = plan_stage(manifest, stage_index, num_stages)
-    config = hf_config(manifest)
+    return config_sizes(hf_config(manifest), plan.layers, dtype, quantization, first=plan.is_first,
+                        last=plan.is_last)
+
+
+def config_sizes(config, layers: tuple[int, int], dtype: torch.dtype, quantization: str = NONE, *,
+                 first: bool, last: bool) -> StageSizes:
+    """What the layers [lo, hi) of a model of ``config`` take, with the embeddings where ``first`` and the
+    norm and head where ``last``. Full precision in ``dtype``; quantized (core.quantization's method),
+    each layer's linear weights at the spec's price a parameter (0.55 bytes at 4 bits, 1.05 at 8) and
+    the rest in ``dtype``, the embeddings and head in int8 rows (quant.HEAD_METHOD)."""
     inner = (skeleton := _skeleton(config)).model
     element = torch.tensor([], dtype=dtype).element_size()
 
-    def size(module: nn.Module) -> int:
-        return sum(p.numel() for p in module.parameters()) * element
+    def size(module: nn.Module, price: float | None = None) -> int:
+        if price is None:
+            return sum(p.numel() for p in module.parameters()) * element
+        linear = sum(m.weight.numel() for m in module.modules() if isinstance(m, (nn.Linear, nn.Embedding)))
+        return int(linear * price) + (sum(p.numel() for p in module.parameters()) - linear) * element
 
+    price = PRICE.get(quantization)
+    rows = None if price is None else PRICE[INT8]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return StageSizes(
-        first_layer=plan.layers[0], layer_bytes=[size(inner.layers[i]) for i in range(*plan.layers)],
-        embed_bytes=size(inner.embed_tokens) if plan.is_first else 0,
-        head_bytes=size(inner.norm) + size(skeleton.lm_head) if plan.is_last else 0,
+        first_layer=layers[0], layer_bytes=[size(inner.layers[i], price) for i in range(*layers)],
+        embed_bytes=size(inner.embed_tokens, rows) if first else 0,
+        head_bytes=size(inner.norm) + size(skeleton.lm_head, rows) if last else 0,
         kv_token_bytes=2 * config.num_key_value_heads * head_dim * element)
 
 
@@ -289,6 +322,12 @@ def build_stage_modules(manifest: Manifest, stage_index: int, servable_dir: str 
         return t.to(device=where, dtype=dtype or t.dtype)
 
     send, recv = codec[SEND], codec[RECV]  # the sender after the last layer, the receiver before the first
+    cuts = {}
+    for cut, compressor in plan.inner:  # on the device of the layer after the cut, where the hidden state is then
+        halves = {p: {k.rpartition(".")[2]: v for k, v in state.take(f"{INNER}{cut}.{p}").items()}
+                  for p in (SEND, RECV)}
+        cuts[cut] = InnerBoundary.of(compressor, halves[SEND], halves[RECV], dtype,
+                                      layer_devices[indices.index(cut)])
     return StageModules(
         plan=plan, config=config,
         embed=_materialize(inner.embed_tokens, state.take("embed_tokens."), "embed_tokens.", dtype, first)
@@ -302,4 +341,5 @@ def build_stage_modules(manifest: Manifest, stage_index: int, servable_dir: str 
         if send else None,
         decoder=BottleneckDecoder(cast(recv["weight"], layer_devices[0]), cast(recv["mean"], layer_devices[0]))
         if recv else None,
+        inner=cuts,
     )

@@ -105,7 +105,7 @@ class RingHeadServer(StageServer):
             log.info("[stage0 kv] stage %d holds %d KV tokens, stage 0 %d: the ring admits by %d",
                      1 + kv.index(smallest), smallest, own, smallest)
         wanted = sizing.in_flight if sizing is not None else t.max_in_flight
-        planned = max(t.kv_tokens, wanted * self.session_tokens()) if t.kv_tokens else smallest
+        planned = max(t.kv_tokens, t.kv_tokens_max, wanted * self.session_tokens()) if t.kv_tokens else smallest
         self.kv_tokens = min(smallest, planned)
         self.engine.resize(self.kv_tokens)
         self.in_flight = self.fitting_in_flight(wanted)

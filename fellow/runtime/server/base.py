@@ -17,7 +17,7 @@ from core.nats_auth import Credentials
 from core.tasks import cancel_and_wait
 from events.stage import MetricsReport, ReadyReport, Report, StageConfig, Transport, encode
 from fellow.runtime.model.kernels import lora_costs, step_costs
-from fellow.runtime.model.kv_budget import measured_kv_tokens
+from fellow.runtime.model.kv_budget import held_tokens, measured_kv_tokens
 from fellow.runtime.model.loader import KV_RESERVE_TOKENS
 from fellow.runtime.model.quant.report import stage_weights
 from fellow.runtime.model.stage import StageModel
@@ -39,14 +39,23 @@ def report(msg: Report) -> None:
     sys.stdout.flush()
 
 
-def kv_budget(stage: StageModel, transport: Transport, planned: int | None = None) -> tuple[int, int]:
-    """(held, planned): what the stage measures it holds, never more than placement planned (``planned``
-    where the stage plans more itself). A stage with recurrent layers keeps the states of as many sessions
-    as may be in flight free first (kv_budget.session_state_bytes)."""
+def kv_budget(stage: StageModel, transport: Transport, planned: int | None = None,
+              memory_limit: int = 0) -> tuple[int, int]:
+    """(held, planned): what the stage measures it holds (kv_budget.held_tokens: grown past placement's
+    plan, ``planned`` where the stage plans more itself, up to its ``kv_tokens_max``). A stage with
+    recurrent layers keeps the states of as many sessions as may be in flight free first
+    (kv_budget.session_state_bytes). ``memory_limit``: a CPU stage's limit, where its caller sets one.
+    The stage's ``kernels["kv"]`` says what it measured, planned and holds, for its status."""
     measured = measured_kv_tokens(stage, transport.prefill_chunk or 256,
-                                  sessions=max(transport.max_in_flight, transport.in_flight_max))
+                                  sessions=max(transport.max_in_flight, transport.in_flight_max),
+                                  memory_limit=memory_limit)
     planned = transport.kv_tokens if planned is None else planned
-    return (min(measured, planned) if planned else measured), (planned or measured)
+    held = held_tokens(measured, planned, transport.kv_tokens_max)
+    stage.kernels = {**stage.kernels, "kv": {"measured": measured, "planned": planned, "most": transport.kv_tokens_max,
+                                             "held": held}}
+    if planned and held < planned:
+        log.info("KV budget %d tokens, lower than the %d planned: that is what the devices hold", held, planned)
+    return held, (planned or measured)
 
 
 @torch.inference_mode()
@@ -177,6 +186,7 @@ class StageServerBase:
     def load(self) -> None:
         started = time.perf_counter()
         self._load()
+        warm_up(self.stage)  # before measuring: what the first forwards leave cached counts as taken
         self.kv_tokens, self.kv_planned = kv_budget(self.stage, self.cfg.transport, self.planned_kv())
         session = self.session_tokens()
         if self.kv_tokens < session:
@@ -184,7 +194,6 @@ class StageServerBase:
                               f"tokens, less than one session ({session} planned a request)")
         self.in_flight = self.fitting_in_flight()
         self._build()
-        warm_up(self.stage)
         if self.cfg.transport.step_costs:
             costs = step_costs(self.stage, sorted({1, self.batch_cap}))
             self.stage.kernels = {**self.stage.kernels, "step_ms": costs}
