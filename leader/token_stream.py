@@ -29,7 +29,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from events import subjects
 from events.base import decode_event, new_id
-from events.frames import AnyFrame, ErrorFrame, StartFrame, TokenFrame, frame_decoder
+from events.frames import AnyFrame, DoneFrame, ErrorFrame, StartFrame, TokenFrame, frame_decoder
 from events.loads import LoadFailed, ModelUnloaded, ReplicaLost
 
 log = logging.getLogger(__name__)
@@ -143,6 +143,8 @@ class TokenStream:
                         if (frame := _frame(msg)) is not None:
                             self._started(frame)
                             self._hold(frame)
+                            if isinstance(frame, (DoneFrame, ErrorFrame)) and frame.seq < self.next_seq:
+                                self.ended = True  # a resume after the last chunk: nothing is left
             finally:
                 await js.delete_consumer(subjects.TOKENS_STREAM, info.name)
         except (NatsError, asyncio.TimeoutError) as exc:

@@ -193,6 +193,9 @@ async def chat_completions(request: Request, leader: LeaderDep, serving: Serving
     body = data
     if body.stream and (last_event_id := request.headers.get("last-event-id")) is not None:
         stream, chat = await resume(leader, streams, caller, last_event_id, body.model)
+        if stream.ended:  # the client had every chunk but [DONE]
+            stream.close(cancel=False)
+            return Stream(iter([DONE]), media_type="text/event-stream", headers=SSE_HEADERS)
         relay = Relay(leader, stream, chat, chat_timeout_s)
         return Stream(relay.events(chunk_encoder(relay, body), resumed=True), media_type="text/event-stream",
                       headers=SSE_HEADERS)
