@@ -161,6 +161,7 @@ async def disconnected(request: Request) -> None:
 
 
 async def submit(leader, chat: ChatRequest, stream: bool, token_id: str) -> None:
+    chat = leader.token_streams.keyed(chat)  # only the stage that takes it can sign its frames
     accepted = RequestAccepted(id=f"acc-{chat.request_id}", request_id=chat.request_id, model_id=chat.model_id,
                                load_id=chat.load_id, stream=stream, max_tokens=chat.max_tokens,
                                token_id=token_id)
