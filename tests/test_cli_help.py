@@ -38,3 +38,10 @@ def test_a_stages_weights_read_as_words():
     assert _weights({"weights": {"quantization": "int8", "bytes": 5_300_000, "estimate_bytes": 5_200_000}}) \
         == ", int8 weights 5MB measured (5MB estimated)"
     assert _weights({}) == ""
+
+
+def test_token_labels_print_without_controls():
+    """A label minted before the leader refused controls is shown escaped, not obeyed by the terminal."""
+    from core.cli_tokens import printable
+
+    assert printable("ops\x00\u202etxt\x1b[2J 👨\u200d👩") == "ops\\u0000\\u202etxt\\u001b[2J 👨\u200d👩"
