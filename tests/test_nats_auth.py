@@ -244,16 +244,11 @@ async def test_ops_changes_no_stream_or_consumer(secured, auth):
         # the one create it has, the legacy ephemeral subject, makes no durable: the server refuses the name
         reply = await ops.nc.request(f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}", durable.encode(), timeout=5)
         assert b'"error"' in reply.data, reply.data
-        names = [c.name async for c in _consumers(leader.js, EVENTS_STREAM)]
+        names = [c.name for c in await leader.js.consumers_info(EVENTS_STREAM)]
         assert names == [theirs.name], names
     finally:
         await ops.nc.close()
         await leader.nc.close()
-
-
-async def _consumers(js, stream: str):
-    for c in await js.consumers_info(stream):
-        yield c
 
 
 async def test_a_forged_event_never_reaches_a_projection(secured, auth, sqlite_url):

@@ -24,8 +24,9 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def test_swarm_up_killed_takes_leader_and_fellow_with_it(tmp_path):
-    up = SwarmProcess(["up", "--no-demo"], swarm_env(tmp_path, None), tmp_path / "up.log").start()
+def test_swarm_up_killed_takes_leader_fellow_and_nats_server_with_it(tmp_path):
+    env = swarm_env(tmp_path, None)
+    up = SwarmProcess(["up", "--no-demo"], env, tmp_path / "up.log").start()
     children = []
     try:
         wait_until(lambda: [f for f in up.get("/api/v1/fellows").json()["data"] if f["status"] == "online"],
@@ -36,12 +37,17 @@ def test_swarm_up_killed_takes_leader_and_fellow_with_it(tmp_path):
         assert all(os.getpgid(c) == c for c in parts)  # each in its own process group
         parts += [c for c in children if "nats-server" in cmdline(c)]
         assert len(parts) == 3, [cmdline(c) for c in children]
+        # a second `swarm up` on the same data dir: one line, no second nats-server on the store
+        second = subprocess.run([sys.executable, "-m", "core.cli", "up", "--no-demo"], capture_output=True,
+                                text=True, timeout=120, env=env)
+        assert second.returncode == 1 and "another nats-server runs on the store" in second.stdout + second.stderr, \
+            (second.stdout, second.stderr[-2000:])
         os.kill(up.proc.pid, signal.SIGKILL)  # the parent alone: no group kill, no clean stop
         up.proc.wait(10)
         wait_until(lambda: not any(pid_alive(c) for c in parts), 30, "leader, fellow and nats-server gone with swarm up")
     finally:
         up.kill()
-        for c in children:  # nats-server has no parent-death signal of its own
+        for c in children:  # whatever a failure left
             if pid_alive(c):
                 os.kill(c, signal.SIGTERM)
 
