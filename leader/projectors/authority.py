@@ -2,8 +2,9 @@
 
 NATS permissions let a fellow publish events only on ``swarm.evt.<type>.<its id>`` (core.nats_auth), so
 the subject says who sent one; the leader's go on ``swarm.evt.<type>``. An event from a fellow must name
-that fellow, be about a load the leader placed on it (LoadPlaced, StageReplaced), and, for a request's
-end, about a request of that load (RequestAccepted). Anything else becomes a dead letter with the reason,
+that fellow, be about a load the leader placed on it (LoadPlaced, StageReplaced), about a stage or
+replica of it placed there (a ring's later stage cannot report for stage 0), and, for a request's end,
+about a request of that load (RequestAccepted) reported by a fellow of its stage 0, which takes them. Anything else becomes a dead letter with the reason,
 and no projection, reaction or metric sees it.
 """
 
@@ -17,7 +18,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from core.nats_auth import FELLOW_EVENTS
 from events.base import Event
-from events.loads import LoadPlaced, StageReplaced
+from events.loads import LoadPlaced, ReplicaLost, StageReady, StageReplaced
 from events.requests import RequestAccepted, RequestFailed, RequestFinished
 from events.subjects import event_sender
 from leader.db.tables import LoadStage, Request
@@ -34,7 +35,8 @@ class Authority:
 
     def __init__(self, sessions: async_sessionmaker | None = None):
         self.sessions = sessions
-        self.placed: dict[str, set[str]] = {}  # load_id -> every fellow a stage of it was placed on
+        # load_id -> fellow -> every (stage, replica) of the load ever placed on it
+        self.placed: dict[str, dict[str, set[tuple[int, int]]]] = {}
         self.load_of: OrderedDict[str, str] = OrderedDict()  # request_id -> its load, the latest REQUESTS_KEPT
 
     async def screen(self, batch: list[Entry]) -> list[Entry]:
@@ -61,34 +63,43 @@ class Authority:
         if named != sender:
             return f"fellow {sender} reported for fellow {named!r}"
         load_id = getattr(evt, "load_id", "")
-        if sender not in await self._fellows(load_id):
+        stages = (await self._placements(load_id)).get(sender)
+        if not stages:
             return f"fellow {sender} does not serve load {load_id!r}"
         if isinstance(evt, (RequestFinished, RequestFailed)):
+            if not any(stage == 0 for stage, _ in stages):
+                return f"fellow {sender} does not serve stage 0 of load {load_id!r}, which takes its requests"
             owner = await self._load_of(evt.request_id)
             if owner is not None and owner != load_id:
                 return f"request {evt.request_id} is of load {owner!r}, not {load_id!r} (fellow {sender})"
+        elif isinstance(evt, StageReady) and (evt.stage, evt.replica) not in stages:
+            return f"fellow {sender} does not serve stage {evt.stage} replica {evt.replica} of load {load_id!r}"
+        elif isinstance(evt, ReplicaLost) and all(replica != evt.replica for _, replica in stages):
+            return f"fellow {sender} does not serve replica {evt.replica} of load {load_id!r}"
         return ""
 
     def _learn(self, evt: Event) -> None:
         if isinstance(evt, LoadPlaced):
-            self.placed.setdefault(evt.load_id, set()).update(s.fellow_id for s in evt.stages)
+            for a in evt.stages:
+                self._place(evt.load_id, a.fellow_id, a.stage, a.replica)
         elif isinstance(evt, StageReplaced):
-            self.placed.setdefault(evt.load_id, set()).add(evt.fellow_id)
+            self._place(evt.load_id, evt.fellow_id, evt.stage, evt.replica)
         elif isinstance(evt, RequestAccepted):
             self.load_of[evt.request_id] = evt.load_id
             if len(self.load_of) > REQUESTS_KEPT:
                 self.load_of.popitem(last=False)
 
-    async def _fellows(self, load_id: str) -> set[str]:
-        fellows = self.placed.get(load_id)
-        if fellows is None and self.sessions is not None:
+    def _place(self, load_id: str, fellow_id: str, stage: int, replica: int) -> None:
+        self.placed.setdefault(load_id, {}).setdefault(fellow_id, set()).add((stage, replica))
+
+    async def _placements(self, load_id: str) -> dict[str, set[tuple[int, int]]]:
+        if load_id not in self.placed and self.sessions is not None:
             async with self.sessions() as session:
-                rows = (await session.execute(select(LoadStage.fellow_id, LoadStage.replaced)
-                                              .where(LoadStage.load_id == load_id))).all()
-            fellows = {f for f, _ in rows} | {r.get("from", "") for _, replaced in rows for r in replaced or ()}
-            if fellows:
-                self.placed[load_id] = fellows
-        return fellows or set()
+                rows = (await session.execute(select(LoadStage).where(LoadStage.load_id == load_id))).scalars().all()
+            for row in rows:  # its fellow now, and those it was moved from (whose late reports still count)
+                for fellow_id in (row.fellow_id, *(r.get("from", "") for r in row.replaced or ())):
+                    self._place(load_id, fellow_id, row.stage, row.replica or 0)
+        return self.placed.get(load_id, {})
 
     async def _load_of(self, request_id: str) -> str | None:
         """The load a request was accepted for; None when none is known (a request the log has not
