@@ -163,7 +163,8 @@ async def publish_with_id(js: JetStreamContext, subject: str, payload: bytes, ms
     """A JetStream publish with its id, retried on timeouts and unavailable JetStream."""
     for delay in (*RETRY_DELAYS_S, None):
         try:
-            return await js.publish(subject, payload, timeout=timeout, headers={**(headers or {}), "Nats-Msg-Id": msg_id})
+            return await js.publish(subject, payload, timeout=timeout,
+                                    headers={**(headers or {}), "Nats-Msg-Id": msg_id})
         except _RETRYABLE as exc:
             if delay is None:
                 raise

@@ -180,7 +180,8 @@ def add_commands(sub) -> None:
     load.add_argument("model_id", help="a servable's model_id (see `swarm models`)")
     load.add_argument("--wait", action="store_true", help="wait until it is ready")
     load.add_argument("--num-stages", type=int, default=None, help="stages of a ring (default: the servable's)")
-    load.add_argument("--fellow-id", default=None, help="the fellow to place a one-stage load on (default: placement picks)")
+    load.add_argument("--fellow-id", default=None,
+                      help="the fellow to place a one-stage load on (default: placement picks)")
     load.add_argument("--replicas", type=int, default=1,
                       help="copies sharing the requests: one stage each, or rings of --num-stages")
     load.add_argument("--speculative", type=int, default=None, metavar="K",
@@ -198,7 +199,8 @@ def add_commands(sub) -> None:
     infer.add_argument("model_id", help="a loaded (or autoloadable) model")
     infer.add_argument("prompt", help="the user message")
     infer.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate (default: the leader's)")
-    infer.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: the model's generation config)")
+    infer.add_argument("--temperature", type=float, default=None,
+                       help="0 is greedy (default: the model's generation config)")
     infer.add_argument("--no-think", action="store_true", help="turn a Qwen3 model's reasoning off")
     infer.add_argument("--usage", dest="verbose_usage", action="store_true", help="print token counts")
     infer.set_defaults(func=cmd_infer)

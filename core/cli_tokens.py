@@ -104,7 +104,8 @@ def add_commands(sub) -> None:
     create = verbs.add_parser("create", help="mint a token and print its secret once")
     create.add_argument("--label", required=True, help="a name for the token (printable text)")
     create.add_argument("--scope", action="append", required=True, help="read, operate or admin (repeatable)")
-    create.add_argument("--expires-in", type=float, default=None, metavar="SECONDS", help="lifetime (default: never expires)")
+    create.add_argument("--expires-in", type=float, default=None, metavar="SECONDS",
+                        help="lifetime (default: never expires)")
     create.set_defaults(func=cmd_create)
     verbs.add_parser("list", help="list tokens (never their secrets)").set_defaults(func=cmd_list)
     revoke = verbs.add_parser("revoke", help="revoke a token by id")

@@ -29,7 +29,8 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from events import subjects
 from events.base import decode_event, new_id
-from events.frames import AnyFrame, DoneFrame, ErrorFrame, StartFrame, TokenFrame, frame_decoder, frame_key, frame_signed
+from events.frames import (AnyFrame, DoneFrame, ErrorFrame, StartFrame, TokenFrame, frame_decoder, frame_key,
+                           frame_signed)
 from events.loads import LoadFailed, ModelUnloaded, ReplicaLost
 from events.requests import ChatRequest
 from leader.projectors.authority import Authority
