@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 
 import msgspec
@@ -157,11 +159,12 @@ RETRY_DELAYS_S = (0.2, 0.5, 1.0, 2.0, 2.0, 3.0, 3.0, 3.0)  # about 15 s in all
 
 
 async def publish_with_id(js: JetStreamContext, subject: str, payload: bytes, msg_id: str,
-                          timeout: float = 5.0) -> PubAck:
+                          timeout: float = 5.0, headers: dict | None = None) -> PubAck:
     """A JetStream publish with its id, retried on timeouts and unavailable JetStream."""
     for delay in (*RETRY_DELAYS_S, None):
         try:
-            return await js.publish(subject, payload, timeout=timeout, headers={"Nats-Msg-Id": msg_id})
+            return await js.publish(subject, payload, timeout=timeout,
+                                    headers={**(headers or {}), "Nats-Msg-Id": msg_id})
         except _RETRYABLE as exc:
             if delay is None:
                 raise
@@ -172,10 +175,33 @@ async def publish_with_id(js: JetStreamContext, subject: str, payload: bytes, ms
 
 
 async def publish_event(js: JetStreamContext, evt: Event, timeout: float = 5.0) -> PubAck:
-    """Publish an event on ``swarm.evt.<type>`` with its id as Nats-Msg-Id (retries dedupe)."""
-    return await publish_with_id(js, event(evt.type), encode(evt), evt.id, timeout)
+    """Publish an event on ``swarm.evt.<type>`` with its id as Nats-Msg-Id (retries dedupe).
+
+    A fellow's connection (NATS user ``fellow-<id>``) publishes on ``swarm.evt.<type>.<id>``, the one
+    subject its permissions give it, so the subject says who sent the event (leader.projectors.authority).
+    With a password the id carries a mark made with it: JetStream drops a second message of an id
+    whatever its subject, and no one else can take an id the publisher will use."""
+    fellow_id = connection_fellow(js)
+    return await publish_with_id(js, event(evt.type, fellow_id), encode(evt), _marked(js, evt.id), timeout)
+
+
+def _options(js: JetStreamContext) -> dict:
+    return getattr(getattr(js, "_nc", None), "options", None) or {}
+
+
+def connection_fellow(js: JetStreamContext) -> str:
+    """The fellow a connection logs in as (NATS user ``fellow-<id>``); "" for any other or no user."""
+    user = _options(js).get("user") or ""
+    return user[len("fellow-"):] if user.startswith("fellow-") else ""
+
+
+def _marked(js: JetStreamContext, msg_id: str) -> str:
+    password = _options(js).get("password") or ""
+    if not password:
+        return msg_id
+    return msg_id + "." + hmac.new(password.encode(), msg_id.encode(), hashlib.sha256).hexdigest()[:16]
 
 
 async def publish_struct(js: JetStreamContext, subject: str, msg: msgspec.Struct, msg_id: str,
-                         timeout: float = 5.0) -> PubAck:
-    return await publish_with_id(js, subject, encode(msg), msg_id, timeout)
+                         timeout: float = 5.0, headers: dict | None = None) -> PubAck:
+    return await publish_with_id(js, subject, encode(msg), msg_id, timeout, headers)

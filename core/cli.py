@@ -159,20 +159,28 @@ def cmd_replay(args) -> int:
     return 0
 
 
+CLIENT_ENV = """environment:
+  SWARM_LEADER_URL   the leader the client commands (models, model-load, infer, tokens ...) talk to
+                     (default http://127.0.0.1:SWARM_LEADER_PORT, port 8000)
+  SWARM_API_TOKEN    the API token they send as 'Authorization: Bearer ...' (needed once tokens exist)
+  SWARM_NATS_URL, SWARM_NATS_USER, SWARM_NATS_PASSWORD: the bus, for leader, fellow and nats commands"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="swarm", description="Serve LLMs across a swarm of machines.")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p = argparse.ArgumentParser(prog="swarm", description="Serve LLMs across a swarm of machines.", epilog=CLIENT_ENV,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     sub = p.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="embedded stack: nats-server + leader + local fellows")
-    up.add_argument("--fellows", type=int, default=1)
+    up.add_argument("--fellows", type=int, default=1, help="local fellows to start (default 1)")
     up.add_argument("--no-demo", action="store_true", help="do not build the demo model if absent")
     up.set_defaults(func=cmd_up)
 
     n = sub.add_parser("nats", help="run a nats-server with JetStream")
-    n.add_argument("--port", type=int, default=4222)
-    n.add_argument("--host", default="127.0.0.1")
-    n.add_argument("--store-dir", default=None)
+    n.add_argument("--port", type=int, default=4222, help="client port (default 4222)")
+    n.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    n.add_argument("--store-dir", default=None, help="JetStream store folder (default: under SWARM_DATA_DIR)")
     n.add_argument("--config", default=None, help="users and permissions (the auth.conf of `swarm nats-auth`)")
     n.add_argument("--server-name", default=None, help="this node's name in a cluster")
     n.add_argument("--cluster-port", type=int, default=0, help="the port this node's cluster routes listen on")
@@ -193,13 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("leader", help="run the leader (gateway + projectors)").set_defaults(func=cmd_leader)
     f = sub.add_parser("fellow", help="run a fellow agent")
-    f.add_argument("--id", default=None)
+    f.add_argument("--id", default=None, help="this fellow's id, which its NATS user names (default: <hostname>-<pid>)")
     f.set_defaults(func=cmd_fellow)
 
     db = sub.add_parser("db", help="database migrations")
     dbs = db.add_subparsers(dest="db_command", required=True)
     upg = dbs.add_parser("upgrade", help="apply migrations")
-    upg.add_argument("revision", nargs="?", default="head")
+    upg.add_argument("revision", nargs="?", default="head", help="the revision to reach (default head)")
     upg.set_defaults(func=cmd_db)
 
     r = sub.add_parser("replay", help="rebuild projections from the event log")

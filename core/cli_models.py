@@ -80,11 +80,13 @@ def cmd_model_load(args) -> int:
 
 
 def _weights(stage: dict) -> str:
-    """", int8 weights 5.3M of 5.2M priced": what a stage serves, measured beside the estimate."""
+    """", int8 weights 5MB measured (5MB estimated)": what a stage serves beside placement's estimate."""
     w = stage.get("weights") or {}
     if "bytes" not in w:
         return ""
-    said = f", {w.get('quantization', 'none')} weights {_size(w['bytes'])}B of {_size(w.get('estimate_bytes', 0))}B priced"
+    quantization = w.get("quantization") or "none"
+    kind = "" if quantization == "none" else quantization + " "
+    said = f", {kind}weights {_size(w['bytes'])}B measured ({_size(w.get('estimate_bytes', 0))}B estimated)"
     return said + (f"; {w['reason']}" if w.get("reason") else "")
 
 
@@ -176,46 +178,48 @@ def add_commands(sub) -> None:
     sub.add_parser("models", help="list servable models").set_defaults(func=cmd_models)
 
     load = sub.add_parser("model-load", help="load a model onto fellows")
-    load.add_argument("model_id")
+    load.add_argument("model_id", help="a servable's model_id (see `swarm models`)")
     load.add_argument("--wait", action="store_true", help="wait until it is ready")
-    load.add_argument("--num-stages", type=int, default=None)
-    load.add_argument("--fellow-id", default=None)
+    load.add_argument("--num-stages", type=int, default=None, help="stages of a ring (default: the servable's)")
+    load.add_argument("--fellow-id", default=None,
+                      help="the fellow to place a one-stage load on (default: placement picks)")
     load.add_argument("--replicas", type=int, default=1,
                       help="copies sharing the requests: one stage each, or rings of --num-stages")
     load.add_argument("--speculative", type=int, default=None, metavar="K",
                       help="tokens drafted per decode pass by prompt lookup, 0 (off) to 8; one stage or a ring")
     load.add_argument("--quantization", default=None,
                       help="none, nf4, 8 (int8) or int4-fast; default: the servable's own (its manifest's)")
-    load.add_argument("--timeout", type=float, default=600.0)
+    load.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits (default 600)")
     load.set_defaults(func=cmd_model_load)
 
     unload = sub.add_parser("model-unload", help="unload a model and free its memory")
-    unload.add_argument("model_id")
+    unload.add_argument("model_id", help="the model to unload")
     unload.set_defaults(func=cmd_model_unload)
 
     infer = sub.add_parser("infer", help="one-shot chat completion, streamed to the terminal")
-    infer.add_argument("model_id")
-    infer.add_argument("prompt")
-    infer.add_argument("--max-tokens", type=int, default=None)
-    infer.add_argument("--temperature", type=float, default=None)
+    infer.add_argument("model_id", help="a loaded (or autoloadable) model")
+    infer.add_argument("prompt", help="the user message")
+    infer.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate (default: the leader's)")
+    infer.add_argument("--temperature", type=float, default=None,
+                       help="0 is greedy (default: the model's generation config)")
     infer.add_argument("--no-think", action="store_true", help="turn a Qwen3 model's reasoning off")
     infer.add_argument("--usage", dest="verbose_usage", action="store_true", help="print token counts")
     infer.set_defaults(func=cmd_infer)
 
     ex = sub.add_parser("export", help="turn a local Hugging Face checkpoint into a servable")
-    ex.add_argument("hf_dir")
-    ex.add_argument("out")
-    ex.add_argument("--stages", type=int, default=1)
+    ex.add_argument("hf_dir", help="a local Hugging Face checkpoint folder")
+    ex.add_argument("out", help="the servable folder to write")
+    ex.add_argument("--stages", type=int, default=1, help="stages to split the layers into (default 1)")
     ex.add_argument("--boundaries", default=None, help='JSON, e.g. "[[0,2],[2,4]]"')
     ex.add_argument("--bottleneck", type=int, default=None, help="fit a linear bottleneck of this width")
     ex.add_argument("--adapters", default=None, help="a PEFT adapter folder (export adapters only)")
-    ex.add_argument("--model-id", default=None)
+    ex.add_argument("--model-id", default=None, help="the id clients ask for (default: the folder's name)")
     ex.set_defaults(func=cmd_export)
 
     demo = sub.add_parser("demo-model", help="train and export the small demo model")
-    demo.add_argument("out")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--steps", type=int, default=None)
+    demo.add_argument("out", help="the servable folder to write")
+    demo.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+    demo.add_argument("--steps", type=int, default=None, help="training steps (default: the demo's)")
     demo.add_argument("--draft", action="store_true",
                       help="train the demo model's small draft model instead (for SWARM_SERVE_DRAFT_MODEL)")
     demo.set_defaults(func=cmd_demo_model)

@@ -7,6 +7,7 @@ import time
 
 from core.cli_errors import CliError
 from core.settings import Settings
+from events.api_tokens import unprintable
 
 TIMEOUT_S = 30.0
 
@@ -53,17 +54,23 @@ def cmd_create(args) -> int:
         body["expires_in"] = args.expires_in
     token = call_leader(Settings.from_env(), "POST", "/api/v1/api-tokens", body)
     print(token["token"], flush=True)  # the only time the secret is shown; alone on stdout for scripts
-    print(f"token {token['id']} ({token['label']}; scopes {', '.join(token['scopes'])}; "
+    print(f"token {token['id']} ({printable(token['label'])}; scopes {', '.join(token['scopes'])}; "
           f"expires {_when(token.get('expires_at'))}): store it now, it is not shown again",
           file=sys.stderr)
     return 0
+
+
+def printable(text: str) -> str:
+    """`text` with controls and formatting characters escaped (a label minted before the leader refused
+    them): a terminal shows them as \\uXXXX rather than obeying them."""
+    return "".join(f"\\u{ord(c):04x}" if unprintable(c) else c for c in text)
 
 
 def cmd_list(args) -> int:
     tokens = call_leader(Settings.from_env(), "GET", "/api/v1/api-tokens")["data"]
     now = time.time()
     rows = [("ID", "LABEL", "SCOPES", "PREFIX", "CREATED", "EXPIRES", "STATE")]
-    rows += [(t["id"], t["label"], ",".join(t["scopes"]), t["prefix"], _when(t["created_at"]),
+    rows += [(t["id"], printable(t["label"]), ",".join(t["scopes"]), t["prefix"], _when(t["created_at"]),
               _when(t.get("expires_at")), _state(t, now)) for t in tokens]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
@@ -85,7 +92,7 @@ def cmd_revoke(args) -> int:
             raise CliError(f"{args.token_id} is the last live token: revoking it opens the API to anyone; "
                            "pass --force to revoke it anyway")
     token = call_leader(settings, "DELETE", f"/api/v1/api-tokens/{args.token_id}")
-    print(f"revoked {token['id']} ({token['label']}, {token['prefix']}...)")
+    print(f"revoked {token['id']} ({printable(token['label'])}, {token['prefix']}...)")
     if token.get("message"):
         print(token["message"], file=sys.stderr)
     return 0
@@ -95,12 +102,13 @@ def add_commands(sub) -> None:
     tokens = sub.add_parser("tokens", help="mint, list and revoke API tokens")
     verbs = tokens.add_subparsers(dest="tokens_command", required=True)
     create = verbs.add_parser("create", help="mint a token and print its secret once")
-    create.add_argument("--label", required=True)
+    create.add_argument("--label", required=True, help="a name for the token (printable text)")
     create.add_argument("--scope", action="append", required=True, help="read, operate or admin (repeatable)")
-    create.add_argument("--expires-in", type=float, default=None, metavar="SECONDS")
+    create.add_argument("--expires-in", type=float, default=None, metavar="SECONDS",
+                        help="lifetime (default: never expires)")
     create.set_defaults(func=cmd_create)
     verbs.add_parser("list", help="list tokens (never their secrets)").set_defaults(func=cmd_list)
     revoke = verbs.add_parser("revoke", help="revoke a token by id")
-    revoke.add_argument("token_id", metavar="ID")
+    revoke.add_argument("token_id", metavar="ID", help="the token's id (from `swarm tokens list`)")
     revoke.add_argument("--force", action="store_true", help="revoke even the last live token (reopens the API)")
     revoke.set_defaults(func=cmd_revoke)

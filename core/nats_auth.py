@@ -1,12 +1,14 @@
 """NATS users and permissions: one user per role (leader, ops, each fellow), written as a nats-server
 config; and the credentials a process connects with (SWARM_NATS_USER, SWARM_NATS_PASSWORD).
 
-A leader may do anything. Ops may only read the event log and the heartbeats. A fellow may publish
-its own heartbeat, the events a fellow reports (stage ready, replica lost, unloaded, load failed,
-request finished or failed), token frames and ring frames; it may take only its own commands, pull
-from the request queues, and read only its own inbox. Nothing else: not `load.placed`, not
-`api_token.*`, not another fellow's heartbeat or commands, not the event log. A client without a
-user is refused (the config has no `no_auth_user`).
+A leader may do anything. Ops may only read the event log and the heartbeats: no consumer it could
+create replaces, deletes or outlives another's. A fellow may publish its own heartbeat, the events a
+fellow reports (stage ready, replica lost, unloaded, load failed, request finished or failed) on
+subjects that name it, token frames and ring frames; it may take only its own commands (a consumer
+filtered to them), pull from the request queues, and read only its own inbox. Nothing else: not
+`load.placed`, not `api_token.*`, not another fellow's heartbeat or commands, not the event log. What
+it may publish the leader still checks against its placements (leader.projectors.authority) and the
+requests' frame keys (events.frames). A client without a user is refused (no `no_auth_user`).
 
 A leaf node (`swarm nats --leaf`, a home's local nats-server) links to the hub as a `leaf-<name>` user
 whose rights are the union of its fellows' rights, with their JetStream API requests in the hub's
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Mapping
 
 from events.subjects import (COMMANDS_STREAM, EVENTS_STREAM, HEARTBEATS_STREAM, REQUESTS_STREAM, TOKENS_STREAM,
-                             heartbeat)
+                             commands_for, event, event_watch, heartbeat)
 
 LEADER_USER = "leader"
 OPS_USER = "ops"
@@ -67,24 +69,25 @@ class Credentials:
         return {"user": self.user, "password": self.password, "inbox_prefix": inbox_prefix(self.user)}
 
 
-def _consumer_api(stream: str, consumer: str) -> list[str]:
-    """Publish rights to create, inspect, pull from and ack one durable consumer (`*`: any)."""
+def _consumer_api(stream: str, consumer: str, filter_subject: str = ">") -> list[str]:
+    """Publish rights to create (with a filter within `filter_subject`), inspect, pull from and ack one
+    durable consumer (`*`: any). The create names its filter in the subject (nats-py does, for a consumer
+    with a name), so the filter is checked here: not the legacy forms that carry it in the payload."""
     return [
         f"$JS.API.CONSUMER.INFO.{stream}.{consumer}",
-        f"$JS.API.CONSUMER.CREATE.{stream}.{consumer}",
-        f"$JS.API.CONSUMER.CREATE.{stream}.{consumer}.>",
-        f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{consumer}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.{consumer}.{filter_subject}",
         f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}",
         f"$JS.ACK.{stream}.{consumer}.>",
     ]
 
 
 def _reader_api(stream: str) -> list[str]:
-    """Publish rights to read a stream through ephemeral consumers, and to get its messages."""
-    return [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}",
-            f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",
-            f"$JS.API.CONSUMER.INFO.{stream}.*", f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
-            f"$JS.API.CONSUMER.DELETE.{stream}.*"]
+    """Publish rights to read a stream and nothing else: its info and messages, and ephemeral consumers
+    created by the legacy subject (the server refuses a durable one there; a named create, which could
+    replace another's consumer, is not allowed), pulled from; no delete, purge or update."""
+    return [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}",
+            f"$JS.API.DIRECT.GET.{stream}.>", f"$JS.API.CONSUMER.CREATE.{stream}",
+            f"$JS.API.CONSUMER.INFO.{stream}.*", f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*"]
 
 
 def leader_permissions() -> dict:
@@ -105,16 +108,17 @@ def fellow_permissions(fellow_id: str, js_domain: str | None = None) -> dict:
     perms = {
         "publish": {"allow": [
             heartbeat(fellow_id),  # raises ValueError on an id that is not a subject token
-            *(f"swarm.evt.{kind}" for kind in FELLOW_EVENTS),
+            # its events on subjects that name it (core.bus.publish_event): the leader knows who sent one
+            *(event(kind, fellow_id) for kind in FELLOW_EVENTS),
             "swarm.tok.*", "swarm.ring.>",
             "$JS.API.STREAM.INFO.*", f"$JS.API.STREAM.MSG.GET.{TOKENS_STREAM}",
-            *_consumer_api(COMMANDS_STREAM, command_consumer),
+            *_consumer_api(COMMANDS_STREAM, command_consumer, commands_for(fellow_id)),
             *_consumer_api(REQUESTS_STREAM, "*"),
         ]},
         "subscribe": {"allow": [
             inbox_prefix(user) + ".>", f"swarm.logs.{fellow_id}", "swarm.cancel.*.*", "swarm.ring.>",
             # a ring stage's watches, core NATS: its load failed, a later stage was re-placed and is ready
-            "swarm.evt.load.failed", "swarm.evt.load.stage_replaced", "swarm.evt.load.stage_ready",
+            *event_watch("load.failed"), event("load.stage_replaced"), *event_watch("load.stage_ready"),
         ]},
         "allow_responses": True,  # the answer to a logs request
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -15,7 +16,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from core.nats_auth import HUB_DOMAIN, Credentials
-from core.procs import stop_child
+from core.procs import spawn_binary, stop_child
 
 
 class NatsServerError(RuntimeError):
@@ -122,9 +123,13 @@ class EmbeddedNats:
             args += ["-c", str(config)]
         if self.cluster is not None:
             args += self.cluster.args(self.host)
-        self.process = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-        )
+        lock = self._lock_store() if self.jetstream else None
+        try:  # it dies with us (a `swarm up` killed with -9 left it running), and holds the store's lock
+            self.process = spawn_binary(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                        pass_fds=(lock,) if lock is not None else ())
+        finally:
+            if lock is not None:
+                os.close(lock)  # the server's copy holds the lock now, as long as it runs
         deadline = time.monotonic() + timeout
         ports_file = ports_dir / f"nats-server_{self.process.pid}.ports"
         while time.monotonic() < deadline:
@@ -146,6 +151,23 @@ class EmbeddedNats:
             time.sleep(0.01)
         self.stop()
         raise NatsServerError(f"nats-server did not come up within {timeout:.0f}s")
+
+    def _lock_store(self, wait_s: float = 10.0) -> int:
+        """An exclusive lock on the store folder, for the server to inherit: a second nats-server on one
+        JetStream store would corrupt it. One that is stopping (its parent gone) gets `wait_s` to let go."""
+        path = self.store_dir / "swarm-nats.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    raise NatsServerError(f"another nats-server runs on the store {self.store_dir} "
+                                          "(a swarm up or swarm nats on the same data dir): stop it first") from None
+                time.sleep(0.1)
 
     def _leaf_config(self) -> Path:
         """A config file in the store folder: the users of `config` (included), then the leafnode parts."""

@@ -47,6 +47,12 @@ def spawn_child(args: list[str], env: dict | None = None, **kwargs) -> subproces
     return subprocess.Popen(args, env=parent_env(env), process_group=0, **kwargs)
 
 
+def spawn_binary(args: list[str], **kwargs) -> subprocess.Popen:
+    """spawn_child for a program that cannot call follow_parent itself (nats-server): this module sets
+    the parent-death signal, then execs it (the signal outlives the exec)."""
+    return spawn_child([sys.executable, "-m", "core.procs", *args], **kwargs)
+
+
 def stop_child(proc: subprocess.Popen, timeout: float = 10.0) -> int | None:
     """SIGTERM, then SIGKILL after `timeout` seconds; returns the exit code."""
     if proc.poll() is None:
@@ -66,3 +72,8 @@ async def run_hooks(hooks, log) -> None:
             await hook()
         except Exception:
             log.exception("stop hook %s failed", getattr(hook, "__qualname__", hook))
+
+
+if __name__ == "__main__":  # spawn_binary's shim: python -m core.procs PROGRAM ARGS...
+    follow_parent()
+    os.execv(sys.argv[1], sys.argv[1:])

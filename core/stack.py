@@ -12,7 +12,7 @@ import time
 import httpx
 
 from core.nats_auth import LEADER_USER, AuthDir, fellow_user
-from core.nats_server import EmbeddedNats
+from core.nats_server import EmbeddedNats, NatsServerError
 from core.procs import spawn_child, stop_child
 from core.settings import Settings
 from core.supervise import Child, GaveUp, Supervisor
@@ -105,7 +105,7 @@ def run_stack(settings: Settings, fellows: int = 1, demo: bool = True) -> int:
         while not stop.is_set() and sup.tick():
             stop.wait(0.2)
         return 0
-    except GaveUp as exc:
+    except (GaveUp, NatsServerError) as exc:  # NatsServerError: another stack runs on this data dir
         sup.say(str(exc))
         return 1
     finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import unicodedata
+
 from events.base import Event
 
 
@@ -21,3 +23,13 @@ class ApiTokenRevoked(Event, frozen=True, tag="api_token.revoked"):
 class ApiTokenPruned(Event, frozen=True, tag="api_token.pruned"):
     token_id: str
     expired_at: float
+
+
+# controls, bidi and other formatting, surrogates, private and unassigned code points, line separators;
+# the joiners (U+200C, U+200D) stay, which scripts and emoji sequences need
+_UNPRINTABLE = ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp")
+
+
+def unprintable(c: str) -> bool:
+    """Whether a terminal would obey the character rather than show it (a token label must not hold one)."""
+    return unicodedata.category(c) in _UNPRINTABLE and c not in "\u200c\u200d"

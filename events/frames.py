@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+
 import msgspec
 
 
@@ -63,6 +66,35 @@ AnyFrame = StartFrame | TokenFrame | DoneFrame | ErrorFrame
 frame_decoder = msgspec.json.Decoder(AnyFrame)
 
 
-def frame_msg_id(request_id: str, seq: int) -> str:
-    """The Nats-Msg-Id of a frame: a retried publish of the same frame is dropped by JetStream."""
-    return f"{request_id}:{seq}"
+# A keyed request's frames carry this header: HMAC-SHA256 of the frame's bytes under the request's
+# `ChatRequest.frame_key`, which only the leader and the stage that took the request know.
+FRAME_TAG_HEADER = "Swarm-Frame-Tag"
+
+
+def frame_key(secret: bytes, request_id: str) -> str:
+    """A request's frame key: derived from the leader's secret, so every leader (and a restarted one)
+    can check its frames without keeping the key anywhere. "" without a secret: frames go unsigned."""
+    if not secret:
+        return ""
+    return hmac.new(secret, b"frame-key:" + request_id.encode(), hashlib.sha256).hexdigest()
+
+
+def frame_tag(key: str, payload: bytes) -> str:
+    return hmac.digest(key.encode(), payload, "sha256").hex()[:32]  # digest(): OpenSSL's one-shot, the fast path
+
+
+def frame_signed(key: str, payload: bytes, headers) -> bool:
+    """Whether a frame of a keyed request was sent by the stage holding the key ("" key: no check)."""
+    if not key:
+        return True
+    tag = (headers or {}).get(FRAME_TAG_HEADER, "")
+    return bool(tag) and hmac.compare_digest(tag, frame_tag(key, payload))
+
+
+def frame_msg_id(request_id: str, seq: int, key: str = "") -> str:
+    """The Nats-Msg-Id of a frame: a retried publish of the same frame is dropped by JetStream. A keyed
+    request's ids hold a mark of the key, so a forged frame cannot take the id of a real one (JetStream
+    would drop the real one as its duplicate); every replica that took the request computes the same."""
+    if not key:
+        return f"{request_id}:{seq}"
+    return f"{request_id}:{seq}:" + hmac.digest(key.encode(), b"id:%d" % seq, "sha256").hex()[:16]

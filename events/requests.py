@@ -85,6 +85,7 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
     enable_thinking: bool | None = None
     tools: list[dict] = []  # OpenAI function tools the chat template renders; their calls are parsed from the reply
     created: float = 0.0
+    frame_key: str = ""  # the stage signs its frames with it (events.frames.frame_tag); "": a leader without NATS auth
 
 
 class RequestAccepted(Event, frozen=True, tag="request.accepted"):

@@ -24,9 +24,26 @@ def _token(part: str) -> str:
     return part
 
 
-def event(kind: str) -> str:
-    """``swarm.evt.<kind>``; kind is the event's tag, e.g. ``fellow.joined``."""
-    return "swarm.evt." + kind
+def event(kind: str, fellow_id: str = "") -> str:
+    """``swarm.evt.<kind>``; kind is the event's tag, e.g. ``fellow.joined``. What a fellow publishes goes
+    on ``swarm.evt.<kind>.<fellow_id>``, the only event subjects its NATS user may publish on."""
+    return "swarm.evt." + kind + ("." + _token(fellow_id) if fellow_id else "")
+
+
+def event_watch(kind: str) -> list[str]:
+    """The subjects of one kind of event from anyone: the leader's and every fellow's."""
+    return [event(kind), event(kind) + ".*"]
+
+
+def event_sender(subject: str, kind: str) -> str | None:
+    """Who published an event of `kind` on `subject`: "" the leader, else the fellow's id; None when the
+    subject is not one of that kind's (a payload of one type on another type's subject)."""
+    bare = event(kind)
+    if subject == bare:
+        return ""
+    if subject.startswith(bare + ".") and "." not in subject[len(bare) + 1:]:
+        return subject[len(bare) + 1:]
+    return None
 
 
 def heartbeat(fellow_id: str) -> str:

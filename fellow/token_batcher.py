@@ -8,10 +8,11 @@ import logging
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from core.bus import publish_struct
+from core.bus import publish_with_id
 from events.base import encode
 from events import subjects
-from events.frames import DoneFrame, ErrorFrame, Frame, StartFrame, TokenFrame, frame_decoder, frame_msg_id
+from events.frames import (FRAME_TAG_HEADER, DoneFrame, ErrorFrame, Frame, StartFrame, TokenFrame, frame_decoder,
+                           frame_msg_id, frame_tag)
 
 log = logging.getLogger(__name__)
 
@@ -22,12 +23,15 @@ class TokenBatcher:
     same), so an idle stage adds no delay.
 
     The done or error frame, acked, always follows every token frame (one ordered sender per request).
+    With the request's `key` (ChatRequest.frame_key) every frame is signed: the leader drops a frame of a
+    keyed request without a right tag (another fellow's forgery).
     """
 
-    def __init__(self, nc: Client, js: JetStreamContext, request_id: str):
+    def __init__(self, nc: Client, js: JetStreamContext, request_id: str, key: str = ""):
         self.nc = nc
         self.js = js
         self.request_id = request_id
+        self.key = key
         self.subject = subjects.tokens(request_id)
         self.seq = 0
         self._claim: StartFrame | None = None  # the start frame we published, or tried to
@@ -48,7 +52,7 @@ class TokenBatcher:
         if self.seq:
             raise RuntimeError("the start frame comes first")
         self._claim = StartFrame(request_id=self.request_id, seq=0, fellow_id=fellow_id, replica=replica)
-        ack = await publish_struct(self.js, self.subject, self._claim, frame_msg_id(self.request_id, 0))
+        ack = await self._publish_acked(self._claim)
         self.seq = 1
         return not ack.duplicate
 
@@ -89,12 +93,11 @@ class TokenBatcher:
                     # error frame, which is acked, follows them on the same connection in order.
                     frame = TokenFrame(request_id=self.request_id, seq=self.seq, texts=texts, text="".join(texts),
                                        token_ids=ids, logprobs=logprobs)
-                    await self.nc.publish(self.subject, encode(frame),
-                                          headers={"Nats-Msg-Id": frame_msg_id(self.request_id, self.seq)})
+                    payload = encode(frame)
+                    await self.nc.publish(self.subject, payload, headers=self._headers(payload, self.seq))
                     self.seq += 1
                     continue
-                ack = await publish_struct(self.js, self.subject, self._final(self.seq),
-                                           frame_msg_id(self.request_id, self.seq))
+                ack = await self._publish_acked(self._final(self.seq))
                 self.seq += 1
                 if ack.duplicate and self.seq == 1 and await self._claimed_after_all():
                     continue  # our start frame was stored though its publish failed: the end follows it
@@ -102,6 +105,17 @@ class TokenBatcher:
         except Exception:
             log.exception("frames of %s not published", self.request_id)
             self.closed.set()
+
+    def _headers(self, payload: bytes, seq: int) -> dict:
+        headers = {"Nats-Msg-Id": frame_msg_id(self.request_id, seq, self.key)}
+        if self.key:
+            headers[FRAME_TAG_HEADER] = frame_tag(self.key, payload)
+        return headers
+
+    async def _publish_acked(self, frame: Frame):
+        payload = encode(frame)
+        headers = self._headers(payload, frame.seq)
+        return await publish_with_id(self.js, self.subject, payload, headers.pop("Nats-Msg-Id"), headers=headers)
 
     async def _claimed_after_all(self) -> bool:
         """Whether frame 0 on the stream is the start frame we tried (not another replica's claim)."""

@@ -9,7 +9,7 @@ from litestar.logging.config import LoggingConfig
 from litestar.openapi import OpenAPIConfig
 
 from core.settings import Settings
-from leader.api.body import body_read_timeout
+from leader.api.body import body_read_timeout, json_bodies_only
 from leader.api.chat import FRAME_TIMEOUT_S, chat_completions
 from leader.api.completions import completions
 from leader.api.deps import dependencies
@@ -59,7 +59,7 @@ def create_app(settings: Settings | None = None, leader: Leader | None = None,
         route_handlers=[*ROUTES, mcp.route()],
         lifespan=[lifespan],
         dependencies=dependencies(leader, chat_timeout_s),
-        middleware=[body_read_timeout(body_timeout_s)],
+        middleware=[json_bodies_only, body_read_timeout(body_timeout_s)],
         exception_handlers=exception_handlers,
         guards=[scope_guard(leader)],
         openapi_config=OpenAPIConfig(title="Swarm", version="0.1.0", path="/schema"),

@@ -19,14 +19,15 @@ log = logging.getLogger(__name__)
 
 
 def scan_entry(model_dir: Path, model_cache: Path | None = None) -> CatalogEntry:
-    """One folder as a catalog entry; a broken servable is listed unavailable with the reason."""
+    """One folder as a catalog entry, under its manifest's model_id (what a client asks for, whatever the
+    folder is called); a broken servable is listed unavailable under the folder's name, with the reason."""
     model_id = model_dir.name
     manifest_path = model_dir / MANIFEST_NAME
     sha = hashlib.sha256(manifest_path.read_bytes()).hexdigest() if manifest_path.is_file() else ""
     try:
         m = load_manifest(model_dir)
         return CatalogEntry(
-            model_id=model_id, available=True, path=str(model_dir), architecture=m.architecture,
+            model_id=m.model_id or model_id, available=True, path=str(model_dir), architecture=m.architecture,
             num_stages=m.num_stages, boundaries=[list(r) for r in m.boundaries] if m.boundaries else None,
             num_layers=m.num_layers, hidden_size=m.hidden_size,
             parameters=param_count(model_dir, model_cache), size_bytes=m.size_bytes,
@@ -38,10 +39,21 @@ def scan_entry(model_dir: Path, model_cache: Path | None = None) -> CatalogEntry
 
 
 def scan(root: Path, model_cache: Path | None = None) -> dict[str, CatalogEntry]:
+    """model_id -> entry. Of two folders whose manifests name one model_id, the first by name serves it;
+    the other is listed unavailable under its folder's name, saying so."""
     if not root.is_dir():
         return {}
-    return {d.name: scan_entry(d, model_cache) for d in sorted(root.iterdir())
-            if d.is_dir() and not d.name.startswith(".")}
+    found: dict[str, CatalogEntry] = {}
+    for d in sorted(root.iterdir()):
+        if not d.is_dir() or d.name.startswith("."):
+            continue
+        entry = scan_entry(d, model_cache)
+        if entry.model_id in found:
+            entry = CatalogEntry(model_id=d.name, available=False, path=str(d), manifest_sha256=entry.manifest_sha256,
+                                 reason=f"its manifest's model_id {entry.model_id!r} is the servable in "
+                                        f"{found[entry.model_id].path} already")
+        found.setdefault(entry.model_id, entry)
+    return found
 
 
 def _row_entry(row: Model) -> CatalogEntry:

@@ -52,6 +52,10 @@ class Leader:
         self.token_streams: TokenStreams | None = None
         self.metrics: Metrics | None = None
         self.on_stop: list = []  # async callables run first at stop (services added by features)
+        # signs requests' frame keys (events.frames.frame_key): the leader user's NATS password, which every
+        # leader shares and no fellow knows; none without NATS auth, where anyone may publish anything anyway
+        creds = settings.nats_credentials
+        self.frame_secret = creds.password.encode() if creds else b""
 
     async def start(self) -> None:
         s = self.settings
@@ -70,7 +74,8 @@ class Leader:
         self.auth.start()
         self.serving = self._make_serving(self)
         await self.serving.start()
-        self.token_streams = await TokenStreams(self.nc, self.js).start()
+        self.token_streams = await TokenStreams(self.nc, self.js, secret=self.frame_secret,
+                                                authority=self.projections.authority).start()
         self.token_streams.on_ended.append(self.serving.view.drop)  # a failed load takes no new request
         self.metrics = Metrics(self)
         await self.metrics.start()

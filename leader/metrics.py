@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+from collections import OrderedDict
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -20,6 +21,7 @@ from events import subjects
 from events.loads import LoadPlaced, LoadRequested
 from events.requests import RequestAccepted, RequestFailed, RequestFinished
 from events.union import PoisonEvent, decode_event
+from leader.projectors.authority import Authority
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
 TOO_LONG = "context_too_long"
+ENDS_KEPT = 100_000
 
 
 class WeightedHistogram:
@@ -82,6 +85,8 @@ class Metrics:
         r.register(_LiveGauges(self))
         self.models: dict[str, str] = {}  # load_id -> model_id
         self._accepted: dict[str, float] = {}  # request_id -> when it was accepted, until it ends
+        self._ended: OrderedDict[str, None] = OrderedDict()  # the latest requests ended: a second end is not counted
+        self.authority = Authority(leader.sessions)  # what a fellow may not report is not counted
         self._sub = None
 
     async def start(self) -> None:
@@ -97,7 +102,7 @@ class Metrics:
             evt = decode_event(msg.data)
         except PoisonEvent:
             evt = None  # the projectors record it as a dead letter
-        if evt is not None:
+        if evt is not None and not await self.authority.refusal(msg.subject, evt):
             self.apply(evt)
 
     def apply(self, evt) -> None:
@@ -105,6 +110,8 @@ class Metrics:
             self.models[evt.load_id] = evt.model_id
         elif isinstance(evt, RequestAccepted):
             self._accepted[evt.request_id] = evt.at
+        elif isinstance(evt, (RequestFinished, RequestFailed)) and not self._first_end(evt.request_id):
+            return  # the gateway and the stage may both report a failure: the first counts, as in SQL
         elif isinstance(evt, RequestFinished):
             self._finished(evt)
         elif isinstance(evt, RequestFailed):
@@ -115,6 +122,14 @@ class Metrics:
             self.failure.labels(model, evt.code).inc()
             if evt.code == TOO_LONG:
                 self.too_long.labels(model).inc()
+
+    def _first_end(self, request_id: str) -> bool:
+        if request_id in self._ended:
+            return False
+        self._ended[request_id] = None
+        if len(self._ended) > ENDS_KEPT:
+            self._ended.popitem(last=False)
+        return True
 
     def _finished(self, evt: RequestFinished) -> None:
         model = evt.model_id

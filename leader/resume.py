@@ -39,7 +39,8 @@ async def _row(leader, request_id: str) -> Request | None:
 async def resume(leader, streams: TokenStreams, caller, last_event_id: str, model: str) -> tuple[TokenStream,
                                                                                                 ChatRequest]:
     """The stream of the reply `last_event_id` names, from the frame after it, and the request it
-    belongs to (enough of it for the relay)."""
+    belongs to (enough of it for the relay). The stream is `ended` when the reply's last frame came
+    before it (the client lost the connection just before [DONE])."""
     parsed = parse_event_id(last_event_id)
     if parsed is None:
         raise ApiError(400, "Last-Event-ID is not the id of a chunk of this API", code="invalid_last_event_id")
@@ -54,7 +55,7 @@ async def resume(leader, streams: TokenStreams, caller, last_event_id: str, mode
     except NatsError as exc:
         raise ApiError(503, f"The message bus is unavailable: {exc or type(exc).__name__}",
                        code="bus_unavailable") from None
-    if row.status == "failed":  # after the frames the stream holds, if they do not end it themselves
+    if row.status == "failed" and not stream.ended:  # after the frames the stream holds, if they do not end it themselves
         stream.fail(ErrorFrame(request_id=rid, seq=-1, code=row.error_code or "load_failed",
                                message=row.error_message or "the request failed"))
     chat = ChatRequest(request_id=rid, load_id=row.load_id, model_id=row.model_id, messages=[],

@@ -29,9 +29,13 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from events import subjects
 from events.base import new_id
+from events.frames import (AnyFrame, DoneFrame, ErrorFrame, StartFrame, TokenFrame, frame_decoder, frame_key,
+                           frame_signed)
 from events.union import decode_event
-from events.frames import AnyFrame, ErrorFrame, StartFrame, TokenFrame, frame_decoder
 from events.loads import LoadFailed, ModelUnloaded, ReplicaLost
+from events.requests import ChatRequest
+from leader.projectors.authority import Authority
+from leader.verdicts import ended, load_failed, not_loaded, replica_lost
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,7 @@ class TokenStream:
         self.ended = False
         self.replica: int | None = None  # which replica took the request, once its start frame came
         self.fellow_id = ""
+        self.key = hub.key(request_id)
         self._held: dict[int, AnyFrame] = {}
         self._queue: asyncio.Queue[AnyFrame | None] = asyncio.Queue()
         self._failure: ErrorFrame | None = None
@@ -68,7 +73,7 @@ class TokenStream:
         return self
 
     async def _on_msg(self, msg) -> None:
-        frame = _frame(msg)
+        frame = _frame(msg, self.key)
         if frame is None:
             return
         self._started(frame)  # at once: a replica's loss may come before the reader gets here
@@ -141,9 +146,11 @@ class TokenStream:
                         await psub.unsubscribe()
                     for msg in msgs:
                         self._start_seq = max(self._start_seq, msg.metadata.sequence.stream + 1)
-                        if (frame := _frame(msg)) is not None:
+                        if (frame := _frame(msg, self.key)) is not None:
                             self._started(frame)
                             self._hold(frame)
+                            if isinstance(frame, (DoneFrame, ErrorFrame)) and frame.seq < self.next_seq:
+                                self.ended = True  # a resume after the last chunk: nothing is left
             finally:
                 await js.delete_consumer(subjects.TOKENS_STREAM, info.name)
         except (NatsError, asyncio.TimeoutError) as exc:
@@ -166,30 +173,15 @@ class TokenStream:
             await self.hub.cancel(self.load_id, self.request_id, grace_s)
 
 
-def not_loaded(stream: TokenStream, evt: ModelUnloaded) -> ErrorFrame:
-    """The verdict on a request no stage started before its load was unloaded (HTTP: model_not_loaded)."""
-    return ErrorFrame(request_id=stream.request_id, seq=-1, code="model_unloaded",
-                      message=f"the model '{evt.model_id}' was unloaded ({evt.reason}) before this request was "
-                              "served", data={"load_code": evt.reason, "fellow_id": evt.fellow_id})
-
-
-def load_failed(stream: TokenStream, evt: LoadFailed) -> ErrorFrame:
-    """The verdict on a request whose load failed, started or not (its queue is purged)."""
-    return ErrorFrame(request_id=stream.request_id, seq=-1, code="load_failed",
-                      message=f"the model '{evt.model_id}' stopped serving: {evt.reason}",
-                      data={"load_code": evt.code, "fellow_id": evt.fellow_id})
-
-
-def ended(stream: TokenStream, evt: ModelUnloaded | LoadFailed) -> ErrorFrame:
-    return load_failed(stream, evt) if isinstance(evt, LoadFailed) else not_loaded(stream, evt)
-
-
 class TokenStreams:
     """The gateway's receivers: opens one per request and watches their loads for failure."""
 
-    def __init__(self, nc: Client, js: JetStreamContext, probe_s: float = PROBE_S, gap_wait_s: float = GAP_WAIT_S):
+    def __init__(self, nc: Client, js: JetStreamContext, probe_s: float = PROBE_S, gap_wait_s: float = GAP_WAIT_S,
+                 secret: bytes = b"", authority: Authority | None = None):
         self.nc = nc
         self.js = js
+        self.authority = authority or Authority()  # a fellow's report about a load not placed on it is ignored
+        self.secret = secret  # the leader's NATS password: b"" without NATS auth, where frames go unsigned
         self.probe_s = probe_s
         self.gap_wait_s = gap_wait_s
         self._graces: dict[str, asyncio.Future] = {}  # request_id -> resolved True on resume, False on stop
@@ -199,6 +191,14 @@ class TokenStreams:
         self._tasks: set[asyncio.Task] = set()
         self._subs: list = []
         self._started: asyncio.Task | None = None
+
+    def key(self, request_id: str) -> str:
+        """The request's frame key (events.frames.frame_key); "" without a secret."""
+        return frame_key(self.secret, request_id)
+
+    def keyed(self, chat: ChatRequest) -> ChatRequest:
+        """The request as published: with its frame key, which the stage that takes it signs frames with."""
+        return msgspec.structs.replace(chat, frame_key=self.key(chat.request_id))
 
     async def start(self) -> "TokenStreams":
         """Subscribe to load failures once, however many requests ask at the same moment."""
@@ -210,7 +210,8 @@ class TokenStreams:
     async def _subscribe(self) -> None:
         for kind, cb in (("load.failed", self._on_load_failed), ("load.replica_lost", self._on_replica_lost),
                          ("load.unloaded", self._on_unloaded)):
-            self._subs.append(await self.nc.subscribe(subjects.event(kind), cb=cb))
+            for subject in subjects.event_watch(kind):  # the leader's and the fellows'
+                self._subs.append(await self.nc.subscribe(subject, cb=cb))
 
     async def stop(self) -> None:
         for grace in list(self._graces.values()):  # the cancels waiting out a grace go now
@@ -266,7 +267,7 @@ class TokenStreams:
                 del self._by_load[stream.load_id]
 
     async def _on_load_failed(self, msg) -> None:
-        evt = _event(msg)
+        evt = await self._event(msg)
         if not isinstance(evt, LoadFailed):
             return
         self._remember(evt)
@@ -274,7 +275,7 @@ class TokenStreams:
             stream.fail(load_failed(stream, evt))
 
     async def _on_unloaded(self, msg) -> None:
-        evt = _event(msg)
+        evt = await self._event(msg)
         if not isinstance(evt, ModelUnloaded):
             return
         self._remember(evt)
@@ -292,16 +293,22 @@ class TokenStreams:
             hook(evt.load_id)
 
     async def _on_replica_lost(self, msg) -> None:
-        evt = _event(msg)
+        evt = await self._event(msg)
         if not isinstance(evt, ReplicaLost):
             return
         for stream in list(self._by_load.get(evt.load_id, ())):
             if stream.replica == evt.replica:
-                stream.fail(ErrorFrame(request_id=stream.request_id, seq=-1, code="load_failed",
-                                       message=f"the replica of '{evt.model_id}' serving this request stopped: "
-                                               f"{evt.reason}",
-                                       data={"load_code": evt.code, "fellow_id": evt.fellow_id,
-                                             "replica": evt.replica}))
+                stream.fail(replica_lost(stream, evt))
+
+    async def _event(self, msg):
+        """The event in ``msg``, or None for one no reader can decode (the projections keep it as a dead
+        letter) or one its sender may not publish (likewise)."""
+        try:
+            evt = decode_event(msg.data)
+        except (ValueError, RecursionError):  # PoisonEvent is a ValueError
+            log.warning("undecodable event on %s dropped", msg.subject)
+            return None
+        return None if await self.authority.refusal(msg.subject, evt) else evt
 
     def spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -327,20 +334,14 @@ def parse_event_id(value: str) -> tuple[str, int] | None:
     return rid, int(seq)
 
 
-def _frame(msg) -> AnyFrame | None:
-    """The frame in ``msg``, or None (logged) for one that does not decode."""
+def _frame(msg, key: str = "") -> AnyFrame | None:
+    """The frame in ``msg``, or None (logged) for one that does not decode or, with the request's `key`,
+    is not signed by the stage that took the request."""
+    if not frame_signed(key, msg.data, msg.headers):
+        log.warning("a frame on %s without the request's signature dropped (not from its stage)", msg.subject)
+        return None
     try:
         return frame_decoder.decode(msg.data)
     except (msgspec.DecodeError, RecursionError):  # not a frame, or nested too deep
         log.warning("undecodable frame on %s dropped", msg.subject)
-        return None
-
-
-def _event(msg):
-    """The event in ``msg``, or None (logged) for one no reader can decode (the projections keep it as a
-    dead letter)."""
-    try:
-        return decode_event(msg.data)
-    except (ValueError, RecursionError):  # PoisonEvent is a ValueError
-        log.warning("undecodable event on %s dropped", msg.subject)
         return None

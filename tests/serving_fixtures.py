@@ -75,6 +75,38 @@ def one_model_stack(root: Path, model_id: str = "tiny", env: dict | None = None,
         nats.stop()
 
 
+def secured_processes(root: Path, auth, nats_url: str, servables: Path, fellow_ids: list[str]):
+    """(leader, fellows) as real processes, each logged in to NATS as its own user (core.nats_auth `auth`),
+    started, healthy and online; stop them with `stop_all`."""
+    from core.nats_auth import LEADER_USER, fellow_user
+
+    db = f"sqlite+aiosqlite:///{root / 'swarm.db'}"
+    port = None
+
+    def env(user: str) -> dict:
+        return swarm_env(root, nats_url, db, port=port, SWARM_SERVABLE_MODELS_ROOT=servables, OMP_NUM_THREADS=1,
+                         **auth.credentials(user).env())
+
+    leader = SwarmProcess(["leader"], env(LEADER_USER), root / "leader.log")
+    port = leader.env["SWARM_LEADER_PORT"]
+    fellows = [SwarmProcess(["fellow", "--id", f], env(fellow_user(f)), root / f"{f}.log") for f in fellow_ids]
+    try:
+        for p in (leader, *fellows):
+            p.start()
+        leader.wait_healthy()
+        wait_until(lambda: sum(f["status"] == "online" for f in leader.get("/api/v1/fellows").json()["data"])
+                   == len(fellows), 60, "every fellow online")
+    except BaseException:
+        stop_all(leader, fellows)
+        raise
+    return leader, fellows
+
+
+def stop_all(leader: SwarmProcess, fellows: list[SwarmProcess]) -> None:
+    for p in (*fellows, leader):
+        p.stop()
+
+
 class Stack:
     """nats-server (from the fixture) + one leader + fellows, as real processes."""
 

@@ -40,3 +40,18 @@ async def test_a_body_shorter_than_its_content_length_is_a_408(tmp_path, nats_se
         writer.close()
     assert head.startswith(b"HTTP/1.1 408"), head
     assert b"request_timeout" in body and 0.4 < waited < 10, (body, waited)
+
+
+async def test_a_body_that_is_not_json_is_a_415(tmp_path, nats_server, sqlite_url):
+    """Issue 38: a text/plain body was read as JSON. Every body the API takes is JSON; none is taken,
+    and nothing is minted, from another media type."""
+    body = b'{"label": "l", "scopes": ["read"]}'
+    async with leader_client(tmp_path, nats_server.url, sqlite_url) as (app, c):
+        for media in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+            for path in (TOKENS, "/v1/chat/completions"):
+                r = await c.post(path, content=body, headers={"Content-Type": media})
+                assert r.status_code == 415, (media, path, r.text)
+                assert r.json()["error"]["code"] == "unsupported_media_type", r.text
+        assert (await c.get(TOKENS)).json()["data"] == []
+        r = await c.post(TOKENS, content=body, headers={"Content-Type": "application/json; charset=utf-8"})
+        assert r.status_code == 201, r.text  # (no Content-Type at all: tests/test_tokens_api.py)

@@ -33,6 +33,11 @@ def root(tmp_path_factory):
     shutil.copytree(root / "good", root / "future")
     manifest = json.loads((root / "future" / "servable.json").read_text())
     (root / "future" / "servable.json").write_text(json.dumps(dict(manifest, format_version="2.0")))
+    # issue 38: a folder named otherwise than its manifest's model_id, and a second folder of "good"
+    assert manifest["model_id"] == "good"
+    shutil.copytree(root / "good", root / "a-folder")
+    (root / "a-folder" / "servable.json").write_text(json.dumps(dict(manifest, model_id="in-manifest")))
+    shutil.copytree(root / "good", root / "good-copy")
     return root
 
 
@@ -52,19 +57,27 @@ def leader(root, tmp_path_factory):
 
 def test_models_lists_every_servable_with_why_it_is_unavailable(leader):
     models = {m["id"]: m for m in leader.get("/api/v1/models").json()["data"]}
-    assert set(models) == {"good", "missing-shard", "bad-json", "future"}
+    assert set(models) == {"good", "missing-shard", "bad-json", "future", "in-manifest", "good-copy"}
     good = models["good"]
     assert good["available"] and good["num_stages"] == 2 and good["boundaries"] == [[0, 1], [1, 2]]
     assert good["parameters"] > 0 and good["load_state"] == "unloaded"
     assert "missing shard file" in models["missing-shard"]["reason"]
     assert "not valid JSON" in models["bad-json"]["reason"]
     assert "format_version '2.0' is not supported" in models["future"]["reason"]
-    assert not any(models[m]["available"] for m in ("missing-shard", "bad-json", "future"))
+    assert not any(models[m]["available"] for m in ("missing-shard", "bad-json", "future", "good-copy"))
+    assert "model_id 'good' is the servable in" in models["good-copy"]["reason"]
+
+
+def test_the_catalog_keys_on_the_manifests_model_id_not_the_folder(leader):
+    """Issue 38: the README's swarm-demo was a 404 when its folder was named otherwise."""
+    model = leader.get("/v1/models/in-manifest").json()
+    assert model["id"] == "in-manifest", model
+    assert leader.get("/v1/models/a-folder").status_code == 404
 
 
 def test_openai_models_and_unknown_ids(leader):
     listed = leader.get("/v1/models").json()
-    assert listed["object"] == "list" and [m["id"] for m in listed["data"]] == ["good"]
+    assert listed["object"] == "list" and [m["id"] for m in listed["data"]] == ["good", "in-manifest"]
     assert leader.get("/v1/models/good").json()["object"] == "model"
     for path in ("/api/v1/models/nope", "/v1/models/nope", "/api/v1/models/nope/status"):
         r = leader.get(path)

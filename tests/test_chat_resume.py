@@ -95,3 +95,23 @@ async def test_a_resume_names_a_streamed_reply_of_that_model(gateway, nc, js):
         async with http.stream("POST", "/v1/chat/completions", json=BODY, headers={"Last-Event-ID": f"{rid}:0"}) as r:
             again = await read_events(r)  # from the start: the whole reply, long after it ended
         assert content(again) == "a" and again[-1][1] == "[DONE]"
+
+
+async def test_a_resume_after_the_last_chunk_ends_at_once(gateway, nc, js):
+    """A client that lost the connection just before [DONE] resumes with the finish chunk's id: [DONE]
+    at once, no chunk again (it waited out the chat timeout before)."""
+    peer = ServingPeer(js)
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=20) as http:
+        async with http.stream("POST", "/v1/chat/completions", json=BODY) as r:
+            rid = (await peer.next_request()).request_id
+            await peer.answer(rid, [["a"], ["b"]])
+            events = await read_events(r)
+        finish_id = events[-2][0]
+        assert finish_id == f"{rid}:3" and events[-2][1]["choices"][0]["finish_reason"] == "stop", events
+        started = time.monotonic()
+        async with http.stream("POST", "/v1/chat/completions", json=BODY,
+                               headers={"Last-Event-ID": finish_id}) as r:
+            assert r.status_code == 200
+            rest = await read_events(r)
+    assert [d for _, d in rest] == ["[DONE]"], rest
+    assert time.monotonic() - started < 10  # not the 20 s chat timeout

@@ -203,8 +203,10 @@ async def test_ops_reads_the_log_and_heartbeats_and_publishes_nothing(secured, a
     ops = await login(secured.url, auth.credentials(OPS_USER))
     try:
         ack = await publish_event(leader.js, RequestFinished(request_id="r1", model_id="m", load_id="l"))
-        sub = await ops.js.pull_subscribe(EVENTS_ALL, stream=EVENTS_STREAM,
-                                          config=ConsumerConfig(ack_policy=AckPolicy.NONE))
+        # an ephemeral consumer by the legacy subject (what `nats stream view` makes), read by pulls
+        info = await ops.js.add_consumer(EVENTS_STREAM, ConsumerConfig(ack_policy=AckPolicy.NONE,
+                                                                       inactive_threshold=30.0))
+        sub = await ops.js.pull_subscribe_bind(info.name, stream=EVENTS_STREAM)
         assert [m.metadata.sequence.stream for m in await sub.fetch(1, timeout=5)] == [ack.seq]
         assert (await ops.js.get_last_msg(EVENTS_STREAM, subjects.event("request.finished"))).seq == ack.seq
         for subject in (subjects.event("api_token.minted"), subjects.heartbeat("f1")):
@@ -213,6 +215,37 @@ async def test_ops_reads_the_log_and_heartbeats_and_publishes_nothing(secured, a
             await wait_denied(ops, subject)
         with pytest.raises(nats.errors.TimeoutError):  # nor the work queues
             await ops.nc.request(f"$JS.API.CONSUMER.INFO.{COMMANDS_STREAM}.fellow-f1", b"", timeout=DENIED_WAIT_S)
+    finally:
+        await ops.nc.close()
+        await leader.nc.close()
+
+
+async def test_ops_changes_no_stream_or_consumer(secured, auth):
+    """Issue 38: the "read-only" ops user deleted the leader's consumers and made a durable one."""
+    leader = await login(secured.url, auth.credentials(LEADER_USER))
+    await ensure_streams(leader.js)
+    ops = await login(secured.url, auth.credentials(OPS_USER))
+    try:
+        theirs = await leader.js.add_consumer(EVENTS_STREAM, ConsumerConfig(
+            name="projections", ack_policy=AckPolicy.NONE, inactive_threshold=60.0))
+        durable = '{"stream_name": "%s", "config": {"durable_name": "mine", "ack_policy": "none"}}' % EVENTS_STREAM
+        for subject, payload in ((f"$JS.API.CONSUMER.DELETE.{EVENTS_STREAM}.{theirs.name}", b""),
+                                 (f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}.mine", durable.encode()),
+                                 (f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}.{theirs.name}.swarm.evt.x", b"{}"),
+                                 (f"$JS.API.CONSUMER.DURABLE.CREATE.{EVENTS_STREAM}.mine", durable.encode()),
+                                 (f"$JS.API.STREAM.PURGE.{EVENTS_STREAM}", b"{}"),
+                                 (f"$JS.API.STREAM.DELETE.{HEARTBEATS_STREAM}", b""),
+                                 (f"$JS.API.STREAM.UPDATE.{EVENTS_STREAM}", b"{}"),
+                                 (f"$JS.API.STREAM.MSG.DELETE.{EVENTS_STREAM}", b'{"seq": 1}'),
+                                 (f"$JS.API.CONSUMER.CREATE.{COMMANDS_STREAM}", b"{}")):
+            with pytest.raises(nats.errors.TimeoutError):
+                await ops.nc.request(subject, payload, timeout=DENIED_WAIT_S)
+            await wait_denied(ops, subject)
+        # the one create it has, the legacy ephemeral subject, makes no durable: the server refuses the name
+        reply = await ops.nc.request(f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}", durable.encode(), timeout=5)
+        assert b'"error"' in reply.data, reply.data
+        names = [c.name for c in await leader.js.consumers_info(EVENTS_STREAM)]
+        assert names == [theirs.name], names
     finally:
         await ops.nc.close()
         await leader.nc.close()
@@ -296,26 +329,12 @@ async def test_tls_with_a_private_ca_and_the_users(tmp_path, auth, monkeypatch):
 def test_a_ring_over_two_fellows_serves_with_their_own_users(tmp_path, auth, secured):
     """Every right a fellow and its stage processes need, end to end: a leader and two fellows, each
     with its own user, load a 2-stage ring, stream a whole reply through it, and unload it."""
-    from tests.processes import SwarmProcess, swarm_env, wait_until
-    from tests.serving_fixtures import make_servable, stream_a_reply
+    from tests.processes import wait_until
+    from tests.serving_fixtures import make_servable, secured_processes, stop_all, stream_a_reply
 
     _, servable = make_servable(tmp_path / "models", "tiny", layers=4, hidden=64, stages=2)
-    db = f"sqlite+aiosqlite:///{tmp_path / 'swarm.db'}"
-
-    def env(user: str) -> dict:
-        return swarm_env(tmp_path, secured.url, db, port=port, SWARM_SERVABLE_MODELS_ROOT=servable.parent,
-                         OMP_NUM_THREADS=1, **auth.credentials(user).env())
-
-    port = None
-    leader = SwarmProcess(["leader"], env(LEADER_USER), tmp_path / "leader.log")
-    port = leader.env["SWARM_LEADER_PORT"]
-    fellows = [SwarmProcess(["fellow", "--id", f], env(fellow_user(f)), tmp_path / f"{f}.log") for f in ("f1", "f2")]
+    leader, fellows = secured_processes(tmp_path, auth, secured.url, servable.parent, ["f1", "f2"])
     try:
-        for p in (leader, *fellows):
-            p.start()
-        leader.wait_healthy()
-        wait_until(lambda: sum(f["status"] == "online" for f in leader.get("/api/v1/fellows").json()["data"]) == 2,
-                   60, "both fellows online")
         r = httpx.post(leader.base_url + "/api/v1/models/tiny/load",
                        json={"num_stages": 2, "fellow_ids": ["f1", "f2"], "wait": True}, timeout=180)
         assert r.status_code == 200 and r.json()["state"] == "ready", (r.text, fellows[1].tail())
@@ -325,5 +344,4 @@ def test_a_ring_over_two_fellows_serves_with_their_own_users(tmp_path, auth, sec
         wait_until(lambda: leader.get("/api/v1/models/tiny").json()["load_state"] in (None, "unloaded"), 30,
                    "the load ended")
     finally:
-        for p in (*fellows, leader):
-            p.stop()
+        stop_all(leader, fellows)

@@ -24,8 +24,9 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def test_swarm_up_killed_takes_leader_and_fellow_with_it(tmp_path):
-    up = SwarmProcess(["up", "--no-demo"], swarm_env(tmp_path, None), tmp_path / "up.log").start()
+def test_swarm_up_killed_takes_leader_fellow_and_nats_server_with_it(tmp_path):
+    env = swarm_env(tmp_path, None)
+    up = SwarmProcess(["up", "--no-demo"], env, tmp_path / "up.log").start()
     children = []
     try:
         wait_until(lambda: [f for f in up.get("/api/v1/fellows").json()["data"] if f["status"] == "online"],
@@ -34,12 +35,19 @@ def test_swarm_up_killed_takes_leader_and_fellow_with_it(tmp_path):
         parts = [c for c in children if "core.cli" in cmdline(c)]
         assert len(parts) == 2, [cmdline(c) for c in children]  # leader and fellow
         assert all(os.getpgid(c) == c for c in parts)  # each in its own process group
+        parts += [c for c in children if "nats-server" in cmdline(c)]
+        assert len(parts) == 3, [cmdline(c) for c in children]
+        # a second `swarm up` on the same data dir: one line, no second nats-server on the store
+        second = subprocess.run([sys.executable, "-m", "core.cli", "up", "--no-demo"], capture_output=True,
+                                text=True, timeout=120, env=env)
+        assert second.returncode == 1 and "another nats-server runs on the store" in second.stdout + second.stderr, \
+            (second.stdout, second.stderr[-2000:])
         os.kill(up.proc.pid, signal.SIGKILL)  # the parent alone: no group kill, no clean stop
         up.proc.wait(10)
-        wait_until(lambda: not any(pid_alive(c) for c in parts), 30, "leader and fellow gone with swarm up")
+        wait_until(lambda: not any(pid_alive(c) for c in parts), 30, "leader, fellow and nats-server gone with swarm up")
     finally:
         up.kill()
-        for c in children:  # nats-server has no parent-death signal of its own
+        for c in children:  # whatever a failure left
             if pid_alive(c):
                 os.kill(c, signal.SIGTERM)
 
@@ -89,3 +97,29 @@ def preexec_users() -> dict[str, int]:
 def test_no_preexec_fn():
     users = preexec_users()
     assert not users, f"preexec_fn is unsafe in a threaded parent: {users}"
+
+
+def test_a_nats_server_dies_with_its_parent_and_one_store_takes_one_server(tmp_path):
+    """Issue 38: `kill -9` of `swarm up` left its nats-server running, and the next `swarm up` on the same
+    data dir started a second nats-server on the same JetStream store."""
+    from core.nats_server import EmbeddedNats, NatsServerError
+
+    store = tmp_path / "js"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom pathlib import Path\nfrom core.nats_server import EmbeddedNats\n"
+                               f"n = EmbeddedNats(Path({str(store)!r})).start()\nprint(n.process.pid, flush=True)\n"
+                               "time.sleep(600)"],
+        stdout=subprocess.PIPE, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        server_pid = int(parent.stdout.readline())
+        assert "nats-server" in cmdline(server_pid)
+        with pytest.raises(NatsServerError, match="another nats-server runs on the store"):
+            EmbeddedNats(store).start(timeout=5)
+        os.kill(parent.pid, signal.SIGKILL)  # the parent alone, no clean stop
+        parent.wait(10)
+        wait_until(lambda: not pid_alive(server_pid), 30, "nats-server gone with its parent")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    again = EmbeddedNats(store).start()  # the store is free again
+    again.stop()

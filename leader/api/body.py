@@ -83,3 +83,22 @@ def body_read_timeout(timeout_s: float) -> Callable[[ASGIApp], ASGIApp]:
         return bounded
 
     return middleware
+
+
+JSON_TYPES = ("application/json", "")  # no Content-Type: taken as JSON, as before (curl --data-binary)
+
+
+def json_bodies_only(app: ASGIApp) -> ASGIApp:
+    """Middleware: a body sent as another media type (text/plain, a form) is answered 415 rather than
+    read as JSON; every body this API takes is JSON."""
+
+    async def checked(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] in ("POST", "PUT", "PATCH", "DELETE"):
+            raw = dict(scope["headers"]).get(b"content-type", b"").decode("latin-1")
+            media = raw.split(";", 1)[0].strip().lower()
+            if media not in JSON_TYPES and not media.endswith("+json"):
+                raise ApiError(415, f"The request body must be JSON (Content-Type: application/json), not {media!r}",
+                               code="unsupported_media_type")
+        await app(scope, receive, send)
+
+    return checked

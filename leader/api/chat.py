@@ -161,6 +161,7 @@ async def disconnected(request: Request) -> None:
 
 
 async def submit(leader, chat: ChatRequest, stream: bool, token_id: str) -> None:
+    chat = leader.token_streams.keyed(chat)  # only the stage that takes it can sign its frames
     accepted = RequestAccepted(id=f"acc-{chat.request_id}", request_id=chat.request_id, model_id=chat.model_id,
                                load_id=chat.load_id, stream=stream, max_tokens=chat.max_tokens,
                                token_id=token_id)
@@ -193,6 +194,9 @@ async def chat_completions(request: Request, leader: LeaderDep, serving: Serving
     body = data
     if body.stream and (last_event_id := request.headers.get("last-event-id")) is not None:
         stream, chat = await resume(leader, streams, caller, last_event_id, body.model)
+        if stream.ended:  # the client had every chunk but [DONE]
+            stream.close(cancel=False)
+            return Stream(iter([DONE]), media_type="text/event-stream", headers=SSE_HEADERS)
         relay = Relay(leader, stream, chat, chat_timeout_s)
         return Stream(relay.events(chunk_encoder(relay, body), resumed=True), media_type="text/event-stream",
                       headers=SSE_HEADERS)

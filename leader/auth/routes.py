@@ -6,6 +6,7 @@ import msgspec
 from litestar import delete, get, post
 from litestar.params import FromPath, JSONBody
 
+from events.api_tokens import unprintable
 from leader.api.body import StructBody
 from leader.api.deps import AuthDep, Caller
 from leader.auth.scopes import SCOPES, canonical
@@ -66,6 +67,10 @@ def parse_mint(body: bytes) -> MintBody:
         raise _bad("'label' is required: a non-empty string naming the token.", "label")
     if len(label) > MAX_LABEL_CHARS:
         raise _bad(f"'label' is longer than {MAX_LABEL_CHARS} characters.", "label")
+    if bad := next(filter(unprintable, label), None):
+        # a terminal would obey it: NUL, escapes, U+202E turning `swarm tokens list` around
+        raise _bad(f"'label' holds the control or formatting character U+{ord(bad):04X}: use printable text.",
+                   "label")
     scopes = data.get("scopes")
     if not isinstance(scopes, list) or not scopes or not all(isinstance(s, str) for s in scopes):
         raise _bad(f"'scopes' is required: a non-empty list drawn from {', '.join(SCOPES)}.", "scopes")

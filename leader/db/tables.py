@@ -128,7 +128,8 @@ class ApiToken(Base):
 
 
 class DeadLetter(Base):
-    """A message on SWARM_EVENTS that could not be decoded: recorded once, then skipped by every projector."""
+    """A message on SWARM_EVENTS that could not be decoded, or that its sender may not publish (reason
+    "refused: ...", leader.projectors.authority): recorded once, then skipped by every projector."""
 
     __tablename__ = "dead_letters"
     seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # its stream sequence

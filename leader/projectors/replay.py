@@ -11,6 +11,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from events.subjects import EVENTS_ALL, EVENTS_STREAM
 from leader.db.tables import ProjectorCheckpoint
+from leader.projectors.authority import Authority
 from leader.projectors.projector import Projector
 from leader.projectors.batch import apply_batch, decode_batch
 
@@ -28,6 +29,7 @@ async def replay(js: JetStreamContext, sessions: async_sessionmaker, projector: 
         config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE,
                               inactive_threshold=60.0),
     )
+    authority = Authority(sessions)  # what the live reader refused stays out
     try:
         async with sessions() as session, session.begin():
             await projector.clear(session)
@@ -43,7 +45,7 @@ async def replay(js: JetStreamContext, sessions: async_sessionmaker, projector: 
                     break  # the stream's head was trimmed below `last`; nothing more to read
                 if not msgs:
                     continue  # an empty fetch: ask again
-                seq = await apply_batch(session, projector, decode_batch(msgs))
+                seq = await apply_batch(session, projector, await authority.screen(decode_batch(msgs)))
         return seq
     finally:
         await sub.unsubscribe()

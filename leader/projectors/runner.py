@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from core.tasks import cancel_and_wait
 from events.subjects import EVENTS_ALL, EVENTS_STREAM
+from leader.projectors.authority import Authority
 from leader.projectors.batch import Entry, apply_batch, decode_batch, read_checkpoint, record_dead_letters
 from leader.projectors.projector import Projector
 
@@ -67,6 +68,7 @@ class ProjectionRunner:
         # name -> callables(events) told after a batch is committed. They run in the projector's task:
         # one that publishes must hand the events to a task of its own.
         self.listeners: dict[str, list] = {}
+        self.authority = Authority(sessions)  # who may report what: the reader screens every batch
 
     async def start(self) -> None:
         async with self.sessions() as session:
@@ -89,7 +91,8 @@ class ProjectionRunner:
         return await self.js.pull_subscribe(EVENTS_ALL, stream=EVENTS_STREAM, config=cfg)
 
     async def _read(self, read_to: int) -> None:
-        """Fetch, decode once, record dead letters, hand the batch to every projector."""
+        """Fetch, decode once, screen (leader.projectors.authority), record dead letters, hand the batch to
+        every projector."""
         sub = None
         try:
             while True:
@@ -105,7 +108,7 @@ class ProjectionRunner:
                     if not msgs:  # the server's answer to a pull that expired: normal when idle
                         self.empty_fetches += 1
                         continue
-                    batch = decode_batch(msgs)
+                    batch = await self.authority.screen(decode_batch(msgs))
                     if any(e.poison for e in batch):
                         async with self.sessions() as session, session.begin():
                             await record_dead_letters(session, batch)

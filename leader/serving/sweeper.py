@@ -30,7 +30,7 @@ from sqlalchemy import select
 from core.logs import for_request
 from core.tasks import cancel_and_wait
 from events import subjects
-from events.frames import AnyFrame, DoneFrame, ErrorFrame, frame_decoder
+from events.frames import AnyFrame, DoneFrame, ErrorFrame, frame_decoder, frame_key, frame_signed
 from events.requests import RequestFailed, RequestFinished, request_failed_id, request_finished_id
 from leader.db.tables import Load, Request
 from leader.serving.reactions import purge_queue
@@ -151,8 +151,9 @@ class RequestSweeper:
             msg = await self.leader.js.get_last_msg(subjects.TOKENS_STREAM, subjects.tokens(rid))
         except NotFoundError:
             return None, None
-        try:
-            frame = frame_decoder.decode(msg.data)
+        try:  # a frame another fellow forged is no frame of this request's
+            key = frame_key(self.leader.frame_secret, rid)
+            frame = frame_decoder.decode(msg.data) if frame_signed(key, msg.data, msg.headers) else None
         except msgspec.DecodeError:
             frame = None
         return frame, msg.time.timestamp() if msg.time else None

@@ -66,9 +66,10 @@ class RingHeadServer(StageServer):
         await self.link.start()
         self.runner.units.max_piece = max(1, (self.link.max_payload - 1024) // self.ring.sender.bytes_per_position)
         await self.nc.subscribe(subjects.event(LoadFailed.__struct_config__.tag), cb=self._on_load_failed)
-        self._replacing: set[int] = set()  # later stages being re-placed; the ring is paused meanwhile
-        for kind in (StageReplaced, StageReady):
-            await self.nc.subscribe(subjects.event(kind.__struct_config__.tag), cb=self._on_stage_event)
+        self._replacing: dict[int, str] = {}  # later stages being re-placed -> their new fellow; the ring pauses
+        for kind in (StageReplaced, StageReady):  # the leader's placement, the new fellow's report (its subject)
+            for subject in subjects.event_watch(kind.__struct_config__.tag):
+                await self.nc.subscribe(subject, cb=self._on_stage_event)
         started = time.perf_counter()
         try:
             await self.link.probe(PROBE_TIMEOUT_S)
@@ -140,11 +141,13 @@ class RingHeadServer(StageServer):
             return
         if getattr(evt, "load_id", None) != self.load_id or getattr(evt, "replica", 0) != self.cfg.replica:
             return
-        if isinstance(evt, StageReplaced):
-            self._replacing.add(evt.stage)
+        sender = subjects.event_sender(msg.subject, evt.type)  # "": the leader; else the fellow that sent it
+        if isinstance(evt, StageReplaced) and sender == "":
+            self._replacing[evt.stage] = evt.fellow_id
             self.runner.pause(f"stage {evt.stage} moves from {evt.lost_fellow_id} to {evt.fellow_id}")
-        elif isinstance(evt, StageReady) and evt.stage in self._replacing:
-            self._replacing.discard(evt.stage)
+        elif (isinstance(evt, StageReady) and sender in ("", evt.fellow_id)
+              and self._replacing.get(evt.stage) == evt.fellow_id):  # only the fellow the leader placed it on
+            del self._replacing[evt.stage]
             if not self._replacing:
                 await self.link.probe(PROBE_TIMEOUT_S)
                 await self._fit_ring()  # the new stage may hold less, step slower, or be farther

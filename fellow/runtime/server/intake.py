@@ -176,7 +176,7 @@ class Intake:
             if self.active:
                 await self._wait_room()
             return
-        batcher = TokenBatcher(self.nc, self.js, req.request_id)
+        batcher = TokenBatcher(self.nc, self.js, req.request_id, req.frame_key)
         try:
             claimed = await batcher.start(self.fellow_id, self.cfg.replica)  # from here, our death fails it
         except Exception as exc:  # a bus timeout, say: the start frame may be stored or not
@@ -222,7 +222,7 @@ class Intake:
     async def _refuse(self, req: ChatRequest, prompt_tokens: int, message: str, code: str,
                       data: dict | None = None, batcher: TokenBatcher | None = None) -> None:
         try:
-            batcher = batcher or TokenBatcher(self.nc, self.js, req.request_id)
+            batcher = batcher or TokenBatcher(self.nc, self.js, req.request_id, req.frame_key)
             batcher.error(message, code, data)
             await batcher.closed.wait()
             await publish_event(self.js, RequestFailed(

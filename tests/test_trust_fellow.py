@@ -1,0 +1,224 @@
+"""A compromised fellow (issue 38): inside its own NATS user's rights, it tries what a probe did to the
+loads of another fellow. A real stack: nats-server with a user per role, a leader, fellows f1 and f2,
+"alpha" placed on f1 and "beta" on f2; the attacker logs in as f2 (beta's fellow). Each attempt is
+refused by NATS or ignored by the leader and kept in `dead_letters` with the reason; the victim's
+request is served as it would be without it, and its SQL row is true.
+
+What a fellow can still do (docs/reliability.md, trust model): pull another load's queued requests,
+and read other requests' frames through SWARM_TOKENS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import msgspec
+import nats
+import pytest
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from core.bus import connect, publish_event
+from core.nats_auth import LEADER_USER, AuthDir, fellow_user
+from core.nats_server import EmbeddedNats
+from events import subjects
+from events.api_tokens import ApiTokenMinted
+from events.base import encode
+from events.frames import DoneFrame, StartFrame, TokenFrame, frame_decoder, frame_msg_id
+from events.loads import LoadFailed, ModelUnloaded, ReplicaLost
+from events.requests import RequestFinished
+from tests.processes import SwarmProcess, wait_until
+from tests.serving_fixtures import make_servable, secured_processes, stop_all
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [{"role": "user", "content": "Tell me about lists."}]
+FORGED = "FORGED"
+
+
+class Swarm:
+    def __init__(self, root, auth: AuthDir, nats_url: str, leader: SwarmProcess, fellows: list[SwarmProcess]):
+        self.root, self.auth, self.nats_url, self.leader, self.fellows = root, auth, nats_url, leader, fellows
+        self.url = leader.base_url
+        self.loads: dict[str, str] = {}
+
+    def sql(self, query: str) -> list[tuple]:
+        import sqlite3
+
+        db = sqlite3.connect(self.root / "swarm.db")
+        try:
+            return db.execute(query).fetchall()
+        finally:
+            db.close()
+
+    def dead_letters(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for subject, reason in self.sql("SELECT subject, reason FROM dead_letters ORDER BY seq"):
+            out.setdefault(subject, []).append(reason)
+        return out
+
+    async def login(self, user: str):
+        errors: list[str] = []
+
+        async def on_error(exc):
+            errors.append(str(exc))
+
+        nc = await connect(self.nats_url, name=user, credentials=self.auth.credentials(user), error_cb=on_error)
+        nc.denials = errors
+        return nc
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trust")
+    for model_id, seed in (("alpha", 1), ("beta", 2)):
+        make_servable(root / "models", model_id, layers=2, hidden=64, stages=1, seed=seed)
+    auth = AuthDir(root / "auth")
+    auth.ensure(["f1", "f2"])
+    server = EmbeddedNats(root / "js", config=auth.config).start()
+    leader, fellows = None, []
+    try:
+        leader, fellows = secured_processes(root, auth, server.url, root / "models" / "servables", ["f1", "f2"])
+        s = Swarm(root, auth, server.url, leader, fellows)
+        for model_id, fellow in (("alpha", "f1"), ("beta", "f2")):
+            r = httpx.post(f"{s.url}/api/v1/models/{model_id}/load", json={"fellow_ids": [fellow], "wait": True},
+                           timeout=180)
+            assert r.status_code == 200 and r.json()["state"] == "ready", (r.text, fellows[0].tail())
+            s.loads[model_id] = r.json()["load_id"]
+        yield s
+    finally:
+        if leader is not None:
+            stop_all(leader, fellows)
+        server.stop()
+
+
+def chat(s: Swarm, model: str, **body) -> dict:
+    r = httpx.post(s.url + "/v1/chat/completions", timeout=60,
+                   json={"model": model, "messages": PROMPT, "temperature": 0, "max_tokens": 12, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def load_state(s: Swarm, model: str) -> str:
+    return httpx.get(f"{s.url}/api/v1/models/{model}", timeout=10).json()["load_state"]
+
+
+async def stored(nc, subject: str, evt) -> int:
+    """Publish `evt` as raw JSON on `subject` through JetStream; its stream sequence."""
+    return (await nc.jetstream().publish(subject, encode(evt), timeout=5)).seq
+
+
+async def test_a_fellow_cannot_take_another_fellows_model_offline(swarm):
+    s, alpha = swarm, swarm.loads["alpha"]
+    before = chat(s, "alpha")["choices"][0]["message"]["content"]
+    evil = await swarm.login(fellow_user("f2"))
+    try:
+        # the leader's own subject: NATS refuses it
+        with pytest.raises(nats.errors.TimeoutError):
+            await evil.jetstream().publish(subjects.event("load.failed"), encode(LoadFailed(
+                load_id=alpha, model_id="alpha", reason="forged", fellow_id="f1")), timeout=1.0)
+        # its own subjects: stored, and refused by the leader
+        attempts = [
+            LoadFailed(load_id=alpha, model_id="alpha", reason="as f1", fellow_id="f1"),
+            LoadFailed(load_id=alpha, model_id="alpha", reason="as itself", fellow_id="f2"),
+            ReplicaLost(load_id=alpha, model_id="alpha", replica=0, fellow_id="f2", reason="forged"),
+            ModelUnloaded(load_id=alpha, model_id="alpha", reason="evicted", fellow_id="f2"),
+        ]
+        seqs = [(await publish_event(evil.jetstream(), evt)).seq for evt in attempts]
+        # an admin token smuggled in on a subject it may publish on
+        token = ApiTokenMinted(token_id="forged", label="x", scopes=["admin"], token_hash="f" * 64, prefix="sk-f")
+        seqs.append(await stored(evil, subjects.event("load.failed", "f2"), token))
+    finally:
+        await evil.close()
+    assert any("permissions violation" in e.lower() for e in evil.denials), evil.denials
+    wait_until(lambda: len(s.sql("SELECT seq FROM dead_letters WHERE seq >= %d" % seqs[0])) == len(seqs), 30,
+               "every attempt kept as a dead letter")
+    letters = s.dead_letters()
+    assert letters[subjects.event("load.failed", "f2")] == [
+        "refused: fellow f2 reported for fellow 'f1'", f"refused: fellow f2 does not serve load '{alpha}'",
+        "refused: a api_token.minted event on another type's subject"], letters
+    assert letters[subjects.event("load.replica_lost", "f2")] == [f"refused: fellow f2 does not serve load '{alpha}'"]
+    assert letters[subjects.event("load.unloaded", "f2")] == [f"refused: fellow f2 does not serve load '{alpha}'"]
+    assert load_state(s, "alpha") == "ready"
+    assert s.sql("SELECT state FROM load_stages WHERE load_id = '%s'" % alpha) == [("ready",)]
+    assert s.sql("SELECT token_id FROM api_tokens WHERE token_id = 'forged'") == []
+    assert chat(s, "alpha")["choices"][0]["message"]["content"] == before  # served, as before
+
+
+async def test_forged_frames_and_usage_are_ignored(swarm):
+    """The attacker hears a request of alpha start (here through the leader's eyes: it may know the id)
+    and at once publishes frames 1-5 and a done frame with the ids the stage would have used before
+    frames were signed, and RequestFinished reports of 999,999 tokens: the client reads the real reply,
+    the row counts the real tokens."""
+    s, alpha, beta = swarm, swarm.loads["alpha"], swarm.loads["beta"]
+    reference = chat(s, "alpha")
+    watcher = await swarm.login(LEADER_USER)
+    evil = await swarm.login(fellow_user("f2"))
+    forged: list[int] = []
+
+    async def on_frame(msg):
+        frame = frame_decoder.decode(msg.data)
+        if not isinstance(frame, StartFrame) or forged:
+            return
+        rid = frame.request_id
+        forged.append(0)
+        for seq in range(1, 6):
+            fake = TokenFrame(request_id=rid, seq=seq, texts=[FORGED], text=FORGED)
+            await evil.publish(subjects.tokens(rid), encode(fake), headers={"Nats-Msg-Id": frame_msg_id(rid, seq)})
+        done = DoneFrame(request_id=rid, seq=6, completion_tokens=5, prompt_tokens=1)
+        await evil.publish(subjects.tokens(rid), encode(done), headers={"Nats-Msg-Id": frame_msg_id(rid, 6)})
+        # with the ids the stage's report had (JetStream would drop the real one as a duplicate)
+        for load_id, model, fellow, msg_id in ((alpha, "alpha", "f1", f"fin-{rid}"), (beta, "beta", "f2", f"fin-{rid}.f1")):
+            report = RequestFinished(id=f"fin-{rid}", request_id=rid, model_id=model, load_id=load_id,
+                                     completion_tokens=999_999, prompt_tokens=999_999, fellow_id=fellow)
+            forged.append((await evil.jetstream().publish(subjects.event(report.type, "f2"), encode(report),
+                                                          headers={"Nats-Msg-Id": msg_id})).seq)
+
+    sub = await watcher.subscribe(subjects.TOKENS_ALL, cb=on_frame)
+    try:
+        text, rid = "", None
+        async with httpx.AsyncClient(base_url=s.url, timeout=60) as http:
+            body = {"model": "alpha", "messages": PROMPT, "temperature": 0, "max_tokens": 12, "stream": True}
+            async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        rid = chunk["id"].removeprefix("chatcmpl-")
+                        for choice in chunk.get("choices", []):
+                            text += choice.get("delta", {}).get("content") or ""
+    finally:
+        await sub.unsubscribe()
+        await watcher.close()
+        await evil.close()
+    assert len(forged) == 3, "the attack did not run"
+    assert FORGED not in text and text == reference["choices"][0]["message"]["content"], text
+    wait_until(lambda: s.sql("SELECT status FROM requests WHERE request_id = '%s'" % rid) == [("finished",)], 30,
+               "the victim's row finished")
+    row = s.sql("SELECT completion_tokens, prompt_tokens, fellow_id FROM requests WHERE request_id = '%s'" % rid)
+    usage = reference["usage"]
+    assert row == [(usage["completion_tokens"], usage["prompt_tokens"], "f1")], row
+    wait_until(lambda: len(s.sql("SELECT seq FROM dead_letters WHERE seq IN (%d, %d)" % tuple(forged[1:]))) == 2,
+               30, "the forged usage kept as dead letters")
+    reasons = s.dead_letters()[subjects.event("request.finished", "f2")]
+    assert "refused: fellow f2 reported for fellow 'f1'" in reasons
+    assert f"refused: request {rid} is of load '{alpha}', not '{beta}' (fellow f2)" in reasons
+
+
+async def test_a_fellow_cannot_read_another_fellows_commands(swarm):
+    """Its command consumer may only be filtered to its own commands (it could be to any before)."""
+    evil = await swarm.login(fellow_user("f2"))
+    try:
+        other = ConsumerConfig(name="fellow-f2", durable_name="fellow-f2", filter_subject=subjects.commands_for("f1"),
+                               ack_policy=AckPolicy.EXPLICIT)
+        with pytest.raises(nats.errors.TimeoutError):
+            await evil.jetstream().add_consumer(subjects.COMMANDS_STREAM, other, timeout=1.0)
+        payload = msgspec.json.encode({"stream_name": subjects.COMMANDS_STREAM, "config": {
+            "durable_name": "fellow-f2", "filter_subject": subjects.commands_for("f1"), "ack_policy": "explicit"}})
+        for legacy in (f"$JS.API.CONSUMER.DURABLE.CREATE.{subjects.COMMANDS_STREAM}.fellow-f2",
+                       f"$JS.API.CONSUMER.CREATE.{subjects.COMMANDS_STREAM}.fellow-f2"):
+            with pytest.raises(nats.errors.TimeoutError):
+                await evil.request(legacy, payload, timeout=1.0)
+    finally:
+        await evil.close()
+    assert sum("permissions violation" in e.lower() for e in evil.denials) >= 3, evil.denials
