@@ -241,5 +241,5 @@ async def open_relay(leader, streams, caller, timeout: float, body: ChatBody, me
         stream.close(cancel=True)
         raise
     relay = Relay(leader, stream, chat, timeout)
-    relay.reasoning = reasoning_for(tokenizer_for(ready.model_dir), chat)
+    relay.reasoning = reasoning_for(ready.model_dir, chat)
     return relay

@@ -22,7 +22,6 @@ from leader.errors import ApiError
 from leader.openai.reasoning import reasoning_for
 from leader.openai.replies import DONE, Answer, ChunkEncoder, completion, error_event, frame_error, total_usage
 from leader.openai.schema import ChatBody
-from leader.openai.tokenizer import tokenizer_for
 from leader.openai.validate import chat_request, unsupported
 from leader.serving import ReadyLoad
 from leader.serving.limits import check_payload
@@ -155,7 +154,7 @@ async def chat_choices(request: Request, leader, streams, caller, timeout: float
     if chats[0].tools and body.stream:
         raise unsupported("n", "streamed replies of several choices are not served together with 'tools'")
     choices = await Choices.open(leader, streams, chats, bool(body.stream), caller.token_id if caller else "", timeout,
-                                 reasoning=reasoning_for(tokenizer_for(ready.model_dir), chats[0]))
+                                 reasoning=reasoning_for(ready.model_dir, chats[0]))
     cid, created = "chatcmpl-" + chats[0].request_id, int(chats[0].created)
     if not body.stream:
         names = {t["function"]["name"] for t in chats[0].tools} or None

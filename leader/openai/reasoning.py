@@ -10,6 +10,9 @@ only. A reply constrained by a grammar (structured outputs, constrained tool cal
 
 from __future__ import annotations
 
+from leader.errors import ApiError
+from leader.openai.tokenizer import tokenizer_for
+
 OPEN, CLOSE = "<think>", "</think>"
 _PROBE = [{"role": "user", "content": "hi"}]
 
@@ -99,10 +102,16 @@ class Reasoning:
         return "", buf if self.state in ("start", "answer") else ""
 
 
-def reasoning_for(tok, chat) -> bool | None:
+def reasoning_for(model_dir: str, chat) -> bool | None:
     """How ``chat``'s reply is split: None (not at all), else whether it starts inside its thinking.
-    A grammar owns a constrained reply from its first token, so that reply is never inside."""
-    inside = reply_starts_inside(tok, chat.enable_thinking)
-    if inside is None or chat.prompt_ids:
+    A grammar owns a constrained reply from its first token, so that reply is never inside. A
+    servable whose tokenizer or template the leader cannot read goes unsplit (the stage serves it)."""
+    if not model_dir or chat.prompt_ids:
+        return None
+    try:
+        inside = reply_starts_inside(tokenizer_for(model_dir), chat.enable_thinking)
+    except ApiError:
+        return None
+    if inside is None:
         return None
     return inside and not chat.sampling.grammar
