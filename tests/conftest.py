@@ -76,3 +76,17 @@ def make_settings(tmp_path, nats_url: str, database_url: str | None = None, **en
         base["SWARM_DATABASE_URL"] = database_url
     base.update({k: str(v) for k, v in env.items()})
     return Settings.from_env(base)
+
+
+DEMO_STEPS = 40  # of the 260 steps `make run` trains: enough for the demo model's shape of a reply
+
+
+@pytest.fixture(scope="session")
+def demo_servables(tmp_path_factory):
+    """A servables folder holding the demo model (`swarm demo-model`: its shape, tokenizer and Qwen3 chat
+    template), trained once a session for DEMO_STEPS: its replies open with an empty ``<think>`` block."""
+    from fellow.runtime.tools.demo_model import MODEL_ID, make_demo_model
+
+    servables = tmp_path_factory.mktemp("demo-models")
+    make_demo_model(servables / MODEL_ID, steps=DEMO_STEPS)
+    return servables

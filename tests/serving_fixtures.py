@@ -47,12 +47,19 @@ def stream_a_reply(base_url: str, model: str = "tiny", timeout: float = 120) -> 
 
 
 def make_servable(root: Path, model_id: str = "tiny", family: str = "qwen3", layers: int = 4, hidden: int = 64,
-                  stages: int = 2, seed: int = 0) -> tuple[Path, Path]:
-    """(hf checkpoint dir, servable dir) of a random tiny model with a chat tokenizer."""
+                  stages: int = 2, seed: int = 0, chat_template: str | None = None) -> tuple[Path, Path]:
+    """(hf checkpoint dir, servable dir) of a random tiny model with a chat tokenizer (its template
+    Qwen3's, or ``chat_template``)."""
     from fellow.runtime.tools.export import export
     from tests.tiny import make_tiny_checkpoint
 
     hf = make_tiny_checkpoint(root / f"hf-{model_id}", family=family, layers=layers, hidden=hidden, seed=seed)
+    if chat_template is not None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(hf))
+        tok.chat_template = chat_template
+        tok.save_pretrained(str(hf))
     out = root / "servables" / model_id
     export(hf, out, stages=stages, model_id=model_id)
     return hf, out
@@ -61,15 +68,23 @@ def make_servable(root: Path, model_id: str = "tiny", family: str = "qwen3", lay
 def one_model_stack(root: Path, model_id: str = "tiny", env: dict | None = None, **model):
     """A generator for a module fixture: (Stack, hf dir, nats url) with ``model_id`` made and loaded on one
     fellow; ``env`` adds settings."""
+    hf, servable = make_servable(root / "models", model_id, **model)
+    for stack in stack_serving(root, servable.parent, model_id, env=env):
+        yield stack, hf, stack.env["SWARM_NATS_URL"]
+
+
+def stack_serving(root: Path, servables: Path, *model_ids: str, env: dict | None = None, fellows: int = 1, **load):
+    """A generator for a module fixture: a Stack of ``fellows`` on its own nats-server serving the servables
+    folder ``servables``, with each of ``model_ids`` loaded (``load``: the load requests' fields)."""
     from core.nats_server import EmbeddedNats
 
-    hf, servable = make_servable(root / "models", model_id, **model)
     nats = EmbeddedNats(root / "jetstream").start()
-    stack = Stack(root, nats.url, servable.parent, **(env or {}))
+    stack = Stack(root, nats.url, servables, fellows=fellows, **(env or {}))
     try:
         stack.start()
-        stack.load(model_id)
-        yield stack, hf, nats.url
+        for model_id in model_ids:
+            stack.load(model_id, **load)
+        yield stack
     finally:
         stack.stop()
         nats.stop()
@@ -105,6 +120,20 @@ def secured_processes(root: Path, auth, nats_url: str, servables: Path, fellow_i
 def stop_all(leader: SwarmProcess, fellows: list[SwarmProcess]) -> None:
     for p in (*fellows, leader):
         p.stop()
+
+
+async def responses_stream(client, delta_type: str, **request) -> tuple[list[str], list[str], object]:
+    """A streamed Responses reply read through the SDK: (its event types, the deltas of events of
+    ``delta_type``, the final response)."""
+    kinds, deltas, final = [], [], None
+    async with await client.responses.create(stream=True, **request) as stream:
+        async for event in stream:
+            kinds.append(event.type)
+            if event.type == delta_type:
+                deltas.append(event.delta)
+            if event.type in ("response.completed", "response.incomplete"):
+                final = event.response
+    return kinds, deltas, final
 
 
 class Stack:

@@ -25,15 +25,28 @@ def test_whole_text_splits_into_content_and_calls():
 
 
 def test_streamed_pieces_give_the_same_calls_whatever_the_cut():
+    """As OpenAI streams them: a call's head (id, type, name) first, then its arguments in pieces."""
     for size in (1, 2, 5, 13, len(TEXT)):
         stream, pieces = CallStream(NAMES), []
         for i in range(0, len(TEXT), size):
             pieces += stream.feed(TEXT[i:i + size])
         pieces += stream.flush()
         text = "".join(p for kind, p in pieces if kind == "text")
-        calls = [p for kind, p in pieces if kind == "call"]
+        kinds = [kind for kind, _ in pieces if kind != "text"]
         assert text == "Let me look.\n" and stream.calls == 2, (size, pieces)
-        assert [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
+        first, second = kinds.index("start"), kinds.index("start", 1)
+        assert kinds[first + 1:second - 1] == ["args"] * (second - first - 2) and kinds[second - 1] == "end"
+        assert (size > 8) or second - first > 3  # small cuts stream the arguments in several pieces
+        starts = [p for kind, p in pieces if kind == "start"]
+        ends = [p for kind, p in pieces if kind == "end"]
+        assert [c["function"]["name"] for c in starts] == ["get_time", "get_weather"]
+        assert all(c["function"]["arguments"] == "" for c in starts) and [c["id"] for c in starts] == [c["id"] for c in ends]
+        args = "".join(p for kind, p in pieces[pieces.index(("start", starts[1])):] if kind == "args")
+        assert args == ends[1]["function"]["arguments"] == '{"city":"Oslo"}'
+        assert json.loads(ends[0]["function"]["arguments"]) == {"zone": "UTC"}
+    other = CallStream(NAMES)  # keys in another order: settled whole when the block closes
+    pieces = other.feed('<tool_call>{"arguments": {}, "name": "get_time"}</tool_call>')
+    assert [kind for kind, _ in pieces] == ["start", "args", "end"] and pieces[2][1]["function"]["name"] == "get_time"
     stream = CallStream(NAMES)
     assert stream.feed("a <tool_") == [("text", "a ")]  # a possible opening is held back
     assert stream.feed("call>\n{\"name\": \"get_time\"") == []

@@ -22,6 +22,7 @@ from events.requests import RequestAccepted, RequestFailed, RequestFinished
 from events.subjects import EVENTS_STREAM
 from playwright.sync_api import expect, sync_playwright
 from tests.serving_fixtures import Stack, make_servable
+from tests.tiny import R1_TEMPLATE
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -35,6 +36,7 @@ REQUEST_EVENTS = msgspec.json.Decoder(RequestAccepted | RequestFinished | Reques
 def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("web")
     _, servable = make_servable(root / "models", "tiny", layers=4, hidden=64)
+    make_servable(root / "models", "tiny-r1", layers=2, stages=1, chat_template=R1_TEMPLATE)  # it thinks
     nats = EmbeddedNats(root / "jetstream").start()
     # Stop cancels through the cancel route at once: a hang-up alone would wait out this grace
     stack = Stack(root, nats.url, servable.parent, SWARM_STREAM_RESUME_S=600)
@@ -237,3 +239,25 @@ def test_with_a_token_the_page_asks_for_it_and_keeps_it_in_the_tab(stack, browse
     expect(fresh.locator("#token-form")).to_be_visible()
     fresh.close()
     page.close()
+
+
+def test_a_thinking_models_thought_is_shown_folded_away(stack, browser):
+    """The R1-style tiny model starts inside its thinking and (greedy) never closes it: all of it is thought."""
+    s, _ = stack
+    s.load("tiny-r1", num_stages=1)
+    page = browser.new_page(viewport={"width": 1200, "height": 800})
+    page.goto(s.url + "/pools/local/default/inference")
+    page.select_option("#model-select", "tiny-r1")
+    expect(page.locator("body")).to_have_attribute("data-load-state", "ready", timeout=90_000)
+    page.check("#thinking")
+    page.fill("#max-tokens", "12")
+    page.fill("#temperature", "0")
+    send(page, PROMPT)
+    reply = page.locator("li.msg.assistant").nth(0)
+    expect(reply).to_have_attribute("data-finish", "length", timeout=60_000)
+    thought = reply.locator("details.thinking")
+    expect(thought).to_have_count(1)
+    expect(thought.locator("summary")).to_have_text("Thought")
+    assert thought.evaluate("d => d.open") is False and thought.locator("div").text_content().strip()
+    assert "<think>" not in reply.locator(".body").text_content()
+    shot(page, "8-chat-thought-folded")

@@ -14,6 +14,22 @@ HYBRID_FAMILIES = ("qwen3_next",)  # linear-attention layers too: the HF layers,
 TINY_VOCAB = 384  # 256 bytes + specials + a few merges: enough for words to be a few tokens
 
 
+def _template_variants():
+    """Qwen3's template (the tiny tokenizer's) made DeepSeek-R1 style (the generation prompt opens a
+    ``<think>`` block) and made plain (no thinking at all)."""
+    from fellow.runtime.tools.chat_tokenizer import CHAT_TEMPLATE
+
+    off = ("{%- if enable_thinking is defined and enable_thinking is false %}"  # a closed, empty block
+           "{{- '<think>\\n\\n</think>\\n\\n' }}")
+    qwen_end = off + "{%- endif %}"
+    assert qwen_end in CHAT_TEMPLATE
+    return (CHAT_TEMPLATE.replace(qwen_end, off + "{%- else %}{{- '<think>\\n' }}{%- endif %}"),
+            CHAT_TEMPLATE.replace(qwen_end, ""))
+
+
+R1_TEMPLATE, PLAIN_TEMPLATE = _template_variants()
+
+
 @lru_cache(maxsize=1)
 def _tokenizer():
     from fellow.runtime.tools.calibration import default_texts

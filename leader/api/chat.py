@@ -22,8 +22,9 @@ from events.requests import ChatRequest, RequestAccepted, RequestFailed, request
 from leader.api.body import StructBody
 from leader.api.deps import Caller, ChatTimeout, LeaderDep, ServingDep, StreamsDep
 from leader.errors import ApiError
+from leader.openai.reasoning import Reasoning, reasoning_for
 from leader.openai.replies import (DONE, Answer, ChatCompletion, ChunkEncoder, calls_reason, completion,
-                                   error_event, frame_error)
+                                   error_event, frame_error, split_pieces)
 from leader.openai.schema import ChatBody, decode_body, empty_body
 from leader.openai.tokenizer import check_bias_ids, tokenizer_for
 from leader.openai.tools import CallStream, check_template
@@ -48,6 +49,7 @@ class Relay:
         self.timeout = timeout
         self.completion_id = "chatcmpl-" + chat.request_id
         self.created = int(chat.created)
+        self.reasoning: bool | None = None  # how the reply's thinking is split (leader.openai.reasoning)
 
     async def next_frame(self):
         try:
@@ -74,25 +76,27 @@ class Relay:
         [DONE]. Each chunk's id names the next frame, for a client that reconnects (leader.resume)."""
         rid = self.chat.request_id
         calls = CallStream(tool_names(self.chat)) if self.chat.tools else None
+        split = None if self.reasoning is None or resumed else Reasoning(self.reasoning)
         try:
             if not resumed:
                 yield event_id(rid, self.stream.next_seq) + enc.role()
             while True:
                 frame = await self.next_frame()
                 if isinstance(frame, TokenFrame):
-                    text = frame.text or "".join(frame.texts)
-                    if calls is not None:
-                        pieces = tool_pieces(enc, calls, calls.feed(text))
-                        if pieces:
-                            yield event_id(rid, self.stream.next_seq) + pieces
-                    elif text or frame.logprobs:
-                        yield event_id(rid, self.stream.next_seq) + enc.text(text, logprobs=frame.logprobs)
+                    text, thought = frame.text or "".join(frame.texts), ""
+                    if split is not None:
+                        thought, text = split_pieces(split, frame.texts or [text])
+                    out = settled(enc, calls, thought, text, frame.logprobs)
+                    if out:
+                        yield event_id(rid, self.stream.next_seq) + out
                 elif isinstance(frame, DoneFrame):
-                    tail, reason = b"", None
+                    reason = None
+                    tail = settled(enc, calls, *split.flush()) if split is not None else b""
                     if calls is not None:
-                        tail = tool_pieces(enc, calls, calls.flush())
+                        tail += tool_pieces(enc, calls, calls.flush())
                         reason = calls_reason(frame.finish_reason, calls.calls)
-                    yield event_id(rid, self.stream.next_seq) + tail + enc.finish(frame, reason) + DONE
+                    yield (event_id(rid, self.stream.next_seq) + tail
+                           + enc.finish(frame, reason, None if split is None else split.tokens) + DONE)
                     return
                 else:
                     yield error_event(frame_error(frame))
@@ -104,13 +108,13 @@ class Relay:
 
     async def answer(self) -> Answer:
         """Every frame of the reply, collected."""
-        answer = Answer(0, self.chat.sampling.logprobs is not None)
+        answer = Answer(0, self.chat.sampling.logprobs is not None, reasoning=self.reasoning)
         while True:
             frame = await self.next_frame()
             if isinstance(frame, TokenFrame):
                 answer.add(frame)
             elif isinstance(frame, DoneFrame):
-                answer.done = frame
+                answer.finish(frame)
                 return answer
             else:
                 raise frame_error(frame)
@@ -142,15 +146,26 @@ def tool_names(chat: ChatRequest) -> set[str]:
     return {t["function"]["name"] for t in chat.tools}
 
 
+def settled(enc: ChunkEncoder, calls: CallStream | None, thought: str, text: str, logprobs=None) -> bytes:
+    """The chunks of text that settled: thinking, then answer text or (with tools) text and whole calls."""
+    if calls is None:
+        return enc.pieces(thought, text, logprobs=logprobs)
+    return enc.pieces(thought, "") + tool_pieces(enc, calls, calls.feed(text))
+
+
 def tool_pieces(enc: ChunkEncoder, calls: CallStream, pieces: list) -> bytes:
-    """Settled text and whole tool calls as chunks (a call's number counts the calls before it)."""
-    out, number = [], calls.calls - sum(1 for kind, _ in pieces if kind == "call")
+    """Settled text, and tool calls as they stream: a call's head, then its arguments in pieces (a call's
+    number counts the calls before it)."""
+    out, number = [], calls.calls - sum(1 for kind, _ in pieces if kind == "start")
+    current = number - 1  # a call whose head went out with earlier pieces
     for kind, piece in pieces:
         if kind == "text":
             out.append(enc.text(piece))
-        else:
-            out.append(enc.tool_call(number, piece))
-            number += 1
+        elif kind == "start":
+            current, number = number, number + 1
+            out.append(enc.tool_delta(current, piece))
+        elif kind == "args":
+            out.append(enc.tool_delta(current, {"function": {"arguments": piece}}))
     return b"".join(out)
 
 
@@ -229,4 +244,6 @@ async def open_relay(leader, streams, caller, timeout: float, body: ChatBody, me
     except BaseException:
         stream.close(cancel=True)
         raise
-    return Relay(leader, stream, chat, timeout)
+    relay = Relay(leader, stream, chat, timeout)
+    relay.reasoning = reasoning_for(ready.model_dir, chat)
+    return relay

@@ -19,6 +19,7 @@ from events.frames import DoneFrame, TokenFrame
 from events.requests import ChatMessage, ChatRequest
 from leader.api.chat import SSE_HEADERS, Relay, disconnected, submit
 from leader.errors import ApiError
+from leader.openai.reasoning import reasoning_for
 from leader.openai.replies import DONE, Answer, ChunkEncoder, completion, error_event, frame_error, total_usage
 from leader.openai.schema import ChatBody
 from leader.openai.validate import chat_request, unsupported
@@ -29,15 +30,15 @@ from leader.serving.limits import check_payload
 class Choices:
     """The relays of one reply's choices, index i for ``chats[i]``."""
 
-    def __init__(self, leader, relays: list[Relay], prefixes: list[str] | None = None):
+    def __init__(self, leader, relays: list[Relay], prefixes: list[str] | None = None, reasoning: bool | None = None):
         self.leader = leader
         self.relays = relays
         logprobs = [r.chat.sampling.logprobs is not None for r in relays]
-        self.answers = [Answer(i, lp, (prefixes or [""] * len(relays))[i]) for i, lp in enumerate(logprobs)]
+        self.answers = [Answer(i, lp, (prefixes or [""] * len(relays))[i], reasoning) for i, lp in enumerate(logprobs)]
 
     @classmethod
     async def open(cls, leader, streams, chats: list[ChatRequest], stream: bool, token_id: str, timeout: float,
-                   prefixes: list[str] | None = None) -> "Choices":
+                   prefixes: list[str] | None = None, reasoning: bool | None = None) -> "Choices":
         """Subscribe to every choice's frames, then submit them all (nothing is recorded on a bad payload)."""
         for chat in chats:
             check_payload(leader.nc, chat)
@@ -56,7 +57,7 @@ class Choices:
             for s in opened:
                 s.close(cancel=True)
             raise
-        return cls(leader, [Relay(leader, s, chat, timeout) for s, chat in zip(opened, chats)], prefixes)
+        return cls(leader, [Relay(leader, s, chat, timeout) for s, chat in zip(opened, chats)], prefixes, reasoning)
 
     def close(self) -> None:
         for relay in self.relays:
@@ -86,7 +87,7 @@ class Choices:
                 if isinstance(frame, TokenFrame):
                     answer.add(frame)
                 elif isinstance(frame, DoneFrame):
-                    answer.done = frame
+                    answer.finish(frame)
                     left -= 1
                 else:
                     raise frame_error(frame)
@@ -152,7 +153,8 @@ async def chat_choices(request: Request, leader, streams, caller, timeout: float
              for i in range(body.n)]
     if chats[0].tools and body.stream:
         raise unsupported("n", "streamed replies of several choices are not served together with 'tools'")
-    choices = await Choices.open(leader, streams, chats, bool(body.stream), caller.token_id if caller else "", timeout)
+    choices = await Choices.open(leader, streams, chats, bool(body.stream), caller.token_id if caller else "", timeout,
+                                 reasoning=reasoning_for(ready.model_dir, chats[0]))
     cid, created = "chatcmpl-" + chats[0].request_id, int(chats[0].created)
     if not body.stream:
         names = {t["function"]["name"] for t in chats[0].tools} or None
@@ -161,6 +163,7 @@ async def chat_choices(request: Request, leader, streams, caller, timeout: float
     enc = ChunkEncoder(cid, created, body.model, include_usage)
     return choices.stream(
         lambda a: enc.role(a.index),
-        lambda a, f: enc.text(text_of(f), a.index, f.logprobs) if text_of(f) or f.logprobs else None,
-        lambda a, last: enc.finish_choice(a.index, a.done.finish_reason, last and not include_usage, a.done),
+        lambda a, f: enc.pieces(*a.last, a.index, f.logprobs),
+        lambda a, last: enc.pieces(*a.last, a.index)
+        + enc.finish_choice(a.index, a.done.finish_reason, last and not include_usage, a.done),
         lambda: enc.end(total_usage(choices.answers), choices.answers[0].done))

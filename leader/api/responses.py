@@ -15,7 +15,8 @@ from leader.api.body import StructBody
 from leader.api.chat import SSE_HEADERS, Relay, open_relay, tool_names
 from leader.api.deps import Caller, ChatTimeout, LeaderDep, ServingDep, StreamsDep
 from leader.errors import ApiError
-from leader.openai.replies import error_event, frame_error
+from leader.openai.reasoning import Reasoning
+from leader.openai.replies import error_event, frame_error, split_pieces
 from leader.openai.responses import ResponseBuilder, ResponsesBody, chat_body, decode_body, new_response, renamed
 from leader.openai.schema import empty_body
 from leader.openai.tokenizer import tokenizer_for
@@ -30,16 +31,23 @@ class ResponsesBodyDTO(StructBody[ResponsesBody]):
 async def _events(relay: Relay, out: ResponseBuilder):
     """The Responses events of one reply: created, the items as their text and calls settle, completed."""
     calls = CallStream(tool_names(relay.chat)) if relay.chat.tools else None
+    split = None if relay.reasoning is None else Reasoning(relay.reasoning)
+
+    def settled(thought: str, text: str) -> bytes:
+        return out.thinking(thought) + (_pieces(out, calls.feed(text)) if calls is not None else out.text(text))
+
     try:
         yield out.start()
         while True:
             frame = await relay.next_frame()
             if isinstance(frame, TokenFrame):
                 text = frame.text or "".join(frame.texts)
-                yield _pieces(out, calls.feed(text)) if calls is not None else out.text(text)
+                yield settled(*split_pieces(split, frame.texts or [text])) if split is not None else settled("", text)
             elif isinstance(frame, DoneFrame):
-                tail = _pieces(out, calls.flush()) if calls is not None else b""
-                events, _ = out.finish(frame, calls.calls if calls is not None else 0)
+                tail = settled(*split.flush()) if split is not None else b""
+                tail += _pieces(out, calls.flush()) if calls is not None else b""
+                events, _ = out.finish(frame, calls.calls if calls is not None else 0,
+                                       split.tokens if split is not None else 0)
                 yield tail + events
                 return
             else:
@@ -51,7 +59,9 @@ async def _events(relay: Relay, out: ResponseBuilder):
 
 
 def _pieces(out: ResponseBuilder, pieces: list) -> bytes:
-    return b"".join(out.text(p) if kind == "text" else out.call(p) for kind, p in pieces)
+    """Settled text, and calls as they stream (leader.openai.tools.CallStream's pieces)."""
+    emit = {"text": out.text, "start": out.call_start, "args": out.call_args, "end": out.call_end}
+    return b"".join(emit[kind](p) for kind, p in pieces)
 
 
 async def _whole(relay: Relay, out: ResponseBuilder) -> Response:
@@ -60,10 +70,11 @@ async def _whole(relay: Relay, out: ResponseBuilder) -> Response:
         content, calls = parse_calls(answer.text, tool_names(relay.chat))
     else:
         content, calls = answer.text, []
+    out.thinking(answer.thinking or "")
     out.text(content or "")
     for call in calls:
         out.call(call)
-    _, final = out.finish(answer.done, len(calls))
+    _, final = out.finish(answer.done, len(calls), answer.reasoning_tokens)
     return Response(final, media_type="application/json")
 
 

@@ -5,7 +5,10 @@ accepted, so a schema the engine cannot compile is a 400 naming it; the stage th
 its matcher from the same grammar text (fellow.runtime.engine.processors.Constraint).
 
 JSON is generated compact (no free whitespace between tokens, as OpenAI's structured outputs
-are): a schema's own ``x-guidance`` options override that.
+are): a schema's own ``x-guidance`` options override that. An object schema that names its
+properties and says nothing of others is closed to them (``closed``), as vLLM's default grammar
+backend treats it: pydantic writes no ``additionalProperties``, and an open object lets a small
+model ramble on in invented keys until ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -44,12 +47,13 @@ def schema_grammar(schema, param: str) -> str:
     return _checked(grammar, param, f"The schema in '{param}'")
 
 
-def response_format_grammar(response_format) -> str:
-    """``response_format`` as a grammar ("" for text): json_object is any JSON object, json_schema its schema."""
+def response_format_schema(response_format) -> dict | None:
+    """``response_format``'s JSON schema (None for text): json_object is any JSON object, json_schema
+    its schema, closed (``closed``)."""
     if response_format is None or response_format.type == "text":
-        return ""
+        return None
     if response_format.type == "json_object":
-        return schema_grammar({"type": "object"}, "response_format")
+        return {"type": "object"}
     if response_format.type == "json_schema":
         spec = response_format.json_schema
         if not isinstance(spec, dict):
@@ -58,16 +62,25 @@ def response_format_grammar(response_format) -> str:
         if not isinstance(spec.get("name"), str) or not spec["name"]:
             raise ApiError(400, "'response_format.json_schema.name' must name the schema", code="invalid_value",
                            param="response_format.json_schema.name")
-        return schema_grammar(spec.get("schema", {}), "response_format.json_schema.schema")
+        return closed(spec.get("schema", {}))
     raise ApiError(400, f"'response_format.type' must be text, json_object or json_schema "
                         f"(got '{response_format.type}')", code="invalid_value", param="response_format.type")
 
 
+def response_format_grammar(response_format) -> str:
+    """``response_format`` as a grammar ("" for text)."""
+    schema = response_format_schema(response_format)
+    if schema is None:
+        return ""
+    param = "response_format.json_schema.schema" if response_format.type == "json_schema" else "response_format"
+    return schema_grammar(schema, param)
+
+
 def closed(schema):
     """``schema`` with every object that names its properties and says nothing of others closed to them
-    (``additionalProperties: false``), as OpenAI's strict function calling has it: a constrained call
-    then holds the arguments its tool names, and a small model cannot ramble on in extra keys until
-    ``max_tokens`` cuts the call off."""
+    (``additionalProperties: false``; an explicit ``true`` or a schema keeps it open), as OpenAI's strict
+    mode and vLLM's default have it: a reply then holds the keys its schema names, and a small model
+    cannot ramble on in extra keys until ``max_tokens`` cuts it off."""
     if isinstance(schema, list):
         return [closed(item) for item in schema]
     if not isinstance(schema, dict):
@@ -81,15 +94,29 @@ def closed(schema):
     return out
 
 
-def tool_call_grammar(tools: list[dict]) -> str:
-    """One tool call in the Hermes format, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
-    naming one of ``tools`` (checked OpenAI tool objects) with arguments that follow its parameters,
-    closed to keys they do not name (``closed``)."""
+def _call_rules(tools: list[dict]) -> str:
+    """The Lark rules of one call (``call_block``) naming one of ``tools``."""
     calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                                "arguments": closed(t["function"].get("parameters")
                                                                    or {"type": "object"})},
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     schema = {"anyOf": calls, "x-guidance": JSON_OPTIONS}
-    lark = (f"start: {json.dumps(TOOL_CALL_OPEN)} call {json.dumps(TOOL_CALL_CLOSE)}\n"
+    return (f"call_block: {json.dumps(TOOL_CALL_OPEN)} call {json.dumps(TOOL_CALL_CLOSE)}\n"
             f"call: %json {json.dumps(schema)}")
-    return _checked(_ll().grammar_from_lark(lark), "tools", "The tools' parameters")
+
+
+def tool_call_grammar(tools: list[dict]) -> str:
+    """One tool call in the Hermes format, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
+    naming one of ``tools`` (checked OpenAI tool objects) with arguments that follow its parameters,
+    closed to keys they do not name (``closed``)."""
+    return _checked(_ll().grammar_from_lark("start: call_block\n" + _call_rules(tools)), "tools",
+                    "The tools' parameters")
+
+
+def call_or_answer_grammar(tools: list[dict], response_format) -> str:
+    """tool_choice "auto" beside a ``response_format``: one call of ``tools``, or the answer in that format
+    (an agent that calls tools and then answers in a schema, as the Agents SDK's ``output_type`` asks)."""
+    response_format_grammar(response_format)  # a schema that does not compile alone is a 400 naming it
+    answer = {**response_format_schema(response_format), "x-guidance": JSON_OPTIONS}
+    lark = f"start: call_block | answer\n{_call_rules(tools)}\nanswer: %json {json.dumps(answer)}"
+    return _checked(_ll().grammar_from_lark(lark), "response_format", "The tools and the response format")

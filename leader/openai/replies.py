@@ -13,6 +13,7 @@ from msgspec import UNSET, UnsetType
 
 from events.frames import DoneFrame, ErrorFrame, TokenFrame, TokenLogprob
 from leader.errors import ApiError, error_body
+from leader.openai.reasoning import Reasoning
 from leader.openai.tools import parse_calls
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class Usage(msgspec.Struct, omit_defaults=True):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: dict | None = None  # {"cached_tokens": n}: prompt positions the prefix cache served
+    completion_tokens_details: dict | None = None  # {"reasoning_tokens": n}: of a model that thinks
 
 
 def _cached(done: DoneFrame) -> int | None:
@@ -58,6 +60,7 @@ def _cached(done: DoneFrame) -> int | None:
 class AssistantMessage(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str | None
+    reasoning_content: str | None | UnsetType = UNSET  # a thinking model's thinking (vLLM's field)
     refusal: str | None = None
     tool_calls: list[dict] | UnsetType = UNSET
 
@@ -90,32 +93,71 @@ class ChatCompletion(Reply, kw_only=True):
 
 
 class Answer:
-    """One choice as its frames arrive: text pieces, logprobs (when asked for) and its done frame."""
+    """One choice as its frames arrive: text pieces, logprobs (when asked for) and its done frame.
 
-    def __init__(self, index: int, logprobs: bool = False, prefix: str = ""):
+    With ``reasoning`` (leader.openai.reasoning.reasoning_for's answer) the thinking goes apart:
+    ``text`` is the answer, ``thinking`` the thought, ``last`` what the latest frame settled of each.
+    """
+
+    def __init__(self, index: int, logprobs: bool = False, prefix: str = "", reasoning: bool | None = None):
         self.index = index
         self.texts: list[str] = [prefix] if prefix else []
         self.logprobs: list[TokenLogprob] | None = [] if logprobs else None
         self.done: DoneFrame | None = None
+        self.split = None if reasoning is None else Reasoning(reasoning)
+        self.thoughts: list[str] = []
+        self.last = ("", "")
 
-    def add(self, frame: TokenFrame) -> str:
-        """Take a token frame; returns its text."""
+    def add(self, frame: TokenFrame) -> None:
+        """Take a token frame."""
         text = frame.text or "".join(frame.texts)
-        self.texts.append(text)
         if self.logprobs is not None:
             self.logprobs.extend(frame.logprobs)
-        return text
+        if self.split is None:
+            self.last = ("", text)
+        else:
+            self.last = split_pieces(self.split, frame.texts or [text])
+        self.thoughts.append(self.last[0])
+        self.texts.append(self.last[1])
+
+    def finish(self, done: DoneFrame) -> None:
+        """Take the done frame; ``last`` is then what the split still held."""
+        self.last = ("", "") if self.split is None else self.split.flush()
+        self.thoughts.append(self.last[0])
+        self.texts.append(self.last[1])
+        self.done = done
 
     @property
     def text(self) -> str:
         return "".join(self.texts)
 
+    @property
+    def thinking(self) -> str | None | UnsetType:
+        """The thought (None if the model thought nothing), UNSET for a model that does not think."""
+        return UNSET if self.split is None else "".join(self.thoughts) or None
 
-def usage(done: DoneFrame) -> Usage:
+    @property
+    def reasoning_tokens(self) -> int:
+        return 0 if self.split is None else self.split.tokens
+
+
+def split_pieces(split: Reasoning, texts: list[str]) -> tuple[str, str]:
+    """The (thinking, answer) text that a frame's token texts settle."""
+    thought, answer = [], []
+    for piece in texts:
+        t, a = split.feed(piece)
+        thought.append(t)
+        answer.append(a)
+    return "".join(thought), "".join(answer)
+
+
+def usage(done: DoneFrame, reasoning_tokens: int | None = None) -> Usage:
+    """One reply's usage; ``reasoning_tokens`` for a model that thinks (None: it does not)."""
     cached = _cached(done)
     return Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
                  total_tokens=done.prompt_tokens + done.completion_tokens,
-                 prompt_tokens_details=None if cached is None else {"cached_tokens": cached})
+                 prompt_tokens_details=None if cached is None else {"cached_tokens": cached},
+                 completion_tokens_details=None if reasoning_tokens is None else {"reasoning_tokens": reasoning_tokens})
 
 
 def total_usage(answers: list[Answer], prompts: int = 1) -> Usage:
@@ -125,8 +167,11 @@ def total_usage(answers: list[Answer], prompts: int = 1) -> Usage:
     completion = sum(a.done.completion_tokens for a in answers)
     cached = [_cached(a.done) for a in answers[::per]]
     details = None if None in cached else {"cached_tokens": sum(cached)}
+    thinks = any(a.split is not None for a in answers)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=details)
+                 prompt_tokens_details=details,
+                 completion_tokens_details={"reasoning_tokens": sum(a.reasoning_tokens for a in answers)}
+                 if thinks else None)
 
 
 def _top(entry) -> dict:
@@ -150,7 +195,8 @@ def calls_reason(reason: str, calls: int) -> str:
 
 def _choice(a: Answer, tools: set[str] | None) -> Choice:
     content, calls = parse_calls(a.text, tools) if tools else (a.text, [])
-    return Choice(index=a.index, message=AssistantMessage(content=content, tool_calls=calls or UNSET),
+    return Choice(index=a.index, message=AssistantMessage(content=content, reasoning_content=a.thinking,
+                                                          tool_calls=calls or UNSET),
                   finish_reason=calls_reason(a.done.finish_reason, len(calls)),
                   logprobs=None if a.logprobs is None else chat_logprobs(a.logprobs))
 
@@ -186,18 +232,29 @@ class ChunkEncoder:
         return (self._head + self._choice(b'{"content":' + _enc.encode(text) + b"}", index=index, logprobs=lp)
                 + self._no_usage + b"}\n\n")
 
-    def tool_call(self, number: int, call: dict, index: int = 0) -> bytes:
-        """One whole tool call as a ``delta.tool_calls`` entry (``number``: its place among the reply's calls)."""
-        delta = _enc.encode({"tool_calls": [{"index": number, **call}]})
+    def pieces(self, thought: str, text: str, index: int = 0, logprobs: list[TokenLogprob] | None = None) -> bytes:
+        """A frame's settled thinking (as ``delta.reasoning_content``) and answer, as chunks (maybe none)."""
+        out = b""
+        if thought:
+            out = (self._head + self._choice(b'{"reasoning_content":' + _enc.encode(thought) + b"}", index=index)
+                   + self._no_usage + b"}\n\n")
+        if text or logprobs:
+            out += self.text(text, index, logprobs)
+        return out
+
+    def tool_delta(self, number: int, entry: dict, index: int = 0) -> bytes:
+        """A ``delta.tool_calls`` entry of the reply's call ``number``: its head (id, type, name), or a
+        piece of its arguments, as OpenAI streams them."""
+        delta = _enc.encode({"tool_calls": [{"index": number, **entry}]})
         return self._head + self._choice(delta, index=index) + self._no_usage + b"}\n\n"
 
-    def finish(self, done: DoneFrame, reason: str | None = None) -> bytes:
+    def finish(self, done: DoneFrame, reason: str | None = None, reasoning_tokens: int | None = None) -> bytes:
         """The chunk with finish_reason, then (with include_usage) one with usage and no choices.
 
         swarm.timing rides on whichever is last, as the spec asks of the reply's last chunk.
         """
         return self.finish_choice(0, reason or done.finish_reason, last=not self.include_usage, done=done) + self.end(
-            usage(done), done)
+            usage(done, reasoning_tokens), done)
 
     def finish_choice(self, index: int, reason: str, last: bool = False, done: DoneFrame | None = None) -> bytes:
         swarm = b',"swarm":' + _enc.encode({"timing": done.timing}) if last and done and done.timing else b""

@@ -114,6 +114,8 @@ def _messages(body: ResponsesBody) -> list[Message]:
                 out[-1].tool_calls.append(call)
             else:
                 out.append(Message(role="assistant", content="", tool_calls=[call]))
+        elif kind == "reasoning":  # an earlier turn's thinking: the chat template leaves it out anyway
+            continue
         elif kind == "function_call_output":
             output = item.get("output")
             out.append(Message(role="tool", tool_call_id=item.get("call_id"),
@@ -196,6 +198,8 @@ class ResponseBuilder:
         self.output: list[dict] = []
         self.seq = 0
         self.message: dict | None = None  # the message item being written
+        self.thought: dict | None = None  # the reasoning item being written
+        self.reasoning_tokens = 0
 
     def event(self, kind: str, **fields) -> bytes:
         data = {"type": kind, "sequence_number": self.seq, **fields}
@@ -217,7 +221,7 @@ class ResponseBuilder:
             out["usage"] = {"input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens,
                             "total_tokens": done.prompt_tokens + done.completion_tokens,
                             "input_tokens_details": {"cached_tokens": int(cached)},
-                            "output_tokens_details": {"reasoning_tokens": 0}}
+                            "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens}}
             if done.timing:
                 out["swarm"] = {"timing": done.timing}
         return out
@@ -251,32 +255,70 @@ class ResponseBuilder:
                              content_index=0, part=part)
                 + self.event("response.output_item.done", output_index=index, item=message))
 
+    def thinking(self, piece: str) -> bytes:
+        """A piece of the model's thinking, in a ``reasoning`` item before the message."""
+        if not piece:
+            return b""
+        out = b""
+        if self.thought is None:
+            self.thought = {"type": "reasoning", "id": "rs_" + secrets.token_hex(12), "summary": [],
+                            "content": [], "status": "in_progress"}
+            self.output.append(self.thought)
+            out = self.event("response.output_item.added", output_index=len(self.output) - 1,
+                             item={**self.thought, "content": []})
+        self.thought.setdefault("pieces", []).append(piece)
+        return out + self.event("response.reasoning_text.delta", item_id=self.thought["id"],
+                                output_index=self.output.index(self.thought), content_index=0, delta=piece)
+
+    def _close_thought(self) -> bytes:
+        thought = self.thought
+        if thought is None or thought["status"] == "completed":
+            return b""
+        text = "".join(thought.pop("pieces", []))
+        thought["content"] = [{"type": "reasoning_text", "text": text}]
+        thought["status"] = "completed"
+        index = self.output.index(thought)
+        return (self.event("response.reasoning_text.done", item_id=thought["id"], output_index=index,
+                           content_index=0, text=text)
+                + self.event("response.output_item.done", output_index=index, item=thought))
+
     def text(self, piece: str) -> bytes:
         if not piece:
             return b""
-        out = b"" if self.message is not None else self._open_message()
+        out = self._close_thought() + (b"" if self.message is not None else self._open_message())
         self.message.setdefault("pieces", []).append(piece)
         return out + self.event("response.output_text.delta", item_id=self.message["id"],
                                 output_index=len(self.output) - 1, content_index=0, delta=piece, logprobs=[])
 
     def call(self, call: dict) -> bytes:
-        out = self._close_message()
-        item = {"type": "function_call", "id": "fc_" + secrets.token_hex(12), "call_id": call["id"],
-                "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
-        self.output.append(item)
-        index = len(self.output) - 1
-        return out + (self.event("response.output_item.added", output_index=index,
-                                 item={**item, "arguments": "", "status": "in_progress"})
-                      + self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                   delta=item["arguments"])
-                      + self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                   arguments=item["arguments"], name=item["name"])
-                      + self.event("response.output_item.done", output_index=index, item=item))
+        """A whole call: its item, its arguments in one delta, done."""
+        return self.call_start(call) + self.call_args(call["function"]["arguments"]) + self.call_end(call)
 
-    def finish(self, done: DoneFrame, calls: int) -> tuple[bytes, dict]:
+    def call_start(self, call: dict) -> bytes:
+        """A streamed call's item, once its name is known (leader.openai.tools.CallStream's "start")."""
+        out = self._close_thought() + self._close_message()
+        self.output.append({"type": "function_call", "id": "fc_" + secrets.token_hex(12), "call_id": call["id"],
+                            "name": call["function"]["name"], "arguments": "", "status": "in_progress"})
+        return out + self.event("response.output_item.added", output_index=len(self.output) - 1,
+                                item=dict(self.output[-1]))
+
+    def call_args(self, piece: str) -> bytes:
+        item = self.output[-1]
+        return self.event("response.function_call_arguments.delta", item_id=item["id"],
+                          output_index=len(self.output) - 1, delta=piece)
+
+    def call_end(self, call: dict) -> bytes:
+        item, index = self.output[-1], len(self.output) - 1
+        item.update(arguments=call["function"]["arguments"], status="completed")
+        return (self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                           arguments=item["arguments"], name=item["name"])
+                + self.event("response.output_item.done", output_index=index, item=item))
+
+    def finish(self, done: DoneFrame, calls: int, reasoning_tokens: int = 0) -> tuple[bytes, dict]:
         """The closing events and the final response: "incomplete" when max_output_tokens cut it off."""
-        out = b""
-        if not self.output:
+        self.reasoning_tokens = reasoning_tokens
+        out = self._close_thought()
+        if not any(item["type"] != "reasoning" for item in self.output):
             out += self._open_message()
         out += self._close_message()
         reason = calls_reason(done.finish_reason, calls)

@@ -136,20 +136,47 @@ def parse_calls(text: str, names: set[str]) -> tuple[str | None, list[dict]]:
     return content or None, calls
 
 
-class CallStream:
-    """A streamed reply's text split into content pieces and whole tool calls as they complete.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*')
 
-    Text that may be the start of ``<tool_call>`` is held back until it is known; a call is sent
-    whole (one ``delta.tool_calls`` entry with its name and all its arguments) once its block closes.
+
+def _object_end(text: str, start: int) -> int | None:
+    """The index after the JSON object that opens at ``text[start]``, or None while it is still open."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+class CallStream:
+    """A streamed reply's text split into content pieces and tool calls as they decode, as OpenAI and
+    vLLM stream them: ("text", str) pieces, then per call ("start", call) once its name is known (its
+    id, type and name, arguments ""), ("args", str) pieces of its arguments as they come, and
+    ("end", call) with the whole arguments.
+
+    Text that may be the start of ``<tool_call>`` is held back until it is known. A block whose name
+    is no listed tool, or whose keys come in another order, is settled when it closes: a valid call
+    then, else text.
     """
 
     def __init__(self, names: set[str]):
         self.names = names
         self.buf = ""
         self.calls = 0
+        self.call: dict | None = None  # the call being streamed: its head is sent
+        self.sent = 0  # characters of its arguments sent
 
     def feed(self, text: str) -> list[tuple[str, object]]:
-        """("text", str) and ("call", dict) pieces that are settled."""
+        """The pieces that are settled."""
         self.buf += text
         out: list[tuple[str, object]] = []
         while True:
@@ -161,21 +188,58 @@ class CallStream:
                 self.buf = self.buf[len(self.buf) - keep:]
                 return out
             self._text(out, self.buf[:start])
-            end = self.buf.find(CLOSE, start)
+            self.buf = self.buf[start:]
+            body = self.buf[len(OPEN):]
+            end = body.find(CLOSE)
+            self._stream(out, body if end < 0 else body[:end])
             if end < 0:
-                self.buf = self.buf[start:]
                 return out
-            call = _call(self.buf[start + len(OPEN):end].strip(), self.names)
-            if call is None:
-                self._text(out, self.buf[start:end + len(CLOSE)])
-            else:
-                out.append(("call", call))
-                self.calls += 1
-            self.buf = self.buf[end + len(CLOSE):]
+            self._close(out, body[:end])
+            self.buf = body[end + len(CLOSE):]
+
+    def _stream(self, out: list, body: str) -> None:
+        """The head of the call in ``body`` once its name is known, then its arguments as they grow."""
+        if self.call is None:
+            head = _HEAD.match(body)
+            if head is None or head[1] not in self.names or not body[head.end():].startswith("{"):
+                return
+            self.call = {"id": "call_" + secrets.token_hex(12), "type": "function",
+                         "function": {"name": head[1], "arguments": ""}, "_at": head.end()}
+            self.calls += 1
+            out.append(("start", {"id": self.call["id"], "type": "function",
+                                  "function": {"name": head[1], "arguments": ""}}))
+        at = self.call["_at"]
+        end = _object_end(body, at)
+        args = body[at:len(body) if end is None else end]
+        if len(args) > self.sent:
+            out.append(("args", args[self.sent:]))
+            self.call["function"]["arguments"] = args
+            self.sent = len(args)
+
+    def _close(self, out: list, body: str) -> None:
+        if self.call is not None:
+            self._end(out)
+            return
+        call = _call(body.strip(), self.names)
+        if call is None:
+            self._text(out, OPEN + body + CLOSE)
+            return
+        self.calls += 1
+        out += [("start", {**call, "function": {**call["function"], "arguments": ""}}),
+                ("args", call["function"]["arguments"]), ("end", call)]
+
+    def _end(self, out: list) -> None:
+        call, self.call, self.sent = self.call, None, 0
+        call.pop("_at")
+        out.append(("end", call))
 
     def flush(self) -> list[tuple[str, object]]:
+        """At the reply's end: a call cut off ends as it stands; other held text is text."""
         out: list[tuple[str, object]] = []
-        self._text(out, self.buf)
+        if self.call is not None:
+            self._end(out)
+        else:
+            self._text(out, self.buf)
         self.buf = ""
         return out
 

@@ -10,7 +10,7 @@ import time
 
 from events.requests import ChatMessage, ChatRequest, Sampling
 from leader.errors import ApiError
-from leader.openai.grammar import response_format_grammar
+from leader.openai.grammar import call_or_answer_grammar, response_format_grammar, response_format_schema
 from leader.openai.tools import call_arguments, check_tools, choice_of, grammar_for
 from leader.openai.schema import MAX_LOGPROBS
 from leader.openai.schema import ChatBody, Message
@@ -227,16 +227,15 @@ def request_tools(body: ChatBody) -> tuple[list[dict], str]:
                                                  "(one constrained call); with 'auto' the model may write several")
     if body.logprobs:
         raise unsupported("logprobs", "logprobs are not served together with 'tools'")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise unsupported("response_format", "a 'response_format' schema is not served together with 'tools' "
-                                             "(set tool_choice to 'none', or drop one)")
     return tools, choice
 
 
 def request_grammar(body: ChatBody) -> str:
     """The grammar the reply must follow: a constrained tool call, or the response format's schema."""
     tools, choice = request_tools(body)
-    if tools:
+    if tools and choice == "auto" and response_format_schema(body.response_format) is not None:
+        return call_or_answer_grammar(tools, body.response_format)  # a call, or the answer in its format
+    if tools:  # a constrained call's grammar; "auto" without a format leaves the reply free
         return grammar_for(choice, tools)
     return response_format_grammar(body.response_format)
 

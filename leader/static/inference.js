@@ -145,15 +145,13 @@
     return li;
   }
 
-  // Qwen3-style reasoning arrives inside <think>…</think>; show it apart from the answer.
-  function renderReply(li, text) {
+  // A thinking model's thought arrives apart (delta.reasoning_content): shown open while the model
+  // thinks, folded away once the answer begins or the reply ends.
+  function renderReply(li, thought, answer, done) {
     const body = li.querySelector(".body");
-    const open = text.indexOf("<think>");
-    if (open < 0) { body.textContent = text; return; }
-    const close = text.indexOf("</think>", open);
-    const thought = text.slice(open + 7, close < 0 ? undefined : close).trim();
-    const answer = (text.slice(0, open) + (close < 0 ? "" : text.slice(close + 8))).trim();
-    const details = el("details", { class: "thinking", open: close < 0 }, el("summary", {}, close < 0 ? "Thinking…" : "Thought"),
+    if (!thought) { body.textContent = answer; return; }
+    const folded = done || answer !== "";
+    const details = el("details", { class: "thinking", open: !folded }, el("summary", {}, folded ? "Thought" : "Thinking…"),
       el("div", {}, thought));
     body.replaceChildren(details, el("div", { class: "answer" }, answer));
   }
@@ -213,7 +211,7 @@
     controller = new AbortController();
     setBusy(true);
     const started = performance.now();
-    let reply = "", firstAt = null, finish = null, usage = null, timing = null, chunks = 0;
+    let reply = "", thought = "", firstAt = null, finish = null, usage = null, timing = null, chunks = 0;
     try {
       const res = await api("/v1/chat/completions", {
         method: "POST", headers: { "Content-Type": "application/json" },
@@ -230,15 +228,18 @@
         if (!choice) continue;
         if (choice.finish_reason) finish = choice.finish_reason;
         const piece = choice.delta && choice.delta.content;
-        if (piece) {
+        const thinking = choice.delta && choice.delta.reasoning_content;
+        if (piece || thinking) {
           if (firstAt === null) firstAt = performance.now();
-          reply += piece;
+          reply += piece || "";
+          thought += thinking || "";
           chunks += 1;
           li.dataset.chunks = String(chunks);
-          renderReply(li, reply);
+          renderReply(li, thought, reply, false);
           li.scrollIntoView({ block: "end" });
         }
       }
+      renderReply(li, thought, reply, true);
       li.dataset.finish = finish || "";
       if (usage) li.dataset.completionTokens = String(usage.completion_tokens);
       const seconds = (performance.now() - (firstAt || started)) / 1000;

@@ -1,0 +1,42 @@
+"""The reasoning split on its own: any cut of a reply into token texts gives the same thought and answer."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from leader.openai.reasoning import Reasoning
+
+
+def run(pieces: list[str], inside: bool = False) -> tuple[str, str, int]:
+    split = Reasoning(inside)
+    thought, answer = "", ""
+    for piece in pieces:
+        t, a = split.feed(piece)
+        thought, answer = thought + t, answer + a
+    t, a = split.flush()
+    return thought + t, answer + a, split.tokens
+
+
+@pytest.mark.parametrize("raw, inside, thought, answer", [
+    ("<think>\n\n</think>\n\nHello world", False, "", "Hello world"),  # Qwen3, thinking nothing
+    ("<think>\nI ponder\nthis\n</think>\n\nHi <think>", False, "I ponder\nthis", "Hi <think>"),
+    ("Hello <think>x</think>", False, "", "Hello <think>x</think>"),  # no block first: all answer
+    ("  <thinking", False, "", "  <thinking"),
+    ("a b\n</think>\n\nans", True, "a b", "ans"),  # DeepSeek-R1 style: the prompt opened the block
+    ("a b </th", True, "a b </th", ""),  # cut off while thinking: all thought, nothing held back
+    ("<think>\nstill thinking\n", False, "still thinking", ""),
+])
+def test_any_cut_of_a_reply_splits_alike(raw, inside, thought, answer):
+    rng = random.Random(raw)
+    for _ in range(30):
+        cuts = sorted(rng.sample(range(1, len(raw)), min(len(raw) - 1, rng.randint(0, 6))))
+        pieces = [raw[i:j] for i, j in zip([0] + cuts, cuts + [len(raw)])]
+        assert run(pieces, inside)[:2] == (thought, answer), pieces
+
+
+def test_thinking_tokens_are_counted_tags_included():
+    assert run(["<think>", "\n", "x", "\n", "</think>", "\n\n", "Hi", " there"])[2] == 5
+    assert run(["a", "b", "</think>", "c"], inside=True)[2] == 3
+    assert run(["Hi", "<think>"])[2] == 0
