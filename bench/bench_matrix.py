@@ -189,7 +189,7 @@ def _engine_rows(row: dict, servable: Path, tok, tokens: int, streams: list[int]
     from core.settings import Settings
     from fellow.runtime.model.loader import load_one_stage
 
-    sizes = Settings.from_env({"SWARM_SERVE_COMPILE": compile}).serve_compile
+    sizes = Settings.from_env({"SWARM_SERVE_COMPILE": compile}).serving.compile
     stage = load_one_stage(servable, device="cpu", batch_cap=max(streams), compile=sizes).stage
     if sizes:
         row["compiled"] = stage.kernels["compiled"]

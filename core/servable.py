@@ -228,7 +228,7 @@ def resolve_base(base: str | None, model_cache: str | Path | None = None) -> Pat
     if model_cache is None:
         from core.settings import Settings
 
-        model_cache = Settings.from_env().fellow_model_cache
+        model_cache = Settings.from_env().fellow.model_cache
     candidate = Path(model_cache) / base
     return candidate if candidate.is_dir() else None
 

@@ -21,12 +21,12 @@ class FetchError(RuntimeError):
 
 
 def cached_dir(settings: Settings, model_id: str, manifest_sha256: str) -> Path:
-    return settings.fellow_model_cache / f"{model_id}-{manifest_sha256[:16]}"
+    return settings.fellow.model_cache / f"{model_id}-{manifest_sha256[:16]}"
 
 
 def local_model_dir(settings: Settings, model_id: str, model_path: str, manifest_sha256: str) -> Path | None:
     """The servable's folder if this fellow has it already (the leader's path, or the cache)."""
-    if settings.fellow_fetch != "always" and model_path and (Path(model_path) / MANIFEST_NAME).is_file():
+    if settings.fellow.fetch != "always" and model_path and (Path(model_path) / MANIFEST_NAME).is_file():
         return Path(model_path)
     cached = cached_dir(settings, model_id, manifest_sha256)
     return cached if (cached / MANIFEST_NAME).is_file() else None
@@ -34,24 +34,24 @@ def local_model_dir(settings: Settings, model_id: str, model_path: str, manifest
 
 def draft_model_dir(settings: Settings) -> Path:
     """SWARM_SERVE_DRAFT_MODEL's folder: a servable's path, or a servable id in the fellow's model cache."""
-    value = settings.serve_draft_model
+    value = settings.serving.draft_model
     path = Path(value).expanduser()
     if (path / MANIFEST_NAME).is_file():
         return path
-    found = sorted(p.parent for p in settings.fellow_model_cache.glob(f"{value}-*/{MANIFEST_NAME}"))
+    found = sorted(p.parent for p in settings.fellow.model_cache.glob(f"{value}-*/{MANIFEST_NAME}"))
     if found:
         return found[-1]
     raise FileNotFoundError(f"SWARM_SERVE_DRAFT_MODEL={value!r} is neither a servable's folder nor a servable "
-                            f"in this fellow's model cache ({settings.fellow_model_cache})")
+                            f"in this fellow's model cache ({settings.fellow.model_cache})")
 
 
 def fetch_model(settings: Settings, model_id: str, manifest_sha256: str, attempts: int = 3) -> Path:
     """Download (resuming a partial file with Range), check the sha256, unpack; returns the folder."""
     target = cached_dir(settings, model_id, manifest_sha256)
-    settings.fellow_model_cache.mkdir(parents=True, exist_ok=True)
+    settings.fellow.model_cache.mkdir(parents=True, exist_ok=True)
     part = target.with_suffix(".tar.part")
-    url = f"{settings.leader_url}/api/v1/models/{model_id}/archive"
-    headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
+    url = f"{settings.leader.url}/api/v1/models/{model_id}/archive"
+    headers = {"Authorization": f"Bearer {settings.leader.api_token}"} if settings.leader.api_token else {}
     expected = None
     for attempt in range(1, attempts + 1):
         have = part.stat().st_size if part.exists() else 0
@@ -73,7 +73,7 @@ def fetch_model(settings: Settings, model_id: str, manifest_sha256: str, attempt
         except httpx.HTTPError as exc:
             log.warning("fetching %s (attempt %d): %s", model_id, attempt, exc)
             if attempt == attempts:
-                raise FetchError(f"cannot fetch {model_id} from {settings.leader_url}: {exc}") from None
+                raise FetchError(f"cannot fetch {model_id} from {settings.leader.url}: {exc}") from None
     digest = hashlib.sha256()
     with open(part, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

@@ -58,7 +58,7 @@ async def probed_capabilities(fourbit_rows: str = "auto") -> list[str]:
 
 async def declare_probed(agent: FellowAgent) -> None:
     """Add what the probe finds to the agent's capabilities, and beat so the leader sees them at once."""
-    found = await probed_capabilities(agent.settings.serve_4bit_rows)
+    found = await probed_capabilities(agent.settings.serving.fourbit_rows)
     if found:
         agent.capabilities = sorted(set(agent.capabilities) | set(found))
         log.info("fellow %s declares %s after probing its kernels", agent.fellow_id, ",".join(found))
@@ -75,7 +75,7 @@ async def run_fellow(settings: Settings, fellow_id: str | None = None) -> int:
     await agent.start()
     manager.start()
     # quantized loads placed before the probe answers serve full precision (their status says why)
-    probing = asyncio.create_task(declare_probed(agent) if settings.serve_quantized else asyncio.sleep(0), name="probe")
+    probing = asyncio.create_task(declare_probed(agent) if settings.serving.quantized else asyncio.sleep(0), name="probe")
     try:
         await agent.stopped.wait()
     finally:

@@ -68,7 +68,7 @@ class ModelManager:
                     await self._fail(cmd.load_id, cmd.model_id, f"servable not on this fellow and not fetched: {exc}",
                                      replica=cmd.assignment.replica, replicas=cmd.replicas)
                     return
-            while len(self.procs) >= self.settings.max_loaded_models:
+            while len(self.procs) >= self.settings.fellow.max_loaded_models:
                 oldest = next(iter(self.procs.values()))
                 log.info("evicting %s (%s) to load %s", oldest.model_id, oldest.load_id, cmd.model_id)
                 await self._stop(oldest, "evicted")
@@ -78,10 +78,10 @@ class ModelManager:
                 await self._fail(cmd.load_id, cmd.model_id, str(exc), cmd.assignment.replica, cmd.replicas)
                 return
             t = cmd.transport
-            max_batch = t.max_batch or (self.settings.serve_max_batch or 0)
-            speculative = t.speculative or self.settings.serve_speculative  # rings draft on stage 0
+            max_batch = t.max_batch or (self.settings.serving.max_batch or 0)
+            speculative = t.speculative or self.settings.serving.speculative  # rings draft on stage 0
             draft_dir = ""
-            if speculative and cmd.assignment.stage == 0 and self.settings.serve_draft_model:  # beside stage 0
+            if speculative and cmd.assignment.stage == 0 and self.settings.serving.draft_model:  # beside stage 0
                 try:
                     draft_dir = str(draft_model_dir(self.settings))
                 except FileNotFoundError as exc:
@@ -89,30 +89,30 @@ class ModelManager:
                                      replica=cmd.assignment.replica, replicas=cmd.replicas)
                     return
             cfg = StageConfig(load_id=cmd.load_id, model_id=cmd.model_id, model_dir=str(model_dir),
-                              nats_url=self.settings.nats_url or "nats://127.0.0.1:4222",
+                              nats_url=self.settings.nats.url or "nats://127.0.0.1:4222",
                               fellow_id=self.agent.fellow_id, stage=cmd.assignment.stage, num_stages=cmd.num_stages,
                               replica=cmd.assignment.replica, replicas=cmd.replicas,
                               transport=Transport(max_in_flight=t.max_in_flight, kv_tokens=t.kv_tokens,
                                                   in_flight_max=t.in_flight_max if cmd.num_stages > 1 else 0,
-                                                  step_costs=t.step_costs or self.settings.serve_step_costs,
-                                                  prefix_cache=self.settings.serve_prefix_cache,
+                                                  step_costs=t.step_costs or self.settings.serving.step_costs,
+                                                  prefix_cache=self.settings.serving.prefix_cache,
                                                   speculative=speculative,
                                                   max_batch=max_batch, prefill_chunk=t.prefill_chunk),
-                              report_s=min(1.0, self.settings.heartbeat_s),
-                              packed_linear=self.settings.serve_packed_linear != "off",
+                              report_s=min(1.0, self.settings.fellow.heartbeat_s),
+                              packed_linear=self.settings.serving.packed_linear,
                               quantization=quantization,
-                              threads=self.settings.serve_threads, links=self.settings.serve_links,
-                              link_host=self.settings.serve_link_host, link_port=self.settings.serve_link_port,
-                              draft_model_dir=draft_dir, devices=self.settings.serve_devices,
-                              lora=self.settings.serve_lora, compile=list(self.settings.serve_compile),
-                              cuda_graphs=self.settings.serve_cuda_graphs,
-                              fourbit_rows=self.settings.serve_4bit_rows,
-                              fourbit_float32=self.settings.serve_4bit_float32)
+                              threads=self.settings.serving.threads, links=self.settings.serving.links,
+                              link_host=self.settings.serving.link_host, link_port=self.settings.serving.link_port,
+                              draft_model_dir=draft_dir, devices=self.settings.serving.devices,
+                              lora=self.settings.serving.lora, compile=list(self.settings.serving.compile),
+                              cuda_graphs=self.settings.serving.cuda_graphs,
+                              fourbit_rows=self.settings.serving.fourbit_rows,
+                              fourbit_float32=self.settings.serving.fourbit_float32)
             logs = self.settings.data_dir / "logs"
             logs.mkdir(parents=True, exist_ok=True)
-            creds = self.settings.nats_credentials  # the stage logs in to NATS as its fellow
+            creds = self.settings.nats.credentials  # the stage logs in to NATS as its fellow
             env = {**os.environ, **creds.env()} if creds else None
-            if self.settings.serve_compile and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+            if self.settings.serving.compile and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
                 # inductor's cache under the data dir: a model compiled once compiles again from it
                 env = {**(env or os.environ), "TORCHINDUCTOR_CACHE_DIR": str(self.settings.data_dir / "inductor")}
             proc = StageProcess(cfg, self._on_report, self._on_exit,
@@ -224,7 +224,7 @@ class ModelManager:
     async def on_stop(self, cmd: StopFellow) -> None:
         await self.stop_all("stopped")
         if cmd.purge:
-            shutil.rmtree(self.settings.fellow_model_cache, ignore_errors=True)
+            shutil.rmtree(self.settings.fellow.model_cache, ignore_errors=True)
         self.agent.stopped.set()
 
     async def on_update(self, cmd: UpdateFellow) -> None:
@@ -235,8 +235,8 @@ class ModelManager:
 
     async def _reap_idle(self) -> None:
         while True:
-            await asyncio.sleep(min(1.0, self.settings.heartbeat_s))
-            ttl = self.settings.model_idle_unload_s
+            await asyncio.sleep(min(1.0, self.settings.fellow.heartbeat_s))
+            ttl = self.settings.fellow.model_idle_unload_s
             if ttl <= 0:
                 continue
             for proc in list(self.procs.values()):

@@ -39,13 +39,13 @@ def transport_plan(settings, num_stages: int) -> TransportPlan:
     pipe (fellow.runtime.ring.sizing), never more than every stage's KV holds.
     """
     one = num_stages == 1
-    in_flight = settings.serve_in_flight or (settings.serve_max_in_flight if one else 4 * num_stages)
-    sized = not one and not settings.serve_in_flight
+    in_flight = settings.serving.in_flight or (settings.serving.max_in_flight if one else 4 * num_stages)
+    sized = not one and not settings.serving.in_flight
     return TransportPlan(max_in_flight=in_flight,
                          in_flight_max=RING_IN_FLIGHT_MAX_PER_STAGE * num_stages if sized else 0,
-                         kv_tokens=max(settings.serve_context_tokens, in_flight * settings.serve_typical_tokens),
-                         max_batch=settings.serve_max_batch or 0, speculative=settings.serve_speculative,
-                         prefill_chunk=settings.serve_prefill_chunk, step_costs=settings.serve_step_costs)
+                         kv_tokens=max(settings.serving.context_tokens, in_flight * settings.serving.typical_tokens),
+                         max_batch=settings.serving.max_batch or 0, speculative=settings.serving.speculative,
+                         prefill_chunk=settings.serving.prefill_chunk, step_costs=settings.serving.step_costs)
 
 
 AMPERE = (8, 0)

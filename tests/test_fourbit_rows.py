@@ -207,10 +207,10 @@ def test_a_cpu_stage_is_not_measured_by_default_and_off_or_int8_does_nothing(ser
 
 def test_the_settings_parse_and_refuse_with_one_line():
     s = Settings.from_env({})
-    assert (s.serve_4bit_rows, s.serve_4bit_float32) == ("auto", "auto")
-    assert Settings.from_env({"SWARM_SERVE_4BIT_ROWS": " OFF "}).serve_4bit_rows == "off"
-    assert Settings.from_env({"SWARM_SERVE_4BIT_ROWS": "3"}).serve_4bit_rows == "3"
-    assert Settings.from_env({"SWARM_SERVE_4BIT_FLOAT32": "off"}).serve_4bit_float32 == "off"
+    assert (s.serving.fourbit_rows, s.serving.fourbit_float32) == ("auto", "auto")
+    assert Settings.from_env({"SWARM_SERVE_4BIT_ROWS": " OFF "}).serving.fourbit_rows == "off"
+    assert Settings.from_env({"SWARM_SERVE_4BIT_ROWS": "3"}).serving.fourbit_rows == "3"
+    assert Settings.from_env({"SWARM_SERVE_4BIT_FLOAT32": "off"}).serving.fourbit_float32 == "off"
     for bad in ("0", "9", "x", "-1", "2.5"):
         with pytest.raises(SettingsError) as err:
             Settings.from_env({"SWARM_SERVE_4BIT_ROWS": bad})

@@ -170,7 +170,7 @@ class LoadCommands:
             raise ApiError(409, f"Cannot load '{model_id}': {exc}", code="placement_failed") from None
         quantization = as_request(served)
         transport, capped = pre_ampere_batch_cap(plan.transport, assignments, self.leader.fellows.latest, served,
-                                                 explicit=self.leader.settings.serve_max_batch is not None)
+                                                 explicit=self.leader.settings.serving.max_batch is not None)
         if capped:
             log.info("load %s of %s: %s", load_id, model_id, capped)
         await self.leader.publish(LoadPlaced(load_id=load_id, model_id=model_id, stages=assignments,

@@ -13,7 +13,7 @@ import time
 import torch
 
 from core.bus import close_quietly, connect
-from core.nats_auth import Credentials
+from core.settings import NatsSettings
 from core.tasks import cancel_and_wait
 from events.stage import MetricsReport, ReadyReport, Report, StageConfig, Transport, encode
 from fellow.runtime.model.kernels import lora_costs, step_costs
@@ -237,7 +237,7 @@ class StageServerBase:
 
     async def _run(self) -> None:
         self.nc = await connect(self.cfg.nats_url, name=f"swarm-stage{self.cfg.stage}-{self.load_id}",
-                                credentials=Credentials.from_env())  # its fellow's, in its environment
+                                credentials=NatsSettings.from_env(lenient=True).credentials)  # its fellow's, in its env
         self.js = self.nc.jetstream()
         try:
             await self._start()
