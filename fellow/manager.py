@@ -12,17 +12,35 @@ import time
 
 from core.bus import publish_event
 from core.quantization import QuantizationError, method_of
+from core.settings import Settings
 from events.commands import LoadStage, StopFellow, UnloadStage, UpdateFellow
 from events.fellow import LoadedModel
 from events.loads import (STAGE_RESTARTING, LoadFailed, ModelUnloaded, ReplicaLost, StageReady, load_failed_id,
                           replica_lost_id, replica_part, stage_restart_id)
-from events.stage import FailedReport, MetricsReport, ReadyReport, StageConfig, StageReport, Transport
+from events.stage import FailedReport, MetricsReport, ReadyReport, StageConfig, StageOptions, StageReport
 from fellow.fetch import FetchError, draft_model_dir, fetch_model, local_model_dir
 from fellow.stage_process import StageProcess
 
 log = logging.getLogger(__name__)
 
 RESTART_WINDOW_S = 60.0  # a load's stage is restarted at most once in this long
+
+
+def stage_options(settings: Settings, cmd: LoadStage) -> StageOptions:
+    """How a stage of ``cmd`` serves, built once here and sent whole to its process: this fellow's serving
+    settings of the same names, under what placement planned (``cmd.transport``); where the plan left a
+    choice open (0, off) the fellow's own stands. QuantizationError where no load serves the plan's
+    quantization, FileNotFoundError where the fellow's draft model is not there."""
+    t, serving = cmd.transport, settings.serving
+    speculative = t.speculative or serving.speculative  # rings draft on stage 0
+    drafts = speculative and cmd.assignment.stage == 0 and serving.draft_model  # beside stage 0
+    own = {name: getattr(serving, name) for name in StageOptions.__struct_fields__ if hasattr(serving, name)}
+    return StageOptions(**{**own, "max_in_flight": t.max_in_flight, "kv_tokens": t.kv_tokens,
+                           "max_batch": t.max_batch or (serving.max_batch or 0), "prefill_chunk": t.prefill_chunk,
+                           "step_costs": t.step_costs or serving.step_costs, "speculative": speculative,
+                           "in_flight_max": t.in_flight_max if cmd.num_stages > 1 else 0,
+                           "quantization": method_of(cmd.quantization),
+                           "draft_model_dir": str(draft_model_dir(settings)) if drafts else ""})
 
 
 class ModelManager:
@@ -73,41 +91,16 @@ class ModelManager:
                 log.info("evicting %s (%s) to load %s", oldest.model_id, oldest.load_id, cmd.model_id)
                 await self._stop(oldest, "evicted")
             try:
-                quantization = method_of(cmd.quantization)
-            except QuantizationError as exc:
+                options = stage_options(self.settings, cmd)
+            except (QuantizationError, FileNotFoundError) as exc:
                 await self._fail(cmd.load_id, cmd.model_id, str(exc), cmd.assignment.replica, cmd.replicas)
                 return
-            t = cmd.transport
-            max_batch = t.max_batch or (self.settings.serving.max_batch or 0)
-            speculative = t.speculative or self.settings.serving.speculative  # rings draft on stage 0
-            draft_dir = ""
-            if speculative and cmd.assignment.stage == 0 and self.settings.serving.draft_model:  # beside stage 0
-                try:
-                    draft_dir = str(draft_model_dir(self.settings))
-                except FileNotFoundError as exc:
-                    await self._fail(cmd.load_id, cmd.model_id, str(exc),
-                                     replica=cmd.assignment.replica, replicas=cmd.replicas)
-                    return
             cfg = StageConfig(load_id=cmd.load_id, model_id=cmd.model_id, model_dir=str(model_dir),
                               nats_url=self.settings.nats.url or "nats://127.0.0.1:4222",
                               fellow_id=self.agent.fellow_id, stage=cmd.assignment.stage, num_stages=cmd.num_stages,
                               replica=cmd.assignment.replica, replicas=cmd.replicas,
-                              transport=Transport(max_in_flight=t.max_in_flight, kv_tokens=t.kv_tokens,
-                                                  in_flight_max=t.in_flight_max if cmd.num_stages > 1 else 0,
-                                                  step_costs=t.step_costs or self.settings.serving.step_costs,
-                                                  prefix_cache=self.settings.serving.prefix_cache,
-                                                  speculative=speculative,
-                                                  max_batch=max_batch, prefill_chunk=t.prefill_chunk),
-                              report_s=min(1.0, self.settings.fellow.heartbeat_s),
-                              packed_linear=self.settings.serving.packed_linear,
-                              quantization=quantization,
-                              threads=self.settings.serving.threads, links=self.settings.serving.links,
-                              link_host=self.settings.serving.link_host, link_port=self.settings.serving.link_port,
-                              draft_model_dir=draft_dir, devices=self.settings.serving.devices,
-                              lora=self.settings.serving.lora, compile=list(self.settings.serving.compile),
-                              cuda_graphs=self.settings.serving.cuda_graphs,
-                              fourbit_rows=self.settings.serving.fourbit_rows,
-                              fourbit_float32=self.settings.serving.fourbit_float32)
+                              options=options,
+                              report_s=min(1.0, self.settings.fellow.heartbeat_s))
             logs = self.settings.data_dir / "logs"
             logs.mkdir(parents=True, exist_ok=True)
             creds = self.settings.nats.credentials  # the stage logs in to NATS as its fellow

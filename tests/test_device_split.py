@@ -10,6 +10,7 @@ import torch
 
 from core.servable import ServableError, load_manifest
 from fellow.runtime.model.device_split import GB, SplitError, plan_split
+from events.stage import StageOptions
 from fellow.runtime.model.loader import load_one_stage
 from fellow.runtime.model.weights import stage_sizes
 from tests.serving_fixtures import make_servable
@@ -101,18 +102,19 @@ def test_a_stage_split_over_two_devices_serves_as_one(servable, caplog):
     first, whole = budgets_for(servable, 2)
     ids = [5, 9, 33, 2, 17, 80, 41, 3]
     with caplog.at_level(logging.INFO, logger="fellow.runtime.model.loader"):
-        split = load_one_stage(servable, devices=[("cpu", first), ("cpu", whole)], kv_tokens=0, packed=False).stage
+        split = load_one_stage(servable, options=StageOptions(packed_linear=False),
+                               devices=[("cpu", first), ("cpu", whole)], kv_tokens=0).stage
     parts = split.kernels["devices"]
     assert [(p["device"], p["layers"], p["embed"], p["head"]) for p in parts] == [
         ("cpu", [0, 2], True, False), ("cpu", [2, 4], False, True)]
     assert parts[0]["weight_bytes"] == first
     assert "layers split over 2 devices: cpu: layers 0-1 +embed" in caplog.text
-    one = load_one_stage(servable, "cpu", packed=False).stage
+    one = load_one_stage(servable, "cpu", StageOptions(packed_linear=False)).stage
     assert "devices" not in one.kernels
     assert greedy(split, ids)[0] == greedy(one, ids)[0]
     # a budget that holds everything on the first device: one device, no split
-    assert "devices" not in load_one_stage(servable, devices=[("cpu", whole), ("cpu", whole)], kv_tokens=0,
-                                            packed=False).stage.kernels
+    assert "devices" not in load_one_stage(servable, options=StageOptions(packed_linear=False),
+                                           devices=[("cpu", whole), ("cpu", whole)], kv_tokens=0).stage.kernels
 
 
 def test_a_stage_that_fits_nowhere_is_refused(servable):
@@ -189,6 +191,6 @@ def test_a_quantized_stage_is_not_split_and_loads_on_the_first_device(servable):
     from fellow.runtime.model.loader import build_stage
 
     # one byte on each device: a float stage would be refused; an int8 one loads as before, unplanned
-    _, stage = build_stage(load_manifest(servable), 0, servable, 1, None, quantization=INT8,
+    _, stage = build_stage(load_manifest(servable), 0, servable, 1, None, StageOptions(quantization=INT8),
                            devices=[("cpu", 1), ("cpu", 1)])
     assert stage.weights["quantization"] == INT8 and "devices" not in stage.kernels

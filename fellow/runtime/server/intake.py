@@ -76,7 +76,7 @@ class Intake:
         self.cfg, self.nc, self.js = cfg, nc, js
         self.load_id, self.model_id, self.fellow_id = cfg.load_id, cfg.model_id, cfg.fellow_id
         self.tokenizer, self.budget, self.serving = tokenizer, budget, serving
-        self.max_in_flight = max(1, max_in_flight or cfg.transport.max_in_flight)  # the stage's, fitted to its KV
+        self.max_in_flight = max(1, max_in_flight or cfg.options.max_in_flight)  # the stage's, fitted to its KV
         self.active: dict[str, _Taken] = {}
         self.metrics = Metrics()
         self.room = asyncio.Event()
