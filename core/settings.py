@@ -231,7 +231,7 @@ class ServingSettings(Group):
     typical_tokens: int = setting("SWARM_SERVE_TYPICAL_TOKENS", "1024", whole(1))
     context_tokens: int = setting("SWARM_SERVE_CONTEXT_TOKENS", "4096", whole(1))
     max_batch: int | None = setting("SWARM_SERVE_MAX_BATCH", "", optional(whole(0)))
-    prefill_chunk: int = setting("SWARM_SERVE_PREFILL_CHUNK", "256", whole(0))
+    prefill_chunk: int | None = setting("SWARM_SERVE_PREFILL_CHUNK", "", optional(whole(0)))  # unset: 256 planned
     max_in_flight: int = setting("SWARM_SERVE_MAX_IN_FLIGHT", "8", whole(1))
     packed_linear: bool = setting("SWARM_SERVE_PACKED_LINEAR", "auto", is_on("auto"))
     step_costs: bool = setting("SWARM_SERVE_STEP_COSTS", "0", flag)

@@ -8,7 +8,7 @@ from msgspec import structs
 
 from core.quantization import BITS, NONE, bytes_per_param, capability_for
 from events.fellow import CAP_4BIT_ROWS, CAP_CONCURRENT, CAP_N_STAGE, CAP_ONE_STAGE, Heartbeat
-from events.loads import StageAssignment, TransportPlan
+from events.loads import PREFILL_CHUNK, StageAssignment, TransportPlan
 
 HEADROOM = 1.2  # activations, allocator slack
 RING_IN_FLIGHT_MAX_PER_STAGE = 16  # the most a ring's stage 0 may size its in flight to, a stage (4x the plan)
@@ -41,11 +41,13 @@ def transport_plan(settings, num_stages: int) -> TransportPlan:
     one = num_stages == 1
     in_flight = settings.serving.in_flight or (settings.serving.max_in_flight if one else 4 * num_stages)
     sized = not one and not settings.serving.in_flight
+    chunk = settings.serving.prefill_chunk
     return TransportPlan(max_in_flight=in_flight,
                          in_flight_max=RING_IN_FLIGHT_MAX_PER_STAGE * num_stages if sized else 0,
                          kv_tokens=max(settings.serving.context_tokens, in_flight * settings.serving.typical_tokens),
                          max_batch=settings.serving.max_batch or 0, speculative=settings.serving.speculative,
-                         prefill_chunk=settings.serving.prefill_chunk, step_costs=settings.serving.step_costs)
+                         prefill_chunk=PREFILL_CHUNK if chunk is None else chunk,
+                         step_costs=settings.serving.step_costs)
 
 
 AMPERE = (8, 0)

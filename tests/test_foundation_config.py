@@ -55,7 +55,7 @@ def test_settings_not_implemented_yet_are_refused(name):
 def test_defaults_follow_the_spec():
     s = Settings.from_env({"SWARM_DATA_DIR": "/srv/x"})
     assert s.leader.database_url == "sqlite+aiosqlite:////srv/x/swarm.db"
-    assert (s.fellow.max_loaded_models, s.fellow.model_idle_unload_s, s.serving.prefill_chunk) == (1, 900.0, 256)
+    assert (s.fellow.max_loaded_models, s.fellow.model_idle_unload_s, s.serving.prefill_chunk) == (1, 900.0, None)
     assert (s.serving.typical_tokens, s.serving.context_tokens, s.serving.max_in_flight) == (1024, 4096, 8)
     assert str(s.leader.servable_models_root) == "/srv/x/servable_models"
     assert s.serving.speculative == 0  # off until the benchmark says when it pays

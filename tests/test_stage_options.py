@@ -47,3 +47,19 @@ def test_a_plan_no_load_serves_or_a_draft_model_not_there_is_refused_before_a_pr
     with pytest.raises(FileNotFoundError, match="nowhere"):
         stage_options(drafting, load(speculative=4))
     assert stage_options(drafting, load(num_stages=2, stage=1, speculative=4)).draft_model_dir == ""  # not stage 0
+
+
+def test_a_fellows_own_prefill_chunk_is_its_one_stage_loads_and_the_stage_cuts_prompts_by_it(tmp_path):
+    from fellow.runtime.server.stage import StageServer
+    from tests.serving_fixtures import make_servable
+
+    own = Settings.from_env({"SWARM_SERVE_PREFILL_CHUNK": "16"})
+    assert stage_options(own, load(prefill_chunk=256)).prefill_chunk == 16  # set on the fellow: its own
+    assert stage_options(own, load(num_stages=2, prefill_chunk=256)).prefill_chunk == 256  # a ring: the plan's
+    assert stage_options(Settings.from_env({}), load(prefill_chunk=64)).prefill_chunk == 64  # unset: the plan's
+    assert stage_options(Settings.from_env({"SWARM_SERVE_PREFILL_CHUNK": "0"}), load()).prefill_chunk == 0  # whole
+    servable = make_servable(tmp_path, "tiny", layers=2, hidden=64)[1]
+    server = StageServer(StageConfig(load_id="ld-chunk", model_id="tiny", model_dir=str(servable),
+                                     nats_url="nats://x:1", fellow_id="f0", options=stage_options(own, load())))
+    server.load()
+    assert server.engine.prefill_chunk == 16
