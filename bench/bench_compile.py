@@ -110,12 +110,13 @@ def median_ms(step, n: int) -> float:
 def run_shape(name: str, tmp: Path, batch: int, size: int, context: int, rounds: int, steps: int) -> dict:
     from transformers import AutoModelForCausalLM
 
+    from events.stage import StageOptions
     from fellow.runtime.model.loader import load_one_stage
     from fellow.runtime.tools.export import export
 
     ckpt = make_checkpoint(tmp / name / "hf", SHAPES[name])
     export(ckpt, tmp / "servables" / name, stages=1, model_id=name)
-    stage = load_one_stage(tmp / "servables" / name, device="cpu", batch_cap=max(8, batch)).stage
+    stage = load_one_stage(tmp / "servables" / name, "cpu", StageOptions(max_batch=max(8, batch))).stage
     model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
     static = StaticStep(model)
     del model

@@ -31,13 +31,14 @@ from bench.bench_matrix import SHAPES, make_checkpoint  # noqa: E402
 def check(name: str, tmp: Path, prompts: int, tokens: int, batch: int = 1) -> dict:
     from transformers import AutoModelForCausalLM
 
+    from events.stage import StageOptions
     from fellow.runtime.model.loader import load_one_stage
     from fellow.runtime.tools.export import export
 
     ckpt = make_checkpoint(tmp / name / "hf", SHAPES[name])
     export(ckpt, tmp / "servables" / name, stages=1, model_id=name)
     sizes = (1,) if batch == 1 else (1, batch)
-    stage = load_one_stage(tmp / "servables" / name, device="cpu", batch_cap=max(8, batch), compile=sizes).stage
+    stage = load_one_stage(tmp / "servables" / name, "cpu", StageOptions(max_batch=max(8, batch), compile=sizes)).stage
     model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     identical, first_difference = 0, []

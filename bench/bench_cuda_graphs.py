@@ -52,6 +52,7 @@ def generate_rate(model, tok, batch: int, tokens: int, device: torch.device) -> 
 def run_shape(name: str, shape: tuple, tmp: Path, tokens: int, streams: list[int], device: torch.device) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from events.stage import StageOptions
     from fellow.runtime.model.loader import load_one_stage, pick_dtype
     from fellow.runtime.tools.export import export
 
@@ -66,7 +67,7 @@ def run_shape(name: str, shape: tuple, tmp: Path, tokens: int, streams: list[int
            "generate": {b: generate_rate(model, tok, b, tokens, device) for b in streams}}
     del model
     for label, graphs in (("graphs", True), ("eager", False)):
-        stage = load_one_stage(servable, str(device), batch_cap=max(streams), cuda_graphs=graphs).stage
+        stage = load_one_stage(servable, str(device), StageOptions(max_batch=max(streams), cuda_graphs=graphs)).stage
         row[label] = {b: engine_alone(stage, tok, b, tokens)[0] for b in streams}  # tokens reach the host: synchronized
         if graphs:
             row["chosen"] = stage.kernels.get("cuda_graphs", {"path": "n/a", "why": f"a {device.type} stage"})

@@ -34,6 +34,7 @@ from fellow.runtime.engine.engine import local_engine  # noqa: E402
 from fellow.runtime.engine.prefix_cache import PrefixCache  # noqa: E402
 from events.requests import Sampling  # noqa: E402
 from fellow.runtime.engine.session import Session  # noqa: E402
+from events.stage import StageOptions  # noqa: E402
 from fellow.runtime.model.loader import load_one_stage  # noqa: E402
 
 SEEN = ["What is {}?", "Tell me about {}."]
@@ -79,7 +80,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    target = load_one_stage(args.demo, "cpu", batch_cap=max(args.streams))
+    target = load_one_stage(args.demo, "cpu", StageOptions(max_batch=max(args.streams)))
     draft = load_draft_model(args.draft, target.stage, target.tokenizer, target.device, batch_cap=max(args.streams))
     print(f"{torch.get_num_threads()} thread(s), {args.tokens} new tokens per reply; draft {draft.name}: "
           f"{draft.ratio:.3f} of the served model's KV bytes a position; target path "

@@ -45,6 +45,7 @@ WAYS = {
 
 def measure(servable: Path, way: str, cap: int) -> dict:
     from fellow.runtime.model import kernels
+    from events.stage import StageOptions
     from fellow.runtime.model.loader import load_one_stage
 
     changes = {name: getattr(kernels, value) if isinstance(value, str) else value
@@ -54,7 +55,7 @@ def measure(servable: Path, way: str, cap: int) -> dict:
         setattr(kernels, name, value)
     try:
         started = time.perf_counter()
-        stage = load_one_stage(servable, device="cpu", batch_cap=cap).stage
+        stage = load_one_stage(servable, "cpu", StageOptions(max_batch=cap)).stage
         load_s = time.perf_counter() - started
         started = time.perf_counter()
         costs = kernels.step_costs(stage, sorted({1, cap}))

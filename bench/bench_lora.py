@@ -48,6 +48,7 @@ def make_adapters(ckpt: Path, out: Path, rank: int) -> Path:
 def run_shape(name: str, tmp: Path, tokens: int, streams: list[int], rank: int) -> dict:
     from transformers import AutoTokenizer
 
+    from events.stage import StageOptions
     from fellow.runtime.model.loader import load_one_stage
     from fellow.runtime.tools.export import export
 
@@ -59,13 +60,14 @@ def run_shape(name: str, tmp: Path, tokens: int, streams: list[int], rank: int) 
     tok.padding_side = "left"
     ids = torch.tensor(prompts_for(tok, 1)[0])
     row = {"name": name, "rank": rank}
-    stage = load_one_stage(tmp / "servables" / name, device="cpu", batch_cap=max(streams), quantization="int8").stage
+    stage = load_one_stage(tmp / "servables" / name, "cpu",
+                           StageOptions(max_batch=max(streams), quantization="int8")).stage
     row["off"] = {b: engine_alone(stage, tok, b, tokens)[0] for b in streams}
     del stage
     logits = {}
     for mode in MODES:
-        stage = load_one_stage(tmp / "servables" / f"{name}-lora", device="cpu", batch_cap=max(streams),
-                               quantization="int8", lora=mode).stage
+        stage = load_one_stage(tmp / "servables" / f"{name}-lora", "cpu",
+                               StageOptions(max_batch=max(streams), quantization="int8", lora=mode)).stage
         assert stage.kernels["lora"]["mode"] == mode, stage.kernels
         with torch.inference_mode():
             logits[mode] = stage.prefill(stage.new_cache(), ids)

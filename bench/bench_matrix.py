@@ -187,10 +187,11 @@ def run_shape(name: str, shape: tuple, tmp: Path, tokens: int, streams: list[int
 
 def _engine_rows(row: dict, servable: Path, tok, tokens: int, streams: list[int], compile: str = "off") -> None:
     from core.settings import Settings
+    from events.stage import StageOptions
     from fellow.runtime.model.loader import load_one_stage
 
-    sizes = Settings.from_env({"SWARM_SERVE_COMPILE": compile}).serve_compile
-    stage = load_one_stage(servable, device="cpu", batch_cap=max(streams), compile=sizes).stage
+    sizes = Settings.from_env({"SWARM_SERVE_COMPILE": compile}).serving.compile
+    stage = load_one_stage(servable, "cpu", StageOptions(max_batch=max(streams), compile=sizes)).stage
     if sizes:
         row["compiled"] = stage.kernels["compiled"]
         print(json.dumps({"name": row["name"], "compiled": row["compiled"]}), flush=True)

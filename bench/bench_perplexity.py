@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.scratch import scratch_dir  # noqa: E402
+from events.stage import StageOptions  # noqa: E402
 
 METHODS = ("none", "int8", "int4-fast", "nf4")
 # held-out modules, in a fixed order (their docstrings, then their public functions' and classes')
@@ -116,7 +117,7 @@ def measure(model_dir: Path, scored: dict[str, str], ctx: int, chunks: int, toke
     reference: dict[str, tuple] = {}
     for method in METHODS:
         started = time.perf_counter()
-        loaded = load_one_stage(model_dir, device="cpu", batch_cap=1, quantization=method)
+        loaded = load_one_stage(model_dir, "cpu", StageOptions(max_batch=1, quantization=method))
         stage, tok = loaded.stage, loaded.tokenizer
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                            tokenize=True, return_dict=False) for p in PROMPTS]

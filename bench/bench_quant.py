@@ -30,6 +30,7 @@ METHODS = ("none", "int8", "int4-fast", "nf4")
 def run_shape(name: str, tmp: Path, tokens: int, streams: list[int]) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from events.stage import StageOptions
     from fellow.runtime.model.loader import load_one_stage
     from fellow.runtime.tools.export import export
 
@@ -42,8 +43,8 @@ def run_shape(name: str, tmp: Path, tokens: int, streams: list[int]) -> dict:
            "generate": {b: hf_generate(model, tok, b, tokens) for b in streams}}
     del model
     for method in METHODS:
-        stage = load_one_stage(tmp / "servables" / name, device="cpu", batch_cap=max(streams),
-                               quantization=method).stage
+        stage = load_one_stage(tmp / "servables" / name, "cpu",
+                               StageOptions(max_batch=max(streams), quantization=method)).stage
         row[method] = {b: engine_alone(stage, tok, b, tokens)[0] for b in streams}
         row[f"{method}_mb"] = stage.weights["bytes"] / 1e6
         del stage

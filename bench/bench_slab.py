@@ -55,12 +55,13 @@ def time_steps(stage, caches, ids, lengths, steps: int = 40, widths: list[int] |
 @torch.inference_mode()
 def run_shape(name: str, tmp: Path, rows: int, pasts: list[int], widths: list[int] | None = None) -> list[dict]:
     from fellow.runtime.model.kv_cache import random_caches
+    from events.stage import StageOptions
     from fellow.runtime.model.loader import load_one_stage
     from fellow.runtime.tools.export import export
 
     ckpt = make_checkpoint(tmp / name / "hf", SHAPES[name])
     export(ckpt, tmp / "servables" / name, stages=1, model_id=name)
-    stage = load_one_stage(tmp / "servables" / name, device="cpu", batch_cap=rows).stage
+    stage = load_one_stage(tmp / "servables" / name, "cpu", StageOptions(max_batch=rows)).stage
     slab = stage.fused.slab
     out = []
     for past in pasts:

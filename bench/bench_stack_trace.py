@@ -116,9 +116,10 @@ def engine_first_and_step(servable: Path, model_dir: Path, tokens: int = 32) -> 
     from fellow.runtime.engine.engine import local_engine
     from events.requests import Sampling
     from fellow.runtime.engine.session import Session
+    from events.stage import StageOptions
     from fellow.runtime.model.loader import load_one_stage
 
-    stage = load_one_stage(servable, device="cpu", batch_cap=8).stage
+    stage = load_one_stage(servable, "cpu", StageOptions(max_batch=8)).stage
     prompt = prompts_for(AutoTokenizer.from_pretrained(str(model_dir)), 1)[0]
 
     def run(n: int) -> Session:

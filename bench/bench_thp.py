@@ -33,11 +33,12 @@ def child(servable: Path, ckpt: Path, tokens: int, streams: list[int]) -> dict:
     from transformers import AutoTokenizer
 
     from fellow.runtime.model.kernels import step_costs
+    from events.stage import StageOptions
     from fellow.runtime.model.loader import load_one_stage
 
     tok = AutoTokenizer.from_pretrained(str(ckpt))
     started = time.perf_counter()
-    stage = load_one_stage(servable, device="cpu", batch_cap=max(streams)).stage
+    stage = load_one_stage(servable, "cpu", StageOptions(max_batch=max(streams))).stage
     load_s = time.perf_counter() - started
     started = time.perf_counter()
     step_costs(stage, sorted({1, max(streams)}))

@@ -46,7 +46,7 @@ def cmd_nats(args) -> int:
         if cluster or args.leaf_port is not None:
             raise CliError("a leaf node (--leaf) is neither a cluster node nor a hub (--leaf-port)")
         # the leaf link logs in as SWARM_NATS_USER (a leaf-<name> user of `swarm nats-auth --leaf`)
-        leaf = LeafRemote(tuple(u.strip() for u in args.leaf.split(",") if u.strip()), s.nats_credentials)
+        leaf = LeafRemote(tuple(u.strip() for u in args.leaf.split(",") if u.strip()), s.nats.credentials)
     srv = EmbeddedNats(s.nats_store_dir if not args.store_dir else Path(args.store_dir),
                        port=args.port, host=args.host, config=Path(args.config) if args.config else None,
                        cluster=cluster, leaf_port=args.leaf_port, leaf=leaf)
@@ -76,10 +76,10 @@ def _interrupted(signum, frame) -> None:
 def _check_nats(s: Settings) -> None:
     from core.bus import BusUnavailable, connect
 
-    url = s.nats_url or "nats://127.0.0.1:4222"
+    url = s.nats.url or "nats://127.0.0.1:4222"
 
     async def probe() -> None:
-        nc = await connect(url, name="swarm-probe", timeout=5.0, credentials=s.nats_credentials,
+        nc = await connect(url, name="swarm-probe", timeout=5.0, credentials=s.nats.credentials,
                            allow_reconnect=False)
         await nc.close()
 
@@ -98,8 +98,8 @@ def cmd_leader(args) -> int:
     _check_nats(s)
     _logging(args.verbose)
     app = create_app(s)
-    json_logs = {"log_config": None} if s.log_format == "json" else {}  # uvicorn's lines go through ours
-    uvicorn.run(app, host=s.leader_host, port=s.leader_port, log_level="warning", **json_logs)
+    json_logs = {"log_config": None} if s.logging.format == "json" else {}  # uvicorn's lines go through ours
+    uvicorn.run(app, host=s.leader.host, port=s.leader.port, log_level="warning", **json_logs)
     return 0
 
 
@@ -144,7 +144,7 @@ def cmd_db(args) -> int:
     from leader.db.engine import upgrade_sync
 
     s = _settings()
-    upgrade_sync(s.database_url, args.revision)
+    upgrade_sync(s.leader.database_url, args.revision)
     print(f"database at {args.revision}")
     return 0
 

@@ -108,10 +108,10 @@ def cmd_infer(args) -> int:
         body["temperature"] = args.temperature
     if args.no_think:
         body["chat_template_kwargs"] = {"enable_thinking": False}
-    headers = {"Authorization": f"Bearer {s.api_token}"} if s.api_token else {}
+    headers = {"Authorization": f"Bearer {s.leader.api_token}"} if s.leader.api_token else {}
     usage = None
     try:
-        with httpx.stream("POST", s.leader_url + "/v1/chat/completions", json=body, headers=headers,
+        with httpx.stream("POST", s.leader.url + "/v1/chat/completions", json=body, headers=headers,
                           timeout=httpx.Timeout(30.0, read=900.0)) as resp:
             if resp.status_code >= 400:
                 resp.read()
@@ -131,7 +131,7 @@ def cmd_infer(args) -> int:
                     sys.stdout.flush()
                 usage = chunk.get("usage") or usage
     except httpx.HTTPError as exc:
-        raise CliError(f"cannot reach the leader at {s.leader_url}: {exc or type(exc).__name__}") from None
+        raise CliError(f"cannot reach the leader at {s.leader.url}: {exc or type(exc).__name__}") from None
     sys.stdout.write("\n")
     if usage and args.verbose_usage:
         print(f"[{usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion tokens]", file=sys.stderr)

@@ -17,12 +17,12 @@ def call_leader(settings: Settings, method: str, path: str, body: dict | None = 
     """One request to SWARM_LEADER_URL with SWARM_API_TOKEN as bearer; any failure is a CliError."""
     import httpx
 
-    headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
-    url = settings.leader_url + path
+    headers = {"Authorization": f"Bearer {settings.leader.api_token}"} if settings.leader.api_token else {}
+    url = settings.leader.url + path
     try:
         resp = httpx.request(method, url, json=body, headers=headers, timeout=timeout)
     except httpx.HTTPError as exc:
-        raise CliError(f"cannot reach the leader at {settings.leader_url}: {exc or type(exc).__name__}") from None
+        raise CliError(f"cannot reach the leader at {settings.leader.url}: {exc or type(exc).__name__}") from None
     try:
         data = resp.json()
     except ValueError:

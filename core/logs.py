@@ -10,12 +10,12 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import os
 import sys
 import time
 
+from core.settings import LoggingSettings
+
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-FORMATS = ("text", "json")
 
 
 def for_request(request_id: str) -> dict:
@@ -68,8 +68,7 @@ class LogTail(logging.Handler):
 
 def log_format(env=None) -> str:
     """SWARM_LOG_FORMAT (text | json); anything else counts as text here (Settings refuses it at start)."""
-    value = ((env if env is not None else os.environ).get("SWARM_LOG_FORMAT") or "text").strip().lower()
-    return value if value in FORMATS else "text"
+    return LoggingSettings.from_env(env, lenient=True).format
 
 
 def formatter(fmt: str, text_format: str = TEXT_FORMAT, fields: dict | None = None) -> logging.Formatter:
@@ -90,14 +89,7 @@ def setup_logging(level: int = logging.INFO, fmt: str | None = None, text_format
     return handler
 
 
-STATS_DEFAULT_S = 30.0
-
-
 def stage_stats_s(env=None) -> float:
-    """SWARM_STAGE_STATS_S: how often a stage with traffic writes its stats line (30 s, the spec's)."""
-    raw = ((env if env is not None else os.environ).get("SWARM_STAGE_STATS_S") or "").strip()
-    try:
-        value = float(raw) if raw else STATS_DEFAULT_S
-    except ValueError:
-        return STATS_DEFAULT_S  # Settings refuses it at start, with the reason
-    return value if value > 0 else STATS_DEFAULT_S
+    """SWARM_STAGE_STATS_S: how often a stage with traffic writes its stats line (30 s, the spec's); a bad
+    value counts as that here (Settings refuses it at start)."""
+    return LoggingSettings.from_env(env, lenient=True).stage_stats_s

@@ -55,13 +55,6 @@ class Credentials:
     user: str
     password: str
 
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "Credentials | None":
-        """SWARM_NATS_USER and SWARM_NATS_PASSWORD, both or neither (Settings validates them)."""
-        env = os.environ if env is None else env
-        user, password = (env.get("SWARM_NATS_USER") or "").strip(), env.get("SWARM_NATS_PASSWORD") or ""
-        return cls(user, password) if user and password else None
-
     def env(self) -> dict[str, str]:
         return {"SWARM_NATS_USER": self.user, "SWARM_NATS_PASSWORD": self.password}
 

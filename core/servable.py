@@ -229,7 +229,7 @@ def resolve_base(base: str | None, model_cache: str | Path | None = None) -> Pat
     if model_cache is None:
         from core.settings import Settings
 
-        model_cache = Settings.from_env().fellow_model_cache
+        model_cache = Settings.from_env().fellow.model_cache
     for candidate in ([] if Path(base).expanduser().is_absolute() else [Path(model_cache) / base]) + [
             fetched_base_dir(base, model_cache)]:
         if candidate.is_dir():

@@ -39,7 +39,7 @@ def _wait_http(url: str, sup: Supervisor, timeout: float, check) -> dict:
 
 def ensure_demo_model(settings: Settings) -> None:
     """Build the demo servable once (in a subprocess: torch stays out of this process)."""
-    target = settings.servable_models_root / DEMO_MODEL_ID
+    target = settings.leader.servable_models_root / DEMO_MODEL_ID
     if (target / "servable.json").exists():
         return
     print(f"building the demo model into {target} (once; about two minutes)", flush=True)
@@ -54,7 +54,7 @@ def _children(settings: Settings, env: dict, fellows: int) -> list[Child]:
     With SWARM_NATS_URL, every child uses the SWARM_NATS_USER/PASSWORD it inherits, if any."""
     out = []
     creds: dict[str, dict] = {}  # child name -> its NATS credentials' variables
-    if not settings.nats_url:
+    if not settings.nats.url:
         auth = AuthDir(settings.data_dir / "nats-auth")
         auth.ensure([f"local-{i}" for i in range(fellows)])
         creds["leader"] = auth.credentials(LEADER_USER).env()
@@ -93,14 +93,14 @@ def run_stack(settings: Settings, fellows: int = 1, demo: bool = True) -> int:
     sup = Supervisor(_children(settings, env, fellows))
     try:
         sup.start_all()
-        base = f"http://{settings.leader_host}:{settings.leader_port}"
+        base = f"http://{settings.leader.host}:{settings.leader.port}"
         _wait_http(base + "/healthz", sup, 60, lambda b: b.get("nats"))
         _wait_http(base + "/api/v1/fellows", sup, 60,
                    lambda b: sum(f["status"] == "online" for f in b["data"]) >= fellows)
         print(f"swarm is up: {base}  (nats {env['SWARM_NATS_URL']}, data {settings.data_dir})", flush=True)
         print(f"  chat: {base}/v1/chat/completions   fellows: {base}/api/v1/fellows   Ctrl-C stops",
               flush=True)
-        if not settings.nats_url:
+        if not settings.nats.url:
             print(f"  NATS users (leader, ops, each fellow): {settings.data_dir / 'nats-auth'}", flush=True)
         while not stop.is_set() and sup.tick():
             stop.wait(0.2)

@@ -17,6 +17,7 @@ class StageAssignment(msgspec.Struct, frozen=True, kw_only=True):
 
 
 MAX_SPECULATIVE = 8  # the most tokens a decode pass may draft (SWARM_SERVE_SPECULATIVE, a load's speculative)
+PREFILL_CHUNK = 256  # prompt tokens per piece a load is planned with, the leader's SWARM_SERVE_PREFILL_CHUNK unset
 
 
 class TransportPlan(msgspec.Struct, frozen=True, kw_only=True):
@@ -25,7 +26,7 @@ class TransportPlan(msgspec.Struct, frozen=True, kw_only=True):
     kv_tokens_max: int = 0  # a stage that measures room grows its budget up to this (0: kv_tokens at most)
     max_batch: int = 0
     speculative: int = 0  # tokens drafted per decode pass by prompt lookup (0: off); one-stage loads only
-    prefill_chunk: int = 256
+    prefill_chunk: int = PREFILL_CHUNK
     step_costs: bool = False  # every stage times its decode step at load (SWARM_SERVE_STEP_COSTS)
     in_flight_max: int = 0  # a ring's stage 0 may raise max_in_flight to this, sized from the ring's measured
     # step costs and link transit (fellow.runtime.ring.sizing); 0: max_in_flight is fixed

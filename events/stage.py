@@ -10,9 +10,12 @@ from __future__ import annotations
 import msgspec
 
 
-class Transport(msgspec.Struct, frozen=True, kw_only=True):
-    """What placement planned for this stage (0 where it left the choice to the stage)."""
+class StageOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """How a stage serves: what placement planned for it (events.loads.TransportPlan) and its fellow's
+    serving settings, built once by the fellow (fellow.manager.stage_options) and read whole by the stage
+    process and its loader (fellow.runtime.model.loader.build_stage)."""
 
+    # placement's plan, where the fellow's own settings may fill what it left open
     max_in_flight: int = 8
     kv_tokens: int = 0  # the KV tokens placement planned; 0: what it measures
     kv_tokens_max: int = 0  # where it measures room, it grows past kv_tokens up to this (0: holds at most kv_tokens)
@@ -22,6 +25,25 @@ class Transport(msgspec.Struct, frozen=True, kw_only=True):
     prefix_cache: bool = True  # keep finished sessions' positions for prompts that start the same way
     speculative: int = 0  # tokens drafted per decode pass by prompt lookup (0: off); on a ring, stage 0 drafts
     in_flight_max: int = 0  # a ring: stage 0 sizes in flight up to this from measured steps and links (0: fixed)
+    quantization: str = "none"  # the weights' method placement chose (core.quantization): none, int8, int4-fast, nf4
+    # the fellow's (core.settings.ServingSettings)
+    packed_linear: bool = True  # float32 CPU stages pack their linear weights for oneDNN
+    threads: int = 0  # torch's CPU threads in this stage; 0: torch's default, one per core
+    links: str = "direct"  # a ring stage dials the next one directly where that beats the relay; or "relay"
+    link_host: str = "127.0.0.1"  # where a ring stage listens for its predecessor, and the address it gives
+    link_port: int = 0  # 0: an ephemeral port
+    draft_model_dir: str = ""  # a one-stage load's draft model (SWARM_SERVE_DRAFT_MODEL), when it drafts
+    devices: str = "auto"  # what the layers are split over (auto: every GPU, then the CPU)
+    lora: str = "lean"  # adapters kept apart over quantized weights: lean, lean16 or peft
+    compile: tuple[int, ...] = ()  # decode batch sizes compiled at load (fellow.runtime.model.compiled)
+    cuda_graphs: bool = True  # a whole-model CUDA stage's decode replays graphs where faster
+    fourbit_rows: str = "auto"  # auto, off, or a fixed row limit "1".."8" (model.fourbit_rows)
+    fourbit_float32: str = "auto"  # 4-bit matmuls in float32 where measured faster, or off
+
+    @property
+    def batch_cap(self) -> int:
+        """The most sessions one decode step runs: the batch cap, else everything in flight."""
+        return self.max_batch if self.max_batch > 0 else max(1, self.max_in_flight)
 
 
 class StageConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -34,22 +56,9 @@ class StageConfig(msgspec.Struct, frozen=True, kw_only=True):
     num_stages: int = 1
     replica: int = 0
     replicas: int = 1  # read by the agent: a replica of several is lost alone
-    transport: Transport = Transport()
+    options: StageOptions = StageOptions()
     report_s: float = 1.0  # how often it writes a metrics report
-    packed_linear: bool = True  # float32 CPU stages pack their linear weights for oneDNN
-    quantization: str = "none"  # the weights' method placement chose (core.quantization): none, int8, int4-fast, nf4
-    threads: int = 0  # torch's CPU threads in this stage (SWARM_SERVE_THREADS); 0: torch's default, one per core
     agent_pid: int = 0  # the stage exits at once when its parent is not this process
-    links: str = "direct"  # a ring stage dials the next one directly where that beats the relay; or "relay"
-    link_host: str = "127.0.0.1"  # where a ring stage listens for its predecessor, and the address it gives
-    link_port: int = 0  # 0: an ephemeral port
-    draft_model_dir: str = ""  # a one-stage load's draft model (SWARM_SERVE_DRAFT_MODEL), when it drafts
-    devices: str = "auto"  # SWARM_SERVE_DEVICES: what the layers are split over (auto: every GPU, then the CPU)
-    lora: str = "lean"  # SWARM_SERVE_LORA: adapters kept apart over quantized weights, lean, lean16 or peft
-    compile: list[int] = []  # SWARM_SERVE_COMPILE: decode batch sizes compiled at load (fellow.runtime.model.compiled)
-    cuda_graphs: bool = True  # SWARM_SERVE_CUDA_GRAPHS: a whole-model CUDA stage's decode replays graphs where faster
-    fourbit_rows: str = "auto"  # SWARM_SERVE_4BIT_ROWS: auto, off, or a fixed row limit "1".."8" (model.fourbit_rows)
-    fourbit_float32: str = "auto"  # SWARM_SERVE_4BIT_FLOAT32: 4-bit matmuls in float32 where measured faster, or off
 
 
 class Report(msgspec.Struct, frozen=True, kw_only=True, tag_field="event"):

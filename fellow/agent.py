@@ -57,11 +57,11 @@ class FellowAgent:
         self.logs = FellowLogs(self)  # answers swarm.logs.<fellow> with its log tails
 
     async def start(self) -> None:
-        self.nc = await connect(self.settings.nats_url or "nats://127.0.0.1:4222",
-                                name=f"swarm-fellow-{self.fellow_id}", credentials=self.settings.nats_credentials)
+        self.nc = await connect(self.settings.nats.url or "nats://127.0.0.1:4222",
+                                name=f"swarm-fellow-{self.fellow_id}", credentials=self.settings.nats.credentials)
         self.js = self.nc.jetstream()
-        if self.settings.nats_credentials is None:
-            await ensure_streams(self.js, self.settings.nats_replicas)
+        if self.settings.nats.credentials is None:
+            await ensure_streams(self.js, self.settings.nats.replicas)
         else:  # a fellow's NATS user may not create streams: the leader does
             await wait_streams(self.js)
         await self.logs.start()
@@ -74,7 +74,7 @@ class FellowAgent:
         total, free = hardware.memory_bytes()
         self.seq += 1
         return Heartbeat(fellow_id=self.fellow_id, hostname=socket.gethostname(), seq=self.seq,
-                         interval_s=self.settings.heartbeat_s, version=VERSION, gpus=hardware.gpus(),
+                         interval_s=self.settings.fellow.heartbeat_s, version=VERSION, gpus=hardware.gpus(),
                          memory_total_bytes=total, memory_free_bytes=free,
                          capabilities=self.capabilities, loaded_models=self.loaded_models(),
                          started_at=self.started_at)
@@ -100,7 +100,7 @@ class FellowAgent:
 
     async def _heartbeats(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.heartbeat_s)
+            await asyncio.sleep(self.settings.fellow.heartbeat_s)
             try:
                 await self.beat()
             except Exception as exc:  # NATS away for a moment: the next beat tries again

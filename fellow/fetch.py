@@ -22,12 +22,12 @@ class FetchError(RuntimeError):
 
 
 def cached_dir(settings: Settings, model_id: str, manifest_sha256: str) -> Path:
-    return settings.fellow_model_cache / f"{model_id}-{manifest_sha256[:16]}"
+    return settings.fellow.model_cache / f"{model_id}-{manifest_sha256[:16]}"
 
 
 def local_model_dir(settings: Settings, model_id: str, model_path: str, manifest_sha256: str) -> Path | None:
     """The servable's folder if this fellow has it already (the leader's path, or the cache)."""
-    if settings.fellow_fetch != "always" and model_path and (Path(model_path) / MANIFEST_NAME).is_file():
+    if settings.fellow.fetch != "always" and model_path and (Path(model_path) / MANIFEST_NAME).is_file():
         return Path(model_path)
     cached = cached_dir(settings, model_id, manifest_sha256)
     return cached if (cached / MANIFEST_NAME).is_file() else None
@@ -35,15 +35,15 @@ def local_model_dir(settings: Settings, model_id: str, model_path: str, manifest
 
 def draft_model_dir(settings: Settings) -> Path:
     """SWARM_SERVE_DRAFT_MODEL's folder: a servable's path, or a servable id in the fellow's model cache."""
-    value = settings.serve_draft_model
+    value = settings.serving.draft_model
     path = Path(value).expanduser()
     if (path / MANIFEST_NAME).is_file():
         return path
-    found = sorted(p.parent for p in settings.fellow_model_cache.glob(f"{value}-*/{MANIFEST_NAME}"))
+    found = sorted(p.parent for p in settings.fellow.model_cache.glob(f"{value}-*/{MANIFEST_NAME}"))
     if found:
         return found[-1]
     raise FileNotFoundError(f"SWARM_SERVE_DRAFT_MODEL={value!r} is neither a servable's folder nor a servable "
-                            f"in this fellow's model cache ({settings.fellow_model_cache})")
+                            f"in this fellow's model cache ({settings.fellow.model_cache})")
 
 
 def fetch_model(settings: Settings, model_id: str, manifest_sha256: str, attempts: int = 3) -> Path:
@@ -59,11 +59,11 @@ def ensure_base(settings: Settings, model_id: str, model_dir: Path, attempts: in
     manifest = load_manifest(model_dir)
     if manifest.export != "adapters" or not manifest.base:
         return None
-    found = resolve_base(manifest.base, settings.fellow_model_cache)
+    found = resolve_base(manifest.base, settings.fellow.model_cache)
     if found is not None:
         return found
     log.info("fetching the base checkpoint of %s (%s) from the leader", model_id, manifest.base)
-    return _fetch_archive(settings, model_id, "base", fetched_base_dir(manifest.base, settings.fellow_model_cache),
+    return _fetch_archive(settings, model_id, "base", fetched_base_dir(manifest.base, settings.fellow.model_cache),
                           attempts)
 
 
@@ -71,9 +71,9 @@ def _fetch_archive(settings: Settings, model_id: str, part: str, target: Path, a
     """GET the model's archive (``part``: "" the servable, "base" its base checkpoint) into ``target``."""
     target.parent.mkdir(parents=True, exist_ok=True)
     part_file = target.with_suffix(".tar.part")
-    url = f"{settings.leader_url}/api/v1/models/{model_id}/archive" + (f"?part={part}" if part else "")
+    url = f"{settings.leader.url}/api/v1/models/{model_id}/archive" + (f"?part={part}" if part else "")
     what = f"the {part} of {model_id}" if part else model_id
-    headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
+    headers = {"Authorization": f"Bearer {settings.leader.api_token}"} if settings.leader.api_token else {}
     expected = None
     for attempt in range(1, attempts + 1):
         have = part_file.stat().st_size if part_file.exists() else 0
@@ -95,7 +95,7 @@ def _fetch_archive(settings: Settings, model_id: str, part: str, target: Path, a
         except httpx.HTTPError as exc:
             log.warning("fetching %s (attempt %d): %s", what, attempt, exc)
             if attempt == attempts:
-                raise FetchError(f"cannot fetch {what} from {settings.leader_url}: {exc}") from None
+                raise FetchError(f"cannot fetch {what} from {settings.leader.url}: {exc}") from None
     digest = hashlib.sha256()
     with open(part_file, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

@@ -61,7 +61,7 @@ async def probe_first(agent: FellowAgent) -> bool:
     """Add what the probe finds to the agent's capabilities before it first beats, so a load placed as soon
     as the fellow is online gets the quantization it asks (its kernels are declared from the first
     heartbeat on). False when the fellow is stopped while probing."""
-    probing = asyncio.create_task(probed_capabilities(agent.settings.serve_4bit_rows), name="probe")
+    probing = asyncio.create_task(probed_capabilities(agent.settings.serving.fourbit_rows), name="probe")
     stopping = asyncio.create_task(agent.stopped.wait(), name="stop while probing")
     try:
         await asyncio.wait({probing, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -86,7 +86,7 @@ async def run_fellow(settings: Settings, fellow_id: str | None = None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, agent.stopped.set)
-    if settings.serve_quantized and not await probe_first(agent):
+    if settings.serving.quantized and not await probe_first(agent):
         return 0
     await agent.start()
     manager.start()

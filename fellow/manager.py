@@ -13,17 +13,39 @@ import time
 from core.bus import publish_event
 from core.quantization import QuantizationError, method_of
 from core.servable import ServableError
+from core.settings import Settings
 from events.commands import LoadStage, StopFellow, UnloadStage, UpdateFellow
 from events.fellow import LoadedModel
 from events.loads import (STAGE_RESTARTING, LoadFailed, ModelUnloaded, ReplicaLost, StageReady, load_failed_id,
                           replica_lost_id, replica_part, stage_restart_id)
-from events.stage import FailedReport, MetricsReport, ReadyReport, StageConfig, StageReport, Transport
+from events.stage import FailedReport, MetricsReport, ReadyReport, StageConfig, StageOptions, StageReport
 from fellow.fetch import FetchError, draft_model_dir, ensure_base, fetch_model, local_model_dir
 from fellow.stage_process import StageProcess
 
 log = logging.getLogger(__name__)
 
 RESTART_WINDOW_S = 60.0  # a load's stage is restarted at most once in this long
+
+
+def stage_options(settings: Settings, cmd: LoadStage) -> StageOptions:
+    """How a stage of ``cmd`` serves, built once here and sent whole to its process: this fellow's serving
+    settings of the same names, under what placement planned (``cmd.transport``); where the plan left a
+    choice open (0, off) the fellow's own stands, and a one-stage load cuts prompts into the fellow's own
+    pieces where it set them (a ring keeps the plan's, which each of its stages reserves memory for).
+    QuantizationError where no load serves the plan's quantization, FileNotFoundError where the fellow's
+    draft model is not there."""
+    t, serving = cmd.transport, settings.serving
+    speculative = t.speculative or serving.speculative  # rings draft on stage 0
+    drafts = speculative and cmd.assignment.stage == 0 and serving.draft_model  # beside stage 0
+    own = {name: getattr(serving, name) for name in StageOptions.__struct_fields__ if hasattr(serving, name)}
+    chunk = t.prefill_chunk if serving.prefill_chunk is None or cmd.num_stages > 1 else serving.prefill_chunk
+    return StageOptions(**{**own, "max_in_flight": t.max_in_flight, "kv_tokens": t.kv_tokens,
+                           "max_batch": t.max_batch or (serving.max_batch or 0), "prefill_chunk": chunk,
+                           "step_costs": t.step_costs or serving.step_costs, "speculative": speculative,
+                           "kv_tokens_max": t.kv_tokens_max,
+                           "in_flight_max": t.in_flight_max if cmd.num_stages > 1 else 0,
+                           "quantization": method_of(cmd.quantization),
+                           "draft_model_dir": str(draft_model_dir(settings)) if drafts else ""})
 
 
 class ModelManager:
@@ -76,52 +98,26 @@ class ModelManager:
                                  f"base checkpoint not on this fellow and not fetched: {exc}",
                                  replica=cmd.assignment.replica, replicas=cmd.replicas)
                 return
-            while len(self.procs) >= self.settings.max_loaded_models:
+            while len(self.procs) >= self.settings.fellow.max_loaded_models:
                 oldest = next(iter(self.procs.values()))
                 log.info("evicting %s (%s) to load %s", oldest.model_id, oldest.load_id, cmd.model_id)
                 await self._stop(oldest, "evicted")
             try:
-                quantization = method_of(cmd.quantization)
-            except QuantizationError as exc:
+                options = stage_options(self.settings, cmd)
+            except (QuantizationError, FileNotFoundError) as exc:
                 await self._fail(cmd.load_id, cmd.model_id, str(exc), cmd.assignment.replica, cmd.replicas)
                 return
-            t = cmd.transport
-            max_batch = t.max_batch or (self.settings.serve_max_batch or 0)
-            speculative = t.speculative or self.settings.serve_speculative  # rings draft on stage 0
-            draft_dir = ""
-            if speculative and cmd.assignment.stage == 0 and self.settings.serve_draft_model:  # beside stage 0
-                try:
-                    draft_dir = str(draft_model_dir(self.settings))
-                except FileNotFoundError as exc:
-                    await self._fail(cmd.load_id, cmd.model_id, str(exc),
-                                     replica=cmd.assignment.replica, replicas=cmd.replicas)
-                    return
             cfg = StageConfig(load_id=cmd.load_id, model_id=cmd.model_id, model_dir=str(model_dir),
-                              nats_url=self.settings.nats_url or "nats://127.0.0.1:4222",
+                              nats_url=self.settings.nats.url or "nats://127.0.0.1:4222",
                               fellow_id=self.agent.fellow_id, stage=cmd.assignment.stage, num_stages=cmd.num_stages,
                               replica=cmd.assignment.replica, replicas=cmd.replicas,
-                              transport=Transport(max_in_flight=t.max_in_flight, kv_tokens=t.kv_tokens,
-                                                  kv_tokens_max=t.kv_tokens_max,
-                                                  in_flight_max=t.in_flight_max if cmd.num_stages > 1 else 0,
-                                                  step_costs=t.step_costs or self.settings.serve_step_costs,
-                                                  prefix_cache=self.settings.serve_prefix_cache,
-                                                  speculative=speculative,
-                                                  max_batch=max_batch, prefill_chunk=t.prefill_chunk),
-                              report_s=min(1.0, self.settings.heartbeat_s),
-                              packed_linear=self.settings.serve_packed_linear != "off",
-                              quantization=quantization,
-                              threads=self.settings.serve_threads, links=self.settings.serve_links,
-                              link_host=self.settings.serve_link_host, link_port=self.settings.serve_link_port,
-                              draft_model_dir=draft_dir, devices=self.settings.serve_devices,
-                              lora=self.settings.serve_lora, compile=list(self.settings.serve_compile),
-                              cuda_graphs=self.settings.serve_cuda_graphs,
-                              fourbit_rows=self.settings.serve_4bit_rows,
-                              fourbit_float32=self.settings.serve_4bit_float32)
+                              options=options,
+                              report_s=min(1.0, self.settings.fellow.heartbeat_s))
             logs = self.settings.data_dir / "logs"
             logs.mkdir(parents=True, exist_ok=True)
-            creds = self.settings.nats_credentials  # the stage logs in to NATS as its fellow
+            creds = self.settings.nats.credentials  # the stage logs in to NATS as its fellow
             env = {**os.environ, **creds.env()} if creds else None
-            if self.settings.serve_compile and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+            if self.settings.serving.compile and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
                 # inductor's cache under the data dir: a model compiled once compiles again from it
                 env = {**(env or os.environ), "TORCHINDUCTOR_CACHE_DIR": str(self.settings.data_dir / "inductor")}
             proc = StageProcess(cfg, self._on_report, self._on_exit,
@@ -233,7 +229,7 @@ class ModelManager:
     async def on_stop(self, cmd: StopFellow) -> None:
         await self.stop_all("stopped")
         if cmd.purge:
-            shutil.rmtree(self.settings.fellow_model_cache, ignore_errors=True)
+            shutil.rmtree(self.settings.fellow.model_cache, ignore_errors=True)
         self.agent.stopped.set()
 
     async def on_update(self, cmd: UpdateFellow) -> None:
@@ -244,8 +240,8 @@ class ModelManager:
 
     async def _reap_idle(self) -> None:
         while True:
-            await asyncio.sleep(min(1.0, self.settings.heartbeat_s))
-            ttl = self.settings.model_idle_unload_s
+            await asyncio.sleep(min(1.0, self.settings.fellow.heartbeat_s))
+            ttl = self.settings.fellow.model_idle_unload_s
             if ttl <= 0:
                 continue
             for proc in list(self.procs.values()):

@@ -33,7 +33,7 @@ ROUTES = [healthz, list_fellows, *MODEL_ROUTES, *TOKEN_ROUTES, chat_completions,
 
 def json_logging(settings: Settings) -> dict:
     """With SWARM_LOG_FORMAT=json, Litestar's own logging config writes JSON lines too."""
-    if settings.log_format != "json":
+    if settings.logging.format != "json":
         return {}
     return {"logging_config": LoggingConfig(formatters={"standard": {"()": "core.logs.JsonFormatter"}})}
 
@@ -44,7 +44,7 @@ def create_app(settings: Settings | None = None, leader: Leader | None = None,
     longest wait for a chat's first (or next) frame, `body_timeout_s` for the next part of a request body."""
     settings = settings or Settings.from_env()
     leader = leader or Leader(settings)
-    mcp = McpEndpoint(lambda: app, settings.leader_host)
+    mcp = McpEndpoint(lambda: app, settings.leader.host)
 
     @asynccontextmanager
     async def lifespan(app: Litestar):
@@ -63,7 +63,7 @@ def create_app(settings: Settings | None = None, leader: Leader | None = None,
         exception_handlers=exception_handlers,
         guards=[scope_guard(leader)],
         openapi_config=OpenAPIConfig(title="Swarm", version="0.1.0", path="/schema"),
-        request_max_body_size=settings.http_max_body_bytes,
+        request_max_body_size=settings.leader.http_max_body_bytes,
         debug=False,
         **json_logging(settings),
     )

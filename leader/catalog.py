@@ -75,7 +75,7 @@ class Catalog:
             if not force and time.monotonic() - self._scanned_at < self.min_interval_s:
                 return
             s = self.leader.settings
-            found = await asyncio.to_thread(scan, s.servable_models_root, s.fellow_model_cache)
+            found = await asyncio.to_thread(scan, s.leader.servable_models_root, s.fellow.model_cache)
             async with self.leader.sessions() as session:
                 known = {r.model_id: _row_entry(r) for r in await session.scalars(select(Model))}
             events = [ModelCataloged(entry=e) for mid, e in found.items()

@@ -54,21 +54,21 @@ class Leader:
         self.on_stop: list = []  # async callables run first at stop (services added by features)
         # signs requests' frame keys (events.frames.frame_key): the leader user's NATS password, which every
         # leader shares and no fellow knows; none without NATS auth, where anyone may publish anything anyway
-        creds = settings.nats_credentials
+        creds = settings.nats.credentials
         self.frame_secret = creds.password.encode() if creds else b""
 
     async def start(self) -> None:
         s = self.settings
-        await upgrade(s.database_url)
-        self.engine = make_engine(s.database_url)
+        await upgrade(s.leader.database_url)
+        self.engine = make_engine(s.leader.database_url)
         self.sessions = session_factory(self.engine)
-        self.nc = await connect(s.nats_url or "nats://127.0.0.1:4222", name="swarm-leader",
-                                credentials=s.nats_credentials)
+        self.nc = await connect(s.nats.url or "nats://127.0.0.1:4222", name="swarm-leader",
+                                credentials=s.nats.credentials)
         self.js = self.nc.jetstream()
-        await ensure_streams(self.js, s.nats_replicas)
+        await ensure_streams(self.js, s.nats.replicas)
         self.projections = ProjectionRunner(self.js, self.sessions, all_projectors())
         await self.projections.start()
-        self.fellows = FellowMonitor(self.js, self.sessions, timeout_s=s.fellow_timeout_s)
+        self.fellows = FellowMonitor(self.js, self.sessions, timeout_s=s.leader.fellow_timeout_s)
         await self.fellows.start()
         self.auth = AuthService(self, s, clock=self._clock, prune_interval_s=self._prune_interval_s)
         self.auth.start()
@@ -80,7 +80,7 @@ class Leader:
         self.metrics = Metrics(self)
         await self.metrics.start()
         self.on_stop.append(self.metrics.stop)
-        log.info("leader started (database %s)", s.database_url.split("://", 1)[0])
+        log.info("leader started (database %s)", s.leader.database_url.split("://", 1)[0])
 
     async def stop(self) -> None:
         await run_hooks(self.on_stop, log)

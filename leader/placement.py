@@ -9,7 +9,7 @@ from msgspec import structs
 from core.quantization import NONE, bytes_per_param, capability_for
 from events.fellow import (CAP_4BIT_ROWS, CAP_CONCURRENT, CAP_KV_BUDGET, CAP_N_STAGE, CAP_ONE_STAGE, CAP_SPECULATIVE,
                            Heartbeat)
-from events.loads import StageAssignment, TransportPlan
+from events.loads import PREFILL_CHUNK, StageAssignment, TransportPlan
 
 HEADROOM = 1.2  # activations, allocator slack
 RING_IN_FLIGHT_MAX_PER_STAGE = 16  # the most a ring's stage 0 may size its in flight to, a stage (4x the plan)
@@ -41,14 +41,16 @@ def transport_plan(settings, num_stages: int) -> TransportPlan:
     pipe (fellow.runtime.ring.sizing), never more than every stage's KV holds.
     """
     one = num_stages == 1
-    in_flight = settings.serve_in_flight or (settings.serve_max_in_flight if one else 4 * num_stages)
-    sized = not one and not settings.serve_in_flight
+    in_flight = settings.serving.in_flight or (settings.serving.max_in_flight if one else 4 * num_stages)
+    sized = not one and not settings.serving.in_flight
+    chunk = settings.serving.prefill_chunk
     return TransportPlan(max_in_flight=in_flight,
                          in_flight_max=RING_IN_FLIGHT_MAX_PER_STAGE * num_stages if sized else 0,
-                         kv_tokens=max(settings.serve_context_tokens, in_flight * settings.serve_typical_tokens),
-                         kv_tokens_max=in_flight * settings.serve_context_tokens,
-                         max_batch=settings.serve_max_batch or 0, speculative=settings.serve_speculative,
-                         prefill_chunk=settings.serve_prefill_chunk, step_costs=settings.serve_step_costs)
+                         kv_tokens=max(settings.serving.context_tokens, in_flight * settings.serving.typical_tokens),
+                         kv_tokens_max=in_flight * settings.serving.context_tokens,
+                         max_batch=settings.serving.max_batch or 0, speculative=settings.serving.speculative,
+                         prefill_chunk=PREFILL_CHUNK if chunk is None else chunk,
+                         step_costs=settings.serving.step_costs)
 
 
 AMPERE = (8, 0)
@@ -106,9 +108,9 @@ def for_old_fellows(transport: TransportPlan, assignments: list[StageAssignment]
 
     why = []
     if old := lacking(CAP_KV_BUDGET):
-        in_flight = settings.serve_in_flight or OLD_FELLOW_IN_FLIGHT * num_stages
+        in_flight = settings.serving.in_flight or OLD_FELLOW_IN_FLIGHT * num_stages
         transport = structs.replace(transport, max_in_flight=in_flight, in_flight_max=0, kv_tokens_max=0,
-                                    kv_tokens=in_flight * settings.serve_context_tokens)
+                                    kv_tokens=in_flight * settings.serving.context_tokens)
         why.append(f"{in_flight} in flight with a full context each: fellow {', '.join(old)} does not "
                    f"declare {CAP_KV_BUDGET}")
     if num_stages > 1 and transport.speculative and (old := lacking(CAP_SPECULATIVE)):

@@ -15,13 +15,13 @@ async def replay_projections(settings: Settings, name: str | None = None) -> dic
     if not projectors:
         known = ", ".join(p.name for p in all_projectors())
         raise CliError(f"no projection named {name!r} (known: {known})")
-    await upgrade(settings.database_url)
-    engine = make_engine(settings.database_url)
-    nc = await connect(settings.nats_url or "nats://127.0.0.1:4222", name="swarm-replay",
-                       credentials=settings.nats_credentials)
+    await upgrade(settings.leader.database_url)
+    engine = make_engine(settings.leader.database_url)
+    nc = await connect(settings.nats.url or "nats://127.0.0.1:4222", name="swarm-replay",
+                       credentials=settings.nats.credentials)
     try:
         js = nc.jetstream()
-        await ensure_streams(js, settings.nats_replicas)
+        await ensure_streams(js, settings.nats.replicas)
         sessions = session_factory(engine)
         return {p.name: await replay(js, sessions, p) for p in projectors}
     finally:

@@ -57,7 +57,7 @@ JUNK = {
 
 
 async def test_a_body_over_the_limit_is_a_413_with_an_openai_error(tmp_path, nats_server, sqlite_url):
-    assert Settings.from_env({}).http_max_body_bytes == 8 * 1024 * 1024
+    assert Settings.from_env({}).leader.http_max_body_bytes == 8 * 1024 * 1024
     async with leader_client(tmp_path, nats_server.url, sqlite_url, SWARM_HTTP_MAX_BODY_BYTES=4096) as (_, c):
         big = {"model": "m", "messages": [{"role": "user", "content": "x" * 5000}]}
         for path in ("/v1/chat/completions", TOKENS):

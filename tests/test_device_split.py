@@ -10,6 +10,7 @@ import torch
 
 from core.servable import ServableError, load_manifest
 from fellow.runtime.model.device_split import GB, SplitError, plan_split
+from events.stage import StageOptions
 from fellow.runtime.model.loader import load_one_stage
 from fellow.runtime.model.weights import stage_sizes
 from tests.serving_fixtures import make_servable
@@ -101,18 +102,19 @@ def test_a_stage_split_over_two_devices_serves_as_one(servable, caplog):
     first, whole = budgets_for(servable, 2)
     ids = [5, 9, 33, 2, 17, 80, 41, 3]
     with caplog.at_level(logging.INFO, logger="fellow.runtime.model.loader"):
-        split = load_one_stage(servable, devices=[("cpu", first), ("cpu", whole)], kv_tokens=0, packed=False).stage
+        split = load_one_stage(servable, options=StageOptions(packed_linear=False),
+                               devices=[("cpu", first), ("cpu", whole)], kv_tokens=0).stage
     parts = split.kernels["devices"]
     assert [(p["device"], p["layers"], p["embed"], p["head"]) for p in parts] == [
         ("cpu", [0, 2], True, False), ("cpu", [2, 4], False, True)]
     assert parts[0]["weight_bytes"] == first
     assert "layers split over 2 devices: cpu: layers 0-1 +embed" in caplog.text
-    one = load_one_stage(servable, "cpu", packed=False).stage
+    one = load_one_stage(servable, "cpu", StageOptions(packed_linear=False)).stage
     assert "devices" not in one.kernels
     assert greedy(split, ids)[0] == greedy(one, ids)[0]
     # a budget that holds everything on the first device: one device, no split
-    assert "devices" not in load_one_stage(servable, devices=[("cpu", whole), ("cpu", whole)], kv_tokens=0,
-                                            packed=False).stage.kernels
+    assert "devices" not in load_one_stage(servable, options=StageOptions(packed_linear=False),
+                                           devices=[("cpu", whole), ("cpu", whole)], kv_tokens=0).stage.kernels
 
 
 def test_a_stage_that_fits_nowhere_is_refused(servable):
@@ -193,19 +195,20 @@ def test_a_quantized_stage_splits_at_its_quantized_sizes_and_serves_as_one(serva
     first = sizes.embed_bytes + sum(sizes.layer_bytes[:2])
     whole = sum(sizes.layer_bytes) + sizes.embed_bytes + sizes.head_bytes
     assert whole < sum(stage_sizes(load_manifest(servable), 0, 1, torch.float32).layer_bytes)
-    split = load_one_stage(servable, devices=[("cpu", first), ("cpu", whole)], kv_tokens=0, quantization=INT8).stage
+    split = load_one_stage(servable, None, StageOptions(quantization=INT8), devices=[("cpu", first), ("cpu", whole)],
+                           kv_tokens=0).stage
     assert split.weights["quantization"] == INT8
     assert [(p["device"], p["layers"]) for p in split.kernels["devices"]] == [("cpu", [0, 2]), ("cpu", [2, 4])]
-    one = load_one_stage(servable, "cpu", quantization=INT8).stage
+    one = load_one_stage(servable, "cpu", StageOptions(quantization=INT8)).stage
     ids = [5, 9, 33, 2, 17, 80, 41, 3]
     assert greedy(split, ids)[0] == greedy(one, ids)[0]
 
 
 def test_serve_devices_naming_the_cpu_loads_there_and_equals_the_cpu_stage(servable):
     ids = [5, 9, 33, 2, 17, 80, 41, 3]
-    listed = load_one_stage(servable, devices="cpu", packed=False).stage
+    listed = load_one_stage(servable, None, StageOptions(packed_linear=False), devices="cpu").stage
     assert [d.type for d in listed.layer_devices] == ["cpu"] * 4
-    assert greedy(listed, ids)[0] == greedy(load_one_stage(servable, "cpu", packed=False).stage, ids)[0]
+    assert greedy(listed, ids)[0] == greedy(load_one_stage(servable, "cpu", StageOptions(packed_linear=False)).stage, ids)[0]
 
 
 @pytest.mark.gpu
@@ -217,9 +220,9 @@ def test_a_4bit_stage_balanced_over_two_cards_equals_one_card(servable):
 
     sizes = stage_sizes(load_manifest(servable), 0, 1, torch.float16, NF4)
     half = sizes.embed_bytes + sizes.head_bytes + sum(sizes.layer_bytes)
-    split = load_one_stage(servable, devices=[("cuda:0", half), ("cuda:1", half)], kv_tokens=0,
-                           quantization=NF4).stage
+    split = load_one_stage(servable, None, StageOptions(quantization=NF4), devices=[("cuda:0", half), ("cuda:1", half)],
+                           kv_tokens=0).stage
     assert [p["device"] for p in split.kernels["devices"]] == ["cuda:0", "cuda:1"]
-    one = load_one_stage(servable, "cuda:0", quantization=NF4).stage
+    one = load_one_stage(servable, "cuda:0", StageOptions(quantization=NF4)).stage
     ids = [5, 9, 33, 2, 17, 80, 41, 3]
     assert greedy(split, ids)[0] == greedy(one, ids)[0]

@@ -54,24 +54,24 @@ def test_settings_not_implemented_yet_are_refused(name):
 
 def test_defaults_follow_the_spec():
     s = Settings.from_env({"SWARM_DATA_DIR": "/srv/x"})
-    assert s.database_url == "sqlite+aiosqlite:////srv/x/swarm.db"
-    assert (s.max_loaded_models, s.model_idle_unload_s, s.serve_prefill_chunk) == (1, 900.0, 256)
-    assert (s.serve_typical_tokens, s.serve_context_tokens, s.serve_max_in_flight) == (1024, 4096, 8)
-    assert str(s.servable_models_root) == "/srv/x/servable_models"
-    assert s.serve_speculative == 0  # off until the benchmark says when it pays
-    assert Settings.from_env({"SWARM_SERVE_SPECULATIVE": "4"}).serve_speculative == 4
-    assert s.serve_devices == "auto"  # every GPU in order, then the CPU
-    assert Settings.from_env({"SWARM_SERVE_DEVICES": "CUDA:1, cuda:0,cpu"}).serve_devices == "cuda:1,cuda:0,cpu"
-    assert s.serve_lora == "lean"  # adapters over quantized weights: one addmm, no PEFT layer
-    assert Settings.from_env({"SWARM_SERVE_LORA": "PEFT"}).serve_lora == "peft"
-    assert s.serve_compile == ()  # the compiled decode step costs tens of seconds of load per batch size
-    assert Settings.from_env({"SWARM_SERVE_COMPILE": "on"}).serve_compile == (1,)
-    assert Settings.from_env({"SWARM_SERVE_COMPILE": "8, 1,8"}).serve_compile == (1, 8)
-    assert Settings.from_env({"SWARM_SERVE_COMPILE": "off"}).serve_compile == ()
-    assert s.serve_cuda_graphs  # a whole-model CUDA stage replays its decode step where that measures faster
-    assert not Settings.from_env({"SWARM_SERVE_CUDA_GRAPHS": "off"}).serve_cuda_graphs
-    assert (s.serve_4bit_rows, s.serve_4bit_float32) == ("auto", "auto")  # 4-bit row limits measured at load
-    assert Settings.from_env({"SWARM_SERVE_4BIT_ROWS": "3"}).serve_4bit_rows == "3"
+    assert s.leader.database_url == "sqlite+aiosqlite:////srv/x/swarm.db"
+    assert (s.fellow.max_loaded_models, s.fellow.model_idle_unload_s, s.serving.prefill_chunk) == (1, 900.0, None)
+    assert (s.serving.typical_tokens, s.serving.context_tokens, s.serving.max_in_flight) == (1024, 4096, 8)
+    assert str(s.leader.servable_models_root) == "/srv/x/servable_models"
+    assert s.serving.speculative == 0  # off until the benchmark says when it pays
+    assert Settings.from_env({"SWARM_SERVE_SPECULATIVE": "4"}).serving.speculative == 4
+    assert s.serving.devices == "auto"  # every GPU in order, then the CPU
+    assert Settings.from_env({"SWARM_SERVE_DEVICES": "CUDA:1, cuda:0,cpu"}).serving.devices == "cuda:1,cuda:0,cpu"
+    assert s.serving.lora == "lean"  # adapters over quantized weights: one addmm, no PEFT layer
+    assert Settings.from_env({"SWARM_SERVE_LORA": "PEFT"}).serving.lora == "peft"
+    assert s.serving.compile == ()  # the compiled decode step costs tens of seconds of load per batch size
+    assert Settings.from_env({"SWARM_SERVE_COMPILE": "on"}).serving.compile == (1,)
+    assert Settings.from_env({"SWARM_SERVE_COMPILE": "8, 1,8"}).serving.compile == (1, 8)
+    assert Settings.from_env({"SWARM_SERVE_COMPILE": "off"}).serving.compile == ()
+    assert s.serving.cuda_graphs  # a whole-model CUDA stage replays its decode step where that measures faster
+    assert not Settings.from_env({"SWARM_SERVE_CUDA_GRAPHS": "off"}).serving.cuda_graphs
+    assert (s.serving.fourbit_rows, s.serving.fourbit_float32) == ("auto", "auto")  # 4-bit row limits measured at load
+    assert Settings.from_env({"SWARM_SERVE_4BIT_ROWS": "3"}).serving.fourbit_rows == "3"
 
 
 def run_cli(args, env, timeout=30):

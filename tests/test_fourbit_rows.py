@@ -18,6 +18,7 @@ from core.quantization import INT4_FAST, INT8, NF4
 from core.servable import load_manifest
 from core.settings import Settings, SettingsError
 from events.fellow import CAP_4BIT_ROWS
+from events.stage import StageOptions
 from fellow.runtime.model import fourbit_rows
 from fellow.runtime.model.fourbit_rows import (FLOAT32_SAVING, capabilities, choose_row_limit, describe_float32,
                                                plan_4bit_rows, stage_blocks)
@@ -32,9 +33,9 @@ def servable(tmp_path_factory):
     return out
 
 
-def build(servable, method=INT4_FAST, **options):
-    return build_stage(load_manifest(servable), 0, servable, 1, torch.device("cpu"), quantization=method,
-                       **options)[1]
+def build(servable, method=INT4_FAST, dtype=None, **options):
+    return build_stage(load_manifest(servable), 0, servable, 1, torch.device("cpu"),
+                       StageOptions(quantization=method, **options), dtype=dtype)[1]
 
 
 @pytest.fixture
@@ -207,10 +208,10 @@ def test_a_cpu_stage_is_not_measured_by_default_and_off_or_int8_does_nothing(ser
 
 def test_the_settings_parse_and_refuse_with_one_line():
     s = Settings.from_env({})
-    assert (s.serve_4bit_rows, s.serve_4bit_float32) == ("auto", "auto")
-    assert Settings.from_env({"SWARM_SERVE_4BIT_ROWS": " OFF "}).serve_4bit_rows == "off"
-    assert Settings.from_env({"SWARM_SERVE_4BIT_ROWS": "3"}).serve_4bit_rows == "3"
-    assert Settings.from_env({"SWARM_SERVE_4BIT_FLOAT32": "off"}).serve_4bit_float32 == "off"
+    assert (s.serving.fourbit_rows, s.serving.fourbit_float32) == ("auto", "auto")
+    assert Settings.from_env({"SWARM_SERVE_4BIT_ROWS": " OFF "}).serving.fourbit_rows == "off"
+    assert Settings.from_env({"SWARM_SERVE_4BIT_ROWS": "3"}).serving.fourbit_rows == "3"
+    assert Settings.from_env({"SWARM_SERVE_4BIT_FLOAT32": "off"}).serving.fourbit_float32 == "off"
     for bad in ("0", "9", "x", "-1", "2.5"):
         with pytest.raises(SettingsError) as err:
             Settings.from_env({"SWARM_SERVE_4BIT_ROWS": bad})
@@ -243,8 +244,8 @@ def test_on_cuda_a_4bit_stage_measures_its_rows_and_decodes_as_with_whole_calls(
             tinygemm_check_device(torch.device("cuda:0"))
         except Int4Unavailable as exc:
             pytest.skip(str(exc))
-    stage = build_stage(load_manifest(servable), 0, servable, 1, torch.device("cuda:0"), quantization=method,
-                        cuda_graphs=False)[1]
+    stage = build_stage(load_manifest(servable), 0, servable, 1, torch.device("cuda:0"),
+                        StageOptions(quantization=method, cuda_graphs=False))[1]
     status = stage.kernels["4bit_rows"]
     assert status["device"] == "cuda:0" and set(status["ms"]) >= {str(m) for m in range(1, 9)}, status
     if stage.dtype != torch.float32:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from events.stage import Transport
+from events.stage import StageOptions
 from fellow.runtime.model.kv_budget import cpu_free_bytes, held_tokens, resident_bytes
 from fellow.runtime.model.stage import StageModel
 from fellow.runtime.server.base import kv_budget
@@ -26,7 +26,7 @@ def stage():
 
 def test_a_4gb_limit_holds_more_than_1gb_and_both_are_in_status(stage):
     # a prompt piece of 2,048 positions: 33 KB a token, so neither budget reaches the CPU's token cap
-    transport = Transport(kv_tokens=1000, kv_tokens_max=10**7, max_in_flight=2, prefill_chunk=2048)
+    transport = StageOptions(kv_tokens=1000, kv_tokens_max=10**7, max_in_flight=2, prefill_chunk=2048)
     held_1, planned_1 = kv_budget(stage, transport, memory_limit=1 * GB)
     status_1 = stage.kernels["kv"]
     held_4, planned_4 = kv_budget(stage, transport, memory_limit=4 * GB)
@@ -73,7 +73,7 @@ def test_float32_piece_bytes_are_the_largest_4bit_weight_per_device(stage, tmp_p
     assert float32_piece_bytes(stage) == {}  # no 4-bit weights, no float32 pieces
     _, servable = make_servable(tmp_path, "tiny", layers=2, hidden=64, stages=1)
     try:
-        nf4 = load_one_stage(servable, "cpu", quantization=NF4).stage
+        nf4 = load_one_stage(servable, "cpu", StageOptions(quantization=NF4)).stage
     except Exception as exc:  # bitsandbytes absent or without a CPU NF4 kernel here
         pytest.skip(f"NF4 does not load here ({exc})")
     assert float32_piece_bytes(nf4) == {}  # prompt pieces stay in the stage's dtype

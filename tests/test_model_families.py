@@ -367,10 +367,11 @@ def test_a_quantized_hybrid_stage_serves_its_linear_layers_quantized(checkpoints
     swapped for a quantized one; the convolution and the experts' stacked weights stay float. Its replies are
     its own (quantization rounds), the same alone and in a decode step with others, and its logits close to
     the float stage's."""
+    from events.stage import StageOptions
     from fellow.runtime.model.loader import load_one_stage
     from fellow.runtime.model.quant.quantizer import QuantModule
 
-    stage = load_one_stage(servables["qwen3-next"], "cpu", quantization=method).stage
+    stage = load_one_stage(servables["qwen3-next"], "cpu", StageOptions(quantization=method)).stage
     assert stage.kernels["path"] == "hf" and stage.weights["quantization"] == method
     deltanet = stage.layers[0].linear_attn
     assert all(isinstance(getattr(deltanet, name), QuantModule) for name in ("in_proj_qkvz", "in_proj_ba", "out_proj"))

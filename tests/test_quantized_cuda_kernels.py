@@ -17,8 +17,10 @@ from core.quantization import INT4_FAST, INT8, NF4, NONE
 from core.servable import load_manifest
 from fellow.runtime.model.quant.linear import (CUDA_KERNELS, QUANT_KERNELS, TINYGEMM_FLOOR, Int4Unavailable,
                                                QuantLinear, quant_kernel)
+from fellow.runtime.model.quant import linear
 from fellow.runtime.model.quant.probe import _kernel_runs, probe
 from fellow.runtime.model.quant.quantizer import FUSED_GROUPS, QuantEmbedding, QuantModule
+from events.stage import StageOptions
 from fellow.runtime.model.loader import build_stage
 from tests.serving_fixtures import make_servable
 
@@ -70,7 +72,8 @@ def bnb_int8_stage(servable):
     """An int8 stage built with the CUDA stage's kernel (bitsandbytes'), on the CPU."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(QUANT_KERNELS, INT8, CUDA_KERNELS[INT8])
-        return build_stage(load_manifest(servable), 0, servable, 1, torch.device("cpu"), quantization=INT8)[1]
+        return build_stage(load_manifest(servable), 0, servable, 1, torch.device("cpu"),
+                           StageOptions(quantization=INT8))[1]
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +131,8 @@ def test_int4_fast_where_its_kernel_cannot_run_reloads_as_nf4_and_says_so(servab
     manifest = load_manifest(servable)
     with pytest.MonkeyPatch.context() as patch, caplog.at_level("WARNING"):
         patch.setitem(QUANT_KERNELS, INT4_FAST, CUDA_KERNELS[INT4_FAST])
-        stage = build_stage(manifest, 0, servable, 1, torch.device("cpu"), quantization=INT4_FAST)[1]
-    nf4 = build_stage(manifest, 0, servable, 1, torch.device("cpu"), quantization=NF4)[1]
+        stage = build_stage(manifest, 0, servable, 1, torch.device("cpu"), StageOptions(quantization=INT4_FAST))[1]
+    nf4 = build_stage(manifest, 0, servable, 1, torch.device("cpu"), StageOptions(quantization=NF4))[1]
     w = stage.weights
     assert w["quantization"] == NF4 and w["requested"] == INT4_FAST
     assert "needs a CUDA card" in w["reason"] and w["reason"].endswith("reloaded as nf4")
@@ -178,7 +181,7 @@ def test_on_a_card_each_method_loads_with_its_cuda_kernel_and_serves(servable, m
     manifest = load_manifest(servable)
     card = torch.device("cuda", 0)
     full = build_stage(manifest, 0, servable, 1, card)[1]
-    stage = build_stage(manifest, 0, servable, 1, card, quantization=method)[1]
+    stage = build_stage(manifest, 0, servable, 1, card, StageOptions(quantization=method))[1]
     kernel = CUDA_KERNELS[method]
     linears = [m.linear for m in stage.layers[0].modules() if isinstance(m, QuantModule)]
     assert linears and {linear.kernel for linear in linears} == {kernel}
@@ -199,7 +202,7 @@ def test_on_a_card_nf4_weights_are_bit_identical_to_from_pretrained(servable):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     card = torch.device("cuda", 0)
-    stage = build_stage(load_manifest(servable), 0, servable, 1, card, quantization=NF4)[1]
+    stage = build_stage(load_manifest(servable), 0, servable, 1, card, StageOptions(quantization=NF4))[1]
     model = AutoModelForCausalLM.from_pretrained(
         str(servable.parent.parent / "hf-tiny"), device_map={"": 0}, dtype=stage.dtype,
         quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"))
@@ -212,8 +215,9 @@ def test_on_a_card_nf4_weights_are_bit_identical_to_from_pretrained(servable):
 
 @GPU
 def test_on_a_card_int4_fast_below_its_floor_reloads_as_nf4(servable, monkeypatch):
-    monkeypatch.setattr(quant, "TINYGEMM_FLOOR", (99, 0))
-    stage = build_stage(load_manifest(servable), 0, servable, 1, torch.device("cuda", 0), quantization=INT4_FAST)[1]
+    monkeypatch.setattr(linear, "TINYGEMM_FLOOR", (99, 0))
+    stage = build_stage(load_manifest(servable), 0, servable, 1, torch.device("cuda", 0),
+                        StageOptions(quantization=INT4_FAST))[1]
     assert stage.weights["quantization"] == NF4 and stage.weights["requested"] == INT4_FAST
     assert "sm_990" in stage.weights["reason"] and greedy(stage, prompts(1)[0], 4)
 
@@ -241,7 +245,7 @@ def test_on_a_card_a_quantized_base_plus_adapters_serves_the_tuned_model(tmp_pat
 
     hf, lora, tuned = tiny_lora(tmp_path)
     manifest = export(hf, tmp_path / "sv", stages=1, adapters=lora)
-    stage = build_stage(manifest, 0, tmp_path / "sv", 1, torch.device("cuda", 0), quantization=method)[1]
+    stage = build_stage(manifest, 0, tmp_path / "sv", 1, torch.device("cuda", 0), StageOptions(quantization=method))[1]
     got = stage.prefill(stage.new_cache(), IDS[0].to(stage.input_device)).float().cpu()
     with torch.no_grad():
         base = AutoModelForCausalLM.from_pretrained(str(hf)).eval()(input_ids=IDS).logits[0, -1]

@@ -23,6 +23,7 @@ from fellow.runtime.model.quant.probe import probe
 from fellow.runtime.model.quant.quantizer import QuantEmbedding, QuantModule, StageQuantizer, quantize_children
 from fellow.runtime.model.quant.report import stage_weights
 from fellow.runtime.model.kernels import quant_chooser
+from events.stage import StageOptions
 from fellow.runtime.model.loader import build_stage
 from fellow.runtime.model.weights import build_stage_modules, hf_config
 from tests.serving_fixtures import make_servable
@@ -47,7 +48,7 @@ def servable(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stages(servable):
     manifest = load_manifest(servable)
-    return {m: build_stage(manifest, 0, servable, 1, torch.device("cpu"), quantization=m)[1]
+    return {m: build_stage(manifest, 0, servable, 1, torch.device("cpu"), StageOptions(quantization=m))[1]
             for m in (NONE, *METHODS)}
 
 
@@ -227,7 +228,7 @@ def test_qlora_a_quantized_base_plus_adapters_serves_the_tuned_model(tmp_path, m
 
     hf, lora, tuned = tiny_lora(tmp_path)
     manifest = export(hf, tmp_path / "sv", stages=1, adapters=lora)
-    stage = build_stage(manifest, 0, tmp_path / "sv", 1, torch.device("cpu"), quantization=method)[1]
+    stage = build_stage(manifest, 0, tmp_path / "sv", 1, torch.device("cpu"), StageOptions(quantization=method))[1]
     kinds = {entry["kernel"] for entry in stage.kernels["shapes"].values()}
     assert kinds == {QUANT_KERNELS[method]}  # the kernels time the base weights
     adapted = [name for name in ("qkv", "down") if isinstance(getattr(stage.fused.layers[0], name), LeanLoRA)]
@@ -254,7 +255,8 @@ def test_serve_lora_modes_lean16_and_peft_serve_what_lean_does(tmp_path):
 
     hf, lora, tuned = tiny_lora(tmp_path)
     manifest = export(hf, tmp_path / "sv", stages=1, adapters=lora)
-    built = {mode: build_stage(manifest, 0, tmp_path / "sv", 1, torch.device("cpu"), quantization=INT8, lora=mode)[1]
+    built = {mode: build_stage(manifest, 0, tmp_path / "sv", 1, torch.device("cpu"),
+                               StageOptions(quantization=INT8, lora=mode))[1]
              for mode in ("lean", "lean16", "peft")}
     modules = 3 * 4  # q_proj, v_proj and down_proj in each of 4 layers
     for mode, stage in built.items():

@@ -70,5 +70,5 @@ def test_default_stage_count_and_transport():
     fixed = transport_plan(Settings.from_env({"SWARM_SERVE_IN_FLIGHT": "3"}), 2)
     assert fixed.max_in_flight == 3 and fixed.in_flight_max == 0  # set by hand: not sized
     one = transport_plan(Settings.from_env({"SWARM_SERVE_MAX_IN_FLIGHT": "5"}), 1)  # one stage: what a fellow holds
-    assert one.max_in_flight == 5 and one.kv_tokens == max(Settings.from_env({}).serve_context_tokens, 5 * 1024)
+    assert one.max_in_flight == 5 and one.kv_tokens == max(Settings.from_env({}).serving.context_tokens, 5 * 1024)
     assert one.in_flight_max == 0

@@ -451,12 +451,13 @@ def test_a_ring_with_a_draft_model_beside_stage_0_replies_as_one_that_does_not(c
 
 
 def test_a_ring_stage_0_loads_the_draft_model_beside_it_and_budgets_for_both(copier, small_copier):
-    from events.stage import StageConfig, Transport
+    from events.stage import StageConfig, StageOptions
     from fellow.runtime.ring.servers import RingHeadServer
 
     cfg = StageConfig(load_id="ld-draft", model_id="copier", model_dir=str(copier), nats_url="nats://x:1",
-                      fellow_id="f0", stage=0, num_stages=3, draft_model_dir=str(small_copier),
-                      transport=Transport(max_in_flight=3, kv_tokens=3 * 512, prefill_chunk=8, speculative=4))
+                      fellow_id="f0", stage=0, num_stages=3,
+                      options=StageOptions(max_in_flight=3, kv_tokens=3 * 512, prefill_chunk=8, speculative=4,
+                                           draft_model_dir=str(small_copier)))
     head = RingHeadServer(cfg)
     head.load()
     assert head.engine.draft is head.draft and head.draft.name == "small-copier"
@@ -578,7 +579,7 @@ def test_a_probe_brings_back_every_stages_kv_and_stage_0_admits_by_the_smallest(
     """Each later stage adds the KV tokens it holds to the probe; stage 0 holds the ring to the smallest
     and lowers the requests in flight to what that leaves room for (at the share placement planned)."""
     from events.ring import Probe
-    from events.stage import StageConfig, Transport
+    from events.stage import StageConfig, StageOptions
     from fellow.runtime.ring.servers import RingHeadServer
 
     ring = LocalRing(servables["three"], 3, stage_kv=[4096, 300])
@@ -591,7 +592,7 @@ def test_a_probe_brings_back_every_stages_kv_and_stage_0_admits_by_the_smallest(
 
     cfg = StageConfig(load_id="ld-kv", model_id="tiny3", model_dir=str(servables["three"]), nats_url="nats://x:1",
                       fellow_id="f0", stage=0, num_stages=3,
-                      transport=Transport(max_in_flight=8, kv_tokens=8 * 128, prefill_chunk=8))
+                      options=StageOptions(max_in_flight=8, kv_tokens=8 * 128, prefill_chunk=8))
     head = RingHeadServer(cfg)
     head.load()
     assert head.kv_tokens == 1024 and head.in_flight == 8
@@ -606,7 +607,7 @@ def test_stage0_sizes_its_in_flight_from_steps_and_links_then_lowers_it_to_the_k
     """With ``in_flight_max`` every stage times its step at a group's rows at load, and stage 0 keeps as many
     groups as fill the pipe (fellow.runtime.ring.sizing), at the share of KV placement planned a session;
     the stage that holds least still has the last word, and a short pipe keeps one group a stage."""
-    from events.stage import StageConfig, Transport
+    from events.stage import StageConfig, StageOptions
     from fellow.runtime.ring.servers import RingHeadServer
     from fellow.runtime.ring.sizing import size_ring
 
@@ -617,7 +618,7 @@ def test_stage0_sizes_its_in_flight_from_steps_and_links_then_lowers_it_to_the_k
 
     cfg = StageConfig(load_id="ld-size", model_id="tiny3", model_dir=str(servables["three"]), nats_url="nats://x:1",
                       fellow_id="f0", stage=0, num_stages=3,
-                      transport=Transport(max_in_flight=6, kv_tokens=6 * 128, prefill_chunk=8, in_flight_max=48))
+                      options=StageOptions(max_in_flight=6, kv_tokens=6 * 128, prefill_chunk=8, in_flight_max=48))
     head = RingHeadServer(cfg)
     head.load()
     assert head.per_group == 2 and head.group_ms > 0  # its own step, timed at load

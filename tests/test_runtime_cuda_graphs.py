@@ -216,13 +216,14 @@ def test_on_cuda_the_decode_step_replays_a_checked_cuda_graph_and_greedy_replies
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_a_cuda_load_says_in_its_status_whether_its_decode_replays_graphs(tmp_path):
+    from events.stage import StageOptions
     from fellow.runtime.model.loader import load_one_stage
     from tests.serving_fixtures import make_servable
 
     _, servable = make_servable(tmp_path, stages=1)
-    stage = load_one_stage(servable, "cuda:0", batch_cap=4).stage
+    stage = load_one_stage(servable, "cuda:0", StageOptions(max_batch=4)).stage
     graphs = stage.kernels["cuda_graphs"]
     assert graphs["path"] == "cuda-graph" and graphs["slots"] == 4 and set(graphs["step_ms"]) == {"1", "4"}, graphs
     assert isinstance(stage.new_cache(), PoolCache)
-    off = load_one_stage(servable, "cuda:0", batch_cap=4, cuda_graphs=False).stage
+    off = load_one_stage(servable, "cuda:0", StageOptions(max_batch=4, cuda_graphs=False)).stage
     assert "cuda_graphs" not in off.kernels and off.graphed is None

@@ -183,9 +183,9 @@ def test_the_draft_model_setting_names_a_folder_or_an_id_in_the_model_cache(tmp_
     settings = Settings.from_env({"SWARM_DATA_DIR": str(tmp_path), "SWARM_FELLOW_MODEL_CACHE": str(tmp_path / "cache"),
                                   "SWARM_SERVE_DRAFT_MODEL": "small"})
     assert draft_model_dir(settings) == cached
-    assert draft_model_dir(settings.replace(serve_draft_model=str(cached))) == cached
+    assert draft_model_dir(settings.replace(serving={"draft_model": str(cached)})) == cached
     with pytest.raises(FileNotFoundError, match="SWARM_SERVE_DRAFT_MODEL='nowhere' is neither a servable's folder"):
-        draft_model_dir(settings.replace(serve_draft_model="nowhere"))
+        draft_model_dir(settings.replace(serving={"draft_model": "nowhere"}))
 
 
 def test_a_one_stage_load_drafts_with_the_fellows_draft_model(tmp_path, nats_server):

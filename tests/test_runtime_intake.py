@@ -13,7 +13,7 @@ from events import subjects
 from events.union import decode_event
 from events.frames import DoneFrame, ErrorFrame
 from events.requests import RequestFinished
-from events.stage import ReadyReport, StageConfig, Transport
+from events.stage import ReadyReport, StageConfig, StageOptions
 from fellow.stage_process import StageProcess
 from tests.processes import free_port, pid_alive
 from tests.serving_fixtures import chat_over_bus, make_servable
@@ -37,7 +37,7 @@ async def test_a_stage_skips_what_does_not_decode_and_serves_on(tmp_path, nats_s
         exits.append(code)
 
     cfg = StageConfig(load_id="ld-intake", model_id="tiny", model_dir=str(servable), nats_url=nats_server.url,
-                      fellow_id="f-test", transport=Transport(kv_tokens=2048), report_s=0.2)
+                      fellow_id="f-test", options=StageOptions(kv_tokens=2048), report_s=0.2)
     log_path = tmp_path / "stage.log"
     proc = StageProcess(cfg, on_report, on_exit, log_path=log_path)
     await proc.start()
@@ -105,7 +105,7 @@ async def test_a_stage_that_cannot_hold_one_planned_session_refuses_the_load_nam
     """Placement planned more KV tokens a request than the stage holds in all: it reports why and exits."""
     cfg = StageConfig(load_id="ld-small", model_id="tiny", model_dir=str(servable),
                       nats_url=f"nats://127.0.0.1:{free_port()}", fellow_id="f-small",
-                      transport=Transport(max_in_flight=1, kv_tokens=10_000_000))  # past any CPU stage's cap
+                      options=StageOptions(max_in_flight=1, kv_tokens=10_000_000))  # past any CPU stage's cap
     exits, reports = await run_to_exit(cfg, tmp_path / "stage.log")
     assert exits == [1], (tmp_path / "stage.log").read_text()
     reason = reports[0].reason

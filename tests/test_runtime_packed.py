@@ -11,6 +11,7 @@ from torch import nn
 from fellow.runtime.tools.export import export
 from fellow.runtime.model.packed_linear import PackedLinear, can_pack, pack_stage
 from fellow.runtime.model.stage import StageModel
+from events.stage import StageOptions
 from fellow.runtime.model.loader import load_one_stage
 from tests.tiny import FAMILIES, make_tiny_checkpoint
 
@@ -57,8 +58,8 @@ def test_the_loader_times_both_kernels_unless_told_not_to_pack(tmp_path):
     ckpt = make_tiny_checkpoint(tmp_path / "hf", "qwen2", layers=2, hidden=64, tie_embeddings=True)  # biases, tied
     servable = tmp_path / "servable"
     export(ckpt, servable, stages=1, model_id="tiny-qwen2")
-    chosen = load_one_stage(servable, device="cpu", batch_cap=4)
-    plain = load_one_stage(servable, device="cpu", packed=False)
+    chosen = load_one_stage(servable, "cpu", StageOptions(max_batch=4))
+    plain = load_one_stage(servable, "cpu", StageOptions(packed_linear=False))
     for loaded, timed in ((chosen, {"mkl", "onednn"}), (plain, {"mkl"})):
         kernels = loaded.stage.kernels
         assert kernels["path"] == "fused" and loaded.stage.fused is not None

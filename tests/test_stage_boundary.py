@@ -5,15 +5,16 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from events.stage import (FailedReport, MetricsReport, ReadyReport, StageConfig, Transport, decode_config,
+from events.stage import (FailedReport, MetricsReport, ReadyReport, StageConfig, StageOptions, decode_config,
                           decode_report, encode)
 
 
 def test_a_stage_config_round_trips_with_every_field():
     cfg = StageConfig(load_id="ld-1", model_id="tiny", model_dir="/m/tiny", nats_url="nats://h:4222", fellow_id="f0",
                       stage=1, num_stages=3, replica=2, replicas=4,
-                      transport=Transport(max_in_flight=16, kv_tokens=9000, max_batch=4, prefill_chunk=128),
-                      report_s=0.5, packed_linear=False, agent_pid=1234)
+                      options=StageOptions(max_in_flight=16, kv_tokens=9000, max_batch=4, prefill_chunk=128,
+                                           packed_linear=False, compile=(1, 8), devices="cuda:0,cpu"),
+                      report_s=0.5, agent_pid=1234)
     assert decode_config(encode(cfg)) == cfg
     assert decode_config(encode(cfg).decode()) == cfg  # as it comes in argv
 
@@ -21,7 +22,7 @@ def test_a_stage_config_round_trips_with_every_field():
 def test_a_minimal_stage_config_takes_the_defaults():
     cfg = decode_config(b'{"load_id":"ld","model_id":"m","model_dir":"/d","nats_url":"nats://x","fellow_id":"f"}')
     assert (cfg.stage, cfg.num_stages, cfg.replica, cfg.replicas) == (0, 1, 0, 1)
-    assert cfg.transport == Transport() and cfg.transport.prefill_chunk == 256 and cfg.packed_linear
+    assert cfg.options == StageOptions() and cfg.options.prefill_chunk == 256 and cfg.options.packed_linear
 
 
 @pytest.mark.parametrize("report", [
@@ -50,4 +51,4 @@ def test_a_config_of_the_wrong_shape_is_refused():
         decode_config(b'{"load_id":"ld","model_id":"m"}')
     with pytest.raises(msgspec.DecodeError):
         decode_config(b'{"load_id":"ld","model_id":"m","model_dir":"/d","nats_url":"n","fellow_id":"f",'
-                      b'"transport":{"kv_tokens":"many"}}')
+                      b'"options":{"kv_tokens":"many"}}')

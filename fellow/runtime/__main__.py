@@ -39,10 +39,10 @@ def main(argv: list[str]) -> int:
     from fellow.runtime.server.base import CannotServe, report
     from fellow.runtime.server.stage import StageServer
 
-    if cfg.threads > 0:
+    if cfg.options.threads > 0:
         import torch
 
-        torch.set_num_threads(cfg.threads)
+        torch.set_num_threads(cfg.options.threads)
 
     setup_logging(text_format=f"%(asctime)s %(levelname)s [stage{cfg.stage} {cfg.load_id}] %(message)s",
                   fields={"stage": cfg.stage, "load_id": cfg.load_id})  # SWARM_LOG_FORMAT: text or json

@@ -104,7 +104,7 @@ class Relay:
         except ApiError as exc:
             yield error_event(exc)
         finally:  # a hang-up cancels after a grace, unless the client resumes; a no-op once the last frame came
-            self.stream.close(cancel=True, grace_s=self.leader.settings.stream_resume_s)
+            self.stream.close(cancel=True, grace_s=self.leader.settings.leader.stream_resume_s)
 
     async def answer(self) -> Answer:
         """Every frame of the reply, collected."""
@@ -216,7 +216,7 @@ async def chat_completions(request: Request, leader: LeaderDep, serving: Serving
         return Stream(relay.events(chunk_encoder(relay, body), resumed=True), media_type="text/event-stream",
                       headers=SSE_HEADERS)
     messages = check_body(body)
-    ready = await serving.ready_load(body.model, leader.settings.autoload)
+    ready = await serving.ready_load(body.model, leader.settings.leader.autoload)
     check_bias_ids(ready.model_dir, body.logit_bias)
     if request_tools(body)[0]:
         check_template(tokenizer_for(ready.model_dir).chat_template)

@@ -34,7 +34,7 @@ async def completions(request: Request, leader: LeaderDep, serving: ServingDep, 
         raise empty_body()
     body = data
     check_body(body)
-    ready = await serving.ready_load(body.model, leader.settings.autoload)
+    ready = await serving.ready_load(body.model, leader.settings.leader.autoload)
     tok = tokenizer_for(ready.model_dir)
     check_bias_ids(ready.model_dir, body.logit_bias)
     given = prompts(body, tok)

@@ -152,7 +152,7 @@ async def model_archive(request: Request, serving: ServingDep, settings: Setting
     if part == "base":
         try:
             path, digest = await base_archive_for(Path(m.path), settings.data_dir / "archives",
-                                                  settings.fellow_model_cache, m.manifest_sha256)
+                                                  settings.fellow.model_cache, m.manifest_sha256)
         except ValueError as exc:
             raise ApiError(404, str(exc), code="base_not_found") from None
     else:

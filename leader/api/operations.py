@@ -7,7 +7,6 @@ from litestar import Response, get
 from litestar.params import FromPath, FromQuery
 from nats.errors import Error as NatsError
 from prometheus_client import CONTENT_TYPE_LATEST
-from sqlalchemy import select
 
 from events import subjects
 from events.logs import MAX_TAIL, LogsReply, LogsRequest

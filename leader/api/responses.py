@@ -91,7 +91,7 @@ async def responses(request: Request, leader: LeaderDep, serving: ServingDep, st
         messages = check_body(body)
     except ApiError as exc:
         raise renamed(exc) from None
-    ready = await serving.ready_load(body.model, leader.settings.autoload)
+    ready = await serving.ready_load(body.model, leader.settings.leader.autoload)
     if request_tools(body)[0]:
         check_template(tokenizer_for(ready.model_dir).chat_template)
     relay = await open_relay(leader, streams, caller, chat_timeout_s, body, messages, ready)

@@ -66,7 +66,7 @@ async def model_tokenizer(leader, serving, model_id: str) -> tuple[ModelTokenize
     """The tokenizer of a served model, and its context length; the same 404/409s as chat."""
     if not model_id:
         raise bad("model", "'model' must name a model (see GET /v1/models)")
-    ready = await serving.ready_load(model_id, leader.settings.autoload)
+    ready = await serving.ready_load(model_id, leader.settings.leader.autoload)
     return tokenizer_for(ready.model_dir), ready.context_tokens
 
 

@@ -81,7 +81,7 @@ class AuthService:
         return await self.registry.current()
 
     def enforced(self, table: TokenTable) -> bool:
-        return self.settings.require_api_token or table.live > 0
+        return self.settings.leader.require_api_token or table.live > 0
 
     async def check(self, header: str | None, needed: str, first_run_open: bool = False) -> Identity | None:
         """The identity a request may act as for a route needing `needed`; None in open mode."""

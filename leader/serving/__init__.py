@@ -110,7 +110,7 @@ class Serving:
             return ready
         if await self.catalog.get(model_id) is None:
             raise model_not_found(model_id)
-        autoload = self.leader.settings.autoload if autoload is None else autoload
+        autoload = self.leader.settings.leader.autoload if autoload is None else autoload
         if not autoload:
             raise ApiError(409, f"The model '{model_id}' is not loaded. Load it with `swarm model-load {model_id} "
                                 f"--wait` or POST /api/v1/models/{model_id}/load", code="model_not_loaded")

@@ -174,7 +174,7 @@ class LoadCommands:
             raise ApiError(409, f"Cannot load '{model_id}': {exc}", code="placement_failed") from None
         quantization = as_request(served)
         transport, capped = pre_ampere_batch_cap(plan.transport, assignments, self.leader.fellows.latest, served,
-                                                 explicit=self.leader.settings.serve_max_batch is not None)
+                                                 explicit=self.leader.settings.serving.max_batch is not None)
         transport, older = for_old_fellows(transport, assignments, self.leader.fellows.latest, self.leader.settings,
                                            plan.num_stages)
         notes = [why for why in (plan.note, capped, *older) if why]

@@ -47,7 +47,7 @@ class ReadyView:
             kv = stages[load.load_id].kv_tokens if load.load_id in stages else 0
             ready[model.model_id] = ReadyLoad(
                 load_id=load.load_id, model_id=model.model_id, generation=msgspec.to_builtins(gen),
-                context_tokens=kv or self.leader.settings.serve_context_tokens, kv_tokens=kv,
+                context_tokens=kv or self.leader.settings.serving.context_tokens, kv_tokens=kv,
                 model_dir=str(model.path))
         self.loads = ready
 

@@ -178,10 +178,12 @@ def load_draft_model(draft_dir: str | Path, target_stage: StageModel, target_tok
                      *, packed: bool = True, batch_cap: int = 8, capture=None) -> DraftModel:
     """Load the servable at ``draft_dir`` as a whole model on ``device`` and check it against the served
     one; on CUDA its steps are captured (``draft_graph.fixed_decoder``, ``batch_cap`` slots), else eager."""
+    from events.stage import StageOptions
     from fellow.runtime.model.loader import load_one_stage
 
     # its steps get a fixed-shape decoder of their own below, not the served stage's pool of graphs
-    loaded = load_one_stage(draft_dir, str(device), packed=packed, batch_cap=batch_cap, cuda_graphs=False)
+    loaded = load_one_stage(draft_dir, str(device), StageOptions(packed_linear=packed, max_batch=batch_cap,
+                                                                 cuda_graphs=False))
     check_same_vocabulary(target_tokenizer, loaded.tokenizer)
     draft = DraftModel(loaded.stage, target_stage, name=loaded.manifest.model_id)
     draft.decoder, draft.decoder_label = fixed_decoder(loaded.stage, slots=batch_cap, capture=capture)

@@ -11,6 +11,7 @@ import torch
 
 from core.quantization import INT4_FAST, INT8, NF4, NONE
 from core.servable import TOKENIZER_DIR, Manifest, ServableError, load_manifest
+from events.stage import StageOptions
 from fellow.runtime.model.boundary import apply_inner
 from fellow.runtime.model.device_split import (Card, DeviceSplit, SplitError, by_free_memory, half_dtype,
                                                plan_devices)
@@ -35,6 +36,7 @@ KV_RESERVE_TOKENS = 4096  # the KV tokens each layer keeps room for in a split, 
 # devices a stage is split over: "auto" (every GPU torch sees, in order, then the CPU), or a list of
 # (device, bytes it may take) in order, the CPU last where it offloads
 Devices = str | Sequence[str] | Sequence[tuple[str, int]]
+OPTIONS = StageOptions()  # a stage's options where its caller gives none (a test, a benchmark)
 
 
 @dataclass
@@ -126,12 +128,10 @@ def split_stage(manifest: Manifest, stage_index: int, num_stages: int, devices: 
 
 
 def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stages: int,
-                device: torch.device | None, attention: str = "sdpa", packed: bool = True, batch_cap: int = 8,
-                quantization: str = NONE, devices: Devices = AUTO, kv_tokens: int = KV_RESERVE_TOKENS,
-                dtype: torch.dtype | None = None, lora: str = "lean",
-                compile: Sequence[int] = (), cuda_graphs: bool = True, fourbit_rows: str | int = "auto",
-                fourbit_float32: str = "auto", prefill_chunk: int = 256) -> tuple[StageModules, StageModel]:
-    """One serving stage's modules and its StageModel, ready to serve (kernels.prepare_stage).
+                device: torch.device | None, options: StageOptions = OPTIONS, *, devices: Devices | None = None,
+                kv_tokens: int | None = None, dtype: torch.dtype | None = None) -> tuple[StageModules, StageModel]:
+    """One serving stage's modules and its StageModel, ready to serve (kernels.prepare_stage), as ``options``
+    (events.stage.StageOptions) say: its fields are the names below.
 
     ``device``: every piece there; None: the layers split over ``devices`` by free memory, keeping room
     for ``kv_tokens`` tokens (split_stage); the split is logged and shown in the stage's ``kernels``.
@@ -153,6 +153,11 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
     load, timing float32 at a prompt piece's width (``prefill_chunk``) too (fellow.runtime.model.fourbit_rows);
     ``kernels["4bit_rows"]`` says what it found.
     """
+    packed, batch_cap, quantization, lora = options.packed_linear, options.batch_cap, options.quantization, options.lora
+    compile, cuda_graphs, prefill_chunk = options.compile, options.cuda_graphs, options.prefill_chunk
+    fourbit_rows, fourbit_float32, attention = options.fourbit_rows, options.fourbit_float32, "sdpa"
+    devices = options.devices if devices is None else devices  # or a test's (device, bytes) pairs
+    kv_tokens = (options.kv_tokens or KV_RESERVE_TOKENS) if kv_tokens is None else kv_tokens
     split = None
     if device is None:  # a quantized stage is planned at its quantized sizes
         split, dtype = split_stage(manifest, stage_index, num_stages, devices, kv_tokens, dtype, quantization)
@@ -226,25 +231,18 @@ def _load_layers(manifest: Manifest, stage_index: int, model_dir: Path, num_stag
     return quantizer, mods
 
 
-def load_one_stage(model_dir: str | Path, device: str | None = None, attention: str = "sdpa",
-                   packed: bool = True, batch_cap: int = 8, quantization: str = NONE,
-                   devices: Devices = AUTO, kv_tokens: int = KV_RESERVE_TOKENS,
-                   dtype: torch.dtype | None = None, lora: str = "lean", compile: Sequence[int] = (),
-                   cuda_graphs: bool = True, fourbit_rows: str | int = "auto", fourbit_float32: str = "auto",
-                   prefill_chunk: int = 256) -> LoadedStage:
+def load_one_stage(model_dir: str | Path, device: str | None = None, options: StageOptions = OPTIONS, *,
+                   devices: Devices | None = None, kv_tokens: int | None = None,
+                   dtype: torch.dtype | None = None) -> LoadedStage:
     """The whole model as one stage (embeddings, every layer, norm and head): a ring of one.
 
-    ``device``: all of it there; None: split over ``devices`` (``build_stage``). ``packed``: float32 CPU
-    stages may hold weights packed for oneDNN; ``batch_cap``: the most sessions a decode step runs, which
-    the kernel choice times (fellow.runtime.model.kernels.prepare_stage); ``quantization``: see ``build_stage``.
+    ``device``: all of it there; None: split over the options' devices (``build_stage``, which reads
+    ``options``, ``devices``, ``kv_tokens`` and ``dtype``).
     """
     model_dir = Path(model_dir)
     manifest = load_manifest(model_dir)
     dev = torch.device(device) if device else None
-    _, stage = build_stage(manifest, 0, model_dir, 1, dev, attention, packed, batch_cap, quantization,
-                           devices=devices, kv_tokens=kv_tokens, dtype=dtype, lora=lora, compile=compile,
-                           cuda_graphs=cuda_graphs, fourbit_rows=fourbit_rows, fourbit_float32=fourbit_float32,
-                           prefill_chunk=prefill_chunk)
+    _, stage = build_stage(manifest, 0, model_dir, 1, dev, options, devices=devices, kv_tokens=kv_tokens, dtype=dtype)
     tokenizer = load_tokenizer(model_dir)
     return LoadedStage(manifest, stage, tokenizer, stop_ids_for(manifest, tokenizer), stage_device(stage))
 

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from core.quantization import NONE
 from core.servable import Manifest, load_manifest
 from core.servable_plan import StagePlan
 from fellow.runtime.ring.codec import WireCodec
 from fellow.runtime.model.stage import StageModel
-from fellow.runtime.model.loader import (AUTO, KV_RESERVE_TOKENS, Devices, build_stage, load_tokenizer, stage_device,
-                                         stop_ids_for)
+from events.stage import StageOptions
+from fellow.runtime.model.loader import OPTIONS, build_stage, load_tokenizer, stage_device, stop_ids_for
 
 
 @dataclass
@@ -49,21 +47,15 @@ class RingStage:
 
 
 def load_ring_stage(model_dir: str | Path, stage: int, num_stages: int, device: str | None = None,
-                    attention: str = "sdpa", packed: bool = True, batch_cap: int = 8,
-                    quantization: str = NONE, devices: Devices = AUTO,
-                    kv_tokens: int = KV_RESERVE_TOKENS, lora: str = "lean", compile: Sequence[int] = (),
-                    cuda_graphs: bool = True, fourbit_rows: str | int = "auto", fourbit_float32: str = "auto",
-                    prefill_chunk: int = 256) -> RingStage:
+                    options: StageOptions = OPTIONS) -> RingStage:
     """Stage ``stage`` of ``num_stages``: the trained split when the counts match, else an even one
     reading every overlapping shard (an untrained cut is served uncompressed); a servable without
     recorded boundaries refuses any count but its own (ServableError). ``device``: all of it there;
-    None: its layers split over ``devices`` (fellow.runtime.model.loader.build_stage)."""
+    None: its layers split over the options' devices (fellow.runtime.model.loader.build_stage)."""
     model_dir = Path(model_dir)
     manifest = load_manifest(model_dir)
     mods, model = build_stage(manifest, stage, model_dir, num_stages, torch.device(device) if device else None,
-                              attention, packed, batch_cap, quantization, devices=devices, kv_tokens=kv_tokens,
-                              lora=lora, compile=compile, cuda_graphs=cuda_graphs, fourbit_rows=fourbit_rows,
-                              fourbit_float32=fourbit_float32, prefill_chunk=prefill_chunk)
+                              options)
     dev = stage_device(model)
     plan = mods.plan
     hidden = manifest.hidden_size

@@ -34,13 +34,13 @@ class RingHeadServer(StageServer):
     link: RingLink | None = None
 
     def _load(self) -> None:
-        self.ring = load_ring_stage(self.cfg.model_dir, 0, self.cfg.num_stages, **self._load_options())
+        self.ring = load_ring_stage(self.cfg.model_dir, 0, self.cfg.num_stages, options=self.cfg.options)
         self.stage, self.device = self.ring.stage, self.ring.device
         self.tokenizer, self.stop_ids = self.ring.tokenizer, self.ring.stop_ids
         self._load_draft()
 
     def _build(self) -> None:
-        t = self.cfg.transport
+        t = self.cfg.options
         self.inbox = Inbox()
         self.engine = ring_engine(self.stage, self.ring.sender, lambda frame: self.link.send(frame), self.inbox,
                                   num_stages=self.cfg.num_stages, kv_tokens=self.kv_tokens, max_batch=t.max_batch,
@@ -87,7 +87,7 @@ class RingHeadServer(StageServer):
         """Size the ring from the last probe: with ``in_flight_max``, time probe trips round it and size
         in flight and the decode groups from them and every stage's step (fellow.runtime.ring.sizing);
         then hold it to the KV every stage has room for."""
-        t = self.cfg.transport
+        t = self.cfg.options
         sizing = None
         if t.in_flight_max:
             transit = await self.link.transit_ms()
@@ -99,7 +99,7 @@ class RingHeadServer(StageServer):
         """Hold every session to the KV tokens of the stage that holds fewest (each later stage says its
         own on the probe), and lower the requests in flight (the plan's, or ``sizing``'s) to what that
         leaves room for."""
-        t = self.cfg.transport
+        t = self.cfg.options
         own = self.kv_own
         smallest = min([own, *kv])
         if smallest < own:
@@ -166,12 +166,12 @@ class RingStageServer(StageServerBase):
     link: RingLink | None = None
 
     def _load(self) -> None:
-        self.ring = load_ring_stage(self.cfg.model_dir, self.cfg.stage, self.cfg.num_stages, **self._load_options())
+        self.ring = load_ring_stage(self.cfg.model_dir, self.cfg.stage, self.cfg.num_stages, options=self.cfg.options)
         self.stage, self.device = self.ring.stage, self.ring.device
 
     def _build(self) -> None:
         self.inbox = Inbox()
-        t = self.cfg.transport
+        t = self.cfg.options
         self.worker = RingWorker(self.ring, self.inbox, lambda frame, lane=None: self.link.send(frame, lane),
                                  max_batch=t.max_batch, prefix_tokens=self.prefix_tokens() if t.prefix_cache else 0,
                                  route=lambda: self.link.route if self.link is not None else "r",

@@ -13,12 +13,11 @@ import time
 import torch
 
 from core.bus import close_quietly, connect
-from core.nats_auth import Credentials
+from core.settings import NatsSettings
 from core.tasks import cancel_and_wait
-from events.stage import MetricsReport, ReadyReport, Report, StageConfig, Transport, encode
+from events.stage import MetricsReport, ReadyReport, Report, StageConfig, StageOptions, encode
 from fellow.runtime.model.kernels import lora_costs, step_costs
 from fellow.runtime.model.kv_budget import held_tokens, measured_kv_tokens
-from fellow.runtime.model.loader import KV_RESERVE_TOKENS
 from fellow.runtime.model.quant.report import stage_weights
 from fellow.runtime.model.stage import StageModel
 
@@ -39,19 +38,19 @@ def report(msg: Report) -> None:
     sys.stdout.flush()
 
 
-def kv_budget(stage: StageModel, transport: Transport, planned: int | None = None,
+def kv_budget(stage: StageModel, options: StageOptions, planned: int | None = None,
               memory_limit: int = 0) -> tuple[int, int]:
     """(held, planned): what the stage measures it holds (kv_budget.held_tokens: grown past placement's
     plan, ``planned`` where the stage plans more itself, up to its ``kv_tokens_max``). A stage with
     recurrent layers keeps the states of as many sessions as may be in flight free first
     (kv_budget.session_state_bytes). ``memory_limit``: a CPU stage's limit, where its caller sets one.
     The stage's ``kernels["kv"]`` says what it measured, planned and holds, for its status."""
-    measured = measured_kv_tokens(stage, transport.prefill_chunk or 256,
-                                  sessions=max(transport.max_in_flight, transport.in_flight_max),
+    measured = measured_kv_tokens(stage, options.prefill_chunk or 256,
+                                  sessions=max(options.max_in_flight, options.in_flight_max),
                                   memory_limit=memory_limit)
-    planned = transport.kv_tokens if planned is None else planned
-    held = held_tokens(measured, planned, transport.kv_tokens_max)
-    stage.kernels = {**stage.kernels, "kv": {"measured": measured, "planned": planned, "most": transport.kv_tokens_max,
+    planned = options.kv_tokens if planned is None else planned
+    held = held_tokens(measured, planned, options.kv_tokens_max)
+    stage.kernels = {**stage.kernels, "kv": {"measured": measured, "planned": planned, "most": options.kv_tokens_max,
                                              "held": held}}
     if planned and held < planned:
         log.info("KV budget %d tokens, lower than the %d planned: that is what the devices hold", held, planned)
@@ -87,19 +86,8 @@ class StageServerBase:
 
     def _link_options(self) -> dict:
         """A ring stage's link settings (fellow.runtime.ring.link.RingLink)."""
-        return {"links": self.cfg.links, "host": self.cfg.link_host, "port": self.cfg.link_port,
-                "replica": self.cfg.replica}
-
-    def _load_options(self) -> dict:
-        """How the stage loads (fellow.runtime.model.loader.build_stage): its kernels, its quantization, and
-        the devices its layers are split over, with room for the KV tokens placement planned, and how
-        adapters kept apart over quantized weights are served (SWARM_SERVE_LORA), and how 4-bit matmuls
-        of a few rows are split or computed in float32 (SWARM_SERVE_4BIT_ROWS, SWARM_SERVE_4BIT_FLOAT32)."""
-        return {"packed": self.cfg.packed_linear, "batch_cap": self.batch_cap, "quantization": self.cfg.quantization,
-                "devices": self.cfg.devices, "kv_tokens": self.cfg.transport.kv_tokens or KV_RESERVE_TOKENS,
-                "lora": self.cfg.lora, "compile": tuple(self.cfg.compile), "cuda_graphs": self.cfg.cuda_graphs,
-                "fourbit_rows": self.cfg.fourbit_rows, "fourbit_float32": self.cfg.fourbit_float32,
-                "prefill_chunk": self.cfg.transport.prefill_chunk}
+        o = self.cfg.options
+        return {"links": o.links, "host": o.link_host, "port": o.link_port, "replica": self.cfg.replica}
 
     def __init__(self, cfg: StageConfig):
         self.cfg = cfg
@@ -144,20 +132,20 @@ class StageServerBase:
     def session_tokens(self) -> int:
         """The KV tokens placement planned for each request in flight: a stage that cannot hold that
         many cannot hold one session."""
-        t = self.cfg.transport
+        t = self.cfg.options
         return t.kv_tokens // max(1, t.max_in_flight) if t.kv_tokens else 1
 
     def fitting_in_flight(self, wanted: int | None = None) -> int:
         """The planned requests in flight (or ``wanted``), lowered until each has its planned share of
         ``kv_tokens``."""
-        t = self.cfg.transport
+        t = self.cfg.options
         wanted = t.max_in_flight if wanted is None else wanted
         return max(1, min(max(1, wanted), self.kv_tokens // self.session_tokens()))
 
     def planned_kv(self) -> int:
         """The KV tokens placement planned; for a ring whose stage 0 may raise its in flight
         (``in_flight_max``), enough for that many planned shares, so the raise is not refused here."""
-        t = self.cfg.transport
+        t = self.cfg.options
         if t.in_flight_max and t.kv_tokens:
             return max(t.kv_tokens, t.in_flight_max * self.session_tokens())
         return t.kv_tokens
@@ -167,34 +155,34 @@ class StageServerBase:
         what it holds, at most what placement planned. A ring stage that plans room for more sessions in
         flight (``planned_kv``) keeps no more finished prefixes for it, so every stage of a ring keeps to the
         same plan, and none holds memory the leader did not plan for past its sessions' own."""
-        t = self.cfg.transport
+        t = self.cfg.options
         return min(self.kv_tokens, t.kv_tokens) if t.kv_tokens else self.kv_tokens
 
     @property
     def per_group(self) -> int:
         """A ring's sessions per decode group: the planned in flight over its stages (at most the batch cap)."""
-        t = self.cfg.transport
+        t = self.cfg.options
         rows = max(1, t.max_in_flight // max(1, self.cfg.num_stages))
         return min(rows, t.max_batch) if t.max_batch > 0 else rows
 
     @property
     def batch_cap(self) -> int:
         """The most sessions one decode step runs: the batch cap, else everything in flight."""
-        t = self.cfg.transport
+        t = self.cfg.options
         return t.max_batch if t.max_batch > 0 else max(1, t.max_in_flight)
 
     def load(self) -> None:
         started = time.perf_counter()
         self._load()
         warm_up(self.stage)  # before measuring: what the first forwards leave cached counts as taken
-        self.kv_tokens, self.kv_planned = kv_budget(self.stage, self.cfg.transport, self.planned_kv())
+        self.kv_tokens, self.kv_planned = kv_budget(self.stage, self.cfg.options, self.planned_kv())
         session = self.session_tokens()
         if self.kv_tokens < session:
             raise CannotServe(f"stage {self.cfg.stage} on fellow {self.cfg.fellow_id} holds {self.kv_tokens} KV "
                               f"tokens, less than one session ({session} planned a request)")
         self.in_flight = self.fitting_in_flight()
         self._build()
-        if self.cfg.transport.step_costs:
+        if self.cfg.options.step_costs:
             costs = step_costs(self.stage, sorted({1, self.batch_cap}))
             self.stage.kernels = {**self.stage.kernels, "step_ms": costs}
             log.info("[stage%d step-costs] path=%s decode step %s", self.cfg.stage, self.stage.kernels["path"],
@@ -203,7 +191,7 @@ class StageServerBase:
                 self.stage.kernels["lora"] = {**self.stage.kernels["lora"], "step_ms": lora}
                 log.info("[stage%d lora-cost] %s", self.cfg.stage, " ".join(f"{k}={v:.2f}" for k, v in lora.items()))
         self.group_ms = 0.0  # a ring stage's decode step at a group's rows: stage 0 sizes in flight by it
-        if self.cfg.transport.in_flight_max:
+        if self.cfg.options.in_flight_max:
             self.group_ms = step_costs(self.stage, [self.per_group])[str(self.per_group)]
         self.load_s = time.perf_counter() - started
 
@@ -246,7 +234,7 @@ class StageServerBase:
 
     async def _run(self) -> None:
         self.nc = await connect(self.cfg.nats_url, name=f"swarm-stage{self.cfg.stage}-{self.load_id}",
-                                credentials=Credentials.from_env())  # its fellow's, in its environment
+                                credentials=NatsSettings.from_env(lenient=True).credentials)  # its fellow's, in its env
         self.js = self.nc.jetstream()
         try:
             await self._start()

@@ -23,7 +23,6 @@ from events.stage import StageConfig
 from events.subjects import REQUESTS_STREAM, TOKENS_STREAM
 from fellow.runtime.engine.budget import ContextTooLong
 from fellow.runtime.engine.scheduler import Scheduler
-from events.requests import Sampling
 from fellow.runtime.engine.serving_loop import Job, Output, ServingLoop
 from fellow.token_batcher import TokenBatcher
 
@@ -78,7 +77,7 @@ class Intake:
         self.cfg, self.nc, self.js = cfg, nc, js
         self.load_id, self.model_id, self.fellow_id = cfg.load_id, cfg.model_id, cfg.fellow_id
         self.tokenizer, self.scheduler, self.serving = tokenizer, scheduler, serving
-        self.max_in_flight = max(1, max_in_flight or cfg.transport.max_in_flight)  # the stage's, fitted to its KV
+        self.max_in_flight = max(1, max_in_flight or cfg.options.max_in_flight)  # the stage's, fitted to its KV
         self.active: dict[str, _Taken] = {}
         self.metrics = Metrics()
         self.room = asyncio.Event()

@@ -30,7 +30,7 @@ class StageServer(StageServerBase):
     draft: DraftModel | None = None
 
     def _load(self) -> None:
-        loaded = load_one_stage(self.cfg.model_dir, **self._load_options())
+        loaded = load_one_stage(self.cfg.model_dir, options=self.cfg.options)
         self.stage, self.device = loaded.stage, loaded.device
         self.tokenizer, self.stop_ids = loaded.tokenizer, loaded.stop_ids
         self._load_draft()
@@ -38,11 +38,11 @@ class StageServer(StageServerBase):
     def _load_draft(self) -> None:
         """SWARM_SERVE_DRAFT_MODEL's small model, beside this stage 0 (one stage or a ring's), when it drafts:
         never beside a model with recurrent layers, which does not draft (fellow.runtime.model.recurrent)."""
-        if self.cfg.draft_model_dir and self.cfg.transport.speculative and recurrent_reason(self.stage.config):
+        if self.cfg.options.draft_model_dir and self.cfg.options.speculative and recurrent_reason(self.stage.config):
             log.info("[stage%d draft] no draft model: %s", self.cfg.stage, recurrent_reason(self.stage.config))
-        elif self.cfg.draft_model_dir and self.cfg.transport.speculative:
-            self.draft = load_draft_model(self.cfg.draft_model_dir, self.stage, self.tokenizer, self.device,
-                                          packed=self.cfg.packed_linear, batch_cap=self.batch_cap)
+        elif self.cfg.options.draft_model_dir and self.cfg.options.speculative:
+            self.draft = load_draft_model(self.cfg.options.draft_model_dir, self.stage, self.tokenizer, self.device,
+                                          packed=self.cfg.options.packed_linear, batch_cap=self.batch_cap)
             warm_up(self.draft.stage)
             self.stage.kernels = {**self.stage.kernels, "draft_decoder": self.draft.decoder_label}
             log.info("[stage%d draft] %s drafts beside the served model: %d bytes a position (%.3f of the "
@@ -50,7 +50,7 @@ class StageServer(StageServerBase):
                      self.draft.ratio, self.draft.decoder_label)
 
     def _build(self) -> None:
-        t = self.cfg.transport
+        t = self.cfg.options
         self.engine = local_engine(self.stage, kv_tokens=self.kv_tokens, max_batch=t.max_batch,
                              prefill_chunk=t.prefill_chunk, prefix_cache=t.prefix_cache,
                              speculative=t.speculative, draft=self.draft)
