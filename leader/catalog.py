@@ -14,6 +14,7 @@ from sqlalchemy import select
 from core.servable import MANIFEST_NAME, ServableError, load_manifest, param_count
 from events.catalog import CatalogEntry, ModelCataloged, ModelUncataloged
 from leader.db.tables import Model
+from leader.services import LeaderServices
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def _row_entry(row: Model) -> CatalogEntry:
 class Catalog:
     """Rescans on demand (at most every `min_interval_s`) and publishes only differences."""
 
-    def __init__(self, leader, min_interval_s: float = 2.0):
+    def __init__(self, leader: LeaderServices, min_interval_s: float = 2.0):
         self.leader = leader
         self.min_interval_s = min_interval_s
         self._scanned_at = 0.0

@@ -22,6 +22,7 @@ from events.loads import LoadPlaced, LoadRequested
 from events.requests import RequestAccepted, RequestFailed, RequestFinished
 from events.union import PoisonEvent, decode_event
 from leader.projectors.authority import Authority
+from leader.services import LeaderServices
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class WeightedHistogram:
 class Metrics:
     """The leader's registry: event-fed counters and histograms, plus a collector of live gauges."""
 
-    def __init__(self, leader):
+    def __init__(self, leader: LeaderServices):
         self.leader = leader
         self.registry = CollectorRegistry(auto_describe=False)
         r, m = self.registry, ["model_name"]

@@ -17,12 +17,13 @@ from events.requests import ChatRequest
 from leader.db.tables import Request
 from leader.errors import ApiError
 from leader.projectors.runner import ProjectionLagging
+from leader.services import LeaderServices
 from leader.token_stream import TokenStream, TokenStreams, parse_event_id
 
 ROW_WAIT_S = 5.0  # a request accepted a moment ago may not be projected yet
 
 
-async def _row(leader, request_id: str) -> Request | None:
+async def _row(leader: LeaderServices, request_id: str) -> Request | None:
     async with leader.sessions() as session:
         row = await session.get(Request, request_id)
     if row is not None:
@@ -36,7 +37,7 @@ async def _row(leader, request_id: str) -> Request | None:
         return await session.get(Request, request_id)
 
 
-async def resume(leader, streams: TokenStreams, caller, last_event_id: str, model: str) -> tuple[TokenStream,
+async def resume(leader: LeaderServices, streams: TokenStreams, caller, last_event_id: str, model: str) -> tuple[TokenStream,
                                                                                                 ChatRequest]:
     """The stream of the reply `last_event_id` names, from the frame after it, and the request it
     belongs to (enough of it for the relay). The stream is `ended` when the reply's last frame came

@@ -17,12 +17,13 @@ from nats.errors import Error as NatsError
 from events.base import new_id
 from events.frames import DoneFrame, TokenFrame
 from events.requests import ChatMessage, ChatRequest
-from leader.api.chat import SSE_HEADERS, Relay, disconnected, submit
+from leader.api.relay import SSE_HEADERS, Relay, disconnected, submit
 from leader.errors import ApiError
 from leader.openai.reasoning import reasoning_for
 from leader.openai.replies import DONE, Answer, ChunkEncoder, completion, error_event, frame_error, total_usage
 from leader.openai.schema import ChatBody
 from leader.openai.validate import chat_request, unsupported
+from leader.services import LeaderServices
 from leader.serving import ReadyLoad
 from leader.serving.limits import check_payload
 
@@ -30,7 +31,7 @@ from leader.serving.limits import check_payload
 class Choices:
     """The relays of one reply's choices, index i for ``chats[i]``."""
 
-    def __init__(self, leader, relays: list[Relay], prefixes: list[str] | None = None, reasoning: bool | None = None):
+    def __init__(self, leader: LeaderServices, relays: list[Relay], prefixes: list[str] | None = None, reasoning: bool | None = None):
         self.leader = leader
         self.relays = relays
         logprobs = [r.chat.sampling.logprobs is not None for r in relays]

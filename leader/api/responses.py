@@ -12,7 +12,7 @@ from litestar.response import Stream
 
 from events.frames import DoneFrame, TokenFrame
 from leader.api.body import StructBody
-from leader.api.chat import SSE_HEADERS, Relay, open_relay, tool_names
+from leader.api.relay import SSE_HEADERS, Relay, open_relay, tool_names
 from leader.api.deps import Caller, ChatTimeout, LeaderDep, ServingDep, StreamsDep
 from leader.errors import ApiError
 from leader.openai.reasoning import Reasoning

@@ -11,6 +11,7 @@ from leader.api.deps import LeaderDep, ServingDep
 from leader.openai.schema import Message, decode_struct, empty_body
 from leader.openai.tokenizer import ModelTokenizer, tokenizer_for
 from leader.openai.validate import bad, chat_messages, enable_thinking, unsupported
+from leader.services import LeaderServices
 
 
 class TokenizeBody(msgspec.Struct, kw_only=True):
@@ -62,7 +63,7 @@ class DetokenizeDTO(StructBody[DetokenizeBody]):
     decode = _decoder(DetokenizeBody)
 
 
-async def model_tokenizer(leader, serving, model_id: str) -> tuple[ModelTokenizer, int]:
+async def model_tokenizer(leader: LeaderServices, serving, model_id: str) -> tuple[ModelTokenizer, int]:
     """The tokenizer of a served model, and its context length; the same 404/409s as chat."""
     if not model_id:
         raise bad("model", "'model' must name a model (see GET /v1/models)")

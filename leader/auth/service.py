@@ -16,6 +16,7 @@ from leader.auth.pruner import TokenPruner
 from leader.auth.registry import PROJECTION, TokenRecord, TokenRegistry, TokenTable
 from leader.auth.scopes import canonical, effective, grants
 from leader.errors import ApiError
+from leader.services import LeaderServices
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class AuthService:
     `clock` is injectable so tests can move time past an expiry or the prune horizon.
     """
 
-    def __init__(self, leader, settings, clock: Callable[[], float] = time.time, prune_interval_s: float = 600.0):
+    def __init__(self, leader: LeaderServices, settings, clock: Callable[[], float] = time.time, prune_interval_s: float = 600.0):
         self.leader = leader
         self.settings = settings
         self.clock = clock

@@ -14,6 +14,7 @@ from leader.catalog import Catalog
 from leader.db.tables import Load, LoadStage
 from leader.errors import ApiError
 from leader.relay_stats import RelayStats
+from leader.services import LeaderServices
 from leader.serving.commands import LoadCommands
 from leader.serving.reactions import Reactions
 from leader.serving.ready import ReadyLoad, ReadyView
@@ -27,7 +28,7 @@ AUTOLOAD_WAIT_S = 600.0
 
 
 class Serving:
-    def __init__(self, leader):
+    def __init__(self, leader: LeaderServices):
         self.leader = leader
         self.catalog = Catalog(leader)
         self.view = ReadyView(leader)

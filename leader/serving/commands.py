@@ -28,6 +28,7 @@ from leader.db.tables import Load, LoadStage as LoadStageRow, Model
 from leader.errors import ApiError
 from leader.placement import (PlacementError, fewer_stages_note, for_old_fellows, place_replacement, place_replicas,
                               place_ring_replicas, pre_ampere_batch_cap, ring_needs, ring_stage_count, transport_plan)
+from leader.services import LeaderServices
 from leader.serving.rows import active_load, get_load, load_stages, model_not_found
 
 
@@ -96,7 +97,7 @@ LOAD_LOCK_NS = 0x4C4F4144  # "LOAD": the advisory lock namespace of model loads
 
 
 class LoadCommands:
-    def __init__(self, leader, catalog: Catalog):
+    def __init__(self, leader: LeaderServices, catalog: Catalog):
         self.leader = leader
         self.catalog = catalog
         self._loading: dict[str, asyncio.Lock] = {}

@@ -22,6 +22,7 @@ from events.loads import (STAGE_RESTARTING, LoadFailed, ModelLoaded, ModelUnload
                           load_failed_id, replica_lost_id)
 from leader.db.tables import Load, LoadStage
 from leader.relay_stats import RelayStats
+from leader.services import LeaderServices
 from leader.serving.commands import LoadCommands
 from leader.serving.ready import ReadyView
 from leader.serving.rows import ACTIVE, SERVING, UNLOADED_CODES, get_load, load_stages
@@ -47,7 +48,7 @@ async def purge_queue(js, load_id: str) -> None:
 
 
 class Reactions:
-    def __init__(self, leader, commands: LoadCommands, view: ReadyView, relay: RelayStats, on_ended=None):
+    def __init__(self, leader: LeaderServices, commands: LoadCommands, view: ReadyView, relay: RelayStats, on_ended=None):
         self.leader = leader
         self.on_ended = on_ended  # called when a load ended (the request sweeper's poke)
         self.commands = commands

@@ -7,6 +7,7 @@ from sqlalchemy import select
 
 from core.servable import ServableError, load_manifest
 from leader.db.tables import Load, LoadStage, Model
+from leader.services import LeaderServices
 
 
 class ReadyLoad(msgspec.Struct, frozen=True, kw_only=True):
@@ -23,7 +24,7 @@ class ReadyLoad(msgspec.Struct, frozen=True, kw_only=True):
 class ReadyView:
     """model_id -> its ready load, rebuilt from SQL whenever a load becomes ready or ends."""
 
-    def __init__(self, leader) -> None:
+    def __init__(self, leader: LeaderServices) -> None:
         self.leader = leader
         self.loads: dict[str, ReadyLoad] = {}
 

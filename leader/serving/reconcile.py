@@ -21,6 +21,7 @@ from events import subjects
 from events.commands import UnloadStage
 from events.fellow import Heartbeat
 from leader.db.tables import Load, LoadStage
+from leader.services import LeaderServices
 from leader.serving.rows import ACTIVE, SERVING
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ def orphan_unload_id(load_id: str, fellow_id: str) -> str:
 
 
 class Reconciler:
-    def __init__(self, leader):
+    def __init__(self, leader: LeaderServices):
         self.leader = leader
         self._beats: dict[str, Heartbeat] = {}  # fellow_id -> its latest live heartbeat not yet checked
         self._wake = asyncio.Event()

@@ -33,6 +33,7 @@ from events import subjects
 from events.frames import AnyFrame, DoneFrame, ErrorFrame, frame_decoder, frame_key, frame_signed
 from events.requests import RequestFailed, RequestFinished, request_failed_id, request_finished_id
 from leader.db.tables import Load, Request
+from leader.services import LeaderServices
 from leader.serving.reactions import purge_queue
 from leader.serving.rows import ACTIVE
 
@@ -43,7 +44,7 @@ EVERY_S = 30.0
 
 
 class RequestSweeper:
-    def __init__(self, leader, quiet_s: float = QUIET_S, every_s: float = EVERY_S, clock=time.time):
+    def __init__(self, leader: LeaderServices, quiet_s: float = QUIET_S, every_s: float = EVERY_S, clock=time.time):
         self.leader = leader
         self.quiet_s = quiet_s
         self.every_s = every_s
