@@ -8,7 +8,7 @@ import logging
 import signal
 import sys
 
-from core.cli_errors import CliError
+from core.cli_errors import CliError, part
 from core.procs import follow_parent
 from core.settings import Settings, SettingsError
 
@@ -92,12 +92,10 @@ def _check_nats(s: Settings) -> None:
 def cmd_leader(args) -> int:
     import uvicorn
 
-    from leader.app import create_app
-
     s = _settings()
     _check_nats(s)
     _logging(args.verbose)
-    app = create_app(s)
+    app = part("leader-app")(s)
     json_logs = {"log_config": None} if s.logging.format == "json" else {}  # uvicorn's lines go through ours
     uvicorn.run(app, host=s.leader.host, port=s.leader.port, log_level="warning", **json_logs)
     return 0
@@ -126,12 +124,10 @@ def cmd_nats_auth(args) -> int:
 
 
 def cmd_fellow(args) -> int:
-    from fellow.main import run_fellow
-
     s = _settings()
     _check_nats(s)
     _logging(args.verbose)
-    return asyncio.run(run_fellow(s, fellow_id=args.id))
+    return asyncio.run(part("fellow")(s, fellow_id=args.id))
 
 
 def cmd_up(args) -> int:
@@ -141,20 +137,16 @@ def cmd_up(args) -> int:
 
 
 def cmd_db(args) -> int:
-    from leader.db.engine import upgrade_sync
-
     s = _settings()
-    upgrade_sync(s.leader.database_url, args.revision)
+    part("db-upgrade")(s.leader.database_url, args.revision)
     print(f"database at {args.revision}")
     return 0
 
 
 def cmd_replay(args) -> int:
-    from leader.replay_cli import replay_projections
-
     s = _settings()
     _check_nats(s)
-    for name, seq in asyncio.run(replay_projections(s, args.projection)).items():
+    for name, seq in asyncio.run(part("replay")(s, args.projection)).items():
         print(f"{name}: rebuilt through sequence {seq}")
     return 0
 

@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 
-from core.cli_errors import CliError
+from core.cli_errors import CliError, part
 from core.cli_tokens import call_leader
 from core.settings import Settings
 
@@ -139,10 +139,8 @@ def cmd_infer(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from fellow.runtime.tools.export import export
-
     boundaries = json.loads(args.boundaries) if args.boundaries else None
-    m = export(args.hf_dir, args.out, stages=args.stages, boundaries=boundaries, bottleneck=args.bottleneck,
+    m = part("export")(args.hf_dir, args.out, stages=args.stages, boundaries=boundaries, bottleneck=args.bottleneck,
                adapters=args.adapters, model_id=args.model_id)
     print(f"exported {m.model_id} to {args.out}: {m.num_stages} stage(s), boundaries {m.boundaries}")
     return 0
@@ -165,9 +163,7 @@ class ProgressBar:
 
 
 def cmd_demo_model(args) -> int:
-    from fellow.runtime.tools.demo_model import make_demo_draft, make_demo_model
-
-    make, what = (make_demo_draft, "demo draft model") if args.draft else (make_demo_model, "demo model")
+    make, what = (part("demo-draft"), "demo draft model") if args.draft else (part("demo-model"), "demo model")
     m = make(args.out, seed=args.seed, progress=ProgressBar(f"training the {what}"),
              **({"steps": args.steps} if args.steps else {}))
     print(f"{what} {m.model_id} written to {args.out}")
