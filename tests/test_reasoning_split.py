@@ -40,3 +40,12 @@ def test_thinking_tokens_are_counted_tags_included():
     assert run(["<think>", "\n", "x", "\n", "</think>", "\n\n", "Hi", " there"])[2] == 5
     assert run(["a", "b", "</think>", "c"], inside=True)[2] == 3
     assert run(["Hi", "<think>"])[2] == 0
+
+
+def test_a_reply_of_whitespace_streams_as_answer_instead_of_being_held_to_its_end():
+    """A model that does not open a block but writes newlines: a few are held (a block may still open), then
+    they settle as answer as they come, not all at the reply's end (a streamed reply would arrive whole)."""
+    split = Reasoning(False)
+    settled = [split.feed("\n")[1] for _ in range(40)]
+    assert settled[:8] == [""] * 8 and "".join(settled) == "\n" * 40 and settled[-1] == "\n"
+    assert run(["\n", "\n", " <think>", "x</think>", "ans"])[:2] == ("x", "ans")  # a late block still opens

@@ -214,7 +214,31 @@ def test_load_chat_stop_and_see_it_in_the_dashboard(stack, browser):
     page.close()
 
 
+def test_a_thinking_models_thought_is_shown_folded_away(stack, browser):
+    """The R1-style tiny model starts inside its thinking and never closes it: all of it is thought. Sampled:
+    greedy, this random model writes only newlines, and a thought of whitespace is no thought."""
+    s, _ = stack
+    s.load("tiny-r1", num_stages=1)
+    page = browser.new_page(viewport={"width": 1200, "height": 800})
+    page.goto(s.url + "/pools/local/default/inference")
+    page.select_option("#model-select", "tiny-r1")
+    expect(page.locator("body")).to_have_attribute("data-load-state", "ready", timeout=90_000)
+    page.check("#thinking")
+    page.fill("#max-tokens", "24")
+    page.fill("#temperature", "1")
+    send(page, PROMPT)
+    reply = page.locator("li.msg.assistant").nth(0)
+    expect(reply).to_have_attribute("data-finish", "length", timeout=60_000)
+    thought = reply.locator("details.thinking")
+    expect(thought).to_have_count(1)
+    expect(thought.locator("summary")).to_have_text("Thought")
+    assert thought.evaluate("d => d.open") is False and thought.locator("div").text_content().strip()
+    assert "<think>" not in reply.locator(".body").text_content()
+    shot(page, "8-chat-thought-folded")
+
+
 def test_with_a_token_the_page_asks_for_it_and_keeps_it_in_the_tab(stack, browser):
+    """Last in this module: the token it mints closes the API to the tests after it."""
     s = stack[0]
     r = s.post("/api/v1/api-tokens", {"label": "web", "scopes": ["read", "operate"]})  # enforcement on from here
     assert r.status_code == 201, r.text
@@ -239,25 +263,3 @@ def test_with_a_token_the_page_asks_for_it_and_keeps_it_in_the_tab(stack, browse
     expect(fresh.locator("#token-form")).to_be_visible()
     fresh.close()
     page.close()
-
-
-def test_a_thinking_models_thought_is_shown_folded_away(stack, browser):
-    """The R1-style tiny model starts inside its thinking and (greedy) never closes it: all of it is thought."""
-    s, _ = stack
-    s.load("tiny-r1", num_stages=1)
-    page = browser.new_page(viewport={"width": 1200, "height": 800})
-    page.goto(s.url + "/pools/local/default/inference")
-    page.select_option("#model-select", "tiny-r1")
-    expect(page.locator("body")).to_have_attribute("data-load-state", "ready", timeout=90_000)
-    page.check("#thinking")
-    page.fill("#max-tokens", "12")
-    page.fill("#temperature", "0")
-    send(page, PROMPT)
-    reply = page.locator("li.msg.assistant").nth(0)
-    expect(reply).to_have_attribute("data-finish", "length", timeout=60_000)
-    thought = reply.locator("details.thinking")
-    expect(thought).to_have_count(1)
-    expect(thought.locator("summary")).to_have_text("Thought")
-    assert thought.evaluate("d => d.open") is False and thought.locator("div").text_content().strip()
-    assert "<think>" not in reply.locator(".body").text_content()
-    shot(page, "8-chat-thought-folded")

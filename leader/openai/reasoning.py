@@ -14,6 +14,7 @@ from leader.errors import ApiError
 from leader.openai.tokenizer import tokenizer_for
 
 OPEN, CLOSE = "<think>", "</think>"
+START_HOLD = 8  # leading whitespace held while a reply may still open its thinking; past it, the reply is answer
 _PROBE = [{"role": "user", "content": "hi"}]
 
 
@@ -64,7 +65,7 @@ class Reasoning:
         self.buf += text
         if self.state == "start":
             head = self.buf.lstrip()
-            if not head or (OPEN.startswith(head) and head != OPEN):
+            if (not head and len(self.buf) <= START_HOLD) or (head and OPEN.startswith(head) and head != OPEN):
                 return "", ""  # not known yet
             if not head.startswith(OPEN):
                 self.state, out, self.buf = "answer", self.buf, ""
