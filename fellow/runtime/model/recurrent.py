@@ -162,6 +162,13 @@ class RecurrentView:
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
 
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0  # never recording the past: no intermediate states to keep (transformers >= 5.2x asks)
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """A one-position step updated a convolution state in place (transformers >= 5.2x); the session's
+        length is the KVCache's, advanced by the stage."""
+
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         return self.cache.conv.get(layer_idx)
 
@@ -223,6 +230,13 @@ class RecurrentBatchedView:
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0  # never recording the past: no intermediate states to keep (transformers >= 5.2x asks)
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """A one-position step updated a convolution state in place (transformers >= 5.2x); the session's
+        length is the KVCache's, advanced by the stage."""
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
         if layer_idx not in self.conv:
