@@ -144,7 +144,23 @@ class RecurrentCache:
             self.state[index] = torch.randn(state, generator=generator, dtype=torch.float32).to(device)
 
 
-class RecurrentView:
+class _NoPast:
+    """What transformers' linear-attention layers ask a cache beyond the states: these views never record
+    the past (no rollback), so no intermediate states are kept, and a one-position step that updates a
+    convolution state in place (``increase_count``, transformers >= 5.2x) changes no count: a session's
+    length is its KVCache's, advanced by the stage."""
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        return None
+
+
+class RecurrentView(_NoPast):
     """What the HF layers of a stage with recurrent layers see as their cache in one session's forward:
     keys and values through the session's KVCache, convolution and recurrent states as transformers'
     ``Cache`` hands them out (``get_conv_state``, ``update_conv_state``, ... of ``LinearAttentionLayer``,
@@ -158,16 +174,6 @@ class RecurrentView:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.cache.length
-
-    def is_recording_past(self, layer_idx: int) -> bool:
-        return False
-
-    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
-        return 0  # never recording the past: no intermediate states to keep (transformers >= 5.2x asks)
-
-    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
-        """A one-position step updated a convolution state in place (transformers >= 5.2x); the session's
-        length is the KVCache's, advanced by the stage."""
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         return self.cache.conv.get(layer_idx)
@@ -197,7 +203,7 @@ class RecurrentView:
         return recurrent_states
 
 
-class RecurrentBatchedView:
+class RecurrentBatchedView(_NoPast):
     """One decode position for several sessions in one forward, on a stage with recurrent layers.
 
     The attention layers attend through a BatchedView over the sessions' own KVCaches (left-padded keys
@@ -227,16 +233,6 @@ class RecurrentBatchedView:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.batched.get_seq_length()
-
-    def is_recording_past(self, layer_idx: int) -> bool:
-        return False
-
-    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
-        return 0  # never recording the past: no intermediate states to keep (transformers >= 5.2x asks)
-
-    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
-        """A one-position step updated a convolution state in place (transformers >= 5.2x); the session's
-        length is the KVCache's, advanced by the stage."""
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
         if layer_idx not in self.conv:
