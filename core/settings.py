@@ -68,6 +68,11 @@ def flag(name: str, raw: str) -> bool:
     raise SettingsError(f"{name}={raw!r} is not a boolean (use 1 or 0)")
 
 
+def step_costs_mode(name: str, raw: str) -> str:  # SWARM_SERVE_STEP_COSTS: off, on, or profile (on, profiled)
+    v = {"0": "off", "false": "off", "no": "off", "1": "on", "true": "on", "yes": "on"}.get(raw.strip().lower(), raw)
+    return choice("off", "on", "profile")(name, v)
+
+
 def choice(*choices: str) -> Parser:
     def parse(name: str, raw: str) -> str:
         v = raw.strip().lower()
@@ -234,7 +239,7 @@ class ServingSettings(Group):
     prefill_chunk: int | None = setting("SWARM_SERVE_PREFILL_CHUNK", "", optional(whole(0)))  # unset: 256 planned
     max_in_flight: int = setting("SWARM_SERVE_MAX_IN_FLIGHT", "8", whole(1))
     packed_linear: bool = setting("SWARM_SERVE_PACKED_LINEAR", "auto", is_on("auto"))
-    step_costs: bool = setting("SWARM_SERVE_STEP_COSTS", "0", flag)
+    step_costs: str = setting("SWARM_SERVE_STEP_COSTS", "0", step_costs_mode)  # off, on or profile
     prefix_cache: bool = setting("SWARM_SERVE_PREFIX_CACHE", "on", is_on("on"))
     links: str = setting("SWARM_SERVE_LINKS", "direct", choice("direct", "relay"))
     link_host: str = setting("SWARM_SERVE_LINK_HOST", "127.0.0.1", text)  # where ring stages listen

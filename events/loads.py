@@ -28,6 +28,7 @@ class TransportPlan(msgspec.Struct, frozen=True, kw_only=True):
     speculative: int = 0  # tokens drafted per decode pass by prompt lookup (0: off); one-stage loads only
     prefill_chunk: int = PREFILL_CHUNK
     step_costs: bool = False  # every stage times its decode step at load (SWARM_SERVE_STEP_COSTS)
+    step_profile: bool = False  # ... and profiles a one-token step (SWARM_SERVE_STEP_COSTS=profile)
     in_flight_max: int = 0  # a ring's stage 0 may raise max_in_flight to this, sized from the ring's measured
     # step costs and link transit (fellow.runtime.ring.sizing); 0: max_in_flight is fixed
 

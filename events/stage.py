@@ -21,7 +21,8 @@ class StageOptions(msgspec.Struct, frozen=True, kw_only=True):
     kv_tokens_max: int = 0  # where it measures room, it grows past kv_tokens up to this (0: holds at most kv_tokens)
     max_batch: int = 0  # 0: no cap, 1: no batching
     prefill_chunk: int = 256
-    step_costs: bool = False  # time the decode step at batch 1 and at the cap before ready
+    step_costs: bool = False  # time the step costs the spec names before ready (model.step_report)
+    step_profile: bool = False  # ... and profile a one-token step
     prefix_cache: bool = True  # keep finished sessions' positions for prompts that start the same way
     speculative: int = 0  # tokens drafted per decode pass by prompt lookup (0: off); on a ring, stage 0 drafts
     in_flight_max: int = 0  # a ring: stage 0 sizes in flight up to this from measured steps and links (0: fixed)

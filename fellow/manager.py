@@ -41,7 +41,9 @@ def stage_options(settings: Settings, cmd: LoadStage) -> StageOptions:
     chunk = t.prefill_chunk if serving.prefill_chunk is None or cmd.num_stages > 1 else serving.prefill_chunk
     return StageOptions(**{**own, "max_in_flight": t.max_in_flight, "kv_tokens": t.kv_tokens,
                            "max_batch": t.max_batch or (serving.max_batch or 0), "prefill_chunk": chunk,
-                           "step_costs": t.step_costs or serving.step_costs, "speculative": speculative,
+                           "step_costs": t.step_costs or serving.step_costs != "off",
+                           "step_profile": t.step_profile or serving.step_costs == "profile",
+                           "speculative": speculative,
                            "kv_tokens_max": t.kv_tokens_max,
                            "in_flight_max": t.in_flight_max if cmd.num_stages > 1 else 0,
                            "quantization": method_of(cmd.quantization),

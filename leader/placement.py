@@ -50,7 +50,8 @@ def transport_plan(settings, num_stages: int) -> TransportPlan:
                          kv_tokens_max=in_flight * settings.serving.context_tokens,
                          max_batch=settings.serving.max_batch or 0, speculative=settings.serving.speculative,
                          prefill_chunk=PREFILL_CHUNK if chunk is None else chunk,
-                         step_costs=settings.serving.step_costs)
+                         step_costs=settings.serving.step_costs != "off",
+                         step_profile=settings.serving.step_costs == "profile")
 
 
 AMPERE = (8, 0)

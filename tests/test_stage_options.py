@@ -28,7 +28,10 @@ def test_a_stage_serves_with_the_plan_over_its_fellows_own_settings():
     assert (o.devices, o.lora, o.compile, o.threads, o.prefix_cache, o.links) == ("cpu", "peft", (1, 8), 3, False,
                                                                                    "relay")  # the fellow's
     assert (o.max_in_flight, o.kv_tokens, o.prefill_chunk, o.quantization) == (6, 6000, 64, "int8")  # the plan's
-    assert (o.max_batch, o.step_costs, o.batch_cap) == (2, True, 2)  # left open by the plan: the fellow's
+    assert (o.max_batch, o.step_costs, o.step_profile, o.batch_cap) == (2, True, False, 2)  # left open: the fellow's
+    profiled = Settings.from_env({"SWARM_SERVE_STEP_COSTS": "profile"})
+    assert (stage_options(profiled, load()).step_costs, stage_options(profiled, load()).step_profile) == (True, True)
+    assert stage_options(Settings.from_env({}), load(step_costs=True, step_profile=True)).step_profile  # the leader's
     assert stage_options(FELLOW, load(max_batch=4)).max_batch == 4  # chosen by the plan
     assert stage_options(FELLOW, load(num_stages=2, in_flight_max=48)).in_flight_max == 48
     assert stage_options(FELLOW, load(in_flight_max=48)).in_flight_max == 0  # one stage: in flight stays fixed

@@ -17,6 +17,7 @@ from core.settings import NatsSettings
 from core.tasks import cancel_and_wait
 from events.stage import MetricsReport, ReadyReport, Report, StageConfig, StageOptions, encode
 from fellow.runtime.model.kernels import lora_costs, step_costs
+from fellow.runtime.model.step_report import measure
 from fellow.runtime.model.kv_budget import held_tokens, measured_kv_tokens
 from fellow.runtime.model.quant.report import stage_weights
 from fellow.runtime.model.stage import StageModel
@@ -190,6 +191,7 @@ class StageServerBase:
             if (lora := lora_costs(self.stage)) is not None:  # adapters kept apart: what they cost a step
                 self.stage.kernels["lora"] = {**self.stage.kernels["lora"], "step_ms": lora}
                 log.info("[stage%d lora-cost] %s", self.cfg.stage, " ".join(f"{k}={v:.2f}" for k, v in lora.items()))
+            self.stage.kernels["step_costs"] = measure(self.stage, self.cfg.stage, self.cfg.options.step_profile)
         self.group_ms = 0.0  # a ring stage's decode step at a group's rows: stage 0 sizes in flight by it
         if self.cfg.options.in_flight_max:
             self.group_ms = step_costs(self.stage, [self.per_group])[str(self.per_group)]
