@@ -94,3 +94,14 @@ def test_the_setting_takes_off_on_and_profile(monkeypatch):
     monkeypatch.setenv("SWARM_SERVE_STEP_COSTS", "sometimes")
     with pytest.raises(SettingsError, match="off, on, profile"):
         Settings.from_env()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_cuda_stage_measures_its_graph_spike_and_kernel_launches(model):
+    stage = StageModel.from_causal_lm(copy.deepcopy(model).to("cuda"))
+    report = measure(stage, 0, profiled=True)
+    spike = report["graph_spike"]
+    assert spike["blocks"] == 4 and spike["eager_ms"] > 0 and spike["graph_ms"] > 0
+    assert spike["saving_ms"] == pytest.approx((spike["eager_ms"] - spike["graph_ms"]) * 4, abs=1e-2)
+    assert report["profile"]["kernel_launches"] > 0
