@@ -295,3 +295,28 @@ def test_serve_lora_modes_lean16_and_peft_serve_what_lean_does(tmp_path):
             off = stage.prefill(stage.new_cache(), IDS[0])
         assert float((off - logits[mode]).abs().max()) > effect / 4  # off means off
         assert torch.equal(stage.prefill(stage.new_cache(), IDS[0]), logits[mode])  # and back on
+
+
+@pytest.mark.parametrize("mode", ["lean", "peft"])
+def test_dora_adapters_stay_apart_over_a_quantized_base_with_their_row_factor(tmp_path, mode):
+    """DoRA over an int8 base: A and B stay apart as for LoRA, and each adapted output row is scaled by
+    PEFT's factor (m / ||W + s·B A||, from the full-precision weight): the logits are the tuned model's
+    within quantization error, and dropping the factor moves them well past it. SWARM_SERVE_LORA=peft
+    serves DoRA modules lean too (PEFT's DoRA layer reads no quantized weight)."""
+    from fellow.runtime.tools.export import export
+    from tests.test_servable_adapters import IDS, tiny_lora
+
+    hf, lora, tuned = tiny_lora(tmp_path, dora=True)
+    manifest = export(hf, tmp_path / "sv", stages=1, adapters=lora)
+    options = StageOptions(quantization=INT8, lora=mode)
+    stage = build_stage(manifest, 0, tmp_path / "sv", 1, torch.device("cpu"), options)[1]
+    leans = [m for layer in stage.layers for m in layer.modules() if isinstance(getattr(m, "linear", None), LeanLoRA)]
+    leans = [m.linear for m in leans] + [getattr(f, a) for f in (stage.fused.layers if stage.fused else [])
+                                         for a in ("qkv", "down") if isinstance(getattr(f, a), LeanLoRA)]
+    assert leans and all(lean.rows_scale is not None for lean in leans)
+    error = float((stage.prefill(stage.new_cache(), IDS[0]) - tuned[0, -1]).abs().max())
+    for lean in leans:
+        lean.rows_scale, lean.rows_shift = None, None
+    without = float((stage.prefill(stage.new_cache(), IDS[0]) - tuned[0, -1]).abs().max())
+    print(f"\nDoRA over int8 ({mode}): max logit error {error:.4f}; without the row factor {without:.4f}")
+    assert error < without / 4

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from fellow.runtime.model.lora_merge import DORA_FACTOR
+
 PEFT_UNFUSED = "SWARM_SERVE_LORA=peft: adapters through PEFT's LoRA layers, in the layers' HF forward"
 LEAN16_DTYPE = torch.bfloat16  # lean16's adapters on a stage that computes in float32 (every CPU stage)
 
@@ -19,24 +21,33 @@ class LeanLoRA:
 
     ``dtype``: what A and B are held and multiplied in. float32 (``lean``): the product as PEFT computes
     it over a float32 stage. A half dtype (``lean16``): half the adapters' memory, the product rounded in
-    half precision, then added to the base's float32 result."""
+    half precision, then added to the base's float32 result.
 
-    __slots__ = ("base", "a", "b", "kernel", "in_features", "out_features")
+    DoRA (a part with a row factor g): PEFT's ``g ⊙ (W x + s·B A x) + bias``, computed as
+    ``g ⊙ out + (1 - g) ⊙ bias`` over the output (g is 1 in rows of modules without DoRA)."""
 
-    def __init__(self, base, parts: Sequence[tuple[int, torch.Tensor, torch.Tensor]], scale: float,
-                 dtype: torch.dtype = torch.float32) -> None:
-        """``parts``: (first output row, A [r, in], B [rows, r]) per adapted module of ``base``."""
+    __slots__ = ("base", "a", "b", "kernel", "in_features", "out_features", "rows_scale", "rows_shift")
+
+    def __init__(self, base, parts: Sequence[tuple], scale: float, dtype: torch.dtype = torch.float32) -> None:
+        """``parts``: (first output row, A [r, in], B [rows, r][, DoRA's row factor [rows] or None]) per
+        adapted module of ``base``."""
         self.base = base
         self.kernel = f"{base.kernel}+lora" if dtype == torch.float32 else f"{base.kernel}+lora16"
         self.in_features, self.out_features = base.in_features, base.out_features
         device = _device_of(base)  # the adapters sit beside the base weight (on its card)
-        self.a = torch.cat([a.detach().float() for _, a, _ in parts]).to(device=device, dtype=dtype).contiguous()
+        self.a = torch.cat([a.detach().float() for _, a, *_ in parts]).to(device=device, dtype=dtype).contiguous()
         b_full = torch.zeros(self.out_features, self.a.shape[0], device=device)
-        col = 0
-        for row, a, b in parts:
+        col, g = 0, None
+        for row, a, b, *dora in parts:
             b_full[row : row + b.shape[0], col : col + a.shape[0]] = b.detach().to(device).float() * scale
             col += a.shape[0]
+            if dora and dora[0] is not None:
+                g = torch.ones(self.out_features, device=device) if g is None else g
+                g[row : row + b.shape[0]] = dora[0].to(device).float()
         self.b = b_full.to(dtype)
+        bias = getattr(base, "bias", None)
+        self.rows_scale = g
+        self.rows_shift = None if g is None or bias is None else ((1 - g) * bias.float().to(device))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
@@ -46,11 +57,16 @@ class LeanLoRA:
             torch.addmm(flat, rows @ self.a.t(), self.b.t(), out=flat)
         else:  # lean16: the product in half precision, one cast in and one add out
             flat.add_((rows.to(self.a.dtype) @ self.a.t()) @ self.b.t())
+        if self.rows_scale is not None:  # DoRA
+            flat.mul_(self.rows_scale)
+            if self.rows_shift is not None:
+                flat.add_(self.rows_shift)
         return out
 
     @property
     def bytes(self) -> int:
-        return self.base.bytes + self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()
+        extra = (t for t in (self.a, self.b, self.rows_scale, self.rows_shift) if t is not None)
+        return self.base.bytes + sum(t.numel() * t.element_size() for t in extra)
 
 
 def peft_lora(base: nn.Module, a: torch.Tensor, b: torch.Tensor, scale: float) -> nn.Module:
@@ -81,18 +97,18 @@ def _device_of(base) -> torch.device:
 
 
 
-def lora_pairs(adapters: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """module -> (A, B) from ``<module>.lora_A.weight`` / ``<module>.lora_B.weight``."""
+def lora_pairs(adapters: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """module -> (A, B, DoRA's row factor or None) from ``<module>.lora_A.weight`` / ``<module>.lora_B.weight``
+    (and ``<module>.lora_dora_factor``, lora_merge.dora_factors)."""
     pairs = {}
     for key, a in adapters.items():
         if ".lora_A." not in key:
-            if ".lora_B." not in key:
+            if ".lora_B." not in key and not key.endswith(DORA_FACTOR):
                 raise ValueError(f"adapter tensor {key} is of a LoRA kind not served unmerged")
             continue
         module = key.split(".lora_A.")[0]
         b = adapters.get(f"{module}.lora_B.weight")
         if b is None:
             raise ValueError(f"LoRA weight {key} has no partner lora_B")
-        pairs[module] = (a, b)
+        pairs[module] = (a, b, adapters.get(module + DORA_FACTOR))
     return pairs
-

@@ -116,9 +116,10 @@ class StageQuantizer:
             self.swapped += quantize_children(layer, self.method)
             for name in list(pairs):
                 module = layer.get_submodule(name)
-                if self.peft:
+                if self.peft and pairs[name][2] is None:  # DoRA stays lean: PEFT's reads no quantized weight
                     parent, _, child = name.rpartition(".")
-                    setattr(layer.get_submodule(parent), child, peft_lora(module, *pairs.pop(name), self.lora_scale))
+                    a, b, _ = pairs.pop(name)
+                    setattr(layer.get_submodule(parent), child, peft_lora(module, a, b, self.lora_scale))
                 else:
                     module.linear = LeanLoRA(module.linear, [(0, *pairs.pop(name))], **lean)
                 self.adapted += 1
