@@ -237,7 +237,7 @@ class ServingSettings(Group):
     context_tokens: int = setting("SWARM_SERVE_CONTEXT_TOKENS", "4096", whole(1))
     max_batch: int | None = setting("SWARM_SERVE_MAX_BATCH", "", optional(whole(0)))
     prefill_chunk: int | None = setting("SWARM_SERVE_PREFILL_CHUNK", "", optional(whole(0)))  # unset: 256 planned
-    max_in_flight: int = setting("SWARM_SERVE_MAX_IN_FLIGHT", "8", whole(1))
+    max_in_flight: int | None = setting("SWARM_SERVE_MAX_IN_FLIGHT", "", optional(whole(1)))  # unset: 8 planned
     packed_linear: bool = setting("SWARM_SERVE_PACKED_LINEAR", "auto", is_on("auto"))
     step_costs: str = setting("SWARM_SERVE_STEP_COSTS", "0", step_costs_mode)  # off, on or profile
     prefix_cache: bool = setting("SWARM_SERVE_PREFIX_CACHE", "on", is_on("on"))

@@ -31,21 +31,24 @@ def stage_options(settings: Settings, cmd: LoadStage) -> StageOptions:
     """How a stage of ``cmd`` serves, built once here and sent whole to its process: this fellow's serving
     settings of the same names, under what placement planned (``cmd.transport``); where the plan left a
     choice open (0, off) the fellow's own stands, and a one-stage load cuts prompts into the fellow's own
-    pieces where it set them (a ring keeps the plan's, which each of its stages reserves memory for).
+    pieces and holds its own number of requests where it set them (a ring keeps the plan's, which each of
+    its stages reserves memory for).
     QuantizationError where no load serves the plan's quantization, FileNotFoundError where the fellow's
     draft model is not there."""
     t, serving = cmd.transport, settings.serving
     speculative = t.speculative or serving.speculative  # rings draft on stage 0
     drafts = speculative and cmd.assignment.stage == 0 and serving.draft_model  # beside stage 0
     own = {name: getattr(serving, name) for name in StageOptions.__struct_fields__ if hasattr(serving, name)}
-    chunk = t.prefill_chunk if serving.prefill_chunk is None or cmd.num_stages > 1 else serving.prefill_chunk
-    return StageOptions(**{**own, "max_in_flight": t.max_in_flight, "kv_tokens": t.kv_tokens,
+    ring = cmd.num_stages > 1  # a ring keeps the plan's, which each of its stages reserves memory for
+    chunk = t.prefill_chunk if serving.prefill_chunk is None or ring else serving.prefill_chunk
+    in_flight = t.max_in_flight if serving.max_in_flight is None or ring else serving.max_in_flight
+    return StageOptions(**{**own, "max_in_flight": in_flight, "kv_tokens": t.kv_tokens,
                            "max_batch": t.max_batch or (serving.max_batch or 0), "prefill_chunk": chunk,
                            "step_costs": t.step_costs or serving.step_costs != "off",
                            "step_profile": t.step_profile or serving.step_costs == "profile",
                            "speculative": speculative,
                            "kv_tokens_max": t.kv_tokens_max,
-                           "in_flight_max": t.in_flight_max if cmd.num_stages > 1 else 0,
+                           "in_flight_max": t.in_flight_max if ring else 0,
                            "quantization": method_of(cmd.quantization),
                            "draft_model_dir": str(draft_model_dir(settings)) if drafts else ""})
 

@@ -27,10 +27,13 @@ class Candidate:
     has_gpu: bool
 
 
+MAX_IN_FLIGHT = 8  # requests a one-stage load holds at once, SWARM_SERVE_MAX_IN_FLIGHT unset
+
+
 def transport_plan(settings, num_stages: int) -> TransportPlan:
     """How a load's stages run, for one stage or a ring of ``num_stages``.
 
-    In flight: SWARM_SERVE_IN_FLIGHT, else what a fellow holds (SWARM_SERVE_MAX_IN_FLIGHT) for one stage,
+    In flight: SWARM_SERVE_IN_FLIGHT, else SWARM_SERVE_MAX_IN_FLIGHT (MAX_IN_FLIGHT unset) for one stage,
     else 4 per stage of a ring, so every stage has work while the others run theirs. KV tokens: a typical
     chat per request in flight, never below one whole SWARM_SERVE_CONTEXT_TOKENS conversation; each stage
     lowers it to what it measures it can hold, or grows into what it measures up to a full context per
@@ -41,7 +44,8 @@ def transport_plan(settings, num_stages: int) -> TransportPlan:
     pipe (fellow.runtime.ring.sizing), never more than every stage's KV holds.
     """
     one = num_stages == 1
-    in_flight = settings.serving.in_flight or (settings.serving.max_in_flight if one else 4 * num_stages)
+    held = settings.serving.max_in_flight or MAX_IN_FLIGHT
+    in_flight = settings.serving.in_flight or (held if one else 4 * num_stages)
     sized = not one and not settings.serving.in_flight
     chunk = settings.serving.prefill_chunk
     return TransportPlan(max_in_flight=in_flight,

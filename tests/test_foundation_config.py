@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from core.settings import Settings, SettingsError
+from leader.placement import transport_plan
 from tests.processes import free_port, swarm_env
 
 
@@ -56,7 +57,8 @@ def test_defaults_follow_the_spec():
     s = Settings.from_env({"SWARM_DATA_DIR": "/srv/x"})
     assert s.leader.database_url == "sqlite+aiosqlite:////srv/x/swarm.db"
     assert (s.fellow.max_loaded_models, s.fellow.model_idle_unload_s, s.serving.prefill_chunk) == (1, 900.0, None)
-    assert (s.serving.typical_tokens, s.serving.context_tokens, s.serving.max_in_flight) == (1024, 4096, 8)
+    assert (s.serving.typical_tokens, s.serving.context_tokens, s.serving.max_in_flight) == (1024, 4096, None)
+    assert transport_plan(s, 1).max_in_flight == 8  # unset: the spec's 8, planned by the leader
     assert str(s.leader.servable_models_root) == "/srv/x/servable_models"
     assert s.serving.speculative == 0  # off until the benchmark says when it pays
     assert Settings.from_env({"SWARM_SERVE_SPECULATIVE": "4"}).serving.speculative == 4

@@ -33,6 +33,10 @@ def test_a_stage_serves_with_the_plan_over_its_fellows_own_settings():
     assert (stage_options(profiled, load()).step_costs, stage_options(profiled, load()).step_profile) == (True, True)
     assert stage_options(Settings.from_env({}), load(step_costs=True, step_profile=True)).step_profile  # the leader's
     assert stage_options(FELLOW, load(max_batch=4)).max_batch == 4  # chosen by the plan
+    holds = Settings.from_env({"SWARM_SERVE_MAX_IN_FLIGHT": "3"})  # a fellow's own, for its one-stage loads
+    assert stage_options(holds, load(max_in_flight=8)).max_in_flight == 3
+    assert stage_options(holds, load(num_stages=2, max_in_flight=8)).max_in_flight == 8  # a ring: the plan's
+    assert stage_options(Settings.from_env({}), load(max_in_flight=6)).max_in_flight == 6  # unset: the plan's
     assert stage_options(FELLOW, load(num_stages=2, in_flight_max=48)).in_flight_max == 48
     assert stage_options(FELLOW, load(in_flight_max=48)).in_flight_max == 0  # one stage: in flight stays fixed
     unset = stage_options(Settings.from_env({}), load())
