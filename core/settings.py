@@ -250,6 +250,7 @@ class ServingSettings(Group):
     draft_model: str = setting("SWARM_SERVE_DRAFT_MODEL", "", text)  # a servable's folder or id that drafts
     devices: str = setting("SWARM_SERVE_DEVICES", "auto", devices)  # what a stage's layers are split over
     lora: str = setting("SWARM_SERVE_LORA", "lean", choice(*LORA_MODES))  # adapters over quantized weights
+    attention: str = setting("SWARM_SERVE_ATTENTION", "auto", choice("auto", "grouped", "sdpa"))  # the HF layers'
     compile: tuple[int, ...] = setting("SWARM_SERVE_COMPILE", "off", compile_sizes)  # decode batches compiled
     cuda_graphs: bool = setting("SWARM_SERVE_CUDA_GRAPHS", "auto", is_on("auto"))
     fourbit_rows: str = setting("SWARM_SERVE_4BIT_ROWS", "auto", fourbit_rows)  # auto, off, or "1".."8"
@@ -337,7 +338,6 @@ def variables() -> list[Variable]:
 # Variables the spec names whose feature is not built yet, and the issue that builds it. Setting one is
 # refused at start rather than validated and ignored.
 NOT_IMPLEMENTED = {
-    "SWARM_SERVE_ATTENTION": "a choice of attention kernels, issue 13",
     "SWARM_API_TOKENS_FILE": "no issue: API tokens are kept in the database",
     "SWARM_NATS_CREDS": "NATS .creds files, issue 18; use SWARM_NATS_USER and SWARM_NATS_PASSWORD",
 }

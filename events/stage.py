@@ -36,6 +36,7 @@ class StageOptions(msgspec.Struct, frozen=True, kw_only=True):
     draft_model_dir: str = ""  # a one-stage load's draft model (SWARM_SERVE_DRAFT_MODEL), when it drafts
     devices: str = "auto"  # what the layers are split over (auto: every GPU, then the CPU)
     lora: str = "lean"  # adapters kept apart over quantized weights: lean, lean16 or peft
+    attention: str = "auto"  # the HF layers' attention: auto, grouped or sdpa (model.grouped_attention)
     compile: tuple[int, ...] = ()  # decode batch sizes compiled at load (fellow.runtime.model.compiled)
     cuda_graphs: bool = True  # a whole-model CUDA stage's decode replays graphs where faster
     fourbit_rows: str = "auto"  # auto, off, or a fixed row limit "1".."8" (model.fourbit_rows)

@@ -41,7 +41,7 @@ def test_bad_values_name_the_variable(env, needle):
         Settings.from_env(env)
 
 
-NOT_IMPLEMENTED = ["SWARM_SERVE_ATTENTION", "SWARM_API_TOKENS_FILE"]
+NOT_IMPLEMENTED = ["SWARM_API_TOKENS_FILE"]
 
 
 @pytest.mark.parametrize("name", NOT_IMPLEMENTED)
@@ -94,10 +94,10 @@ def test_cli_fails_fast_with_one_line(tmp_path, command, extra, needle):
 
 
 def test_swarm_up_refuses_a_setting_not_implemented(tmp_path):
-    out = run_cli(["up", "--no-demo"], swarm_env(tmp_path, None, SWARM_SERVE_ATTENTION="sdpa"))
+    out = run_cli(["up", "--no-demo"], swarm_env(tmp_path, None, SWARM_API_TOKENS_FILE="tokens.json"))
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "swarm: error: SWARM_SERVE_ATTENTION is not implemented yet (a choice of attention kernels, issue 13); "
+        "swarm: error: SWARM_API_TOKENS_FILE is not implemented yet (no issue: API tokens are kept in the database); "
         "unset it"]
     assert not (tmp_path / "data").exists()  # refused before anything started
 

@@ -15,6 +15,7 @@ from events.stage import StageOptions
 from fellow.runtime.model.boundary import apply_inner
 from fellow.runtime.model.device_split import (Card, DeviceSplit, SplitError, by_free_memory, half_dtype,
                                                plan_devices)
+from fellow.runtime.model.grouped_attention import GROUPED, choose_attention
 from fellow.runtime.model.half_storage import apply_half_storage
 from fellow.runtime.model.compiled import compile_decode
 from fellow.runtime.model.cuda_graphs import graph_decode
@@ -155,7 +156,7 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
     """
     packed, batch_cap, quantization, lora = options.packed_linear, options.batch_cap, options.quantization, options.lora
     compile, cuda_graphs, prefill_chunk = options.compile, options.cuda_graphs, options.prefill_chunk
-    fourbit_rows, fourbit_float32, attention = options.fourbit_rows, options.fourbit_float32, "sdpa"
+    fourbit_rows, fourbit_float32 = options.fourbit_rows, options.fourbit_float32
     devices = options.devices if devices is None else devices  # or a test's (device, bytes) pairs
     kv_tokens = (options.kv_tokens or KV_RESERVE_TOKENS) if kv_tokens is None else kv_tokens
     split = None
@@ -176,11 +177,15 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
         quantization = NF4
         quantizer, mods = _load_layers(manifest, stage_index, model_dir, num_stages, device, dtype, split,
                                        quantization, batch_cap, lora)
+    attention = choose_attention(options.attention, dtype or pick_dtype(device), device)
     mods.config._attn_implementation = attention
     stage = StageModel(config=mods.config, layers=mods.layers, first_layer=mods.layer_indices[0],
                        rotary_emb=mods.rotary_emb, embed=mods.embed, norm=mods.norm, head=mods.lm_head)
     prepare_stage(stage, packed=packed, batch_cap=batch_cap, quantizer=quantizer, keep_plain=bool(compile))
     apply_inner(stage, mods.inner)  # cuts training made inside the stage, where they were trained
+    # the HF layers' attention (SWARM_SERVE_ATTENTION); fused layers attend grouped on their own
+    stage.kernels = {**stage.kernels, "attention": "fused" if stage.fused is not None else
+                     "grouped" if attention == GROUPED else attention}
     if quantizer is not None and (rows := plan_4bit_rows(stage, fourbit_rows, fourbit_float32,
                                                          prefill_chunk=prefill_chunk,
                                                          label=f"stage{stage_index}")) is not None:

@@ -16,12 +16,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fellow.runtime.model.fused import (FusedLayer, FusedStack, Linear, MakeLinear, bias_of, layer_windows,
                                         recurrent_layers, rotary_tables, strip_linears)
+from fellow.runtime.model.grouped_attention import GROUPED
 from fellow.runtime.model.kv_cache import BatchedView, FreshBatchView, KVCache, SessionView
 from fellow.runtime.model.masks import fresh_masks, piece_mask
 from fellow.runtime.model.recurrent import (RecurrentBatchedView, RecurrentCache, RecurrentView, RollbackRefused,
                                             recurrent_reason, state_shapes)
 
-BATCHABLE_ATTENTION = ("sdpa", "eager")  # implementations that take an explicit additive 4D mask
+BATCHABLE_ATTENTION = ("sdpa", "eager", GROUPED)  # implementations that take an explicit additive 4D mask
 # cuDNN attention rebuilt its plan for every new key length: 52 ms a decode step on an H200 where
 # flash / memory-efficient took 8 ms (a Qwen3 of 42M parameters, bf16, batches of 8 and 32)
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

@@ -5,8 +5,8 @@ log, one ``[stageN <name>]`` line each:
 - ``verify-cost``: one session running M = 1 to 8 positions at once (its last token and M - 1 drafted
   ones), on a cache of 256 and of 2,048 positions;
 - ``batch-cost``: a batched decode step of 2 and of 4 sessions;
-- ``attn-cost``: the attention at the longest context with 1 and 3 positions (from the verify times);
-  grouped attention is not built, so there is no second kernel to set beside sdpa, and it says so;
+- ``attn-cost``: sdpa against grouped attention (model.grouped_attention) on one layer's shapes at the
+  longest context, one session with 1 and 3 positions and a batch of 4;
 - ``graph-spike``: one block's MLP replayed as a CUDA graph against run eagerly, and what that would save
   over all blocks; CUDA stages only (a CPU stage says so);
 - ``step-profile``: CPU time, kernel launches and the busiest ops of a one-token step, only with
@@ -24,6 +24,9 @@ import time
 
 import torch
 
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from fellow.runtime.model.grouped_attention import grouped_attention_forward
 from fellow.runtime.model.kernels import step_costs
 from fellow.runtime.model.kv_cache import random_caches
 
@@ -34,7 +37,6 @@ VERIFY_WIDTHS = tuple(range(1, 9))  # positions a verify pass runs
 BATCH_ROWS = (2, 4)
 REPEATS = 2  # timed calls per measurement after an untimed one; the best is kept
 PROFILE_TOP = 5  # ops the profile names
-GROUPED = "grouped attention is not built (SWARM_SERVE_ATTENTION is refused): sdpa only"
 
 
 def _timed(call, repeats: int = REPEATS) -> float:
@@ -90,12 +92,30 @@ def _pass(stage, cache, width: int) -> None:
         stage.forward_piece(cache, _inputs(stage, width))
 
 
-def attn_costs(verify: dict | str) -> dict:
-    """sdpa at the longest context measured, 1 and 3 positions (read off the verify pass)."""
-    if isinstance(verify, str) or not verify:
-        return {"sdpa_ms": None, "grouped": GROUPED}
-    longest = max(verify, key=int)
-    return {"context": int(longest), "sdpa_ms": {w: verify[longest][w] for w in ("1", "3")}, "grouped": GROUPED}
+@torch.inference_mode()
+def attn_costs(stage, context: int) -> dict:
+    """sdpa (over keys and values repeated per query head, as transformers runs a masked pass) against
+    grouped attention (model.grouped_attention) on one layer's shapes at ``context`` cached positions: one
+    session with 1 and 3 positions, and a batch of 4 one-position rows with a padding mask."""
+    config, device, dtype = stage.config, stage.input_device, stage.dtype
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+
+    class Layer(torch.nn.Module):
+        num_key_value_groups = heads // kv
+        is_causal = True
+
+    layer, out = Layer(), {"context": context, "heads": f"{heads}/{kv}"}
+    for name, forward in (("sdpa", sdpa_attention_forward), ("grouped", grouped_attention_forward)):
+        times = {}
+        for label, rows, width in (("1", 1, 1), ("3", 1, 3), ("batch4", 4, 1)):
+            q = torch.randn(rows, heads, width, dim, dtype=dtype, device=device)
+            k = torch.randn(rows, kv, context + width, dim, dtype=dtype, device=device)
+            mask = torch.zeros(rows, 1, width, context + width, dtype=dtype, device=device)
+            mask[1:, ..., :16] = torch.finfo(dtype).min  # rows of a batch padded on the left
+            times[label] = _timed(lambda: forward(layer, q, k, k, mask, scaling=dim ** -0.5), 3)
+        out[f"{name}_ms"] = times
+    return out
 
 
 @torch.inference_mode()
@@ -155,8 +175,9 @@ def step_profile(stage) -> dict:
 def measure(stage, index: int, profiled: bool = False) -> dict:
     """Every cost above for stage ``index``, logged; what its status shows under ``kernels["step_costs"]``."""
     verify = verify_costs(stage)
-    report = {"verify_ms": verify, "batch_ms": step_costs(stage, list(BATCH_ROWS)), "attn": attn_costs(verify),
-              "graph_spike": graph_spike(stage)}
+    longest = max(verify_contexts(stage.config))
+    report = {"verify_ms": verify, "batch_ms": step_costs(stage, list(BATCH_ROWS)),
+              "attn": attn_costs(stage, longest) if stage.layers else None, "graph_spike": graph_spike(stage)}
     if profiled:
         report["profile"] = step_profile(stage)
     _log(index, report)
@@ -173,8 +194,10 @@ def _log(index: int, report: dict) -> None:
                      " ".join(f"M={w}: {ms:.2f} ms" for w, ms in widths.items()))
     batches = " ".join(f"batch {r}: {ms:.2f} ms" for r, ms in report["batch_ms"].items())
     log.info("[stage%d batch-cost] %s", index, batches)
-    attn = report["attn"]
-    log.info("[stage%d attn-cost] sdpa %s; %s", index, attn["sdpa_ms"], attn["grouped"])
+    if (attn := report["attn"]) is not None:
+        log.info("[stage%d attn-cost] context %d, heads %s: %s", index, attn["context"], attn["heads"],
+                 "; ".join(f"{n} " + " ".join(f"{k}={v:.3f}" for k, v in attn[f"{n}_ms"].items())
+                           for n in ("sdpa", "grouped")))
     log.info("[stage%d graph-spike] %s", index, report["graph_spike"])
     if "profile" in report:
         p = report["profile"]
