@@ -31,6 +31,7 @@ class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
     token: str
     logprob: float
     bytes: list[int]
+    id: int = -1  # the token's id (prompt logprobs; -1 where a stage did not say)
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -40,6 +41,7 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     logprob: float
     bytes: list[int]
     top_logprobs: list[TopLogprob] = []
+    rank: int = 0  # 1 for the likeliest token (prompt logprobs; 0 where a stage did not say)
 
 
 class TokenFrame(Frame, frozen=True, tag="tokens"):
@@ -47,6 +49,9 @@ class TokenFrame(Frame, frozen=True, tag="tokens"):
     text: str = ""  # the texts joined, for readers that want one string
     token_ids: list[int] = []
     logprobs: list[TokenLogprob] = []  # one per token id, when the request asked for logprobs
+    # the prompt's, in order, before any token (Sampling.prompt_logprobs): None for the first position;
+    # a long prompt's come in several frames
+    prompt_logprobs: list[TokenLogprob | None] = []
 
 
 class DoneFrame(Frame, frozen=True, tag="done"):

@@ -36,6 +36,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     min_tokens: int = 0  # vLLM's: end-of-turn ids are barred until this many tokens came
     logprobs: int | None = None  # the sampled token's logprob plus this many top candidates
     grammar: str = ""  # an llguidance grammar the reply must follow (structured outputs, tool calls)
+    prompt_logprobs: int | None = None  # each prompt token's logprob (the first has none) plus this many top
 
     def check(self) -> "Sampling":
         """Itself, or ValueError naming the first field out of range."""
@@ -54,8 +55,9 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
             raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens={self.min_tokens} must be >= 0")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs={self.logprobs} must be in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= MAX_LOGPROBS:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [0, {MAX_LOGPROBS}]")
         return self
 
     @property

@@ -16,6 +16,8 @@ from events.frames import (FRAME_TAG_HEADER, DoneFrame, ErrorFrame, Frame, Start
 
 log = logging.getLogger(__name__)
 
+PROMPT_FRAME_POSITIONS = 256  # prompt logprobs a frame: 256 x 21 candidates is about 200 kB of JSON
+
 
 class TokenBatcher:
     """One per request. Tokens that arrive while the previous frame is being sent ride together
@@ -38,6 +40,7 @@ class TokenBatcher:
         self._texts: list[str] = []
         self._ids: list[int] = []
         self._logprobs: list = []
+        self._prompt: list = []  # the prompt's logprobs, sent before any token, PROMPT_FRAME_POSITIONS a frame
         self._final: Frame | None = None
         self._sender: asyncio.Task | None = None
         self.closed = asyncio.Event()
@@ -56,9 +59,10 @@ class TokenBatcher:
         self.seq = 1
         return not ack.duplicate
 
-    def add(self, texts: list[str], ids: list[int], logprobs: list | None = None) -> None:
+    def add(self, texts: list[str], ids: list[int], logprobs: list | None = None, prompt: list | None = None) -> None:
         if self._final is not None:
             return
+        self._prompt.extend(prompt or ())
         self._texts.extend(texts)
         self._ids.extend(ids)
         self._logprobs.extend(logprobs or ())
@@ -84,18 +88,20 @@ class TokenBatcher:
 
     async def _send(self) -> None:
         try:
-            while self._texts or self._ids or (self._final is not None and not self.closed.is_set()):
+            while self._prompt or self._texts or self._ids or (self._final is not None and not self.closed.is_set()):
+                if self._prompt:  # a long prompt's logprobs in several frames, each well under NATS' 1 MB
+                    piece, self._prompt = self._prompt[:PROMPT_FRAME_POSITIONS], self._prompt[PROMPT_FRAME_POSITIONS:]
+                    await self._publish_unacked(TokenFrame(request_id=self.request_id, seq=self.seq, texts=[],
+                                                           prompt_logprobs=piece))
+                    continue
                 if self._texts or self._ids:
                     texts, ids, logprobs = self._texts, self._ids, self._logprobs
                     self._texts, self._ids, self._logprobs = [], [], []
                     # Token frames go out without waiting for JetStream's ack: the stream still keeps
                     # them (same subject, same msg id) for a gap fill or a replay, and the done or
                     # error frame, which is acked, follows them on the same connection in order.
-                    frame = TokenFrame(request_id=self.request_id, seq=self.seq, texts=texts, text="".join(texts),
-                                       token_ids=ids, logprobs=logprobs)
-                    payload = encode(frame)
-                    await self.nc.publish(self.subject, payload, headers=self._headers(payload, self.seq))
-                    self.seq += 1
+                    await self._publish_unacked(TokenFrame(request_id=self.request_id, seq=self.seq, texts=texts,
+                                                           text="".join(texts), token_ids=ids, logprobs=logprobs))
                     continue
                 ack = await self._publish_acked(self._final(self.seq))
                 self.seq += 1
@@ -105,6 +111,11 @@ class TokenBatcher:
         except Exception:
             log.exception("frames of %s not published", self.request_id)
             self.closed.set()
+
+    async def _publish_unacked(self, frame: TokenFrame) -> None:
+        payload = encode(frame)
+        await self.nc.publish(self.subject, payload, headers=self._headers(payload, self.seq))
+        self.seq += 1
 
     def _headers(self, payload: bytes, seq: int) -> dict:
         headers = {"Nats-Msg-Id": frame_msg_id(self.request_id, seq, self.key)}

@@ -15,6 +15,7 @@ from leader.api.choices import Choices, text_of
 from leader.api.deps import Caller, ChatTimeout, LeaderDep, ServingDep, StreamsDep
 from leader.openai.completions import (CompletionBody, CompletionChunks, TextCompletion, check_body,
                                       completion_requests, decode_body, prompts, whole)
+from leader.openai import prompt_logprobs as scores
 from leader.openai.schema import empty_body
 from leader.openai.tokenizer import check_bias_ids, tokenizer_for
 
@@ -42,11 +43,14 @@ async def completions(request: Request, leader: LeaderDep, serving: ServingDep, 
     chats = completion_requests(body, [ids for ids, _ in given], [new_id() for _ in range(len(given) * n)],
                                 ready.load_id, ready.generation, ready.context_tokens)
     echoes = [text if body.echo else "" for _, text in given for _ in range(n)]
+    scoring = scores.scoring(body, [ids for ids, _ in given], [tok.decode(ids[:1]) for ids, _ in given], echoes,
+                             ready.num_stages, body.model)
     choices = await Choices.open(leader, streams, chats, bool(body.stream), caller.token_id if caller else "",
                                  chat_timeout_s, echoes)
     cid, created = "cmpl-" + chats[0].request_id, int(chats[0].created)
     if not body.stream:
-        return await choices.whole(request, lambda answers: whole(cid, created, body.model, answers, len(given)))
+        return await choices.whole(request, lambda answers: whole(cid, created, body.model, answers, len(given),
+                                                                  scoring))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     enc = CompletionChunks(cid, created, body.model, include_usage)
     return choices.stream(

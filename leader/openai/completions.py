@@ -5,9 +5,11 @@ from __future__ import annotations
 import time
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from events.frames import TokenLogprob
 from events.requests import ChatRequest
+from leader.openai import prompt_logprobs as scores
 from leader.openai.replies import Answer, Reply, timing_of, total_usage
 from leader.openai.schema import MAX_LOGPROBS, StreamOptions, decode_struct, empty_body
 from leader.openai.tokenizer import ModelTokenizer
@@ -41,6 +43,7 @@ class CompletionBody(msgspec.Struct, kw_only=True):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs with this many candidates
 
 
 _decoder = msgspec.json.Decoder(CompletionBody)
@@ -62,9 +65,8 @@ def check_body(body: CompletionBody) -> None:
         raise unsupported("best_of", "this server returns every choice it samples; use 'n'")
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
         raise bad("logprobs", f"'logprobs' must be between 0 and {MAX_LOGPROBS} (got {body.logprobs})")
-    if body.echo and body.logprobs is not None:
-        raise unsupported("echo", "the prompt's own logprobs are not computed; leave out 'echo' or 'logprobs'")
-    check_sampling(body)
+    scores.check(body)
+    check_sampling(msgspec.structs.replace(body, max_tokens=None) if body.max_tokens == 0 else body)
     stop_strings(body.stop)
 
 
@@ -96,16 +98,19 @@ def completion_requests(body: CompletionBody, ids: list[list[int]], request_ids:
                         generation: dict, context_tokens: int) -> list[ChatRequest]:
     """``n`` requests per prompt, prompt after prompt; choice j of a prompt samples with seed + j."""
     n = body.n or 1
-    limit = body.max_tokens or DEFAULT_MAX_TOKENS
+    # scoring only (max_tokens 0 with echo): one token is drawn and dropped (leader.openai.prompt_logprobs)
+    limit = 1 if body.max_tokens == 0 else body.max_tokens or DEFAULT_MAX_TOKENS
     if context_tokens > 0 and limit > context_tokens:
         raise bad("max_tokens", f"'max_tokens' is {limit}, but this model serves at most {context_tokens} tokens "
                                 "per request", code="context_length_exceeded")
     min_below_max(body, limit)
     stops = stop_strings(body.stop)
     created = time.time()
+    top = scores.asked(body)
     return [ChatRequest(request_id=request_ids[p * n + j], load_id=load_id, model_id=body.model, messages=[],
-                        prompt_ids=prompt, max_tokens=limit, sampling=sampling(body, generation, body.logprobs, j),
-                        stop=stops, created=created)
+                        prompt_ids=prompt, max_tokens=limit, stop=stops, created=created,
+                        sampling=msgspec.structs.replace(sampling(body, generation, body.logprobs, j),
+                                                         prompt_logprobs=top))
             for p, prompt in enumerate(ids) for j in range(n)]
 
 
@@ -125,6 +130,23 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     text: str
     logprobs: dict | None = None
     finish_reason: str
+    prompt_logprobs: list | UnsetType = UNSET  # vLLM's, where asked
+
+
+def scored_choice(a: Answer, s: scores.Scoring) -> CompletionChoice:
+    """A choice whose prompt was scored (or only echoed, max_tokens 0): the prompt's logprobs ahead of the
+    reply's; scoring only, the prompt alone, its drawn token dropped (and out of the usage)."""
+    prompt = s.prompt_of(a.index)
+    reply = [] if s.only else (a.logprobs or [])
+    if s.only:
+        a.done = msgspec.structs.replace(a.done, completion_tokens=0, finish_reason="length")
+    logprobs = (scores.echo_logprobs(s.first_texts[prompt], a.prompt_logprobs, reply, s.echo_top)
+                if s.echo_top is not None else
+                None if a.logprobs is None else completion_logprobs(reply, len(s.echoes[a.index])))
+    return CompletionChoice(index=a.index, text=s.echoes[a.index] if s.only else a.text, logprobs=logprobs,
+                            finish_reason=a.done.finish_reason,
+                            prompt_logprobs=UNSET if s.vllm_top is None else
+                            scores.vllm_prompt_logprobs(s.prompt_ids[prompt], a.prompt_logprobs, s.vllm_top))
 
 
 class TextCompletion(Reply, kw_only=True):
@@ -132,13 +154,15 @@ class TextCompletion(Reply, kw_only=True):
     choices: list[CompletionChoice]
 
 
-def whole(completion_id: str, created: int, model: str, answers: list[Answer], prompts: int) -> bytes:
-    return _enc.encode(TextCompletion(
-        id=completion_id, created=created, model=model, usage=total_usage(answers, prompts),
-        choices=[CompletionChoice(index=a.index, text=a.text, finish_reason=a.done.finish_reason,
-                                  logprobs=None if a.logprobs is None else completion_logprobs(a.logprobs, 0))
-                 for a in answers],
-        swarm=timing_of(answers[0].done)))
+def whole(completion_id: str, created: int, model: str, answers: list[Answer], prompts: int,
+          scoring: scores.Scoring | None = None) -> bytes:
+    choices = [scored_choice(a, scoring) if scoring is not None else
+               CompletionChoice(index=a.index, text=a.text, finish_reason=a.done.finish_reason,
+                                logprobs=None if a.logprobs is None else completion_logprobs(a.logprobs, 0))
+               for a in answers]
+    return _enc.encode(TextCompletion(id=completion_id, created=created, model=model,
+                                      usage=total_usage(answers, prompts), choices=choices,
+                                      swarm=timing_of(answers[0].done)))
 
 
 class CompletionChunks:

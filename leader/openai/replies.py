@@ -103,6 +103,7 @@ class Answer:
         self.index = index
         self.texts: list[str] = [prefix] if prefix else []
         self.logprobs: list[TokenLogprob] | None = [] if logprobs else None
+        self.prompt_logprobs: list[TokenLogprob | None] = []  # the prompt's, where the request asked
         self.done: DoneFrame | None = None
         self.split = None if reasoning is None else Reasoning(reasoning)
         self.thoughts: list[str] = []
@@ -113,6 +114,7 @@ class Answer:
         text = frame.text or "".join(frame.texts)
         if self.logprobs is not None:
             self.logprobs.extend(frame.logprobs)
+        self.prompt_logprobs.extend(frame.prompt_logprobs)
         if self.split is None:
             self.last = ("", text)
         else:

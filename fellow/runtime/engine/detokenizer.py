@@ -58,12 +58,15 @@ class TokenTexts:
             known = self._texts[token_id] = (text, list(text.encode("utf-8")))
         return known
 
-    def logprob(self, entry: tuple) -> TokenLogprob:
-        """A sampler's (id, logprob, [(id, logprob), ...]) as the frame carries it."""
-        token_id, logprob, best = entry
+    def logprob(self, entry: tuple | None) -> TokenLogprob | None:
+        """A sampler's (id, logprob, [(id, logprob), ...][, rank]) as the frame carries it (None stays None:
+        a prompt's first position)."""
+        if entry is None:
+            return None
+        token_id, logprob, best, *rank = entry
         text, utf8 = self.text(token_id)
-        return TokenLogprob(text, logprob, utf8, [TopLogprob(*self._top(i, lp)) for i, lp in best])
+        return TokenLogprob(text, logprob, utf8, [TopLogprob(*self._top(i, lp)) for i, lp in best], *rank)
 
-    def _top(self, token_id: int, logprob: float) -> tuple[str, float, list[int]]:
+    def _top(self, token_id: int, logprob: float) -> tuple[str, float, list[int], int]:
         text, utf8 = self.text(token_id)
-        return text, logprob, utf8
+        return text, logprob, utf8, token_id

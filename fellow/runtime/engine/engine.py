@@ -9,6 +9,7 @@ import torch
 from fellow.runtime.engine.draft_model import DraftModel
 from fellow.runtime.engine.drafting import until_stop
 from fellow.runtime.engine.processors import sample_next
+from fellow.runtime.engine.prompt_scores import piece_scores
 from fellow.runtime.engine.sampling import make_generator
 from fellow.runtime.engine.scheduler import Scheduler, StepResult
 from fellow.runtime.engine.session import Session
@@ -73,7 +74,14 @@ class LocalRunner:
                 session.prefill_started_at = time.perf_counter()
             piece = torch.tensor(session.prompt_ids[session.prefilled : session.prefilled + size],
                                  device=self.stage.input_device)
-            logits = self.stage.forward_piece(session.cache, piece)
+            if session.sampling.prompt_logprobs is None:
+                logits = self.stage.forward_piece(session.cache, piece)
+            else:  # the prompt's own logprobs: every position's logits (engine.prompt_scores)
+                rows = self.stage.piece_logits(session.cache, piece)
+                session.prompt_logprobs += [None] if session.prefilled == 0 else []
+                session.prompt_logprobs += piece_scores(rows, session.prompt_ids, session.prefilled,
+                                                        session.sampling.prompt_logprobs)
+                logits = rows[-1]
             session.prefilled += size
             spent += size
             if not session.prefilling:  # the prompt's last piece starts the reply
@@ -83,8 +91,8 @@ class LocalRunner:
     def _prefill_fresh(self, result: StepResult) -> int:
         """Whole short prompts that arrived together go through in one forward, left-padded (rows x
         longest counted against prefill_chunk); one prompt alone, or a long one, takes the loop below."""
-        fresh = [s for s in self.sched.sessions.values()
-                 if s.prefilled == 0 and (not self.sched.prefill_chunk or len(s.prompt_ids) <= self.sched.prefill_chunk)]
+        fresh = [s for s in self.sched.sessions.values() if s.prefilled == 0 and s.sampling.prompt_logprobs is None
+                 and (not self.sched.prefill_chunk or len(s.prompt_ids) <= self.sched.prefill_chunk)]
         batch: list[Session] = []
         for session in fresh:
             if self.sched.max_batch and len(batch) == self.sched.max_batch:  # SWARM_SERVE_MAX_BATCH caps these too

@@ -194,7 +194,7 @@ class Scheduler:
             session.spec_k = self.speculative
             session.guard = DraftGuard(self.speculative)
             session.lookup = PromptLookup(session.prompt_ids)
-        if self.prefix is not None:
+        if self.prefix is not None and session.sampling.prompt_logprobs is None:  # scored prompts run whole
             self.prefix.fit(self.budget.reserved, self.prefix_room)  # the reservation is in: blocks make room
             session.prefilled = session.cached_tokens = self.prefix.start(session.cache, session.prompt_ids)
 

@@ -55,6 +55,7 @@ class Output:
     timing: dict = field(default_factory=dict)
     error: Exception | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per id, when the request asked
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # the prompt's, once, first
 
 
 class _Reply:
@@ -66,6 +67,7 @@ class _Reply:
         self.pending = ""
         self.stopped = False
         self.logprobs_out = 0  # the session's logprobs already in an Output
+        self.prompt_out = False  # its prompt's logprobs are in an Output
         self.ids_out = 0  # ids already in an Output (a verify pass may gain ids past a stop string)
 
     def feed(self, text: str) -> tuple[str, bool]:
@@ -221,6 +223,12 @@ class ServingLoop:
         result = self.engine.step()
         outputs: dict[str, Output] = {}
         ended = {s.session_id: s for s in result.finished}
+        for sid in [*result.tokens, *ended]:  # a scored prompt's logprobs go out before its first token
+            reply, session = self.replies.get(sid), self.engine.sessions.get(sid) or ended.get(sid)
+            if reply is not None and session is not None and session.prompt_logprobs and not reply.prompt_out:
+                reply.prompt_out = True
+                outputs.setdefault(sid, Output(sid)).prompt_logprobs = [self.texts.logprob(e)
+                                                                        for e in session.prompt_logprobs]
         for sid, tokens in result.tokens.items():
             reply = self.replies.get(sid)
             if reply is None or reply.stopped:

@@ -43,6 +43,8 @@ class Session:
     error: Exception | None = field(default=None, init=False)  # why it failed (finish_reason "error")
     pending_logprob: tuple | None = field(default=None, init=False)  # the sampler's, for the token it drew
     logprobs: list[tuple] = field(default_factory=list, init=False)  # one per output id, when asked for
+    # the prompt's (Sampling.prompt_logprobs): None for the first position, then (id, logprob, best, rank)
+    prompt_logprobs: list[tuple | None] = field(default_factory=list, init=False)
     constraint: object | None = field(default=None, init=False, repr=False)  # processors.Constraint, if any
     # speculative decoding (fellow.runtime.engine.drafting): tokens drafted per pass (0: none) and
     # what its verify passes did

@@ -51,7 +51,7 @@ class StageModel:
     A stage with recurrent layers (``recurrent``: why, else None; fellow.runtime.model.recurrent) keeps
     each session in a RecurrentCache, runs prompt pieces for one session at a time and decode steps
     batched (RecurrentBatchedView); it cannot roll
-    a session back (no ``verify``, no ``piece_logits``).
+    a session back (no ``verify``).
     """
 
     def __init__(
@@ -209,12 +209,11 @@ class StageModel:
 
     @torch.inference_mode()
     def piece_logits(self, cache: KVCache, inputs: torch.Tensor) -> torch.Tensor:
-        """The last stage of a ring: one session's next positions (hidden [1, q, H]) and the logits at
-        every one of them [q, V], for a verify pass."""
+        """The stage that holds the head: one session's next positions (hidden [1, q, H], or ids [q] where
+        it holds the embeddings too) and the logits at every one of them [q, V], for a verify pass or a
+        prompt's logprobs. It moves the session forward only, so a stage with recurrent layers runs it too."""
         if not self.is_last:
             raise ValueError("logits come from the stage that holds the head")
-        if self.recurrent is not None:
-            raise RollbackRefused(f"no verify pass: {self.recurrent}")
         return self._head_all(self._piece(cache, inputs))[0]
 
     def _piece(self, cache: KVCache, inputs: torch.Tensor) -> torch.Tensor:

@@ -241,7 +241,7 @@ class Intake:
             if out.ids:
                 self.metrics.tokens(len(out.ids))
             if out.texts or out.ids:
-                taken.batcher.add(out.texts, out.ids, out.logprobs)
+                taken.batcher.add(out.texts, out.ids, out.logprobs, out.prompt_logprobs)
             if out.error is not None:
                 code = getattr(out.error, "code", "internal_error")
                 taken.batcher.error(str(out.error), code, getattr(out.error, "data", None))
