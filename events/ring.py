@@ -106,6 +106,10 @@ class Token(_Hot, tag="t"):
     attempt: int = 0  # the attempt of the frame it answers (Hidden.attempt)
     tokens: list[int] = []  # a VERIFY frame's answer: every token the pass gained (``token`` unused)
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []  # theirs, when the request asked
+    # a piece's prompt logprobs (Sampling.prompt_logprobs; engine.prompt_scores), the first for prompt
+    # position ``prompt_pos``: None for the prompt's first position, else (id, logprob, [(id, logprob)], rank)
+    prompt: list[tuple[int, float, list[tuple[int, float]], int] | None] = []
+    prompt_pos: int = 0
 
 
 class End(_Hot, tag="e"):

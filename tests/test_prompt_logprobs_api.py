@@ -1,7 +1,8 @@
 """Prompt logprobs through the API (leader.openai.prompt_logprobs) against `swarm leader` and `swarm fellow`
 processes serving a tiny real model: OpenAI's echo with logprobs (scoring only with max_tokens 0), vLLM's
 prompt_logprobs, each equal to a teacher-forced HF forward to 1e-4; what is refused; and
-lm-evaluation-harness's local-completions model scoring a task file end to end."""
+lm-evaluation-harness's local-completions model scoring a task file end to end. (Rings:
+tests/test_prompt_logprobs.py.)"""
 
 from __future__ import annotations
 
@@ -12,9 +13,6 @@ import openai
 import pytest
 import torch
 
-from leader.errors import ApiError
-from leader.openai.completions import CompletionBody
-from leader.openai.prompt_logprobs import scoring
 from tests.serving_fixtures import one_model_stack
 
 pytestmark = pytest.mark.slow
@@ -93,9 +91,6 @@ async def test_what_is_refused(client):
         with pytest.raises(openai.BadRequestError) as exc:
             await client.completions.create(model="tiny", prompt="a", **body)
         assert exc.value.param == param
-    ring = CompletionBody(model="big", prompt="a", echo=True, logprobs=1)
-    with pytest.raises(ApiError, match="computed on one-stage loads; 'big' is served over 2 stages"):
-        scoring(ring, [[1]], ["a"], ["a"], 2, "big")
 
 
 def test_lm_evaluation_harness_scores_a_task_file(stack, tmp_path, monkeypatch):

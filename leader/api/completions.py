@@ -43,8 +43,7 @@ async def completions(request: Request, leader: LeaderDep, serving: ServingDep, 
     chats = completion_requests(body, [ids for ids, _ in given], [new_id() for _ in range(len(given) * n)],
                                 ready.load_id, ready.generation, ready.context_tokens)
     echoes = [text if body.echo else "" for _, text in given for _ in range(n)]
-    scoring = scores.scoring(body, [ids for ids, _ in given], [tok.decode(ids[:1]) for ids, _ in given], echoes,
-                             ready.num_stages, body.model)
+    scoring = scores.scoring(body, [ids for ids, _ in given], [tok.decode(ids[:1]) for ids, _ in given], echoes)
     choices = await Choices.open(leader, streams, chats, bool(body.stream), caller.token_id if caller else "",
                                  chat_timeout_s, echoes)
     cid, created = "cmpl-" + chats[0].request_id, int(chats[0].created)

@@ -5,7 +5,8 @@ vLLM's ``prompt_logprobs`` field (``[null, {token_id: {logprob, rank, decoded_to
 The stage that samples computes them from a teacher-forced pass of the prompt (fellow.runtime.engine.
 prompt_scores) and sends them ahead of the reply's tokens (TokenFrame.prompt_logprobs). A scoring-only
 request runs as a one-token request whose token is dropped here: its choice holds the prompt alone, its
-usage no completion tokens. Served on one-stage loads and in whole replies; a ring or a stream is refused.
+usage no completion tokens. Served in whole replies, on one stage and on rings (the last stage scores
+each piece it runs); a stream is refused.
 """
 
 from __future__ import annotations
@@ -50,19 +51,14 @@ def check(body) -> None:
         raise unsupported("stream", "prompt logprobs come in a whole reply; leave out 'stream'")
 
 
-def scoring(body, prompt_ids: list[list[int]], first_texts: list[str], echoes: list[str], num_stages: int,
-            model: str) -> Scoring | None:
-    """None where no prompt logprobs were asked; ApiError where the load cannot compute them."""
+def scoring(body, prompt_ids: list[list[int]], first_texts: list[str], echoes: list[str]) -> Scoring | None:
+    """None where no prompt logprobs were asked (and the prompt is not only echoed)."""
     top = asked(body)
     if top is None:
         if body.max_tokens == 0:  # echo alone, scored by nobody: the prompt back, nothing generated
             return Scoring(top=0, echo_top=None, vllm_top=None, only=True, prompt_ids=prompt_ids,
                            first_texts=first_texts, echoes=echoes, per_prompt=body.n or 1)
         return None
-    if num_stages > 1:
-        param = "prompt_logprobs" if body.prompt_logprobs is not None else "echo"
-        raise unsupported(param, f"prompt logprobs are computed on one-stage loads; {model!r} is served over "
-                                 f"{num_stages} stages")
     return Scoring(top=top, echo_top=body.logprobs if body.echo else None, vllm_top=body.prompt_logprobs,
                    only=body.max_tokens == 0, prompt_ids=prompt_ids, first_texts=first_texts, echoes=echoes,
                    per_prompt=body.n or 1)

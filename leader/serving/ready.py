@@ -19,7 +19,6 @@ class ReadyLoad(msgspec.Struct, frozen=True, kw_only=True):
     context_tokens: int
     kv_tokens: int = 0
     model_dir: str = ""  # the servable's folder (its tokenizer, for /tokenize and completions)
-    num_stages: int = 1  # stages the load runs over (prompt logprobs are computed on one-stage loads)
 
 
 class ReadyView:
@@ -50,7 +49,7 @@ class ReadyView:
             ready[model.model_id] = ReadyLoad(
                 load_id=load.load_id, model_id=model.model_id, generation=msgspec.to_builtins(gen),
                 context_tokens=kv or self.leader.settings.serving.context_tokens, kv_tokens=kv,
-                model_dir=str(model.path), num_stages=load.num_stages or 1)
+                model_dir=str(model.path))
         self.loads = ready
 
     def drop(self, load_id: str) -> None:

@@ -124,6 +124,10 @@ class RingRunner:
             else:
                 session.in_ring -= 1
                 session.confirming = False
+                if item.prompt:  # a scored prompt's piece (a replay's overwrites its own positions)
+                    pos = item.prompt_pos
+                    session.prompt_logprobs[pos : pos + len(item.prompt)] = [tuple(e) if e is not None else None
+                                                                             for e in item.prompt]
                 if item.tokens or item.token != NO_TOKEN:  # a verify pass's answer, or a position's token
                     self._answered(session, item, result)
         elif isinstance(item, tuple) and item[0] == "pause":

@@ -143,5 +143,6 @@ def ring_sampling(session: Session) -> RingSampling:
     """A session's sampling for the last stage, with the ids its processors need."""
     s = session.sampling
     return RingSampling(sampling=s, stop_ids=sorted(session.stop_ids) if s.min_tokens else [],
-                        prompt_ids=session.prompt_ids if s.repetition_penalty != 1.0 else [],
+                        prompt_ids=session.prompt_ids if s.repetition_penalty != 1.0 or s.prompt_logprobs is not None
+                        else [],
                         output_ids=list(session.output_ids))
