@@ -15,16 +15,14 @@ from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.kernels import prepare_stage
 from fellow.runtime.model.stage import StageModel
+from tests.tiny import small_qwen3
 
 VOCAB = 512
 
 
 @pytest.fixture(scope="module")
 def model():
-    config = transformers.Qwen3Config(num_hidden_layers=3, hidden_size=64, intermediate_size=128,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB)
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    return small_qwen3(VOCAB)
 
 
 def prompt(length: int, seed: int) -> list[int]:

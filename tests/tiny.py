@@ -94,3 +94,14 @@ def make_tiny_checkpoint(dir: str | Path, family: str = "qwen3", layers: int = 4
     tokenizer.save_pretrained(str(out))
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return out
+
+
+def small_qwen3(vocab: int = 512):
+    """A random 3-layer Qwen3 of hidden 64 with grouped attention 2:1, built from its config (the engine tests')."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen3Config(num_hidden_layers=3, hidden_size=64, intermediate_size=128,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=vocab)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()

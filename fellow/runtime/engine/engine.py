@@ -8,6 +8,7 @@ import torch
 
 from fellow.runtime.engine.draft_model import DraftModel
 from fellow.runtime.engine.drafting import until_stop
+from fellow.runtime.engine.forks import fork, twins
 from fellow.runtime.engine.processors import sample_next
 from fellow.runtime.engine.prompt_scores import piece_scores
 from fellow.runtime.engine.sampling import make_generator
@@ -64,8 +65,11 @@ class LocalRunner:
         self._decode(result)
 
     def _prefill(self, result: StepResult) -> None:
-        spent = self._prefill_fresh(result)
-        for session in [s for s in self.sched.sessions.values() if s.prefilling]:
+        # sessions with a prompt another is running wait to fork from it (engine.forks)
+        waiting = twins(self.sched.sessions.values()) if self.rolls_back else {}
+        held = {s.session_id for group in waiting.values() for s in group}
+        spent = self._prefill_fresh(result, waiting, held)
+        for session in [s for s in self.sched.sessions.values() if s.prefilling and s.session_id not in held]:
             if spent and (self.sched.prefill_chunk == 0 or spent >= self.sched.prefill_chunk):
                 break
             left = len(session.prompt_ids) - session.prefilled
@@ -84,14 +88,30 @@ class LocalRunner:
                 logits = rows[-1]
             session.prefilled += size
             spent += size
-            if not session.prefilling:  # the prompt's last piece starts the reply
-                token = sample_next(logits[None], [session])[0]
-                self.sched.accept(session, token, time.perf_counter(), result)
+            if not session.prefilling:  # the prompt's last piece starts the reply (and its twins')
+                self._first_tokens([session], logits[None], waiting, result)
 
-    def _prefill_fresh(self, result: StepResult) -> int:
+    def _first_tokens(self, sources: list[Session], logits: torch.Tensor, waiting: dict[str, list[Session]],
+                      result: StepResult) -> None:
+        """Each source's first token from its row of ``logits`` [B, V], and its twins' from the same row
+        once they hold a copy of its positions (before a token that ends it releases its cache)."""
+        rows, picks = [], []
+        for i, source in enumerate(sources):
+            forks = waiting.get(source.session_id, [])
+            if forks:
+                fork(source, forks)
+            rows += [source, *forks]
+            picks += [i] * (1 + len(forks))
+        tokens = sample_next(logits[picks], rows)  # a copy of the rows: processors change their own
+        now = time.perf_counter()
+        for session, token in zip(rows, tokens):
+            self.sched.accept(session, token, now, result)
+
+    def _prefill_fresh(self, result: StepResult, waiting: dict[str, list[Session]], held: set[str]) -> int:
         """Whole short prompts that arrived together go through in one forward, left-padded (rows x
         longest counted against prefill_chunk); one prompt alone, or a long one, takes the loop below."""
         fresh = [s for s in self.sched.sessions.values() if s.prefilled == 0 and s.sampling.prompt_logprobs is None
+                 and s.session_id not in held
                  and (not self.sched.prefill_chunk or len(s.prompt_ids) <= self.sched.prefill_chunk)]
         batch: list[Session] = []
         for session in fresh:
@@ -108,11 +128,9 @@ class LocalRunner:
         for session in batch:
             session.prefill_started_at = started
         logits = self.stage.prefill_fresh([s.cache for s in batch], [s.prompt_ids for s in batch])
-        tokens = sample_next(logits, batch)
-        now = time.perf_counter()
-        for session, token in zip(batch, tokens):
+        for session in batch:
             session.prefilled = len(session.prompt_ids)
-            self.sched.accept(session, token, now, result)
+        self._first_tokens(batch, logits, waiting, result)
         return len(batch) * max(len(s.prompt_ids) for s in batch)
 
     def _decode(self, result: StepResult) -> None:

@@ -34,6 +34,7 @@ class Session:
     generator: torch.Generator | None = field(default=None, init=False, repr=False)
     prefilled: int = field(default=0, init=False)
     cached_tokens: int = field(default=0, init=False)  # prompt positions copied from the prefix cache
+    forked: bool = field(default=False, init=False)  # its prompt's positions copied from a twin's (engine.forks)
     next_input: int | None = field(default=None, init=False)  # the token the next decode position feeds
     added_at: float = field(default=0.0, init=False)
     prefill_started_at: float | None = field(default=None, init=False)
@@ -112,6 +113,8 @@ class Session:
         now = time.perf_counter() if now is None else now
         timing: dict = {"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.output_ids),
                         "cached_tokens": self.cached_tokens}
+        if self.forked:
+            timing["forked"] = True
         if self.first_token_at is not None and self.prefill_started_at is not None:
             timing["prefill_ms"] = round((self.first_token_at - self.prefill_started_at) * 1e3, 3)
             timing["ttft_ms"] = round((self.first_token_at - self.added_at) * 1e3, 3)

@@ -100,6 +100,16 @@ class KVCache:
     def advance(self, positions: int) -> None:
         self.length += positions
 
+    def copy_from(self, other: "KVCache", positions: int) -> None:
+        """This (empty) cache holds a copy of ``other``'s first ``positions`` positions (a forked session)."""
+        if self.length:
+            raise ValueError("a cache copies another's positions only while it holds none")
+        self.reserve(positions)
+        for g in range(len(self.groups)):
+            self.keys[g][:, :, :positions].copy_(other.keys[g][:, :, :positions])
+            self.values[g][:, :, :positions].copy_(other.values[g][:, :, :positions])
+        self.length = positions
+
     def crop_to(self, length: int) -> None:
         """Forget every position from ``length`` on; the buffers keep their capacity."""
         if not 0 <= length <= self.length:

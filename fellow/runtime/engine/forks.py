@@ -1,0 +1,48 @@
+"""Sessions with the same prompt share one prefill (OpenAI's ``n`` choices, or any identical prompts that
+meet on a stage): the first to start runs the prompt; the others wait beside it, and when its last piece
+has run each gets a copy of its keys and values and samples its first token from the same logits with its
+own seed and processors. So ``n`` choices cost one prefill, and each reply is what it would be alone (the
+copy is of the very positions its own prefill would have computed on that path; tests/test_choice_forks.py).
+
+A session forks only from a prompt the same to the token, with nothing of the prefix cache in it, where the
+stage can copy a session (no recurrent layers: their states are not copied), and where it does not ask
+for the prompt's own logprobs (each scores its prompt). Its ledger reservation is its own from admission.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from fellow.runtime.engine.session import Session
+
+
+def forkable(session: Session) -> bool:
+    return session.sampling.prompt_logprobs is None and session.cached_tokens == 0
+
+
+def twins(sessions: Iterable[Session]) -> dict[str, list[Session]]:
+    """Per session that runs a prompt (its id), the sessions that wait to fork from it: those with the same
+    prompt that have not started theirs. The source is the one furthest on (the first added, on a tie)."""
+    groups: dict[tuple[int, ...], list[Session]] = {}
+    for s in sessions:
+        if s.prefilling and forkable(s):
+            groups.setdefault(tuple(s.prompt_ids), []).append(s)
+    out: dict[str, list[Session]] = {}
+    for group in groups.values():
+        if len(group) > 1:
+            source = max(group, key=lambda s: s.prefilled)  # max keeps the first of equals: the first added
+            waiting = [s for s in group if s is not source and s.prefilled == 0]
+            if waiting:
+                out[source.session_id] = waiting
+    return out
+
+
+def fork(source: Session, waiting: list[Session]) -> None:
+    """Copy the source's prompt positions into each waiting session's cache (the source has just run its
+    last piece, before it samples: a first token that ends it would release its cache)."""
+    positions = len(source.prompt_ids)
+    for s in waiting:
+        s.cache.copy_from(source.cache, positions)
+        s.prefilled = positions
+        s.prefill_started_at = source.prefill_started_at
+        s.forked = True
