@@ -86,6 +86,7 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
     stop: list[str] = []
     enable_thinking: bool | None = None
     tools: list[dict] = []  # OpenAI function tools the chat template renders; their calls are parsed from the reply
+    tool_format: str = ""  # how the template writes calls (leader.openai.tool_formats); "": hermes
     created: float = 0.0
     frame_key: str = ""  # the stage signs its frames with it (events.frames.frame_tag); "": a leader without NATS auth
 

@@ -19,7 +19,7 @@ from leader.api.relay import SSE_HEADERS, Relay, chunk_encoder, open_relay
 from leader.openai.replies import DONE, ChatCompletion
 from leader.openai.schema import ChatBody, decode_body, empty_body
 from leader.openai.tokenizer import check_bias_ids, tokenizer_for
-from leader.openai.tools import check_template
+from leader.openai.tool_formats import check_template
 from leader.openai.validate import check_body, request_tools
 from leader.resume import resume
 

@@ -22,6 +22,7 @@ from leader.errors import ApiError
 from leader.openai.reasoning import reasoning_for
 from leader.openai.replies import DONE, Answer, ChunkEncoder, completion, error_event, frame_error, total_usage
 from leader.openai.schema import ChatBody
+from leader.openai.tool_formats import ToolSpec, request_format
 from leader.openai.validate import chat_request, unsupported
 from leader.services import LeaderServices
 from leader.serving import ReadyLoad
@@ -150,7 +151,8 @@ def text_of(frame: TokenFrame) -> str:
 async def chat_choices(request: Request, leader, streams, caller, timeout: float, body: ChatBody,
                        messages: list[ChatMessage], ready: ReadyLoad) -> Response:
     """A chat reply of ``n`` choices, whole or streamed."""
-    chats = [chat_request(body, messages, new_id(), ready.load_id, ready.generation, ready.context_tokens, i)
+    fmt = request_format(body, ready.model_dir)
+    chats = [chat_request(body, messages, new_id(), ready.load_id, ready.generation, ready.context_tokens, i, fmt)
              for i in range(body.n)]
     if chats[0].tools and body.stream:
         raise unsupported("n", "streamed replies of several choices are not served together with 'tools'")
@@ -158,8 +160,8 @@ async def chat_choices(request: Request, leader, streams, caller, timeout: float
                                  reasoning=reasoning_for(ready.model_dir, chats[0]))
     cid, created = "chatcmpl-" + chats[0].request_id, int(chats[0].created)
     if not body.stream:
-        names = {t["function"]["name"] for t in chats[0].tools} or None
-        return await choices.whole(request, lambda answers: completion(cid, created, body.model, answers, names))
+        spec = ToolSpec.of(chats[0])
+        return await choices.whole(request, lambda answers: completion(cid, created, body.model, answers, spec))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     enc = ChunkEncoder(cid, created, body.model, include_usage)
     return choices.stream(

@@ -22,6 +22,8 @@ from leader.openai.reasoning import Reasoning, reasoning_for
 from leader.openai.replies import (DONE, Answer, ChunkEncoder, calls_reason, completion, error_event, frame_error,
                                    split_pieces)
 from leader.openai.schema import ChatBody
+from leader.openai.call_readers import LeadingCalls
+from leader.openai.tool_formats import ToolSpec, request_format
 from leader.openai.tools import CallStream
 from leader.openai.validate import chat_request
 from leader.services import LeaderServices
@@ -69,7 +71,7 @@ class Relay:
         """SSE bytes: the role chunk at once (not on a resumed stream), a chunk per frame, the finish, then
         [DONE]. Each chunk's id names the next frame, for a client that reconnects (leader.resume)."""
         rid = self.chat.request_id
-        calls = CallStream(tool_names(self.chat)) if self.chat.tools else None
+        calls = spec.reader() if (spec := ToolSpec.of(self.chat)) is not None else None
         split = None if self.reasoning is None or resumed else Reasoning(self.reasoning)
         try:
             if not resumed:
@@ -115,8 +117,7 @@ class Relay:
 
     async def collect(self) -> Response:
         answer = await self.answer()
-        body = completion(self.completion_id, self.created, self.chat.model_id, [answer],
-                          tool_names(self.chat) if self.chat.tools else None)
+        body = completion(self.completion_id, self.created, self.chat.model_id, [answer], ToolSpec.of(self.chat))
         return Response(body, media_type="application/json")
 
     async def complete(self, request: Request, collect=None) -> Response:
@@ -136,18 +137,14 @@ class Relay:
         return Response(b"", status_code=499)  # nobody is listening any more
 
 
-def tool_names(chat: ChatRequest) -> set[str]:
-    return {t["function"]["name"] for t in chat.tools}
-
-
-def settled(enc: ChunkEncoder, calls: CallStream | None, thought: str, text: str, logprobs=None) -> bytes:
+def settled(enc: ChunkEncoder, calls: CallStream | LeadingCalls | None, thought: str, text: str, logprobs=None) -> bytes:
     """The chunks of text that settled: thinking, then answer text or (with tools) text and whole calls."""
     if calls is None:
         return enc.pieces(thought, text, logprobs=logprobs)
     return enc.pieces(thought, "") + tool_pieces(enc, calls, calls.feed(text))
 
 
-def tool_pieces(enc: ChunkEncoder, calls: CallStream, pieces: list) -> bytes:
+def tool_pieces(enc: ChunkEncoder, calls: CallStream | LeadingCalls, pieces: list) -> bytes:
     """Settled text, and tool calls as they stream: a call's head, then its arguments in pieces (a call's
     number counts the calls before it)."""
     out, number = [], calls.calls - sum(1 for kind, _ in pieces if kind == "start")
@@ -189,7 +186,8 @@ def chunk_encoder(relay: Relay, body: ChatBody) -> ChunkEncoder:
 
 async def open_relay(leader: LeaderServices, streams, caller, timeout: float, body: ChatBody, messages: list, ready) -> Relay:
     """One checked chat body as an accepted request on ``ready``'s load, its frames subscribed first."""
-    chat = chat_request(body, messages, new_id(), ready.load_id, ready.generation, ready.context_tokens)
+    chat = chat_request(body, messages, new_id(), ready.load_id, ready.generation, ready.context_tokens,
+                        tool_format=request_format(body, ready.model_dir))
     check_payload(leader.nc, chat)  # a 413 before anything is recorded
     try:
         stream = await streams.open(chat.request_id, chat.load_id)  # before the request exists: no frame is missed

@@ -12,7 +12,7 @@ from litestar.response import Stream
 
 from events.frames import DoneFrame, TokenFrame
 from leader.api.body import StructBody
-from leader.api.relay import SSE_HEADERS, Relay, open_relay, tool_names
+from leader.api.relay import SSE_HEADERS, Relay, open_relay
 from leader.api.deps import Caller, ChatTimeout, LeaderDep, ServingDep, StreamsDep
 from leader.errors import ApiError
 from leader.openai.reasoning import Reasoning
@@ -20,7 +20,7 @@ from leader.openai.replies import error_event, frame_error, split_pieces
 from leader.openai.responses import ResponseBuilder, ResponsesBody, chat_body, decode_body, new_response, renamed
 from leader.openai.schema import empty_body
 from leader.openai.tokenizer import tokenizer_for
-from leader.openai.tools import CallStream, check_template, parse_calls
+from leader.openai.tool_formats import ToolSpec, check_template
 from leader.openai.validate import check_body, request_tools
 
 
@@ -30,7 +30,7 @@ class ResponsesBodyDTO(StructBody[ResponsesBody]):
 
 async def _events(relay: Relay, out: ResponseBuilder):
     """The Responses events of one reply: created, the items as their text and calls settle, completed."""
-    calls = CallStream(tool_names(relay.chat)) if relay.chat.tools else None
+    calls = spec.reader() if (spec := ToolSpec.of(relay.chat)) is not None else None
     split = None if relay.reasoning is None else Reasoning(relay.reasoning)
 
     def settled(thought: str, text: str) -> bytes:
@@ -66,10 +66,8 @@ def _pieces(out: ResponseBuilder, pieces: list) -> bytes:
 
 async def _whole(relay: Relay, out: ResponseBuilder) -> Response:
     answer = await relay.answer()
-    if relay.chat.tools:
-        content, calls = parse_calls(answer.text, tool_names(relay.chat))
-    else:
-        content, calls = answer.text, []
+    spec = ToolSpec.of(relay.chat)
+    content, calls = spec.parse(answer.text) if spec is not None else (answer.text, [])
     out.thinking(answer.thinking or "")
     out.text(content or "")
     for call in calls:

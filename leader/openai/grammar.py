@@ -94,29 +94,38 @@ def closed(schema):
     return out
 
 
-def _call_rules(tools: list[dict]) -> str:
-    """The Lark rules of one call (``call_block``) naming one of ``tools``."""
+# how one constrained call is written, by the template's tool format (leader.openai.tool_formats): the text
+# around it, the key of its arguments, and whether it sits in a JSON array
+CALL_SHAPES = {"hermes": (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, "arguments", False),
+               "llama3_json": ("", "", "parameters", False),  # a bare JSON object, as vLLM's llama3_json reads
+               "mistral": ("", "", "arguments", True)}  # [{...}] (the [TOOL_CALLS] marker is not forced)
+
+
+def _call_rules(tools: list[dict], fmt: str = "hermes") -> str:
+    """The Lark rules of one call (``call_block``) naming one of ``tools``, in the format ``fmt``."""
+    opener, closer, key, array = CALL_SHAPES[fmt]
     calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                               "arguments": closed(t["function"].get("parameters")
-                                                                   or {"type": "object"})},
-              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    schema = {"anyOf": calls, "x-guidance": JSON_OPTIONS}
-    return (f"call_block: {json.dumps(TOOL_CALL_OPEN)} call {json.dumps(TOOL_CALL_CLOSE)}\n"
-            f"call: %json {json.dumps(schema)}")
+                                               key: closed(t["function"].get("parameters") or {"type": "object"})},
+              "required": ["name", key], "additionalProperties": False} for t in tools]
+    schema = {"anyOf": calls}
+    if array:
+        schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": 1}
+    around = [json.dumps(opener)] * bool(opener) + ["call"] + [json.dumps(closer)] * bool(closer)
+    return f"call_block: {' '.join(around)}\ncall: %json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
 
 
-def tool_call_grammar(tools: list[dict]) -> str:
-    """One tool call in the Hermes format, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
-    naming one of ``tools`` (checked OpenAI tool objects) with arguments that follow its parameters,
-    closed to keys they do not name (``closed``)."""
-    return _checked(_ll().grammar_from_lark("start: call_block\n" + _call_rules(tools)), "tools",
+def tool_call_grammar(tools: list[dict], fmt: str = "hermes") -> str:
+    """One tool call, in the Hermes format ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``
+    or ``fmt``'s (CALL_SHAPES), naming one of ``tools`` (checked OpenAI tool objects) with arguments that
+    follow its parameters, closed to keys they do not name (``closed``)."""
+    return _checked(_ll().grammar_from_lark("start: call_block\n" + _call_rules(tools, fmt)), "tools",
                     "The tools' parameters")
 
 
-def call_or_answer_grammar(tools: list[dict], response_format) -> str:
+def call_or_answer_grammar(tools: list[dict], response_format, fmt: str = "hermes") -> str:
     """tool_choice "auto" beside a ``response_format``: one call of ``tools``, or the answer in that format
     (an agent that calls tools and then answers in a schema, as the Agents SDK's ``output_type`` asks)."""
     response_format_grammar(response_format)  # a schema that does not compile alone is a 400 naming it
     answer = {**response_format_schema(response_format), "x-guidance": JSON_OPTIONS}
-    lark = f"start: call_block | answer\n{_call_rules(tools)}\nanswer: %json {json.dumps(answer)}"
+    lark = f"start: call_block | answer\n{_call_rules(tools, fmt)}\nanswer: %json {json.dumps(answer)}"
     return _checked(_ll().grammar_from_lark(lark), "response_format", "The tools and the response format")

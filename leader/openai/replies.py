@@ -14,7 +14,7 @@ from msgspec import UNSET, UnsetType
 from events.frames import DoneFrame, ErrorFrame, TokenFrame, TokenLogprob
 from leader.errors import ApiError, error_body
 from leader.openai.reasoning import Reasoning
-from leader.openai.tools import parse_calls
+from leader.openai.tool_formats import ToolSpec
 
 log = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()
@@ -195,8 +195,8 @@ def calls_reason(reason: str, calls: int) -> str:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
-def _choice(a: Answer, tools: set[str] | None) -> Choice:
-    content, calls = parse_calls(a.text, tools) if tools else (a.text, [])
+def _choice(a: Answer, tools: ToolSpec | None) -> Choice:
+    content, calls = tools.parse(a.text) if tools is not None else (a.text, [])
     return Choice(index=a.index, message=AssistantMessage(content=content, reasoning_content=a.thinking,
                                                           tool_calls=calls or UNSET),
                   finish_reason=calls_reason(a.done.finish_reason, len(calls)),
@@ -204,8 +204,9 @@ def _choice(a: Answer, tools: set[str] | None) -> Choice:
 
 
 def completion(completion_id: str, created: int, model: str, answers: list[Answer],
-               tools: set[str] | None = None) -> bytes:
-    """The chat.completion; with ``tools`` (their names), tool calls are parsed out of each choice's text."""
+               tools: ToolSpec | None = None) -> bytes:
+    """The chat.completion; with ``tools`` (their names and format), tool calls are parsed out of each
+    choice's text."""
     return _enc.encode(ChatCompletion(
         id=completion_id, created=created, model=model, usage=total_usage(answers),
         choices=[_choice(a, tools) for a in answers], swarm=timing_of(answers[0].done)))

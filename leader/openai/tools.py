@@ -1,9 +1,9 @@
 """Tools on chat: checking ``tools`` / ``tool_choice``, and reading tool calls out of the model's text.
 
-The tools are rendered by the model's own chat template, in the Qwen3 / Hermes format: the
-template lists them, and the model calls one by writing
-``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``. This server serves tools only for
-templates that carry that format (a 400 names ``tools`` otherwise).
+The tools are rendered by the model's own chat template. This module reads the Qwen3 / Hermes format
+(the model calls one by writing ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``);
+Llama 3.x JSON and Mistral calls are read by leader.openai.call_readers, the format chosen from the
+template by leader.openai.tool_formats (a 400 names ``tools`` for a template with none of them).
 
 - ``tool_choice`` "auto": the model decides freely; its calls are parsed from its text. A block
   that is not a valid call of a listed tool stays in the content, as text.
@@ -79,20 +79,13 @@ def choice_of(tool_choice, tools: list[dict]) -> str:
     return name
 
 
-def check_template(chat_template: str) -> None:
-    """Tools need a chat template that renders them in the format this server parses."""
-    if OPEN not in (chat_template or ""):
-        raise ApiError(400, "'tools' is not supported for this model: its chat template has no tool-call format "
-                            "this server parses (Qwen3 / Hermes <tool_call>)", code="unsupported_parameter",
-                       param="tools")
-
-
-def grammar_for(choice: str, tools: list[dict]) -> str:
-    """The grammar a choice constrains decoding to: one call for required or a named function, else none."""
+def grammar_for(choice: str, tools: list[dict], fmt: str = "hermes") -> str:
+    """The grammar a choice constrains decoding to: one call (in the template's format ``fmt``) for
+    required or a named function, else none."""
     if choice in ("none", "auto"):
         return ""
     picked = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice]
-    return tool_call_grammar(picked)
+    return tool_call_grammar(picked, fmt)
 
 
 def call_arguments(i: int, j: int, call) -> dict:

@@ -230,23 +230,24 @@ def request_tools(body: ChatBody) -> tuple[list[dict], str]:
     return tools, choice
 
 
-def request_grammar(body: ChatBody) -> str:
-    """The grammar the reply must follow: a constrained tool call, or the response format's schema."""
+def request_grammar(body: ChatBody, tool_format: str = "hermes") -> str:
+    """The grammar the reply must follow: a constrained tool call (in ``tool_format``), or the response
+    format's schema."""
     tools, choice = request_tools(body)
     if tools and choice == "auto" and response_format_schema(body.response_format) is not None:
-        return call_or_answer_grammar(tools, body.response_format)  # a call, or the answer in its format
+        return call_or_answer_grammar(tools, body.response_format, tool_format)  # a call, or the answer
     if tools:  # a constrained call's grammar; "auto" without a format leaves the reply free
-        return grammar_for(choice, tools)
+        return grammar_for(choice, tools, tool_format)
     return response_format_grammar(body.response_format)
 
 
 def chat_request(body: ChatBody, messages: list[ChatMessage], request_id: str, load_id: str,
-                 generation: dict, context_tokens: int, choice: int = 0) -> ChatRequest:
+                 generation: dict, context_tokens: int, choice: int = 0, tool_format: str = "") -> ChatRequest:
     return ChatRequest(
         request_id=request_id, load_id=load_id, model_id=body.model, messages=messages,
         max_tokens=min_below_max(body, max_tokens(body, generation, context_tokens)),
         max_tokens_fit=not max_tokens_given(body),
         sampling=sampling(body, generation, check_logprobs(body.logprobs, body.top_logprobs), choice,
-                          grammar=request_grammar(body)),
+                          grammar=request_grammar(body, tool_format or "hermes")),
         stop=stop_strings(body.stop), enable_thinking=enable_thinking(body.chat_template_kwargs),
-        tools=request_tools(body)[0], created=time.time())
+        tools=request_tools(body)[0], tool_format=tool_format, created=time.time())
