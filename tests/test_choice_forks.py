@@ -121,3 +121,15 @@ def test_sessions_that_score_their_prompt_or_end_at_once_do_not_break_the_forks(
     assert got["r0"] == got["r1"] == want and got["short"] == want[:1] and got["scored"] == want[:3]
     assert not ended["scored"].forked and len(ended["scored"].prompt_logprobs) == len(ids)
     assert [ended[s].forked for s in ("short", "r0", "r1")] == [False, True, True]
+
+
+def test_a_session_that_comes_after_the_first_ran_its_prompt_copies_all_but_the_last_position(stage, monkeypatch):
+    """Choices reach a stage as separate requests: a short prompt's prefill is done before the next is in."""
+    ids = prompt(24, 6)
+    sampled = [Sampling(temperature=1.0, seed=s) for s in (5, 6)]
+    want = [alone(stage, Session(f"w{i}", ids, 6, sampled[i]), 16) for i in range(2)]
+    counted = Counted(stage, monkeypatch)
+    got, ended = serve(stage, {0: [Session("first", ids, 6, sampled[0])],
+                               3: [Session("later", ids, 6, sampled[1])]}, 16)
+    assert [got["first"], got["later"]] == want and ended["later"].forked and not ended["first"].forked
+    assert counted.positions == len(ids) + 1  # the later one ran the prompt's last position only

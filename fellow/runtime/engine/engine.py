@@ -8,7 +8,7 @@ import torch
 
 from fellow.runtime.engine.draft_model import DraftModel
 from fellow.runtime.engine.drafting import until_stop
-from fellow.runtime.engine.forks import fork, twins
+from fellow.runtime.engine.forks import fork, late, twins
 from fellow.runtime.engine.processors import sample_next
 from fellow.runtime.engine.prompt_scores import piece_scores
 from fellow.runtime.engine.sampling import make_generator
@@ -65,7 +65,10 @@ class LocalRunner:
         self._decode(result)
 
     def _prefill(self, result: StepResult) -> None:
-        # sessions with a prompt another is running wait to fork from it (engine.forks)
+        # sessions with a prompt another has run start from its positions; those with a prompt another is
+        # running wait to fork from it (engine.forks)
+        if self.rolls_back:
+            late(list(self.sched.sessions.values()))
         waiting = twins(self.sched.sessions.values()) if self.rolls_back else {}
         held = {s.session_id for group in waiting.values() for s in group}
         spent = self._prefill_fresh(result, waiting, held)

@@ -1,8 +1,11 @@
 """Sessions with the same prompt share one prefill (OpenAI's ``n`` choices, or any identical prompts that
 meet on a stage): the first to start runs the prompt; the others wait beside it, and when its last piece
 has run each gets a copy of its keys and values and samples its first token from the same logits with its
-own seed and processors. So ``n`` choices cost one prefill, and each reply is what it would be alone (the
-copy is of the very positions its own prefill would have computed on that path; tests/test_choice_forks.py).
+own seed and processors. A session that comes once the first has run its prompt (choices reach the stage
+as separate requests, and a short prompt's prefill is done before the next one is in) copies every prompt
+position but the last from it, and runs that one itself (``late``). So ``n`` choices cost one prefill,
+and each reply is what it would be alone (the copy is of the very positions its own prefill would have
+computed on that path; tests/test_choice_forks.py).
 
 A session forks only from a prompt the same to the token, with nothing of the prefix cache in it, where the
 stage can copy a session (no recurrent layers: their states are not copied), and where it does not ask
@@ -35,6 +38,21 @@ def twins(sessions: Iterable[Session]) -> dict[str, list[Session]]:
             if waiting:
                 out[source.session_id] = waiting
     return out
+
+
+def late(sessions: Iterable[Session]) -> None:
+    """Each session that has not started its prompt takes all of it but the last position from a session
+    that has run the same prompt (it then runs that last position, and samples from its own logits)."""
+    done = {}
+    for s in sessions:
+        if not s.prefilling and s.cache is not None and len(s.prompt_ids) > 1:
+            done.setdefault(tuple(s.prompt_ids), s)
+    for s in sessions:
+        if s.prefilled == 0 and forkable(s) and (donor := done.get(tuple(s.prompt_ids))) is not None:
+            positions = len(s.prompt_ids) - 1
+            s.cache.copy_from(donor.cache, positions)
+            s.prefilled = positions
+            s.forked = True
 
 
 def fork(source: Session, waiting: list[Session]) -> None:
