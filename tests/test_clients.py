@@ -1,7 +1,8 @@
 """The clients people already use, unchanged, against `swarm leader` and `swarm fellow` processes serving
 the demo model (tests/conftest.py's, trained once a session): `instructor` (JSON-schema and tools
 modes), LangChain's `ChatOpenAI` and the OpenAI Agents SDK (on the Responses and the chat-completions
-model, and a streamed run); and pydantic's schemas, which write no `additionalProperties`, held
+model, and a streamed run), lm-evaluation-harness's `local-completions` model (log-likelihood and
+generation on a task file the test writes); and pydantic's schemas, which write no `additionalProperties`, held
 strict by default.
 
 The demo model writes chat-like text, never JSON: the grammar alone makes its replies follow a schema,
@@ -10,6 +11,7 @@ so a reply that rambles on in invented keys would show here."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Literal
 
@@ -18,6 +20,7 @@ import openai
 import pydantic
 import pytest
 
+from core.servable import TOKENIZER_DIR
 from tests.serving_fixtures import stack_serving
 
 pytestmark = pytest.mark.slow
@@ -186,3 +189,35 @@ async def test_openai_agents_with_a_function_tool_on_both_models_and_streamed(cl
     assert raw.count("response.function_call_arguments.delta") > 2  # the arguments streamed as they decoded
     assert raw.index("response.output_item.added") < raw.index("response.function_call_arguments.delta")
     called(streamed)
+
+
+def test_lm_evaluation_harness_scores_a_task_file(stack, demo_servables, tmp_path, monkeypatch):
+    """local-completions sends context + continuation as token ids with echo and logprobs, and reads the
+    continuation's logprobs and whether each was the greedy choice; generate_until calls completions."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    data = tmp_path / "tiny.jsonl"
+    rows = [{"context": "Red, green and", "continuation": " blue"}, {"context": "One, two,", "continuation": " three"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+              "doc_to_text: \"{{context}}\"\ndoc_to_target: \"{{continuation}}\"\n")
+    (tmp_path / "swarm_ll.yaml").write_text(
+        "task: swarm_ll\n" + common + "output_type: loglikelihood\nmetric_list:\n"
+        "  - metric: perplexity\n    aggregation: perplexity\n    higher_is_better: false\n"
+        "  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+    (tmp_path / "swarm_gen.yaml").write_text(
+        "task: swarm_gen\n" + common + "output_type: generate_until\ngeneration_kwargs:\n  until: [\"\\n\"]\n"
+        "  max_gen_toks: 4\n  do_sample: false\nmetric_list:\n  - metric: exact_match\n")
+    url = stack.url + "/v1/completions"
+    tokenizer = demo_servables / MODEL / TOKENIZER_DIR
+    results = lm_eval.simple_evaluate(
+        model="local-completions", tasks=["swarm_ll", "swarm_gen"], task_manager=TaskManager(include_path=str(tmp_path)),
+        model_args=f"model={MODEL},base_url={url},tokenizer_backend=huggingface,tokenizer={tokenizer},"
+                   "num_concurrent=1,max_retries=1,tokenized_requests=True")
+    ll = results["results"]["swarm_ll"]
+    assert math.isfinite(ll["perplexity,none"]) and ll["perplexity,none"] > 1 and 0 <= ll["acc,none"] <= 1
+    assert 0 <= results["results"]["swarm_gen"]["exact_match,none"] <= 1
+    served = stack.sql("SELECT count(*) FROM requests WHERE finish_reason IS NOT NULL")[0][0]
+    assert served >= 4  # two scored and two generated, at least, through the stack

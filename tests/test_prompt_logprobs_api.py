@@ -1,13 +1,10 @@
 """Prompt logprobs through the API (leader.openai.prompt_logprobs) against `swarm leader` and `swarm fellow`
 processes serving a tiny real model: OpenAI's echo with logprobs (scoring only with max_tokens 0), vLLM's
-prompt_logprobs, each equal to a teacher-forced HF forward to 1e-4; what is refused; and
-lm-evaluation-harness's local-completions model scoring a task file end to end. (Rings:
-tests/test_prompt_logprobs.py.)"""
+prompt_logprobs, each equal to a teacher-forced HF forward to 1e-4; and what is refused. (Rings:
+tests/test_prompt_logprobs.py; lm-evaluation-harness on the demo model: tests/test_clients.py.)"""
 
 from __future__ import annotations
 
-import json
-import math
 
 import openai
 import pytest
@@ -91,34 +88,3 @@ async def test_what_is_refused(client):
         with pytest.raises(openai.BadRequestError) as exc:
             await client.completions.create(model="tiny", prompt="a", **body)
         assert exc.value.param == param
-
-
-def test_lm_evaluation_harness_scores_a_task_file(stack, tmp_path, monkeypatch):
-    """local-completions sends context + continuation as token ids with echo and logprobs, and reads the
-    continuation's logprobs and whether each was the greedy choice; generate_until calls completions."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    data = tmp_path / "tiny.jsonl"
-    rows = [{"context": "Red, green and", "continuation": " blue"}, {"context": "One, two,", "continuation": " three"}]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    common = (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
-              "doc_to_text: \"{{context}}\"\ndoc_to_target: \"{{continuation}}\"\n")
-    (tmp_path / "swarm_ll.yaml").write_text(
-        "task: swarm_ll\n" + common + "output_type: loglikelihood\nmetric_list:\n"
-        "  - metric: perplexity\n    aggregation: perplexity\n    higher_is_better: false\n"
-        "  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
-    (tmp_path / "swarm_gen.yaml").write_text(
-        "task: swarm_gen\n" + common + "output_type: generate_until\ngeneration_kwargs:\n  until: [\"\\n\"]\n"
-        "  max_gen_toks: 4\n  do_sample: false\nmetric_list:\n  - metric: exact_match\n")
-    url = stack[0].url + "/v1/completions"
-    results = lm_eval.simple_evaluate(
-        model="local-completions", tasks=["swarm_ll", "swarm_gen"], task_manager=TaskManager(include_path=str(tmp_path)),
-        model_args=f"model=tiny,base_url={url},tokenizer_backend=huggingface,tokenizer={stack[1]},num_concurrent=1,"
-                   "max_retries=1,tokenized_requests=True")
-    ll = results["results"]["swarm_ll"]
-    assert math.isfinite(ll["perplexity,none"]) and ll["perplexity,none"] > 1 and 0 <= ll["acc,none"] <= 1
-    assert 0 <= results["results"]["swarm_gen"]["exact_match,none"] <= 1
-    served = stack[0].sql("SELECT count(*) FROM requests WHERE finish_reason IS NOT NULL")[0][0]
-    assert served >= 4  # two scored and two generated, at least, through the stack
