@@ -18,11 +18,10 @@ import re
 import secrets
 import string
 
-from leader.openai.tools import _object_end
+from leader.openai.tools import object_end
 
 MARKERS = {"llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]"}
 OPENERS = {"llama3_json": "{", "mistral": "["}  # what a bare call (no marker) starts with
-ARGS_KEYS = {"llama3_json": "parameters", "mistral": "arguments"}
 _SEPARATORS = " \t\r\n;,[]"
 _HEAD = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"(?:parameters|arguments)"\s*:\s*')
 
@@ -118,7 +117,7 @@ class LeadingCalls:
             if self.call is None:
                 if self.buf[i] != "{":
                     return self._junk(out)
-                head, end = _HEAD.match(self.buf, i), _object_end(self.buf, i)
+                head, end = _HEAD.match(self.buf, i), object_end(self.buf, i)
                 if head and head[1] in self.names and self.buf[head.end():head.end() + 1] == "{":
                     self.call = {"id": call_id(self.fmt), "type": "function",
                                  "function": {"name": head[1], "arguments": ""}}
@@ -138,13 +137,13 @@ class LeadingCalls:
                             ("args", call["function"]["arguments"]), ("end", call)]
                     self.pos = end
                     continue
-            args_end = _object_end(self.buf, self.at)
+            args_end = object_end(self.buf, self.at)
             args = self.buf[self.at:len(self.buf) if args_end is None else args_end]
             if len(args) > self.sent:
                 out.append(("args", args[self.sent:]))
                 self.call["function"]["arguments"] = args
                 self.sent = len(args)
-            end = _object_end(self.buf, self.pos) if args_end is not None else None
+            end = object_end(self.buf, self.pos) if args_end is not None else None
             if end is None:
                 return
             self._end(out)

@@ -132,7 +132,7 @@ def parse_calls(text: str, names: set[str]) -> tuple[str | None, list[dict]]:
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*')
 
 
-def _object_end(text: str, start: int) -> int | None:
+def object_end(text: str, start: int) -> int | None:
     """The index after the JSON object that opens at ``text[start]``, or None while it is still open."""
     depth, in_string, escaped = 0, False, False
     for i in range(start, len(text)):
@@ -202,7 +202,7 @@ class CallStream:
             out.append(("start", {"id": self.call["id"], "type": "function",
                                   "function": {"name": head[1], "arguments": ""}}))
         at = self.call["_at"]
-        end = _object_end(body, at)
+        end = object_end(body, at)
         args = body[at:len(body) if end is None else end]
         if len(args) > self.sent:
             out.append(("args", args[self.sent:]))

@@ -10,7 +10,7 @@ from fellow.runtime.engine.draft_model import DraftModel
 from fellow.runtime.engine.drafting import until_stop
 from fellow.runtime.engine.forks import fork, late, twins
 from fellow.runtime.engine.processors import sample_next
-from fellow.runtime.engine.prompt_scores import piece_scores
+from fellow.runtime.engine.prompt_scores import scored_piece
 from fellow.runtime.engine.sampling import make_generator
 from fellow.runtime.engine.scheduler import Scheduler, StepResult
 from fellow.runtime.engine.session import Session
@@ -84,11 +84,9 @@ class LocalRunner:
             if session.sampling.prompt_logprobs is None:
                 logits = self.stage.forward_piece(session.cache, piece)
             else:  # the prompt's own logprobs: every position's logits (engine.prompt_scores)
-                rows = self.stage.piece_logits(session.cache, piece)
-                session.prompt_logprobs += [None] if session.prefilled == 0 else []
-                session.prompt_logprobs += piece_scores(rows, session.prompt_ids, session.prefilled,
-                                                        session.sampling.prompt_logprobs)
-                logits = rows[-1]
+                logits, scored = scored_piece(self.stage, session.cache, piece, session.prompt_ids, session.prefilled,
+                                              session.sampling.prompt_logprobs)
+                session.prompt_logprobs += scored
             session.prefilled += size
             spent += size
             if not session.prefilling:  # the prompt's last piece starts the reply (and its twins')

@@ -40,27 +40,32 @@ def twins(sessions: Iterable[Session]) -> dict[str, list[Session]]:
     return out
 
 
-def late(sessions: Iterable[Session]) -> None:
+def late(sessions: list[Session]) -> None:
     """Each session that has not started its prompt takes all of it but the last position from a session
-    that has run the same prompt (it then runs that last position, and samples from its own logits)."""
-    done = {}
+    that has run the same prompt (it then runs that last position, and samples from its own logits). Only
+    where a session is fresh are prompts compared (a decode step compares none)."""
+    fresh = {tuple(s.prompt_ids): s for s in sessions if s.prefilled == 0 and forkable(s) and len(s.prompt_ids) > 1}
+    if not fresh:
+        return
+    lengths = {len(prompt) for prompt in fresh}
+    donors = {}
     for s in sessions:
-        if not s.prefilling and s.cache is not None and len(s.prompt_ids) > 1:
-            done.setdefault(tuple(s.prompt_ids), s)
+        if not s.prefilling and s.cache is not None and len(s.prompt_ids) in lengths:
+            donors.setdefault(tuple(s.prompt_ids), s)
     for s in sessions:
-        if s.prefilled == 0 and forkable(s) and (donor := done.get(tuple(s.prompt_ids))) is not None:
-            positions = len(s.prompt_ids) - 1
-            s.cache.copy_from(donor.cache, positions)
-            s.prefilled = positions
-            s.forked = True
+        if s.prefilled == 0 and forkable(s) and (donor := donors.get(tuple(s.prompt_ids))) is not None:
+            _copy(s, donor, len(s.prompt_ids) - 1)
 
 
 def fork(source: Session, waiting: list[Session]) -> None:
     """Copy the source's prompt positions into each waiting session's cache (the source has just run its
     last piece, before it samples: a first token that ends it would release its cache)."""
-    positions = len(source.prompt_ids)
     for s in waiting:
-        s.cache.copy_from(source.cache, positions)
-        s.prefilled = positions
+        _copy(s, source, len(source.prompt_ids))
         s.prefill_started_at = source.prefill_started_at
-        s.forked = True
+
+
+def _copy(session: Session, donor: Session, positions: int) -> None:
+    session.cache.copy_from(donor.cache, positions)
+    session.prefilled = positions
+    session.forked = True

@@ -15,6 +15,15 @@ import torch
 from fellow.runtime.engine.processors import MIN_LOGPROB
 
 
+def scored_piece(stage, cache, inputs: torch.Tensor, prompt_ids: list[int], start: int,
+                 top: int) -> tuple[torch.Tensor, list[tuple | None]]:
+    """Run a prompt piece (ids, or hidden states on a ring's last stage) that starts at prompt position
+    ``start`` with the head on every position: (its last position's logits, the entries it scores, led by
+    None for the prompt's first position)."""
+    rows = stage.piece_logits(cache, inputs)
+    return rows[-1], ([None] if start == 0 else []) + piece_scores(rows, prompt_ids, start, top)
+
+
 def piece_scores(rows: torch.Tensor, prompt_ids: list[int], start: int, top: int) -> list[tuple]:
     """(token id, logprob, [(id, logprob) x top], rank) for the prompt tokens that follow the positions
     ``start`` .. ``start + len(rows) - 1`` of a piece whose logits are ``rows`` [q, V]: the prompt's

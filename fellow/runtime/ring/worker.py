@@ -21,7 +21,7 @@ from fellow.runtime.model.recurrent import off_note
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.loader import RingStage
 from fellow.runtime.engine.processors import constraint_for, sample_next
-from fellow.runtime.engine.prompt_scores import piece_scores
+from fellow.runtime.engine.prompt_scores import scored_piece
 from events.requests import Sampling
 from fellow.runtime.engine.sampling import make_generator
 
@@ -194,11 +194,10 @@ class RingWorker:
             self._verify(frame, held, hidden, started)
             return
         scored: list = []
+        scored_at = 0 if frame.pos == 0 else frame.pos + 1  # the prompt position of scored[0]
         if self.is_last and held.sampling.prompt_logprobs is not None and frame.kind != VERIFY:
-            rows = self.stage.piece_logits(held.cache, hidden)  # a scored prompt: every position's logits
-            scored = ([None] if frame.pos == 0 else []) + piece_scores(rows, held.prompt_ids, frame.pos,
-                                                                       held.sampling.prompt_logprobs)
-            out = rows[-1]
+            out, scored = scored_piece(self.stage, held.cache, hidden, held.prompt_ids, frame.pos,
+                                       held.sampling.prompt_logprobs)  # a scored prompt: every position's logits
         else:
             out = self.stage.forward_piece(held.cache, hidden)
         held.ids += frame.ids
@@ -214,10 +213,10 @@ class RingWorker:
             token = sample_next(out[None], [held])[0]
             self.send(Token(session=frame.session, token=token, compute_ms=[*frame.compute_ms, _ms(started)],
                             logprob=held.sampled(token), routes=frame.routes + self.route(), attempt=frame.attempt,
-                            prompt=scored, prompt_pos=0 if frame.pos == 0 else frame.pos + 1))
+                            prompt=scored, prompt_pos=scored_at))
         else:
             self.send(Token(session=frame.session, token=NO_TOKEN, attempt=frame.attempt, prompt=scored,
-                            prompt_pos=0 if frame.pos == 0 else frame.pos + 1))
+                            prompt_pos=scored_at))
 
     def _verify(self, frame: Hidden, held: _Held, hidden: torch.Tensor, started: float) -> None:
         """The last stage checks a VERIFY frame's drafts (fellow.runtime.engine.speculative, exact) and
