@@ -140,6 +140,11 @@ def save_manifest(manifest: Manifest, model_dir: str | Path) -> Path:
     return path
 
 
+def is_servable_dir(value: str) -> bool:
+    """Whether ``value`` names a folder holding a servable's manifest (not a model id)."""
+    return (Path(value).expanduser() / MANIFEST_NAME).is_file()
+
+
 def load_manifest(model_dir: str | Path) -> Manifest:
     """Read and validate ``<model_dir>/servable.json`` against the files beside it."""
     model_dir = Path(model_dir)

@@ -247,7 +247,7 @@ class ServingSettings(Group):
     threads: int = setting("SWARM_SERVE_THREADS", "0", whole())  # torch CPU threads per stage; 0: one a core
     quantized: bool = setting("SWARM_SERVE_QUANTIZED", "auto", is_on("auto"))  # probe and declare kernels
     speculative: int = setting("SWARM_SERVE_SPECULATIVE", "0", speculative)  # tokens drafted per pass
-    draft_model: str = setting("SWARM_SERVE_DRAFT_MODEL", "", text)  # a servable's folder or id that drafts
+    draft_model: str = setting("SWARM_SERVE_DRAFT_MODEL", "", text)  # auto, an id or a folder that drafts
     devices: str = setting("SWARM_SERVE_DEVICES", "auto", devices)  # what a stage's layers are split over
     lora: str = setting("SWARM_SERVE_LORA", "lean", choice(*LORA_MODES))  # adapters over quantized weights
     attention: str = setting("SWARM_SERVE_ATTENTION", "auto", choice("auto", "grouped", "sdpa"))  # the HF layers'

@@ -22,6 +22,9 @@ class LoadStage(Command, frozen=True, tag="load"):
     quantization: dict | None = None
     model_path: str = ""  # where the leader has it; a fellow without it fetches the archive
     manifest_sha256: str = ""
+    # the last stage's draft model (transport.draft_model): where the leader has it, its manifest's checksum
+    draft_path: str = ""
+    draft_sha256: str = ""
     replicas: int = 1  # copies of the load; with more than one a stage that stops reports ReplicaLost
 
 

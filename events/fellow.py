@@ -17,6 +17,7 @@ CAP_QUANTIZED = "serve-quantized"  # bitsandbytes NF4 / int8 kernels run here
 CAP_INT4_FAST = "serve-int4-fast"  # the CUDA int4 weight-only kernel (tinygemm) runs on every GPU here
 CAP_CPU_INT8 = "serve-cpu-int8"  # torch's CPU int8 weight-only matmul runs here (aten._weight_int8pack_mm)
 CAP_CPU_INT4 = "serve-cpu-int4"  # torch's CPU int4 weight-only matmul runs here (aten._weight_int4pack_mm_for_cpu)
+CAP_DRAFT_MODEL = "serve-draft-model"  # its ring's last stage drafts with a draft model the leader names
 CAP_4BIT_ROWS = "serve-4bit-rows"  # its CUDA stages split 4-bit matmuls of a few rows (SWARM_SERVE_4BIT_ROWS)
 
 

@@ -29,6 +29,8 @@ class TransportPlan(msgspec.Struct, frozen=True, kw_only=True):
     prefill_chunk: int = PREFILL_CHUNK
     step_costs: bool = False  # every stage times its decode step at load (SWARM_SERVE_STEP_COSTS)
     step_profile: bool = False  # ... and profiles a one-token step (SWARM_SERVE_STEP_COSTS=profile)
+    # the servable a drafting load's last stage drafts with (SWARM_SERVE_DRAFT_MODEL on the leader); "": none
+    draft_model: str = ""
     in_flight_max: int = 0  # a ring's stage 0 may raise max_in_flight to this, sized from the ring's measured
     # step costs and link transit (fellow.runtime.ring.sizing); 0: max_in_flight is fixed
 

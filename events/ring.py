@@ -84,6 +84,7 @@ class Hidden(_Hot, tag="h"):
     routes: str = ""  # how each hop so far sent it: "d" direct, "r" relay, one letter per hop
     attempt: int = 0  # the session's try: a replay or a start-over begins the next, and older frames are dropped
     draft: list[int] = []  # VERIFY: the drafted tokens (the frame's positions are the last token and these)
+    draft_k: int = 0  # the last stage's draft model drafts up to this many tokens after its answer (0: none)
 
     @property
     def first(self) -> bool:
@@ -110,6 +111,7 @@ class Token(_Hot, tag="t"):
     # position ``prompt_pos``: None for the prompt's first position, else (id, logprob, [(id, logprob)], rank)
     prompt: list[tuple[int, float, list[tuple[int, float]], int] | None] = []
     prompt_pos: int = 0
+    draft: list[int] = []  # the last stage's draft model's guesses after the answer's last token (Hidden.draft_k)
 
 
 class End(_Hot, tag="e"):
@@ -127,12 +129,14 @@ class Probe(_Hot, tag="p"):
     hop sent it: "d" direct, "r" relay, "?" still dialing its next stage. ``kv``: each later stage's
     KV tokens, in ring order (stage 0 holds every session to the smallest). ``step_ms``: each later
     stage's decode step at a decode group's rows, measured at load (empty where none measured; stage 0
-    sizes its in flight from them, fellow.runtime.ring.sizing)."""
+    sizes its in flight from them, fellow.runtime.ring.sizing). ``drafter``: the last stage's draft model,
+    named when it has one (stage 0 then asks it for drafts, Hidden.draft_k)."""
 
     nonce: str
     routes: str = ""
     kv: list[int] = []
     step_ms: list[float] = []
+    drafter: str = ""  # the draft model the last stage drafts with, when it has one
 
 
 class Hop(_Hot, tag="o"):

@@ -33,7 +33,7 @@ class StageOptions(msgspec.Struct, frozen=True, kw_only=True):
     links: str = "direct"  # a ring stage dials the next one directly where that beats the relay; or "relay"
     link_host: str = "127.0.0.1"  # where a ring stage listens for its predecessor, and the address it gives
     link_port: int = 0  # 0: an ephemeral port
-    draft_model_dir: str = ""  # a one-stage load's draft model (SWARM_SERVE_DRAFT_MODEL), when it drafts
+    draft_model_dir: str = ""  # a drafting load's last stage: its draft model (SWARM_SERVE_DRAFT_MODEL)
     devices: str = "auto"  # what the layers are split over (auto: every GPU, then the CPU)
     lora: str = "lean"  # adapters kept apart over quantized weights: lean, lean16 or peft
     attention: str = "auto"  # the HF layers' attention: auto, grouped or sdpa (model.grouped_attention)

@@ -3,6 +3,7 @@ into SWARM_FELLOW_MODEL_CACHE."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import shutil
@@ -68,8 +69,17 @@ def ensure_base(settings: Settings, model_id: str, model_dir: Path, attempts: in
 
 
 def _fetch_archive(settings: Settings, model_id: str, part: str, target: Path, attempts: int) -> Path:
-    """GET the model's archive (``part``: "" the servable, "base" its base checkpoint) into ``target``."""
+    """GET the model's archive (``part``: "" the servable, "base" its base checkpoint) into ``target``; fellows
+    that share a model cache fetch it once (a lock file beside it), the others find it there."""
     target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / MANIFEST_NAME).is_file() if not part else target.is_dir():  # another fellow fetched it
+            return target
+        return _download(settings, model_id, part, target, attempts)
+
+
+def _download(settings: Settings, model_id: str, part: str, target: Path, attempts: int) -> Path:
     part_file = target.with_suffix(".tar.part")
     url = f"{settings.leader.url}/api/v1/models/{model_id}/archive" + (f"?part={part}" if part else "")
     what = f"the {part} of {model_id}" if part else model_id

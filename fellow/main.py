@@ -11,7 +11,8 @@ import sys
 
 from core.settings import Settings
 from core.tasks import cancel_and_wait
-from events.fellow import CAP_CONCURRENT, CAP_KV_BUDGET, CAP_N_STAGE, CAP_ONE_STAGE, CAP_SPECULATIVE
+from events.fellow import (CAP_CONCURRENT, CAP_DRAFT_MODEL, CAP_KV_BUDGET, CAP_N_STAGE, CAP_ONE_STAGE,
+                           CAP_SPECULATIVE)
 from fellow.agent import FellowAgent
 from fellow.manager import ModelManager
 
@@ -23,7 +24,7 @@ def capabilities() -> list[str]:
     """What this fellow can do: serving needs the torch side installed."""
     if importlib.util.find_spec("torch") is None:
         return []
-    return [CAP_ONE_STAGE, CAP_N_STAGE, CAP_CONCURRENT, CAP_KV_BUDGET, CAP_SPECULATIVE]
+    return [CAP_ONE_STAGE, CAP_N_STAGE, CAP_CONCURRENT, CAP_KV_BUDGET, CAP_SPECULATIVE, CAP_DRAFT_MODEL]
 
 
 async def probed_capabilities(fourbit_rows: str = "auto") -> list[str]:

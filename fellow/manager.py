@@ -27,17 +27,21 @@ log = logging.getLogger(__name__)
 RESTART_WINDOW_S = 60.0  # a load's stage is restarted at most once in this long
 
 
-def stage_options(settings: Settings, cmd: LoadStage) -> StageOptions:
+def stage_options(settings: Settings, cmd: LoadStage, draft_dir: str = "") -> StageOptions:
     """How a stage of ``cmd`` serves, built once here and sent whole to its process: this fellow's serving
     settings of the same names, under what placement planned (``cmd.transport``); where the plan left a
     choice open (0, off) the fellow's own stands, and a one-stage load cuts prompts into the fellow's own
     pieces and holds its own number of requests where it set them (a ring keeps the plan's, which each of
     its stages reserves memory for).
+    A drafting load's last stage drafts with ``draft_dir`` (the leader's draft model, transport.draft_model,
+    found or fetched here: ``ModelManager._draft_dir``), else with this fellow's own SWARM_SERVE_DRAFT_MODEL.
     QuantizationError where no load serves the plan's quantization, FileNotFoundError where the fellow's
     draft model is not there."""
     t, serving = cmd.transport, settings.serving
     speculative = t.speculative or serving.speculative  # rings draft on stage 0
-    drafts = speculative and cmd.assignment.stage == 0 and serving.draft_model  # beside stage 0
+    last = cmd.assignment.stage == cmd.num_stages - 1  # a ring's draft model drafts on its last stage
+    if speculative and last and not draft_dir and not t.draft_model and serving.draft_model not in ("", "auto"):
+        draft_dir = str(draft_model_dir(settings))  # the fellow's own ("auto" is the leader's to resolve)
     own = {name: getattr(serving, name) for name in StageOptions.__struct_fields__ if hasattr(serving, name)}
     ring = cmd.num_stages > 1  # a ring keeps the plan's, which each of its stages reserves memory for
     chunk = t.prefill_chunk if serving.prefill_chunk is None or ring else serving.prefill_chunk
@@ -50,7 +54,7 @@ def stage_options(settings: Settings, cmd: LoadStage) -> StageOptions:
                            "kv_tokens_max": t.kv_tokens_max,
                            "in_flight_max": t.in_flight_max if ring else 0,
                            "quantization": method_of(cmd.quantization),
-                           "draft_model_dir": str(draft_model_dir(settings)) if drafts else ""})
+                           "draft_model_dir": draft_dir if speculative and last else ""})
 
 
 class ModelManager:
@@ -108,7 +112,13 @@ class ModelManager:
                 log.info("evicting %s (%s) to load %s", oldest.model_id, oldest.load_id, cmd.model_id)
                 await self._stop(oldest, "evicted")
             try:
-                options = stage_options(self.settings, cmd)
+                draft_dir = await self._draft_dir(cmd)
+            except (FetchError, OSError, tarfile.TarError) as exc:
+                await self._fail(cmd.load_id, cmd.model_id, f"draft model {cmd.transport.draft_model} not on this "
+                                 f"fellow and not fetched: {exc}", cmd.assignment.replica, cmd.replicas)
+                return
+            try:
+                options = stage_options(self.settings, cmd, draft_dir)
             except (QuantizationError, FileNotFoundError) as exc:
                 await self._fail(cmd.load_id, cmd.model_id, str(exc), cmd.assignment.replica, cmd.replicas)
                 return
@@ -136,6 +146,18 @@ class ModelManager:
                                  cmd.assignment.replica, cmd.replicas)
                 raise
             log.info("loading %s as %s (pid %d)", cmd.model_id, cmd.load_id, proc.pid)
+
+    async def _draft_dir(self, cmd: LoadStage) -> str:
+        """The folder of the draft model the leader named for a drafting load's last stage (transport.draft_model):
+        where the leader has it or this fellow's cache does, else fetched from the leader; "" for other stages."""
+        t = cmd.transport
+        if not (t.draft_model and (t.speculative or self.settings.serving.speculative)
+                and cmd.assignment.stage == cmd.num_stages - 1):
+            return ""
+        found = local_model_dir(self.settings, t.draft_model, cmd.draft_path, cmd.draft_sha256)
+        if found is None:
+            found = await asyncio.to_thread(fetch_model, self.settings, t.draft_model, cmd.draft_sha256)
+        return str(found)
 
     async def _on_report(self, proc: StageProcess, report: StageReport) -> None:
         if isinstance(report, ReadyReport):

@@ -6,11 +6,14 @@ import asyncio
 import hashlib
 import os
 import tarfile
+import threading
 from pathlib import Path
 
 from core.servable import load_manifest, resolve_base
 
 CHUNK = 1 << 20
+_BUILDING: dict[Path, threading.Lock] = {}  # one build of an archive at a time (fellows fetch at once)
+_GUARD = threading.Lock()
 
 
 def _reset(info: tarfile.TarInfo) -> tarfile.TarInfo:
@@ -22,9 +25,17 @@ def _reset(info: tarfile.TarInfo) -> tarfile.TarInfo:
 
 
 def build_archive(model_dir: Path, cache_dir: Path, manifest_sha256: str) -> tuple[Path, str]:
-    """(tar path, its sha256); cached per manifest, so a changed model gets a new archive."""
+    """(tar path, its sha256); cached per manifest, so a changed model gets a new archive. Callers that ask
+    for one archive at once (the fellows of a ring fetching it) wait for one build."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     target = cache_dir / f"{model_dir.name}-{manifest_sha256[:16]}.tar"
+    with _GUARD:
+        lock = _BUILDING.setdefault(target, threading.Lock())
+    with lock:
+        return _build(model_dir, target)
+
+
+def _build(model_dir: Path, target: Path) -> tuple[Path, str]:
     digest_file = target.with_suffix(".sha256")
     if target.is_file() and digest_file.is_file():
         return target, digest_file.read_text().strip()

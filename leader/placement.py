@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from msgspec import structs
 
 from core.quantization import NONE, bytes_per_param, capability_for
-from events.fellow import (CAP_4BIT_ROWS, CAP_CONCURRENT, CAP_KV_BUDGET, CAP_N_STAGE, CAP_ONE_STAGE, CAP_SPECULATIVE,
+from events.fellow import (CAP_4BIT_ROWS, CAP_CONCURRENT, CAP_DRAFT_MODEL, CAP_KV_BUDGET, CAP_N_STAGE, CAP_ONE_STAGE, CAP_SPECULATIVE,
                            Heartbeat)
 from events.loads import PREFILL_CHUNK, StageAssignment, TransportPlan
 
@@ -105,7 +105,8 @@ def for_old_fellows(transport: TransportPlan, assignments: list[StageAssignment]
     Without serve-kv-budget it admits by count alone: in flight 2 a stage (SWARM_SERVE_IN_FLIGHT where
     set), a full SWARM_SERVE_CONTEXT_TOKENS conversation of KV per request in flight, no growth nor ring
     sizing. A ring drafts (speculative) only where every fellow declares serve-speculative: a stage from
-    before would keep rejected drafts in its cache; a one-stage load drafts on its own."""
+    before would keep rejected drafts in its cache; a one-stage load drafts on its own. A load drafts with
+    a draft model only where every fellow declares serve-draft-model."""
     fellows = {a.fellow_id: heartbeats.get(a.fellow_id) for a in assignments}
 
     def lacking(cap: str) -> list[str]:
@@ -119,8 +120,11 @@ def for_old_fellows(transport: TransportPlan, assignments: list[StageAssignment]
         why.append(f"{in_flight} in flight with a full context each: fellow {', '.join(old)} does not "
                    f"declare {CAP_KV_BUDGET}")
     if num_stages > 1 and transport.speculative and (old := lacking(CAP_SPECULATIVE)):
-        transport = structs.replace(transport, speculative=0)
+        transport = structs.replace(transport, speculative=0, draft_model="")
         why.append(f"no drafting: fellow {', '.join(old)} does not declare {CAP_SPECULATIVE}")
+    if transport.draft_model and (old := lacking(CAP_DRAFT_MODEL)):
+        transport = structs.replace(transport, draft_model="")
+        why.append(f"no draft model: fellow {', '.join(old)} does not declare {CAP_DRAFT_MODEL}")
     return transport, why
 
 

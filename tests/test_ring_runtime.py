@@ -51,17 +51,20 @@ class LocalRing:
 
     def __init__(self, model_dir, num_stages: int, prefill_chunk: int = 8, max_batch: int = 0,
                  prefix: bool = False, kv_tokens: int = 4096, stage_kv: list[int] | None = None,
-                 speculative: int = 0, draft=None):
+                 speculative: int = 0, drafter=None):
         self.inboxes = [Inbox() for _ in range(num_stages)]
         self.stages = [load_ring_stage(model_dir, i, num_stages, device="cpu") for i in range(num_stages)]
         self.sent: list = []
         self.timings: dict[str, dict] = {}
         self.head = ring_engine(self.stages[0].stage, self.stages[0].sender, self._sender(0), self.inboxes[0],
                              num_stages=num_stages, kv_tokens=kv_tokens, max_batch=max_batch,
-                             prefill_chunk=prefill_chunk, prefix_cache=prefix, speculative=speculative, draft=draft)
+                             prefill_chunk=prefill_chunk, prefix_cache=prefix, speculative=speculative)
         self.workers = [RingWorker(self.stages[i], self.inboxes[i], self._sender(i),
                                    prefix_tokens=kv_tokens if prefix else 0,
-                                   kv_tokens=stage_kv[i - 1] if stage_kv else kv_tokens) for i in range(1, num_stages)]
+                                   kv_tokens=stage_kv[i - 1] if stage_kv else kv_tokens,
+                                   drafter=drafter if i == num_stages - 1 else None) for i in range(1, num_stages)]
+        if drafter is not None:  # what stage 0 learns from the probe (RingHeadServer._fit_ring)
+            self.head.runner.drafts_from(drafter.name)
         self.threads = [threading.Thread(target=w.run, daemon=True) for w in self.workers]
         for t in self.threads:
             t.start()
@@ -381,11 +384,11 @@ def copying_prompts(n: int) -> list[list[int]]:
     return [COPY_TEXT[: 57 + 3 * i] for i in range(n)]
 
 
-def spec_ring(model, stages: int, k: int, prefix: bool = False, full: bool = True, draft=None) -> LocalRing:
-    """A ring whose stage 0 drafts up to k (with ``draft``, a draft model's stage, too); ``full``: also while
-    more than one session a stage is in it (the default drafts only below that: SPEC_MAX_ACTIVE_PER_STAGE),
-    so drafting and plain sessions mix."""
-    ring = LocalRing(model, stages, prefill_chunk=8, prefix=prefix, speculative=k, draft=draft)
+def spec_ring(model, stages: int, k: int, prefix: bool = False, full: bool = True, drafter=None) -> LocalRing:
+    """A ring whose stage 0 drafts up to k (with ``drafter``, its last stage's draft model guesses too);
+    ``full``: also while more than one session a stage is in it (the default drafts only below that:
+    SPEC_MAX_ACTIVE_PER_STAGE), so drafting and plain sessions mix."""
+    ring = LocalRing(model, stages, prefill_chunk=8, prefix=prefix, speculative=k, drafter=drafter)
     if full:
         ring.head.runner.units.spec_max_active_per_stage = 8
     return ring
@@ -423,19 +426,24 @@ def small_copier(tmp_path_factory):
     return planted_servable(tmp_path_factory.mktemp("small-copier"), "small-copier", layers=1, seed=9, stages=1)
 
 
-def test_a_ring_with_a_draft_model_beside_stage_0_replies_as_one_that_does_not(copier, small_copier):
-    """A draft model drafts beside a ring's stage 0 where prompt lookup has no full run (random prompts),
-    lookup where it has (copying ones); the last stage verifies. Greedy replies are the one-stage
-    engine's, token for token; the draft model's guesses both stood and fell, and its caches go with
-    their sessions."""
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_ring_whose_last_stage_drafts_with_a_draft_model_replies_as_one_that_does_not(copier, small_copier,
+                                                                                     stages):
+    """The spec's TS9: the ring's last stage holds the draft model; after it answers a frame that asks
+    (draft_k), its guesses ride back on the token frame and stage 0 sends them round as the next pass's
+    drafts where prompt lookup has no full run (random prompts), lookup's where it has (copying ones).
+    Greedy replies are the one-stage engine's, token for token; the guesses both stood and fell; the
+    draft model's caches go with their sessions, and stage 0 holds none of its positions."""
     from fellow.runtime.engine.draft_model import DraftModel
+    from fellow.runtime.ring.drafts import LastStageDrafter, RingDrafts
 
     prompts = copying_prompts(2) + PROMPTS[:2]
     expected = one_stage(copier, prompts, 24)
-    target = load_ring_stage(copier, 0, 2, device="cpu").stage
-    draft = DraftModel(load_one_stage(small_copier, "cpu").stage, target)
-    ring = spec_ring(copier, 2, 4, draft=draft)
+    last = load_ring_stage(copier, stages - 1, stages, device="cpu")
+    draft = DraftModel(load_one_stage(small_copier, "cpu").stage, last.stage, name="small-copier")
+    ring = spec_ring(copier, stages, 4, drafter=LastStageDrafter(draft, last.grammar_tokenizer()[1]))
     try:
+        assert isinstance(ring.head.draft, RingDrafts) and ring.head.draft.name == "small-copier"
         got = ring.generate(prompts, 24)
         ring.settle()
     finally:
@@ -447,23 +455,32 @@ def test_a_ring_with_a_draft_model_beside_stage_0_replies_as_one_that_does_not(c
     assert 0 < model_accepted < model_drafted
     assert all(timings[i].get("spec_model_drafted") for i in (2, 3))  # lookup found no run: the model drafted
     assert sum(t["spec_drafted"] for t in timings) > model_drafted  # and lookup drafted first where it could
+    asked = [f for s, f in ring.sent if s == 0 and isinstance(f, Hidden) and f.draft_k]
+    guesses = [f for s, f in ring.sent if s == stages - 1 and isinstance(f, Token) and f.draft]
+    assert asked and guesses and all(len(f.draft) <= 4 for f in guesses)
     assert not draft.states and draft.positions == 0 and ring.head.budget.reserved == 0
+    assert ring.head.draft.latest == {} and ring.head.stats().get("draft_positions", 0) == 0
 
 
-def test_a_ring_stage_0_loads_the_draft_model_beside_it_and_budgets_for_both(copier, small_copier):
+def test_a_rings_last_stage_loads_the_draft_model_and_budgets_for_both(copier, small_copier):
+    """Stage 0 of a drafting ring loads no draft model; its last stage does, and each of its budget's tokens
+    holds a position of both models (fewer than placement planned), which the probe tells stage 0."""
     from events.stage import StageConfig, StageOptions
-    from fellow.runtime.ring.servers import RingHeadServer
+    from fellow.runtime.ring.servers import RingHeadServer, RingStageServer
 
-    cfg = StageConfig(load_id="ld-draft", model_id="copier", model_dir=str(copier), nats_url="nats://x:1",
-                      fellow_id="f0", stage=0, num_stages=3,
-                      options=StageOptions(max_in_flight=3, kv_tokens=3 * 512, prefill_chunk=8, speculative=4,
-                                           draft_model_dir=str(small_copier)))
-    head = RingHeadServer(cfg)
+    def config(stage: int) -> StageConfig:
+        return StageConfig(load_id="ld-draft", model_id="copier", model_dir=str(copier), nats_url="nats://x:1",
+                           fellow_id="f0", stage=stage, num_stages=3,
+                           options=StageOptions(max_in_flight=3, kv_tokens=3 * 512, prefill_chunk=8, speculative=4,
+                                                draft_model_dir=str(small_copier) if stage == 2 else ""))
+    last = RingStageServer(config(2))
+    last.load()
+    assert last.draft.name == "small-copier" and last.worker.drafter.model is last.draft
+    assert last.stage.kernels["draft_decoder"] == "eager"  # no CUDA here
+    assert last.kv_tokens == last.worker.kv_tokens == last.draft.budget_tokens(3 * 512) < 3 * 512
+    head = RingHeadServer(config(0))
     head.load()
-    assert head.engine.draft is head.draft and head.draft.name == "small-copier"
-    assert head.stage.kernels["draft_decoder"] == "eager"  # no CUDA here
-    # a budget token holds a position here and one of the draft model's: fewer than placement planned
-    assert head.kv_own == head.kv_tokens == head.engine.kv_tokens == head.draft.budget_tokens(3 * 512) < 3 * 512
+    assert head.draft is None and head.engine.draft is None and head.kv_own == 3 * 512
 
 
 def test_a_ring_that_drafts_samples_what_one_stage_that_drafts_samples(copier):

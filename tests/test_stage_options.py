@@ -53,7 +53,13 @@ def test_a_plan_no_load_serves_or_a_draft_model_not_there_is_refused_before_a_pr
     assert stage_options(drafting, load()).draft_model_dir == ""  # nothing drafts: not looked for
     with pytest.raises(FileNotFoundError, match="nowhere"):
         stage_options(drafting, load(speculative=4))
-    assert stage_options(drafting, load(num_stages=2, stage=1, speculative=4)).draft_model_dir == ""  # not stage 0
+    assert stage_options(drafting, load(num_stages=2, stage=0, speculative=4)).draft_model_dir == ""  # not the last
+    with pytest.raises(FileNotFoundError, match="nowhere"):  # a ring's last stage drafts
+        stage_options(drafting, load(num_stages=2, stage=1, speculative=4))
+    leaders = load(num_stages=2, stage=1, speculative=4, draft_model="small")
+    assert stage_options(drafting, leaders, "/cache/small").draft_model_dir == "/cache/small"  # the leader's wins
+    auto = Settings.from_env({"SWARM_DATA_DIR": str(tmp_path), "SWARM_SERVE_DRAFT_MODEL": "auto"})
+    assert stage_options(auto, load(speculative=4)).draft_model_dir == ""  # auto: the leader's to resolve
 
 
 def test_a_fellows_own_prefill_chunk_is_its_one_stage_loads_and_the_stage_cuts_prompts_by_it(tmp_path):

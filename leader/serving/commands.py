@@ -17,7 +17,7 @@ from sqlalchemy import text
 
 from core.bus import publish_struct
 from core.quantization import INT4_FAST, NF4, NONE, QuantizationError, as_request, manifest_method, method_of
-from core.servable import ServableError, load_manifest
+from core.servable import ServableError, is_servable_dir, load_manifest
 from core.servable_plan import plan_stage, serving_ranges
 from events import subjects
 from events.commands import LoadStage, UnloadStage
@@ -29,6 +29,7 @@ from leader.errors import ApiError
 from leader.placement import (PlacementError, fewer_stages_note, for_old_fellows, place_replacement, place_replicas,
                               place_ring_replicas, pre_ampere_batch_cap, ring_needs, ring_stage_count, transport_plan)
 from leader.services import LeaderServices
+from leader.serving.drafts import choose_draft
 from leader.serving.rows import active_load, get_load, load_stages, model_not_found
 
 
@@ -174,11 +175,13 @@ class LoadCommands:
                                                  reason=str(exc), code="placement_failed"), wait=["loads"])
             raise ApiError(409, f"Cannot load '{model_id}': {exc}", code="placement_failed") from None
         quantization = as_request(served)
-        transport, capped = pre_ampere_batch_cap(plan.transport, assignments, self.leader.fellows.latest, served,
+        transport, drafting = await self._with_draft(model, plan.transport)
+        transport, capped = pre_ampere_batch_cap(transport, assignments, self.leader.fellows.latest, served,
                                                  explicit=self.leader.settings.serving.max_batch is not None)
         transport, older = for_old_fellows(transport, assignments, self.leader.fellows.latest, self.leader.settings,
                                            plan.num_stages)
-        notes = [why for why in (plan.note, capped, *older) if why]
+        notes = [why for why in (plan.note, capped, drafting, *older) if why]
+        draft = await self._draft_files(transport)
         for why in notes:
             log.info("load %s of %s: %s", load_id, model_id, why)
         await self.leader.publish(LoadPlaced(load_id=load_id, model_id=model_id, stages=assignments,
@@ -188,10 +191,27 @@ class LoadCommands:
             cmd = LoadStage(load_id=load_id, model_id=model_id, assignment=a, num_stages=plan.num_stages,
                             stage_fellows=[x.fellow_id for x in assignments if x.replica == a.replica],
                             transport=transport, quantization=quantization, model_path=model.path,
-                            manifest_sha256=model.manifest_sha256, replicas=plan.replicas)
+                            manifest_sha256=model.manifest_sha256, replicas=plan.replicas, **draft)
             await publish_struct(self.leader.js, subjects.command(a.fellow_id, "load"), cmd,
                                  msg_id=load_msg_id(load_id, a))
         return await get_load(self.leader.sessions, load_id)
+
+    async def _with_draft(self, model: Model, transport: TransportPlan) -> tuple[TransportPlan, str]:
+        """The transport with the draft model SWARM_SERVE_DRAFT_MODEL chooses for a drafting load
+        (leader.serving.drafts), and why there is none where it chooses none. A servable's folder there is
+        the fellows' own setting (each last stage loads it), not the leader's."""
+        setting = self.leader.settings.serving.draft_model
+        if not setting or not transport.speculative or is_servable_dir(setting):
+            return transport, ""
+        draft, why = choose_draft(setting, model, await self.catalog.all())
+        if draft is None:
+            return transport, why
+        return msgspec.structs.replace(transport, draft_model=draft.model_id), ""
+
+    async def _draft_files(self, transport: TransportPlan) -> dict:
+        """Where the leader has the transport's draft model, for the last stage's fellow to find or fetch it."""
+        draft = await self.catalog.get(transport.draft_model) if transport.draft_model else None
+        return {"draft_path": draft.path, "draft_sha256": draft.manifest_sha256} if draft is not None else {}
 
     async def unload(self, model_id: str, requested_by: str = "") -> Load:
         load = await active_load(self.leader.sessions, model_id)
@@ -232,7 +252,8 @@ class LoadCommands:
                         num_stages=load.num_stages,
                         stage_fellows=[fellow if s.stage == lost.stage else s.fellow_id for s in ring],
                         transport=transport, quantization=load.quantization, model_path=model.path,
-                        manifest_sha256=model.manifest_sha256, replicas=len({s.replica for s in stages}))
+                        manifest_sha256=model.manifest_sha256, replicas=len({s.replica for s in stages}),
+                        **await self._draft_files(transport))
         await publish_struct(self.leader.js, subjects.command(fellow, "load"), cmd,
                              msg_id=f"{load_msg_id(load.load_id, assignment)}-on-{fellow}")
         log.info("load %s: stage %d re-placed from %s on %s (%s)", load.load_id, lost.stage, lost.fellow_id, fellow,

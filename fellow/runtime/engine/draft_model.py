@@ -14,6 +14,11 @@ On CUDA the one-token steps replay a fixed-shape decoder captured as CUDA graphs
 slots while it fits (its sequence and drafts within a slot's positions, a slot free); one that does
 not has its own growing cache and steps eagerly beside them. ``decoder_label`` says which runs.
 
+A draft model in half precision (float16 on CUDA) times one row through its largest weight in its
+own precision and upcast to float32 per matmul (``fellow.runtime.model.half_storage``): where the
+upcast is clearly faster it computes in float32 over its half-precision weights and cache, at no extra
+memory (``upcast``, shown in the stage's kernels).
+
 The draft model's KV memory counts in the stage's token budget: a session's positions in both
 models may reach its reservation, so each budget token holds one position of the served model and
 one of the draft model (``budget_tokens``).
@@ -27,6 +32,7 @@ from pathlib import Path
 import torch
 
 from fellow.runtime.model.draft_graph import EAGER, FixedDecoder, SlotCache, fixed_decoder
+from fellow.runtime.model.half_storage import apply_half_storage
 from fellow.runtime.model.kv_cache import KVCache
 from fellow.runtime.model.stage import StageModel
 
@@ -85,6 +91,7 @@ class DraftModel:
         self.states: dict[str, _State] = {}
         self.decoder = decoder
         self.decoder_label = decoder.label if decoder is not None else EAGER
+        self.upcast: dict = {}  # half_storage's times and verdict, per device, where it is half precision
 
     def budget_tokens(self, kv_tokens: int) -> int:
         """The engine's budget when ``kv_tokens`` positions of the served model's cache fit: each budget
@@ -186,5 +193,6 @@ def load_draft_model(draft_dir: str | Path, target_stage: StageModel, target_tok
                                                                  cuda_graphs=False))
     check_same_vocabulary(target_tokenizer, loaded.tokenizer)
     draft = DraftModel(loaded.stage, target_stage, name=loaded.manifest.model_id)
+    draft.upcast = apply_half_storage(loaded.stage)  # before the capture: the graphs run what it chose
     draft.decoder, draft.decoder_label = fixed_decoder(loaded.stage, slots=batch_cap, capture=capture)
     return draft

@@ -32,7 +32,7 @@ from fellow.runtime.model.stage import CUDA_SDPA_BACKENDS, StageModel
 
 log = logging.getLogger("swarm.draft")
 
-GRAPH_POSITIONS = 2048  # a slot's positions; a session whose sequence and drafts need more steps eagerly
+GRAPH_POSITIONS = 4096  # a slot's positions; a session whose sequence and drafts need more steps eagerly
 CHECK_PROMPT = 7  # positions the load's check runs before its step (each row one more than the last)
 EAGER = "eager"
 CUDA_GRAPH = "cuda-graph"

@@ -13,6 +13,7 @@ from fellow.runtime.engine.session import Session
 from fellow.runtime.model.recurrent import recurrent_reason
 from fellow.runtime.model.stage import StageModel
 from fellow.runtime.ring.codec import WireCodec
+from fellow.runtime.ring.drafts import RingDrafts
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.session import RingFailure, RingSession
 from fellow.runtime.ring.units import RingUnits
@@ -86,6 +87,15 @@ class RingRunner:
     def stats(self) -> dict:
         return {"prefix_fallbacks": self.prefix_fallbacks} if self.sched.prefix is not None else {}
 
+    def drafts_from(self, drafter: str) -> None:
+        """The last stage drafts with the draft model ``drafter`` (said on the probe; "": none): a drafting
+        ring's passes take its guesses (fellow.runtime.ring.drafts)."""
+        if drafter and self.sched.speculative:
+            if not isinstance(self.sched.draft, RingDrafts) or self.sched.draft.name != drafter:
+                self.sched.draft = RingDrafts(drafter)
+        elif isinstance(self.sched.draft, RingDrafts):
+            self.sched.draft = None
+
     def run(self, result: StepResult) -> None:
         busy = self.paused is None and self.units.has_work(self.sched)
         for item in self.inbox.take(0 if busy else WAIT_S):
@@ -145,6 +155,8 @@ class RingRunner:
         session.routes = item.routes or session.routes
         session.answered(item.compute_ms, now)
         gained = list(item.tokens) or [item.token]
+        if isinstance(self.sched.draft, RingDrafts):  # the last stage's draft model's guesses, for the next pass
+            self.sched.draft.took(session.session_id, item.draft)
         logprobs = list(item.logprobs) if item.tokens else [item.logprob]
         if item.tokens:
             session.cache.crop_to(session.verify_pos + len(gained))

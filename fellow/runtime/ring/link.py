@@ -60,6 +60,7 @@ class RingLink:
         self.probe_ms: dict[str, float] | None = None  # the link probe's medians, direct and relay
         self.ring_kv: list[int] = []  # stage 0: each later stage's KV tokens, from the last probe round
         self.ring_step_ms: list[float] = []  # stage 0: each later stage's decode step (0.0: not measured)
+        self.ring_drafter = ""  # stage 0: the last stage's draft model, where it has one
         self.fallbacks = 0
         self._epoch = random.getrandbits(62)
         self._seq = 0
@@ -136,6 +137,7 @@ class RingLink:
                     continue
                 self.ring_kv = list(probe.kv)
                 self.ring_step_ms = list(probe.step_ms)
+                self.ring_drafter = probe.drafter
                 return probe.routes
         finally:
             self._probes.pop(nonce, None)

@@ -12,6 +12,7 @@ from events.loads import LoadFailed, StageReady, StageReplaced
 from events.stage import FailedReport, MetricsReport
 from fellow.runtime.engine.serving_loop import ServingLoop
 from fellow.runtime.ring.head import WAKE, RingRunner, ring_engine
+from fellow.runtime.ring.drafts import LastStageDrafter
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.link import RingLink
 from fellow.runtime.ring.session import route_name
@@ -37,7 +38,6 @@ class RingHeadServer(StageServer):
         self.ring = load_ring_stage(self.cfg.model_dir, 0, self.cfg.num_stages, options=self.cfg.options)
         self.stage, self.device = self.ring.stage, self.ring.device
         self.tokenizer, self.stop_ids = self.ring.tokenizer, self.ring.stop_ids
-        self._load_draft()
 
     def _build(self) -> None:
         t = self.cfg.options
@@ -46,10 +46,10 @@ class RingHeadServer(StageServer):
                                   num_stages=self.cfg.num_stages, kv_tokens=self.kv_tokens, max_batch=t.max_batch,
                                   prefill_chunk=t.prefill_chunk, prefix_cache=t.prefix_cache,
                                   route=lambda: self.link.route if self.link is not None else "r",
-                                  speculative=t.speculative, draft=self.draft)
+                                  speculative=t.speculative)
         self.runner = self.engine.runner
-        # stage 0's own (with a draft model, each token holds a position of both); the ring's is the
-        # smallest of every stage's
+        # stage 0's own; the ring's is the smallest of every stage's (a last stage with a draft model says
+        # what it holds beside the draft model's positions)
         self.kv_own = self.kv_tokens = self.engine.kv_tokens
         # finished sessions' prefixes keep to the plan's KV, as on every later stage (RingStageServer), even
         # where the ring holds more sessions in flight than the plan did
@@ -88,6 +88,7 @@ class RingHeadServer(StageServer):
         in flight and the decode groups from them and every stage's step (fellow.runtime.ring.sizing);
         then hold it to the KV every stage has room for."""
         t = self.cfg.options
+        self.runner.drafts_from(self.link.ring_drafter)
         sizing = None
         if t.in_flight_max:
             transit = await self.link.transit_ms()
@@ -168,14 +169,21 @@ class RingStageServer(StageServerBase):
     def _load(self) -> None:
         self.ring = load_ring_stage(self.cfg.model_dir, self.cfg.stage, self.cfg.num_stages, options=self.cfg.options)
         self.stage, self.device = self.ring.stage, self.ring.device
+        if self.ring.plan.is_last:  # the ring's draft model drafts here (fellow.runtime.ring.drafts)
+            self.tokenizer, self.stop_ids = self.ring.grammar_tokenizer()
+            self._load_draft()
 
     def _build(self) -> None:
         self.inbox = Inbox()
         t = self.cfg.options
+        drafter = None
+        if self.draft is not None:  # each of its budget's tokens holds a position of both models
+            self.kv_tokens = self.draft.budget_tokens(self.kv_tokens)
+            drafter = LastStageDrafter(self.draft, self.stop_ids)
         self.worker = RingWorker(self.ring, self.inbox, lambda frame, lane=None: self.link.send(frame, lane),
                                  max_batch=t.max_batch, prefix_tokens=self.prefix_tokens() if t.prefix_cache else 0,
                                  route=lambda: self.link.route if self.link is not None else "r",
-                                 kv_tokens=self.kv_tokens)
+                                 kv_tokens=self.kv_tokens, drafter=drafter)
 
     def compute(self) -> None:
         self.worker.run()

@@ -14,6 +14,7 @@ from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.stage import StageModel
 from fellow.runtime.ring.codec import WireCodec
+from fellow.runtime.ring.drafts import RingDrafts
 from fellow.runtime.ring.session import RingSession
 
 # Stage 0 drafts only while at most this many sessions a stage are in the ring: in a fuller ring every
@@ -31,7 +32,8 @@ class RingUnits:
     prefill_chunk positions (and ``max_piece``, what a frame carries), up to one piece per stage of a
     session in the ring at once (prefill_ahead); a first piece that reuses a cached prefix goes alone.
     A ready session with drafts (``Scheduler.drafts``) goes round as a VERIFY frame of its last token
-    and the drafts, computed here as one piece, while the ring is nearly empty.
+    and the drafts, computed here as one piece, while the ring is nearly empty; then, where the last stage
+    drafts with a draft model (fellow.runtime.ring.drafts), every frame asks it for its guesses (draft_k).
     """
 
     def __init__(self, stage: StageModel, codec: WireCodec, send: Callable[[object], None], *, num_stages: int,
@@ -69,7 +71,7 @@ class RingUnits:
         if not self.ready:
             return False
         group = [self.ready.popleft() for _ in range(min(self._group_size(sched), len(self.ready)))]
-        if sched.speculative and len(sched.sessions) <= self.num_stages * self.spec_max_active_per_stage:
+        if self._has_room(sched):
             drafted = sched.drafts(group)
             for session in [s for s in group if drafted.get(s.session_id)]:
                 self._send_piece(sched, session, [session.next_input, *drafted[session.session_id]], VERIFY)
@@ -84,13 +86,15 @@ class RingUnits:
         self._step_no += 1
         sched.last_batches = [len(group)]
         keep_ids = sched.prefix is not None
+        draft_k = self._draft_k(sched)
         for session, pos, (data, scale) in zip(group, positions, rows):
             session.ready = False
             session.stage0_s += now - started
             session.stage0_steps += 1
             self.send(Hidden(session=session.session_id, pos=pos, positions=1, data=data, scale=scale,
                              kind=DECODE, batch=len(group), step=self._step_no, routes=self.route(),
-                             attempt=session.attempt, ids=[session.next_input] if keep_ids else []))
+                             attempt=session.attempt, ids=[session.next_input] if keep_ids else [],
+                             draft_k=draft_k))
             session.sent(len(data) + len(scale), 1, now)
             session.decode_sent_at = now
         return True
@@ -124,7 +128,7 @@ class RingUnits:
             session.decode_sent_at = now
             frame = Hidden(session=session.session_id, pos=pos, positions=len(inputs), data=data, scale=scale,
                            kind=VERIFY, step=self._step_no, routes=self.route(), attempt=session.attempt,
-                           draft=inputs[1:], ids=keep_ids)
+                           draft=inputs[1:], ids=keep_ids, draft_k=self._draft_k(sched))
         else:
             session.prefilled += len(inputs)
             first = pos == session.first_pos
@@ -132,17 +136,28 @@ class RingUnits:
             session.confirming = bool(reuse)
             frame = Hidden(session=session.session_id, pos=pos, positions=len(inputs), data=data, scale=scale,
                            kind=PIECE if session.prefilling else LAST_PIECE,
-                           sampling=ring_sampling(session) if first else None, ids=keep_ids, reuse=reuse,
-                           reserve=session.reserved_tokens if first else 0, routes=self.route(),
-                           attempt=session.attempt)
+                           sampling=ring_sampling(session, isinstance(sched.draft, RingDrafts)) if first else None,
+                           ids=keep_ids, reuse=reuse, reserve=session.reserved_tokens if first else 0,
+                           routes=self.route(), attempt=session.attempt,
+                           draft_k=0 if session.prefilling else self._draft_k(sched))
         self.send(frame)
         session.sent(len(data) + len(scale), len(inputs), now)
 
 
-def ring_sampling(session: Session) -> RingSampling:
-    """A session's sampling for the last stage, with the ids its processors need."""
+    def _has_room(self, sched: Scheduler) -> bool:
+        """Whether passes may carry drafts now: the load drafts and the ring is nearly empty."""
+        return bool(sched.speculative) and len(sched.sessions) <= self.num_stages * self.spec_max_active_per_stage
+
+    def _draft_k(self, sched: Scheduler) -> int:
+        """The guesses a frame asks of the last stage's draft model: k while the ring has room, else none."""
+        return sched.speculative if isinstance(sched.draft, RingDrafts) and self._has_room(sched) else 0
+
+
+def ring_sampling(session: Session, drafting: bool = False) -> RingSampling:
+    """A session's sampling for the last stage, with the ids its processors need (and, where its draft
+    model guesses from the whole sequence, ``drafting``, the prompt's)."""
     s = session.sampling
+    wants_prompt = drafting or s.repetition_penalty != 1.0 or s.prompt_logprobs is not None
     return RingSampling(sampling=s, stop_ids=sorted(session.stop_ids) if s.min_tokens else [],
-                        prompt_ids=session.prompt_ids if s.repetition_penalty != 1.0 or s.prompt_logprobs is not None
-                        else [],
+                        prompt_ids=session.prompt_ids if wants_prompt else [],
                         output_ids=list(session.output_ids))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -16,8 +15,9 @@ from fellow.runtime.engine.speculative import verify_drafts
 from fellow.runtime.engine.prefix_cache import PrefixCache
 from fellow.runtime.engine.scheduler import Follower
 from fellow.runtime.engine.serving_loop import StepStats
-from fellow.runtime.model.kv_cache import KVCache
 from fellow.runtime.model.recurrent import off_note
+from fellow.runtime.ring.drafts import LastStageDrafter
+from fellow.runtime.ring.held import Held
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.loader import RingStage
 from fellow.runtime.engine.processors import constraint_for, sample_next
@@ -40,30 +40,6 @@ class PrefixMissing(FrameError):
     code = PREFIX_MISSING
 
 
-@dataclass(eq=False)
-class _Held:
-    """A session as a later stage holds it: its cache and, on the last stage, its sampling and the
-    ids its logits processors need (the tokens it sampled so far among them)."""
-
-    cache: KVCache
-    sampling: Sampling
-    generator: torch.Generator | None
-    prompt_ids: list[int] = field(default_factory=list)
-    stop_ids: frozenset[int] = frozenset()
-    output_ids: list[int] = field(default_factory=list)
-    pending_logprob: tuple | None = None
-    ids: list[int] = field(default_factory=list)  # the token ids of its cache's positions, when frames carry them
-    attempt: int = 0  # the session's try whose frames it runs (events.ring.Hidden.attempt)
-    unverified: int = 0  # positions of its last VERIFY frame that may not stand: its next frame says
-    constraint: object | None = None  # processors.Constraint of the request's grammar, if any
-
-    def sampled(self, token: int) -> tuple | None:
-        """Take the token this stage drew; its logprob, if the request asked for them."""
-        self.output_ids.append(token)
-        logprob, self.pending_logprob = self.pending_logprob, None
-        return logprob
-
-
 class RingWorker:
     """Runs frames as they come; I/O-free: ``send(frame, lane=None)`` is the link's.
 
@@ -78,18 +54,21 @@ class RingWorker:
     own PrefixCache, within that many KV tokens together with the live sessions' reservations, and a
     first frame that reuses a prefix copies it from there (fellow.runtime.ring.head says who decides).
     A stage with recurrent layers keeps none (fellow.runtime.model.recurrent), and runs a decode batch's
-    sessions batched over stacked states (fellow.runtime.model.recurrent).
+    sessions batched over stacked states (fellow.runtime.model.recurrent). A last stage with a ``drafter``
+    (fellow.runtime.ring.drafts) sends its draft model's guesses with the answers of frames that ask.
     """
 
     def __init__(self, ring: RingStage, inbox: Inbox, send: Callable[..., None], max_batch: int = 0,
-                 prefix_tokens: int = 0, route: Callable[[], str] | None = None, kv_tokens: int = 0) -> None:
+                 prefix_tokens: int = 0, route: Callable[[], str] | None = None, kv_tokens: int = 0,
+                 drafter: LastStageDrafter | None = None) -> None:
         self.ring, self.stage = ring, ring.stage
         self.kv_tokens = kv_tokens  # what this stage holds, told to stage 0 on every probe
         self.step_ms = 0.0  # its decode step at a decode group's rows, when measured at load; told the same way
         self.inbox, self.send = inbox, send
         self.is_last = ring.plan.is_last
         self.max_batch = max_batch
-        self.held: dict[str, _Held] = {}
+        self.held: dict[str, Held] = {}
+        self.drafter = drafter if self.is_last else None
         if self.stage.recurrent is not None:  # recurrent layers: no positions kept for reuse (stage 0 reuses none)
             off_note(self.stage, ["prefix_cache"] if prefix_tokens > 0 else [])
             prefix_tokens = 0
@@ -145,7 +124,8 @@ class RingWorker:
         self.frames += 1
         if isinstance(frame, Probe):
             self.send(Probe(nonce=frame.nonce, routes=frame.routes + self.route(), kv=[*frame.kv, self.kv_tokens],
-                            step_ms=[*frame.step_ms, self.step_ms]))
+                            step_ms=[*frame.step_ms, self.step_ms],
+                            drafter=self.drafter.name if self.drafter is not None else ""))
         elif isinstance(frame, End):
             held = self.held.get(frame.session)
             if held is not None:
@@ -154,9 +134,7 @@ class RingWorker:
                     del held.ids[frame.length:]
                 if frame.keep and self.prefix is not None and len(held.ids) == held.cache.length:
                     self.prefix.insert(held.ids, held.cache)
-                held.cache.release()
-                del self.held[frame.session]  # last: a session is gone from held once its blocks are kept
-                self.ledger.drop(frame.session)
+                self._drop(frame.session)  # last: a session is gone from held once its blocks are kept
                 self._fit_prefix()
             if not self.is_last:
                 self.send(frame)
@@ -173,7 +151,7 @@ class RingWorker:
             params = frame.sampling.sampling if frame.sampling is not None else Sampling()
             generator = make_generator(params, self.stage.output_device) if self.is_last else None
             ring = frame.sampling
-            held = _Held(self.stage.new_cache(), params, generator,
+            held = Held(self.stage.new_cache(), params, generator,
                          prompt_ids=list(ring.prompt_ids) if ring else [],
                          stop_ids=frozenset(ring.stop_ids) if ring else frozenset(),
                          output_ids=list(ring.output_ids) if ring else [],
@@ -208,17 +186,18 @@ class RingWorker:
                              scale=scale, kind=frame.kind, sampling=frame.sampling,
                              compute_ms=[*frame.compute_ms, _ms(started)], ids=frame.ids, reuse=frame.reuse,
                              reserve=frame.reserve, routes=frame.routes + self.route(), attempt=frame.attempt,
-                             draft=frame.draft))
+                             draft=frame.draft, draft_k=frame.draft_k))
         elif frame.kind == LAST_PIECE:
             token = sample_next(out[None], [held])[0]
+            logprob = held.sampled(token)
             self.send(Token(session=frame.session, token=token, compute_ms=[*frame.compute_ms, _ms(started)],
-                            logprob=held.sampled(token), routes=frame.routes + self.route(), attempt=frame.attempt,
-                            prompt=scored, prompt_pos=scored_at))
+                            logprob=logprob, routes=frame.routes + self.route(), attempt=frame.attempt,
+                            prompt=scored, prompt_pos=scored_at, draft=self._guesses([frame]).get(frame.session, [])))
         else:
             self.send(Token(session=frame.session, token=NO_TOKEN, attempt=frame.attempt, prompt=scored,
                             prompt_pos=scored_at))
 
-    def _verify(self, frame: Hidden, held: _Held, hidden: torch.Tensor, started: float) -> None:
+    def _verify(self, frame: Hidden, held: Held, hidden: torch.Tensor, started: float) -> None:
         """The last stage checks a VERIFY frame's drafts (fellow.runtime.engine.speculative, exact) and
         answers every token the pass gained; its cache keeps the last token and the drafts that stood."""
         logits = self.stage.piece_logits(held.cache, hidden)  # [1 + drafts, V]
@@ -230,7 +209,7 @@ class RingWorker:
         self.send(Token(session=frame.session, token=NO_TOKEN, tokens=[t for t, _ in gained],
                         logprobs=[lp for _, lp in gained] if wants else [],
                         compute_ms=[*frame.compute_ms, _ms(started)], routes=frame.routes + self.route(),
-                        attempt=frame.attempt))
+                        attempt=frame.attempt, draft=self._guesses([frame]).get(frame.session, [])))
 
     # --- decode batches ----------------------------------------------------------------------
 
@@ -271,22 +250,26 @@ class RingWorker:
         self._step_no += 1
         if self.is_last:
             tokens = sample_next(out, held)
+            logprobs = [h.sampled(token) for token, h in zip(tokens, held)]
+            guesses = self._guesses(frames)
             elapsed = _ms(started)
-            for frame, token, h in zip(frames, tokens, held):
+            for frame, token, logprob in zip(frames, tokens, logprobs):
                 self.send(Token(session=frame.session, token=token, batch=len(frames), step=self._step_no,
-                                compute_ms=[*frame.compute_ms, elapsed], logprob=h.sampled(token),
-                                routes=frame.routes + self.route(), attempt=frame.attempt))
+                                compute_ms=[*frame.compute_ms, elapsed], logprob=logprob,
+                                routes=frame.routes + self.route(), attempt=frame.attempt,
+                                draft=guesses.get(frame.session, [])))
             return
         rows = self.ring.sender.encode(out)
         elapsed = _ms(started)
         for frame, (data, scale) in zip(frames, rows):
             self.send(Hidden(session=frame.session, pos=frame.pos, positions=1, data=data, scale=scale,
                              batch=len(frames), step=self._step_no, compute_ms=[*frame.compute_ms, elapsed],
-                             ids=frame.ids, routes=frame.routes + self.route(), attempt=frame.attempt))
+                             ids=frame.ids, routes=frame.routes + self.route(), attempt=frame.attempt,
+                             draft_k=frame.draft_k))
 
     # --- sessions ----------------------------------------------------------------------------
 
-    def _held(self, frame: Hidden) -> _Held:
+    def _held(self, frame: Hidden) -> Held:
         held = self.held.get(frame.session)
         if held is None:
             raise FrameError(f"stage {self.ring.index} holds no session {frame.session!r}")
@@ -309,6 +292,19 @@ class RingWorker:
         self.ledger.drop(session)
         if held is not None:
             held.cache.release()
+        if self.drafter is not None:
+            self.drafter.release(session)
+
+    def _guesses(self, frames: list[Hidden]) -> dict[str, list[int]]:
+        """The draft model's guesses after the tokens just answered, for the frames that asked."""
+        if self.drafter is None:
+            return {}
+        try:  # a guess is never needed: a draft model that fails costs the drafts, not the tokens
+            return self.drafter.after([(f.session, f.draft_k, self.held[f.session].prompt_ids
+                                        + self.held[f.session].output_ids) for f in frames if f.draft_k])
+        except Exception as exc:
+            log.warning("stage %d: the draft model failed, no drafts this time: %s", self.ring.index, exc)
+            return {}
 
     def _stale(self, frame: Hidden) -> bool:
         """A frame of a try its session has given up (stage 0 replayed it or started it over): dropped."""

@@ -15,11 +15,13 @@ import torch
 from core.bus import close_quietly, connect
 from core.settings import NatsSettings
 from core.tasks import cancel_and_wait
+from fellow.runtime.engine.draft_model import DraftModel, load_draft_model
 from events.stage import MetricsReport, ReadyReport, Report, StageConfig, StageOptions, encode
 from fellow.runtime.model.kernels import lora_costs, step_costs
 from fellow.runtime.model.step_report import measure
 from fellow.runtime.model.kv_budget import held_tokens, measured_kv_tokens
 from fellow.runtime.model.quant.report import stage_weights
+from fellow.runtime.model.recurrent import recurrent_reason
 from fellow.runtime.model.stage import StageModel
 
 log = logging.getLogger("swarm.serve")
@@ -84,6 +86,7 @@ class StageServerBase:
 
     stage: StageModel
     device: torch.device
+    draft: DraftModel | None = None  # the draft model, on a drafting load's last stage
 
     def _link_options(self) -> dict:
         """A ring stage's link settings (fellow.runtime.ring.link.RingLink)."""
@@ -105,6 +108,21 @@ class StageServerBase:
 
     def _build(self) -> None:
         """Build what computes, with ``kv_tokens`` known."""
+
+    def _load_draft(self) -> None:
+        """The draft model (SWARM_SERVE_DRAFT_MODEL) on a drafting load's last stage (a one-stage load's only one):
+        never beside a model with recurrent layers, which does not draft (fellow.runtime.model.recurrent)."""
+        if self.cfg.options.draft_model_dir and self.cfg.options.speculative and recurrent_reason(self.stage.config):
+            log.info("[stage%d draft] no draft model: %s", self.cfg.stage, recurrent_reason(self.stage.config))
+        elif self.cfg.options.draft_model_dir and self.cfg.options.speculative:
+            self.draft = load_draft_model(self.cfg.options.draft_model_dir, self.stage, self.tokenizer, self.device,
+                                          packed=self.cfg.options.packed_linear, batch_cap=self.batch_cap)
+            warm_up(self.draft.stage)
+            self.stage.kernels = {**self.stage.kernels, "draft_decoder": self.draft.decoder_label,
+                                  **({"draft_upcast": self.draft.upcast} if self.draft.upcast else {})}
+            log.info("[stage%d draft] %s drafts here: %d bytes a position (%.3f of the "
+                     "served model's), steps %s", self.cfg.stage, self.draft.name, self.draft.position_bytes,
+                     self.draft.ratio, self.draft.decoder_label)
 
     def compute(self) -> None:
         """Compute on this, the main, thread until ``stop_compute``."""

@@ -7,13 +7,11 @@ import time
 
 from events import subjects
 from events.stage import MetricsReport
-from fellow.runtime.engine.draft_model import DraftModel, load_draft_model
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.engine.serving_loop import ServingLoop
 from fellow.runtime.model.loader import load_one_stage
-from fellow.runtime.model.recurrent import recurrent_reason
-from fellow.runtime.server.base import StageServerBase, log, warm_up
+from fellow.runtime.server.base import StageServerBase
 from fellow.runtime.server.intake import Intake
 
 
@@ -27,27 +25,12 @@ class StageServer(StageServerBase):
     tokenizer: object
     stop_ids: frozenset[int]
     intake: Intake | None = None
-    draft: DraftModel | None = None
 
     def _load(self) -> None:
         loaded = load_one_stage(self.cfg.model_dir, options=self.cfg.options)
         self.stage, self.device = loaded.stage, loaded.device
         self.tokenizer, self.stop_ids = loaded.tokenizer, loaded.stop_ids
         self._load_draft()
-
-    def _load_draft(self) -> None:
-        """SWARM_SERVE_DRAFT_MODEL's small model, beside this stage 0 (one stage or a ring's), when it drafts:
-        never beside a model with recurrent layers, which does not draft (fellow.runtime.model.recurrent)."""
-        if self.cfg.options.draft_model_dir and self.cfg.options.speculative and recurrent_reason(self.stage.config):
-            log.info("[stage%d draft] no draft model: %s", self.cfg.stage, recurrent_reason(self.stage.config))
-        elif self.cfg.options.draft_model_dir and self.cfg.options.speculative:
-            self.draft = load_draft_model(self.cfg.options.draft_model_dir, self.stage, self.tokenizer, self.device,
-                                          packed=self.cfg.options.packed_linear, batch_cap=self.batch_cap)
-            warm_up(self.draft.stage)
-            self.stage.kernels = {**self.stage.kernels, "draft_decoder": self.draft.decoder_label}
-            log.info("[stage%d draft] %s drafts beside the served model: %d bytes a position (%.3f of the "
-                     "served model's), steps %s", self.cfg.stage, self.draft.name, self.draft.position_bytes,
-                     self.draft.ratio, self.draft.decoder_label)
 
     def _build(self) -> None:
         t = self.cfg.options
