@@ -211,6 +211,7 @@ class LeaderSettings(Group):
                        lambda name, raw: raw.strip().rstrip("/"))
     database_url: str = setting("SWARM_DATABASE_URL", "sqlite+aiosqlite:///$SWARM_DATA_DIR/swarm.db", database_url)
     api_token: str | None = setting("SWARM_API_TOKEN", "", secret, shown=False)
+    tokens_file: Path | None = setting("SWARM_API_TOKENS_FILE", "", optional(path))  # leader.auth.token_file
     require_api_token: bool = setting("SWARM_REQUIRE_API_TOKEN", "0", flag)
     autoload: bool = setting("SWARM_AUTOLOAD", "0", flag)
     servable_models_root: Path = setting("SWARM_SERVABLE_MODELS_ROOT", "$SWARM_DATA_DIR/servable_models", path)
@@ -338,7 +339,6 @@ def variables() -> list[Variable]:
 # Variables the spec names whose feature is not built yet, and the issue that builds it. Setting one is
 # refused at start rather than validated and ignored.
 NOT_IMPLEMENTED = {
-    "SWARM_API_TOKENS_FILE": "no issue: API tokens are kept in the database",
     "SWARM_NATS_CREDS": "NATS .creds files, issue 18; use SWARM_NATS_USER and SWARM_NATS_PASSWORD",
 }
 

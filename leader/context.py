@@ -72,6 +72,7 @@ class Leader:
         await self.fellows.start()
         self.auth = AuthService(self, s, clock=self._clock, prune_interval_s=self._prune_interval_s)
         self.auth.start()
+        await self.auth.sync_file()
         self.serving = self._make_serving(self)
         await self.serving.start()
         self.token_streams = await TokenStreams(self.nc, self.js, secret=self.frame_secret,

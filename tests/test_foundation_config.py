@@ -41,7 +41,7 @@ def test_bad_values_name_the_variable(env, needle):
         Settings.from_env(env)
 
 
-NOT_IMPLEMENTED = ["SWARM_API_TOKENS_FILE"]
+NOT_IMPLEMENTED = ["SWARM_NATS_CREDS"]
 
 
 @pytest.mark.parametrize("name", NOT_IMPLEMENTED)
@@ -94,11 +94,11 @@ def test_cli_fails_fast_with_one_line(tmp_path, command, extra, needle):
 
 
 def test_swarm_up_refuses_a_setting_not_implemented(tmp_path):
-    out = run_cli(["up", "--no-demo"], swarm_env(tmp_path, None, SWARM_API_TOKENS_FILE="tokens.json"))
+    out = run_cli(["up", "--no-demo"], swarm_env(tmp_path, None, SWARM_NATS_CREDS="swarm.creds"))
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "swarm: error: SWARM_API_TOKENS_FILE is not implemented yet (no issue: API tokens are kept in the database); "
-        "unset it"]
+        "swarm: error: SWARM_NATS_CREDS is not implemented yet (NATS .creds files, issue 18; use SWARM_NATS_USER "
+        "and SWARM_NATS_PASSWORD); unset it"]
     assert not (tmp_path / "data").exists()  # refused before anything started
 
 

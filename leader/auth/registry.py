@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Callable
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import async_sessionmaker
@@ -73,6 +74,7 @@ class TokenRegistry:
         self._table = TokenTable()
         self._loaded_through = -1
         self._lock = asyncio.Lock()
+        self.on_reload: Callable[[TokenTable], None] | None = None  # told each new table (the tokens file)
 
     def _stale(self) -> bool:
         changed = self._projector.changed_seq
@@ -92,3 +94,5 @@ class TokenRegistry:
             rows = (await session.scalars(select(ApiToken).order_by(ApiToken.created_at, ApiToken.token_id))).all()
         self._table = TokenTable.of([_record(r) for r in rows])
         self._loaded_through = through
+        if self.on_reload is not None:
+            self.on_reload(self._table)

@@ -15,6 +15,7 @@ from leader.auth import token_format
 from leader.auth.pruner import TokenPruner
 from leader.auth.registry import PROJECTION, TokenRecord, TokenRegistry, TokenTable
 from leader.auth.scopes import canonical, effective, grants
+from leader.auth.token_file import imports, read_tokens, write_tokens
 from leader.errors import ApiError
 from leader.services import LeaderServices
 
@@ -74,6 +75,21 @@ class AuthService:
         """Called by Leader.start once the projections run: the registry and the prune sweep."""
         self.registry = TokenRegistry(self.leader.sessions, self.leader.projections)
         self.pruner.start()
+
+    async def sync_file(self) -> None:
+        """SWARM_API_TOKENS_FILE (leader.auth.token_file): add the tokens it holds that the log lacks, write
+        it from the table, and again whenever the table changes. TokensFileError where it is no tokens file."""
+        path = self.settings.leader.tokens_file
+        if path is None:
+            return
+        entries = read_tokens(path)
+        added = imports(entries, await self.table())
+        for evt in added:
+            await self.leader.publish(evt, wait=[PROJECTION])
+        if added:
+            log.info("added %d API token event(s) from %s", len(added), path)
+        self.registry.on_reload = lambda table: write_tokens(path, table)
+        write_tokens(path, await self.table())
 
     async def stop(self) -> None:
         await self.pruner.stop()
