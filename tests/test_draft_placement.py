@@ -89,15 +89,16 @@ def test_a_rings_last_stage_drafts_with_the_leaders_draft_model_fetched_and_repl
     """SWARM_SERVE_DRAFT_MODEL=auto on the leader: a two-stage load with speculative 2 names tiny-draft in its
     transport; the last stage's fellow fetches it from the leader (SWARM_FELLOW_FETCH=always) and drafts
     with it, stage 0 holds none; the replies' timings count its drafts, and greedy replies equal the same
-    ring's without drafting."""
+    ring's without drafting. (With SWARM_SERVE_STEP_COSTS=1, stage 0 also reports its link probe.)"""
     stack = Stack(tmp_path, nats_server.url, servables, fellows=2, SWARM_SERVE_DRAFT_MODEL="auto",
-                  SWARM_FELLOW_FETCH="always").start()
+                  SWARM_FELLOW_FETCH="always", SWARM_SERVE_STEP_COSTS="1").start()
     prompts = ["tell me something new", "the same words again and again", "count to ten"]
     try:
         load = stack.load("tiny", num_stages=2, speculative=2)
         assert load["transport"]["draft_model"] == "tiny-draft" and not load["reason"], load
         first, last = sorted(load["stages"], key=lambda s: s["stage"])
         assert "draft_decoder" not in first["kernels"] and last["kernels"]["draft_decoder"] == "eager"
+        assert first["kernels"]["link_probe"]["trips"] == 10  # step costs asked: stage 0 timed its links too
         fetched = list((tmp_path / "data").rglob("tiny-draft-*/servable.json"))
         assert fetched, "the last stage's fellow fetched the draft model into its model cache"
         drafted = [_chat(stack, p) for p in prompts]

@@ -38,6 +38,18 @@ async def test_direct_and_relay_rings_reply_alike_and_say_their_route(nats_serve
         assert {t["route"] for t in timings.values()} == {links}
 
 
+async def test_the_link_probe_times_ten_trips_by_the_routes_they_take(nats_server, model):
+    """The spec's [stage0 link-probe] (SWARM_SERVE_STEP_COSTS): ten round trips of the frames' path without
+    compute, named by their hops' routes (RingHeadServer puts them in stage 0's kernels and log)."""
+    ring = await BusRing(model, 3, "direct").start(nats_server.url)
+    try:
+        probe = await ring.links_[0].link_probe()
+    finally:
+        await ring.close()
+    assert probe["trips"] == 10 and probe["routes"] == "ddd"
+    assert 0 < probe["min_ms"] <= probe["median_ms"] <= probe["max_ms"]
+
+
 async def test_a_direct_hop_that_breaks_mid_session_goes_on_over_the_relay(nats_server, model):
     expected = one_stage(model, PROMPTS, 40)
     ring = await BusRing(model, 3, "direct").start(nats_server.url)

@@ -61,6 +61,7 @@ class RingLink:
         self.ring_kv: list[int] = []  # stage 0: each later stage's KV tokens, from the last probe round
         self.ring_step_ms: list[float] = []  # stage 0: each later stage's decode step (0.0: not measured)
         self.ring_drafter = ""  # stage 0: the last stage's draft model, where it has one
+        self.ring_routes = ""  # stage 0: how each hop sent the last probe ("d" direct, "r" relay)
         self.fallbacks = 0
         self._epoch = random.getrandbits(62)
         self._seq = 0
@@ -138,6 +139,7 @@ class RingLink:
                 self.ring_kv = list(probe.kv)
                 self.ring_step_ms = list(probe.step_ms)
                 self.ring_drafter = probe.drafter
+                self.ring_routes = probe.routes
                 return probe.routes
         finally:
             self._probes.pop(nonce, None)
@@ -145,12 +147,23 @@ class RingLink:
     async def transit_ms(self, rounds: int = 5, timeout: float = 30.0) -> float:
         """Stage 0: the median of ``rounds`` probe trips round the ring, in ms: every hop's one-way delay
         by the route it takes now, plus each stage's handling, with no compute on the way."""
+        return statistics.median(await self.trips_ms(rounds, timeout))
+
+    async def trips_ms(self, rounds: int, timeout: float = 30.0) -> list[float]:
+        """Stage 0: ``rounds`` probe trips round the ring, each in ms."""
         trips = []
         for _ in range(rounds):
             started = time.perf_counter()
             await self.probe(timeout)
             trips.append((time.perf_counter() - started) * 1e3)
-        return statistics.median(trips)
+        return trips
+
+    async def link_probe(self, rounds: int = 10) -> dict:
+        """Stage 0, the spec's ``[stage0 link-probe]``: ``rounds`` round trips of the frames' path without
+        compute (round the ring: on two stages, to the stage it dials and back), by the routes they take now."""
+        trips = sorted(await self.trips_ms(rounds))
+        return {"trips": rounds, "min_ms": round(trips[0], 3), "median_ms": round(statistics.median(trips), 3),
+                "max_ms": round(trips[-1], 3), "routes": self.ring_routes}
 
     async def _on_msg(self, msg) -> None:
         try:

@@ -81,6 +81,11 @@ class RingHeadServer(StageServer):
         log.info("ring of %d stages answered a probe in %.3fs; hops: %s", self.cfg.num_stages,
                  time.perf_counter() - started, route_name(routes.replace("?", "r")))
         await self._fit_ring()
+        if self.cfg.options.step_costs:  # the spec's link-probe, with the other step costs it asks for
+            probe = await self.link.link_probe()
+            self.stage.kernels = {**self.stage.kernels, "link_probe": probe}
+            log.info("[stage0 link-probe] %d trips round the ring (%s): min %.3f median %.3f max %.3f ms",
+                     probe["trips"], route_name(probe["routes"]), probe["min_ms"], probe["median_ms"], probe["max_ms"])
         await super()._start()
 
     async def _fit_ring(self) -> None:
