@@ -112,3 +112,16 @@ def test_a_rings_last_stage_drafts_with_the_leaders_draft_model_fetched_and_repl
             _chat(stack, p)["choices"][0]["message"]["content"] for p in prompts]
     finally:
         stack.stop()
+
+
+def test_a_one_stage_load_drafts_with_the_draft_model_the_leader_names(servables, tmp_path, nats_server):
+    """SWARM_SERVE_DRAFT_MODEL=<id> on the leader, a one-stage load: its only stage is its last, and drafts."""
+    stack = Stack(tmp_path, nats_server.url, servables, SWARM_SERVE_DRAFT_MODEL="tiny-draft").start()
+    try:
+        load = stack.load("tiny", num_stages=1, speculative=2)
+        assert load["transport"]["draft_model"] == "tiny-draft"
+        assert load["stages"][0]["kernels"]["draft_decoder"] == "eager"
+        timing = _chat(stack, "tell me something new")["swarm"]["timing"]
+        assert timing["spec_k"] == 2 and timing["spec_model_drafted"] > 0, timing
+    finally:
+        stack.stop()
