@@ -125,9 +125,10 @@ def nats_urls(name: str, raw: str) -> str | None:
 COMPILE_MAX_BATCH = 64
 
 
-def compile_sizes(name: str, raw: str) -> tuple[int, ...]:
-    """off, on (batch 1), or the decode batch sizes to compile, e.g. ``1,8``."""
-    v = raw.strip().lower()
+def compile_sizes(name: str, raw: str) -> tuple[int, ...] | None:
+    """auto (None: batch 1, in the background), off, on (batch 1 at load), or batch sizes at load (``1,8``)."""
+    if (v := raw.strip().lower()) == "auto":
+        return None
     if v in ("off", "0", "no", "false"):
         return ()
     if v in ("on", "yes", "true"):
@@ -137,7 +138,7 @@ def compile_sizes(name: str, raw: str) -> tuple[int, ...]:
     except ValueError:
         sizes = []
     if not sizes or not all(1 <= n <= COMPILE_MAX_BATCH for n in sizes):
-        raise SettingsError(f"{name}={raw!r} must be off, on, or batch sizes from 1 to {COMPILE_MAX_BATCH} "
+        raise SettingsError(f"{name}={raw!r} must be auto, off, on, or batch sizes from 1 to {COMPILE_MAX_BATCH} "
                             f"separated by commas (like 1,8)")
     return tuple(sizes)
 
@@ -252,7 +253,7 @@ class ServingSettings(Group):
     devices: str = setting("SWARM_SERVE_DEVICES", "auto", devices)  # what a stage's layers are split over
     lora: str = setting("SWARM_SERVE_LORA", "lean", choice(*LORA_MODES))  # adapters over quantized weights
     attention: str = setting("SWARM_SERVE_ATTENTION", "auto", choice("auto", "grouped", "sdpa"))  # the HF layers'
-    compile: tuple[int, ...] = setting("SWARM_SERVE_COMPILE", "off", compile_sizes)  # decode batches compiled
+    compile: tuple[int, ...] | None = setting("SWARM_SERVE_COMPILE", "auto", compile_sizes)  # None: in the background
     cuda_graphs: bool = setting("SWARM_SERVE_CUDA_GRAPHS", "auto", is_on("auto"))
     fourbit_rows: str = setting("SWARM_SERVE_4BIT_ROWS", "auto", fourbit_rows)  # auto, off, or "1".."8"
     fourbit_float32: str = setting("SWARM_SERVE_4BIT_FLOAT32", "auto", choice("auto", "off"))

@@ -50,6 +50,7 @@ class LoadedModel(msgspec.Struct, frozen=True, kw_only=True):
     prefix_cached_tokens: int = 0
     prefix_hit_rate: float = 0.0
     kv_tokens_used: int = 0  # reserved of kv_tokens now (0 from a fellow that predates it)
+    compiled: str = ""  # its decode step compiling in the background, or what serves it since (MetricsReport)
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):

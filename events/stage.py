@@ -37,7 +37,9 @@ class StageOptions(msgspec.Struct, frozen=True, kw_only=True):
     devices: str = "auto"  # what the layers are split over (auto: every GPU, then the CPU)
     lora: str = "lean"  # adapters kept apart over quantized weights: lean, lean16 or peft
     attention: str = "auto"  # the HF layers' attention: auto, grouped or sdpa (model.grouped_attention)
-    compile: tuple[int, ...] = ()  # decode batch sizes compiled at load (fellow.runtime.model.compiled)
+    # decode batch sizes compiled at load (fellow.runtime.model.compiled); None: batch 1 compiled in the background
+    # once the stage serves, swapped in where faster (fellow.runtime.model.background_compile)
+    compile: tuple[int, ...] | None = ()
     cuda_graphs: bool = True  # a whole-model CUDA stage's decode replays graphs where faster
     fourbit_rows: str = "auto"  # auto, off, or a fixed row limit "1".."8" (model.fourbit_rows)
     fourbit_float32: str = "auto"  # 4-bit matmuls in float32 where measured faster, or off
@@ -92,6 +94,7 @@ class MetricsReport(Report, frozen=True, tag="metrics"):
     prefix_cached_tokens: int = 0  # positions the prefix cache holds now
     prefix_hit_rate: float = 0.0  # the share of all prompt tokens so far that came from the cache
     kv_tokens_used: int = 0  # reserved of its KV budget (stage 0 of a load), for kv_cache_usage_perc
+    compiled: str = ""  # SWARM_SERVE_COMPILE=auto: where its background compile is (model.background_compile)
 
 
 class FailedReport(Report, frozen=True, tag="failed"):

@@ -85,7 +85,7 @@ class ModelManager:
                 vram_bytes=m.vram_bytes or (ready.vram_bytes if ready else 0), in_flight=m.in_flight,
                 waiting=m.waiting, kv_tokens=ready.kv_tokens if ready else 0, kv_tokens_used=m.kv_tokens_used,
                 kv_tokens_planned=ready.kv_tokens_planned if ready else 0,
-                prefix_cached_tokens=m.prefix_cached_tokens, prefix_hit_rate=m.prefix_hit_rate))
+                prefix_cached_tokens=m.prefix_cached_tokens, prefix_hit_rate=m.prefix_hit_rate, compiled=m.compiled))
         return out
 
     async def on_load(self, cmd: LoadStage) -> None:
@@ -132,7 +132,7 @@ class ModelManager:
             logs.mkdir(parents=True, exist_ok=True)
             creds = self.settings.nats.credentials  # the stage logs in to NATS as its fellow
             env = {**os.environ, **creds.env()} if creds else None
-            if self.settings.serving.compile and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+            if self.settings.serving.compile != () and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
                 # inductor's cache under the data dir: a model compiled once compiles again from it
                 env = {**(env or os.environ), "TORCHINDUCTOR_CACHE_DIR": str(self.settings.data_dir / "inductor")}
             proc = StageProcess(cfg, self._on_report, self._on_exit,

@@ -22,8 +22,10 @@ def free_port() -> int:
 def swarm_env(tmp_path: Path, nats_url: str | None, database_url: str | None = None, port: int | None = None,
               **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
+    # a stage compiles its decode step in the background by default (tens of seconds of CPU on each load):
+    # tests' stages do not, but the tests of that compile, which ask for it
     env.update(SWARM_DATA_DIR=str(tmp_path / "data"), SWARM_HEARTBEAT_S="0.5",
-               SWARM_LEADER_PORT=str(port or free_port()))
+               SWARM_LEADER_PORT=str(port or free_port()), SWARM_SERVE_COMPILE="off")
     if nats_url:
         env["SWARM_NATS_URL"] = nats_url
     if database_url:

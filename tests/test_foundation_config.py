@@ -66,10 +66,11 @@ def test_defaults_follow_the_spec():
     assert Settings.from_env({"SWARM_SERVE_DEVICES": "CUDA:1, cuda:0,cpu"}).serving.devices == "cuda:1,cuda:0,cpu"
     assert s.serving.lora == "lean"  # adapters over quantized weights: one addmm, no PEFT layer
     assert Settings.from_env({"SWARM_SERVE_LORA": "PEFT"}).serving.lora == "peft"
-    assert s.serving.compile == ()  # the compiled decode step costs tens of seconds of load per batch size
+    assert s.serving.compile is None  # auto: compiled in the background once serving, no load waits for it
     assert Settings.from_env({"SWARM_SERVE_COMPILE": "on"}).serving.compile == (1,)
     assert Settings.from_env({"SWARM_SERVE_COMPILE": "8, 1,8"}).serving.compile == (1, 8)
     assert Settings.from_env({"SWARM_SERVE_COMPILE": "off"}).serving.compile == ()
+    assert Settings.from_env({"SWARM_SERVE_COMPILE": "auto"}).serving.compile is None
     assert s.serving.cuda_graphs  # a whole-model CUDA stage replays its decode step where that measures faster
     assert not Settings.from_env({"SWARM_SERVE_CUDA_GRAPHS": "off"}).serving.cuda_graphs
     assert (s.serving.fourbit_rows, s.serving.fourbit_float32) == ("auto", "auto")  # 4-bit row limits measured at load

@@ -40,7 +40,7 @@ def test_a_stage_serves_with_the_plan_over_its_fellows_own_settings():
     assert stage_options(FELLOW, load(num_stages=2, in_flight_max=48)).in_flight_max == 48
     assert stage_options(FELLOW, load(in_flight_max=48)).in_flight_max == 0  # one stage: in flight stays fixed
     unset = stage_options(Settings.from_env({}), load())
-    assert (unset.devices, unset.lora, unset.compile, unset.max_batch, unset.draft_model_dir) == ("auto", "lean", (),
+    assert (unset.devices, unset.lora, unset.compile, unset.max_batch, unset.draft_model_dir) == ("auto", "lean", None,
                                                                                                    0, "")
     cfg = StageConfig(load_id="ld", model_id="m", model_dir="/m", nats_url="nats://x:1", fellow_id="f0", options=o)
     assert decode_config(encode(cfg).decode()).options == o  # whole, as it goes in the stage's argv

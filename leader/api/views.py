@@ -27,6 +27,8 @@ class StageView(msgspec.Struct, kw_only=True):
     weights: dict | None = None
     replaced: list[dict] | None = None  # [{from, to, at, reason}]: the fellows a ring stage was re-placed from
     metrics: dict[str, float | None] | UnsetType = UNSET  # from the fellow's latest heartbeat, when it lists the stage
+    # SWARM_SERVE_COMPILE=auto: its decode step compiling in the background, or what serves it since (heartbeat)
+    compiled: str | UnsetType = UNSET
 
 
 class LoadView(msgspec.Struct, kw_only=True):
@@ -63,6 +65,8 @@ def load_view(load: Load, stages, latest: dict) -> LoadView:
             if lm.load_id == load.load_id and lm.stage == s.stage and lm.replica == (s.replica or 0):
                 live = msgspec.to_builtins(lm)
                 stage.metrics = {k: live[k] for k in METRICS if k in live}
+                if lm.compiled:
+                    stage.compiled = lm.compiled
                 if s.stage == 0:
                     admitting.append(stage.metrics)
         views.append(stage)

@@ -147,6 +147,7 @@ class ServingLoop:
         self.texts = TokenTexts(tokenizer)
         self.running = True
         self.last_active = time.monotonic()
+        self.between: Callable[[], object] | None = None  # called between steps (a background compile's swap)
         self.thread = threading.Thread(target=self._run, name="serving-loop", daemon=True)
 
     def start(self) -> None:
@@ -204,6 +205,8 @@ class ServingLoop:
 
     def _run(self) -> None:
         while self.running:
+            if self.between is not None:
+                self.between()
             outputs = self._drain(block=not self.engine.busy)
             if self.engine.busy:
                 self.last_active = started = time.monotonic()

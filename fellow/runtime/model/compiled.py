@@ -203,27 +203,47 @@ class CompiledDecode:
         return logits
 
     @torch.inference_mode()
-    def build(self, rows: int, only_faster: bool = True) -> dict:
-        """Compile the step for ``rows`` sessions, check its logits against the fused step's, time both;
-        serve it where it is faster (``only_faster=False``: wherever it agrees). What it found, for the status."""
+    def build(self, rows: int, only_faster: bool = True, compiled: bool = False) -> dict:
+        """Compile the step for ``rows`` sessions (``compiled``: ``warm`` did), check its logits against the
+        fused step's, time both; serve it where it is faster (``only_faster=False``: wherever it agrees).
+        What it found, for the status."""
         caches = random_caches(self.stage.new_cache, rows, CHECK_CONTEXT, 1, torch.Generator().manual_seed(rows))
         try:
-            return self._build(rows, caches, only_faster)
+            return self._build(rows, caches, only_faster, compiled)
         finally:  # released, so the stage's decode slab (where they were its rows) holds none of them
             for cache in caches:
                 cache.release()
 
-    def _build(self, rows: int, caches: list, only_faster: bool) -> dict:
+    @torch.inference_mode()
+    def warm(self, rows: int) -> float:
+        """Compile the step for ``rows`` sessions without touching a cache or the stage's decode slab (each
+        layer's attention a stand-in of its shape: ``attend_rows`` is opaque to the graph), so a thread may
+        do it while another serves; the seconds it took. ``build(rows, compiled=True)`` checks it after."""
+        ids = torch.zeros(rows, dtype=torch.long)
+        cos, sin = rotary_tables(*self.stage.rotary_emb(self._like, torch.full((rows, 1), CHECK_CONTEXT)))
+        width = self.graph.heads * self.graph.dim
+        _current.attend = lambda layer, q, k, v: q.new_zeros(q.shape[0], 1, width)  # a new tensor: no alias
+        _current.layers = self.stage.fused.layers
+        started = time.perf_counter()
+        try:
+            with _quiet_compile():
+                self.fn(ids, cos.contiguous(), sin.contiguous())
+        finally:
+            _current.attend = _current.layers = None
+        return time.perf_counter() - started
+
+    def _build(self, rows: int, caches: list, only_faster: bool, compiled: bool) -> dict:
         ids = torch.randint(0, self.graph.embed.shape[0], (rows,))
         started = time.perf_counter()
         with _quiet_compile():
-            got = self.decode(caches, ids, stance="default")
+            got = self.decode(caches, ids, stance="fail_on_recompile" if compiled else "default")
         compile_s = time.perf_counter() - started
         _crop(caches)
         want = self.stage.decode(caches, ids)
         _crop(caches)
         diff = float((got - want).abs().max())
-        entry = {"compile_s": round(compile_s, 1), "max_logit_diff": float(f"{diff:.2e}")}
+        entry = {"max_logit_diff": float(f"{diff:.2e}")} if compiled else {"compile_s": round(compile_s, 1),
+                                                                            "max_logit_diff": float(f"{diff:.2e}")}
         if not diff <= LOGIT_TOLERANCE * (1.0 + float(want.abs().max())):
             entry.update(serving=False, why=f"its logits differ from the fused step's by {diff:.3g}")
             return entry

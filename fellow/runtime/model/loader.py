@@ -17,7 +17,8 @@ from fellow.runtime.model.device_split import (Card, DeviceSplit, SplitError, by
                                                plan_devices)
 from fellow.runtime.model.grouped_attention import GROUPED, choose_attention
 from fellow.runtime.model.half_storage import apply_half_storage
-from fellow.runtime.model.compiled import compile_decode
+from fellow.runtime.model.background_compile import why_not_here
+from fellow.runtime.model.compiled import compile_decode, why_not
 from fellow.runtime.model.cuda_graphs import graph_decode
 from fellow.runtime.model.fourbit_rows import plan_4bit_rows
 from fellow.runtime.model.kernels import prepare_stage, quant_chooser
@@ -26,7 +27,7 @@ from fellow.runtime.model.lora_merge import lora_scale
 from fellow.runtime.model.quant.linear import (QUANT_KERNELS, Int4Unavailable, bitsandbytes_functional,
                                                tinygemm_check_device)
 from fellow.runtime.model.quant.quantizer import StageQuantizer
-from fellow.runtime.model.quant.report import weights_report
+from fellow.runtime.model.quant.report import stage_weights, weights_report
 from fellow.runtime.model.stage import StageModel
 from fellow.runtime.model.weights import StageModules, build_stage_modules, hf_config, stage_sizes
 
@@ -181,7 +182,11 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
     mods.config._attn_implementation = attention
     stage = StageModel(config=mods.config, layers=mods.layers, first_layer=mods.layer_indices[0],
                        rotary_emb=mods.rotary_emb, embed=mods.embed, norm=mods.norm, head=mods.lm_head)
-    prepare_stage(stage, packed=packed, batch_cap=batch_cap, quantizer=quantizer, keep_plain=bool(compile))
+    # the plain weights a compiled step is built from: at load where asked, or (auto) in the background once
+    # a whole float32 CPU stage serves (fellow.runtime.model.background_compile)
+    background = compile is None and num_stages == 1 and device.type == "cpu" and quantizer is None
+    prepare_stage(stage, packed=packed, batch_cap=batch_cap, quantizer=quantizer,
+                  keep_plain=bool(compile) or background)
     apply_inner(stage, mods.inner)  # cuts training made inside the stage, where they were trained
     # the HF layers' attention (SWARM_SERVE_ATTENTION); fused layers attend grouped on their own
     stage.kernels = {**stage.kernels, "attention": "fused" if stage.fused is not None else
@@ -192,7 +197,12 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
         stage.kernels = {**stage.kernels, "4bit_rows": rows}  # None: no 4-bit weight, or both off
     if compile:
         stage.kernels = {**stage.kernels, "compiled": compile_decode(stage, compile, stage.plain_weights)}
-    stage.plain_weights = None  # the compiled step holds what it needs
+    elif compile is None and (why := why_not_here(stage, stage_weights(stage)[0]) if background else why_not(stage)
+                              or "its plain weights were not kept"):
+        stage.kernels = {**stage.kernels, "compiled": {"asked": [1], "background": True, "why": why}}
+        background = False
+    if not background:
+        stage.plain_weights = None  # the compiled step holds what it needs; else the stage's server takes them
     if cuda_graphs and (graphs := graph_decode(stage, slots=batch_cap)) is not None:  # None off CUDA
         stage.kernels = {**stage.kernels, "cuda_graphs": graphs}
     if split is not None:

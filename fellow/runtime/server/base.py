@@ -36,9 +36,10 @@ class StageFailed(Exception):
 
 
 def report(msg: Report) -> None:
-    """One JSON line to the agent."""
-    sys.stdout.buffer.write(encode(msg) + b"\n")
-    sys.stdout.flush()
+    """One JSON line to the agent, on the process's own stdout (a compile on another thread sends what
+    inductor prints to stderr for its while, ``compiled._quiet_compile``)."""
+    sys.__stdout__.buffer.write(encode(msg) + b"\n")
+    sys.__stdout__.flush()
 
 
 def kv_budget(stage: StageModel, options: StageOptions, planned: int | None = None,

@@ -10,6 +10,7 @@ from events.stage import MetricsReport
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.engine.serving_loop import ServingLoop
+from fellow.runtime.model.background_compile import BackgroundCompile
 from fellow.runtime.model.loader import load_one_stage
 from fellow.runtime.server.base import StageServerBase
 from fellow.runtime.server.intake import Intake
@@ -25,6 +26,7 @@ class StageServer(StageServerBase):
     tokenizer: object
     stop_ids: frozenset[int]
     intake: Intake | None = None
+    background: BackgroundCompile | None = None  # SWARM_SERVE_COMPILE=auto: the decode step compiling beside it
 
     def _load(self) -> None:
         loaded = load_one_stage(self.cfg.model_dir, options=self.cfg.options)
@@ -39,6 +41,11 @@ class StageServer(StageServerBase):
                              speculative=t.speculative, draft=self.draft)
         self.kv_tokens = self.engine.kv_tokens  # with a draft model, each token holds a position of both
         self.serving = self.make_loop()
+        if self.stage.plain_weights is not None and t.compile is None:  # the loader kept them for this
+            self.background = BackgroundCompile(self.stage, self.stage.plain_weights)
+            self.stage.plain_weights = None
+            self.stage.kernels = {**self.stage.kernels, "compiled": self.background.report}
+            self.serving.between = self.background.poll
 
     def make_loop(self) -> ServingLoop:
         return ServingLoop(self.engine, self.tokenizer, self.stop_ids, self._deliver, stage=self.cfg.stage)
@@ -53,6 +60,8 @@ class StageServer(StageServerBase):
         self.serving.stop()
 
     async def _start(self) -> None:
+        if self.background is not None:  # serving starts now: it compiles beside it, nobody waits
+            self.background.start()
         self.intake = Intake(self.cfg, self.nc, self.js, self.tokenizer, self.engine, self.serving,
                              max_in_flight=self.in_flight)
         await self.nc.subscribe(subjects.cancels_of(self.load_id), cb=self.intake.on_cancel)
@@ -80,4 +89,5 @@ class StageServer(StageServerBase):
                              requests=intake.metrics.requests, idle_s=round(idle, 3), vram_bytes=self.vram_bytes(),
                              in_flight=len(intake.active), waiting=len(self.engine.waiting),
                              kv_tokens_used=self.engine.budget.reserved,
+                             compiled=self.background.state if self.background is not None else "",
                              **{k: v for k, v in self.engine.stats().items() if k in PREFIX_METRICS})

@@ -1,0 +1,91 @@
+"""SWARM_SERVE_COMPILE=auto, the default (fellow.runtime.model.background_compile): a stage serves its fused
+step at once, compiles its decode step on another thread meanwhile, and swaps it in at a step boundary; the
+replies are the fused step's throughout, and the load's status says where the compile is.
+
+In-process, inductor's default mode (a third of the compile; tests/test_compiled_decode.py says why); the
+stack test runs what a fellow runs, max-autotune, which takes tens of seconds even for a tiny model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from events.requests import Sampling
+from fellow.runtime.engine.engine import local_engine
+from fellow.runtime.engine.session import Session
+from fellow.runtime.model.background_compile import COMPILING, BackgroundCompile
+from fellow.runtime.model.kernels import prepare_stage
+from fellow.runtime.model.stage import StageModel
+from tests.processes import wait_until
+from tests.serving_fixtures import Stack, make_servable
+from tests.tiny import make_tiny_checkpoint
+
+PROMPTS = [list(range(5, 30)), [7, 8, 9, 10], list(range(40, 57))]
+
+
+def replies(engine, prompts, new: int, between=None) -> dict[str, list[int]]:
+    """Greedy replies, one session at a time (batch 1: the size it compiles), ``between`` called between steps."""
+    out: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        engine.add(Session(f"s{i}", prompt, new, sampling=Sampling(temperature=0.0)))
+        while engine.busy:
+            if between is not None:
+                between()
+            for sid, tokens in engine.step().tokens.items():
+                out.setdefault(sid, []).extend(tokens)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("bg"), family="qwen3", layers=2, hidden=128)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
+def test_a_stage_serves_while_its_step_compiles_and_swaps_it_in_between_steps(model):
+    fused = StageModel.from_causal_lm(copy.deepcopy(model))
+    prepare_stage(fused, batch_cap=2)
+    expected = replies(local_engine(fused, kv_tokens=4096), PROMPTS, 24)
+    stage = StageModel.from_causal_lm(copy.deepcopy(model))
+    prepare_stage(stage, batch_cap=2, keep_plain=True)
+    background = BackgroundCompile(stage, stage.plain_weights, mode=None, only_faster=False)
+    engine = local_engine(stage, kv_tokens=4096)
+    background.start()
+    during = replies(engine, PROMPTS, 24, background.poll)  # served by the fused step while it compiles
+    assert during == expected
+    assert background.wait(300)
+    assert background.poll() and not background.poll()  # swapped once, at a boundary
+    assert stage.compiled is background.compiled and background.compiled.serving == {1}
+    assert background.state.startswith("batch 1 compiled") and background.report["serving"] == [1]
+    steps = background.compiled.steps
+    assert replies(engine, PROMPTS, 24) == expected  # now the compiled step's, token for token
+    assert background.compiled.steps >= steps + 3 * 23
+
+
+def test_a_stack_load_is_ready_before_its_step_compiles_and_its_status_follows(tmp_path, nats_server):
+    """Through a fellow, SWARM_SERVE_COMPILE=auto: the load is ready while the step still compiles (its
+    status says so), a chat is served meanwhile, and the status names what serves once it is done."""
+    _, servable = make_servable(tmp_path / "models", "tiny", layers=2, hidden=64, stages=1)
+    stack = Stack(tmp_path, nats_server.url, servable.parent, SWARM_SERVE_COMPILE="auto").start()
+    body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        load = stack.load("tiny")
+        assert load["stages"][0]["kernels"]["compiled"]["state"] == COMPILING
+        first = stack.post("/v1/chat/completions", body)
+        assert first.status_code == 200, first.text
+
+        def compiled_state():
+            stage = stack.get("/api/v1/models/tiny/status").json()["load"]["stages"][0]
+            return stage.get("compiled") not in (None, COMPILING) and stage["compiled"]
+
+        state = wait_until(compiled_state, 400, "the background compile to finish")
+        assert state.startswith(("batch 1 compiled", "batch 1 fused: not faster")), state
+        again = stack.post("/v1/chat/completions", body)
+        assert again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
+    finally:
+        stack.stop()
