@@ -6,7 +6,8 @@ create replaces, deletes or outlives another's. A fellow may publish its own hea
 fellow reports (stage ready, replica lost, unloaded, load failed, request finished or failed) on
 subjects that name it, token frames and ring frames; it may take only its own commands (a consumer
 filtered to them), pull from the request queues, and read only its own inbox. Nothing else: not
-`load.placed`, not `api_token.*`, not another fellow's heartbeat or commands, not the event log. What
+`load.placed`, not `api_token.*`, not another fellow's heartbeat or commands, not the event log, not a
+stored token frame (it publishes frames, and learns of a request's only how many are stored). What
 it may publish the leader still checks against its placements (leader.projectors.authority) and the
 requests' frame keys (events.frames). A client without a user is refused (no `no_auth_user`).
 
@@ -25,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from events.subjects import (COMMANDS_STREAM, EVENTS_STREAM, HEARTBEATS_STREAM, REQUESTS_STREAM, TOKENS_STREAM,
-                             commands_for, event, event_watch, heartbeat)
+from events.subjects import (COMMANDS_STREAM, EVENTS_STREAM, HEARTBEATS_STREAM, REQUESTS_STREAM, commands_for, event,
+                             event_watch, heartbeat)
 
 LEADER_USER = "leader"
 OPS_USER = "ops"
@@ -104,7 +105,7 @@ def fellow_permissions(fellow_id: str, js_domain: str | None = None) -> dict:
             # its events on subjects that name it (core.bus.publish_event): the leader knows who sent one
             *(event(kind, fellow_id) for kind in FELLOW_EVENTS),
             "swarm.tok.*", "swarm.ring.>",
-            "$JS.API.STREAM.INFO.*", f"$JS.API.STREAM.MSG.GET.{TOKENS_STREAM}",
+            "$JS.API.STREAM.INFO.*",  # no MSG.GET, DIRECT.GET or consumer on SWARM_TOKENS: no other request's reply
             *_consumer_api(COMMANDS_STREAM, command_consumer, commands_for(fellow_id)),
             *_consumer_api(REQUESTS_STREAM, "*"),
         ]},

@@ -99,7 +99,14 @@ def frame_signed(key: str, payload: bytes, headers) -> bool:
 def frame_msg_id(request_id: str, seq: int, key: str = "") -> str:
     """The Nats-Msg-Id of a frame: a retried publish of the same frame is dropped by JetStream. A keyed
     request's ids hold a mark of the key, so a forged frame cannot take the id of a real one (JetStream
-    would drop the real one as its duplicate); every replica that took the request computes the same."""
+    would drop the real one as its duplicate); every replica that took the request computes the same.
+    Frame 0 of a replica's start is sent under its claim_msg_id instead."""
     if not key:
         return f"{request_id}:{seq}"
     return f"{request_id}:{seq}:" + hmac.digest(key.encode(), b"id:%d" % seq, "sha256").hex()[:16]
+
+
+def claim_msg_id(request_id: str, fellow_id: str, replica: int, nonce: str) -> str:
+    """The Nats-Msg-Id of a replica's start frame (frame 0): its own, so that its retried publish alone is
+    a duplicate (fellow.token_batcher); the nonce keeps it from being guessed and taken first."""
+    return f"{request_id}:0:{fellow_id}:{replica}:{nonce}"

@@ -4,19 +4,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+from nats.js.errors import APIError
 
 from core.bus import publish_with_id
 from events.base import encode
 from events import subjects
-from events.frames import (FRAME_TAG_HEADER, DoneFrame, ErrorFrame, Frame, StartFrame, TokenFrame, frame_decoder,
+from events.frames import (FRAME_TAG_HEADER, DoneFrame, ErrorFrame, Frame, StartFrame, TokenFrame, claim_msg_id,
                            frame_msg_id, frame_tag)
 
 log = logging.getLogger(__name__)
 
 PROMPT_FRAME_POSITIONS = 256  # prompt logprobs a frame: 256 x 21 candidates is about 200 kB of JSON
+FIRST_ON_SUBJECT = {"Nats-Expected-Last-Subject-Sequence": "0"}  # JetStream stores frame 0 only on an empty subject
+WRONG_LAST_SEQUENCE = 10071  # JetStream's answer when the subject holds a message already
+# A header JetStream checks only after it finds a duplicate (on one server and on a cluster), and refuses
+# always (no such rollup): a publish under our claim's id with it is answered `duplicate` if ours is stored,
+# else refused with ROLLUP_REFUSED, storing nothing. (Not Nats-Expected-Last-Msg-Id: a cluster of
+# nats-server 2.15 answers no publish on the stream after refusing one of those.)
+NEVER_STORED = {"Nats-Rollup": "never"}
+ROLLUP_REFUSED = 10111
 
 
 class TokenBatcher:
@@ -37,6 +47,7 @@ class TokenBatcher:
         self.subject = subjects.tokens(request_id)
         self.seq = 0
         self._claim: StartFrame | None = None  # the start frame we published, or tried to
+        self._claim_id = ""  # its message id, ours alone
         self._texts: list[str] = []
         self._ids: list[int] = []
         self._logprobs: list = []
@@ -48,16 +59,20 @@ class TokenBatcher:
     async def start(self, fellow_id: str, replica: int) -> bool:
         """Frame 0, acked by JetStream: which replica took the request (before the stage acks it).
 
-        Its message id is the request's frame 0, so of two replicas that took the same request (one
-        frozen past the ack wait, the other handed the redelivery) only the first is stored: False
-        tells the second it lost the claim and must not serve.
+        JetStream stores it only as the first message on the request's subject: of two replicas that
+        took the same request (one frozen past the ack wait, the other handed the redelivery) only the
+        first is stored, and False tells the second it lost the claim and must not serve. Its message id
+        is this claimant's own, so a retry whose first ack was lost learns that frame 0 is ours without
+        reading it (a fellow may not read SWARM_TOKENS): see _claimed.
         """
         if self.seq:
             raise RuntimeError("the start frame comes first")
-        self._claim = StartFrame(request_id=self.request_id, seq=0, fellow_id=fellow_id, replica=replica)
-        ack = await self._publish_acked(self._claim)
+        if self._claim is None:
+            self._claim = StartFrame(request_id=self.request_id, seq=0, fellow_id=fellow_id, replica=replica)
+            self._claim_id = claim_msg_id(self.request_id, fellow_id, replica, secrets.token_hex(8))
+        claimed = await self._claimed()
         self.seq = 1
-        return not ack.duplicate
+        return claimed
 
     def add(self, texts: list[str], ids: list[int], logprobs: list | None = None, prompt: list | None = None) -> None:
         if self._final is not None:
@@ -103,10 +118,14 @@ class TokenBatcher:
                     await self._publish_unacked(TokenFrame(request_id=self.request_id, seq=self.seq, texts=texts,
                                                            text="".join(texts), token_ids=ids, logprobs=logprobs))
                     continue
-                ack = await self._publish_acked(self._final(self.seq))
+                if self.seq == 0 and self._claim is not None:  # start() raised: frame 0 may be ours or not
+                    if not await self._claimed():
+                        self.closed.set()  # another replica's request: not ours to end
+                        break
+                    self.seq = 1
+                    continue  # our start frame is stored: the end follows it
+                await self._publish_acked(self._final(self.seq))
                 self.seq += 1
-                if ack.duplicate and self.seq == 1 and await self._claimed_after_all():
-                    continue  # our start frame was stored though its publish failed: the end follows it
                 self.closed.set()
         except Exception:
             log.exception("frames of %s not published", self.request_id)
@@ -123,14 +142,28 @@ class TokenBatcher:
             headers[FRAME_TAG_HEADER] = frame_tag(self.key, payload)
         return headers
 
-    async def _publish_acked(self, frame: Frame):
+    async def _publish_acked(self, frame: Frame, msg_id: str = "", expect: dict | None = None):
+        """Publish `frame` acked, under `msg_id` (else its frame id), with the `expect` headers (else, for
+        frame 0, FIRST_ON_SUBJECT): None when JetStream refused it for what they expect (frame 0: the
+        subject holds a frame already, another replica's or ours)."""
         payload = encode(frame)
         headers = self._headers(payload, frame.seq)
-        return await publish_with_id(self.js, self.subject, payload, headers.pop("Nats-Msg-Id"), headers=headers)
+        frame_id = headers.pop("Nats-Msg-Id")
+        headers.update(expect if expect is not None else FIRST_ON_SUBJECT if frame.seq == 0 else {})
+        try:
+            return await publish_with_id(self.js, self.subject, payload, msg_id or frame_id, headers=headers)
+        except APIError as exc:
+            if exc.err_code in (WRONG_LAST_SEQUENCE, ROLLUP_REFUSED):
+                return None
+            raise
 
-    async def _claimed_after_all(self) -> bool:
-        """Whether frame 0 on the stream is the start frame we tried (not another replica's claim)."""
-        if self._claim is None:
-            return False
-        stored = await self.js.get_last_msg(subjects.TOKENS_STREAM, self.subject)
-        return frame_decoder.decode(stored.data) == self._claim
+    async def _claimed(self) -> bool:
+        """Publish our start frame; whether frame 0 on the stream is it (not another replica's claim).
+
+        A subject that holds a frame already refuses it: frame 0 is ours if an attempt whose ack was lost
+        stored it (a cluster answers that retry `duplicate` at once; one server checks the subject first).
+        Our id again with NEVER_STORED tells which without reading the frame: `duplicate`, or refused."""
+        if await self._publish_acked(self._claim, self._claim_id) is not None:
+            return True  # stored now, or a duplicate of our own attempt
+        ack = await self._publish_acked(self._claim, self._claim_id, NEVER_STORED)
+        return ack is not None and bool(ack.duplicate)

@@ -4,8 +4,9 @@ loads of another fellow. A real stack: nats-server with a user per role, a leade
 refused by NATS or ignored by the leader and kept in `dead_letters` with the reason; the victim's
 request is served as it would be without it, and its SQL row is true.
 
-What a fellow can still do (docs/reliability.md, trust model): pull another load's queued requests,
-and read other requests' frames through SWARM_TOKENS.
+What a fellow can still do (docs/reliability.md, trust model): pull another load's queued requests.
+It may no longer read other requests' frames through SWARM_TOKENS (attack 5): it learns only how many
+a request has.
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ async def test_forged_frames_and_usage_are_ignored(swarm):
     watcher = await swarm.login(LEADER_USER)
     evil = await swarm.login(fellow_user("f2"))
     forged: list[int] = []
+    attacked = asyncio.Event()  # the attack's last publish answered (it may come after the reply ends)
 
     async def on_frame(msg):
         frame = frame_decoder.decode(msg.data)
@@ -174,6 +176,7 @@ async def test_forged_frames_and_usage_are_ignored(swarm):
                                      completion_tokens=999_999, prompt_tokens=999_999, fellow_id=fellow)
             forged.append((await evil.jetstream().publish(subjects.event(report.type, "f2"), encode(report),
                                                           headers={"Nats-Msg-Id": msg_id})).seq)
+        attacked.set()
 
     sub = await watcher.subscribe(subjects.TOKENS_ALL, cb=on_frame)
     try:
@@ -187,6 +190,7 @@ async def test_forged_frames_and_usage_are_ignored(swarm):
                         rid = chunk["id"].removeprefix("chatcmpl-")
                         for choice in chunk.get("choices", []):
                             text += choice.get("delta", {}).get("content") or ""
+        await asyncio.wait_for(attacked.wait(), 10)  # before evil closes, its last publish answered
     finally:
         await sub.unsubscribe()
         await watcher.close()
@@ -222,3 +226,36 @@ async def test_a_fellow_cannot_read_another_fellows_commands(swarm):
     finally:
         await evil.close()
     assert sum("permissions violation" in e.lower() for e in evil.denials) >= 3, evil.denials
+
+
+async def test_a_fellow_cannot_read_another_requests_reply(swarm):
+    """Attack 5: f2 asks SWARM_TOKENS for the frames of a request f1 served (the leader reads them there),
+    by a message get, a direct get and a consumer: NATS refuses each; what the intake needs of the
+    stream, a subject's count of frames, it still has; and requests are served as before."""
+    s = swarm
+    reply = chat(s, "alpha")
+    subject = subjects.tokens(reply["id"].removeprefix("chatcmpl-"))
+    leader = await swarm.login(LEADER_USER)
+    evil = await swarm.login(fellow_user("f2"))
+    try:
+        assert (await leader.jetstream().get_last_msg(subjects.TOKENS_STREAM, subject)).data  # stored, readable
+        info = await evil.jetstream().stream_info(subjects.TOKENS_STREAM, subjects_filter=subject)
+        assert info.state.subjects[subject] >= 2  # start, tokens, done: counted, not read
+        asked = {f"$JS.API.STREAM.MSG.GET.{subjects.TOKENS_STREAM}": {"last_by_subj": subject},
+                 f"$JS.API.DIRECT.GET.{subjects.TOKENS_STREAM}": {"last_by_subj": subject},
+                 f"$JS.API.DIRECT.GET.{subjects.TOKENS_STREAM}.{subject}": {},
+                 f"$JS.API.CONSUMER.CREATE.{subjects.TOKENS_STREAM}": {
+                     "stream_name": subjects.TOKENS_STREAM, "config": {"filter_subject": subject}}}
+        for api, body in asked.items():
+            with pytest.raises(nats.errors.TimeoutError):
+                await evil.request(api, msgspec.json.encode(body), timeout=1.0)
+        with pytest.raises(nats.errors.TimeoutError):
+            await evil.jetstream().get_last_msg(subjects.TOKENS_STREAM, subject)
+    finally:
+        await leader.close()
+        await evil.close()
+    denied = [e.lower() for e in evil.denials if "permissions violation" in e.lower()]
+    for api in asked:
+        assert any(f'"{api.lower()}"' in e for e in denied), (api, evil.denials)
+    again = chat(s, "alpha")
+    assert again["choices"][0]["message"]["content"] == reply["choices"][0]["message"]["content"]

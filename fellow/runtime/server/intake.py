@@ -13,7 +13,6 @@ from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
 
 from core.bus import publish_event
 from core.logs import for_request
@@ -199,12 +198,11 @@ class Intake:
         await _ack(msg)  # served either way: a redelivery finds the start frame and leaves it
 
     async def _started_elsewhere(self, request_id: str) -> bool:
-        """Whether SWARM_TOKENS holds a frame of this request already (a start frame at least)."""
-        try:
-            await self.js.get_last_msg(TOKENS_STREAM, subjects.tokens(request_id))
-        except NotFoundError:
-            return False
-        return True
+        """Whether SWARM_TOKENS holds a frame of this request already (a start frame at least): the
+        count of its subject's messages, not one of them (a fellow may not read SWARM_TOKENS)."""
+        subject = subjects.tokens(request_id)
+        info = await self.js.stream_info(TOKENS_STREAM, subjects_filter=subject)
+        return bool((info.state.subjects or {}).get(subject))
 
     def _tokenize(self, req: ChatRequest) -> list[int]:
         if req.prompt_ids:  # a completion: the gateway tokenized its prompt
