@@ -99,12 +99,14 @@ def session_state_bytes(stage: StageModel) -> dict[torch.device, int]:
     return states
 
 
-def measured_kv_tokens(stage: StageModel, prefill_chunk: int = 256, sessions: int = 0, memory_limit: int = 0) -> int:
+def measured_kv_tokens(stage: StageModel, prefill_chunk: int = 256, sessions: int = 0, memory_limit: int = 0,
+                       keep_bytes: int = 0) -> int:
     """The stage's KV budget in tokens: the device that holds the fewest sets it. On a card, 85 % of what
     is free less 300 MiB (the spec's reserve); on the CPU a quarter of what the host or the process's
     memory limit leaves (cpu_free_bytes; ``memory_limit``: a limit its caller sets). ``sessions``: how
     many sessions it may hold at once; their fixed-size recurrent states (session_state_bytes) are kept
-    free first, so the tokens are what is left."""
+    free first, so the tokens are what is left. ``keep_bytes``: host memory the stage will take after it
+    measures (its decode step compiling in the background), kept out of a CPU budget."""
     budgets = []
     states = session_state_bytes(stage)
     pieces = float32_piece_bytes(stage)
@@ -115,7 +117,8 @@ def measured_kv_tokens(stage: StageModel, prefill_chunk: int = 256, sessions: in
             budgets.append(kv_tokens_for(cuda_free_bytes(device), token_bytes,
                                          usable=CUDA_USABLE, keep_bytes=keep + held))
         else:
-            tokens = kv_tokens_for(cpu_free_bytes(memory_limit), token_bytes, usable=CPU_USABLE, keep_bytes=held)
+            tokens = kv_tokens_for(cpu_free_bytes(memory_limit), token_bytes, usable=CPU_USABLE,
+                                   keep_bytes=held + keep_bytes)
             budgets.append(min(tokens, CPU_CAP_TOKENS))
     return min(budgets)
 

@@ -43,7 +43,7 @@ def report(msg: Report) -> None:
 
 
 def kv_budget(stage: StageModel, options: StageOptions, planned: int | None = None,
-              memory_limit: int = 0) -> tuple[int, int]:
+              memory_limit: int = 0, keep_bytes: int = 0) -> tuple[int, int]:
     """(held, planned): what the stage measures it holds (kv_budget.held_tokens: grown past placement's
     plan, ``planned`` where the stage plans more itself, up to its ``kv_tokens_max``). A stage with
     recurrent layers keeps the states of as many sessions as may be in flight free first
@@ -51,7 +51,7 @@ def kv_budget(stage: StageModel, options: StageOptions, planned: int | None = No
     The stage's ``kernels["kv"]`` says what it measured, planned and holds, for its status."""
     measured = measured_kv_tokens(stage, options.prefill_chunk or 256,
                                   sessions=max(options.max_in_flight, options.in_flight_max),
-                                  memory_limit=memory_limit)
+                                  memory_limit=memory_limit, keep_bytes=keep_bytes)
     planned = options.kv_tokens if planned is None else planned
     held = held_tokens(measured, planned, options.kv_tokens_max)
     stage.kernels = {**stage.kernels, "kv": {"measured": measured, "planned": planned, "most": options.kv_tokens_max,
@@ -195,7 +195,11 @@ class StageServerBase:
         started = time.perf_counter()
         self._load()
         warm_up(self.stage)  # before measuring: what the first forwards leave cached counts as taken
-        self.kv_tokens, self.kv_planned = kv_budget(self.stage, self.cfg.options, self.planned_kv())
+        # a decode step still to compile in the background (model.background_compile) will hold about its
+        # weights again: kept out of the KV budget now
+        compiling = stage_weights(self.stage)[0] if self.stage.plain_weights is not None else 0
+        self.kv_tokens, self.kv_planned = kv_budget(self.stage, self.cfg.options, self.planned_kv(),
+                                                    keep_bytes=compiling)
         session = self.session_tokens()
         if self.kv_tokens < session:
             raise CannotServe(f"stage {self.cfg.stage} on fellow {self.cfg.fellow_id} holds {self.kv_tokens} KV "
