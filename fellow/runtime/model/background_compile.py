@@ -14,6 +14,8 @@ it to the load's status, and ``report`` lands in ``kernels["compiled"]``.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 
 from fellow.runtime.model.compiled import (COMPILE_MODE, CompiledDecode, PlainWeights, _one_line, _resident_bytes,
@@ -25,6 +27,8 @@ log = logging.getLogger(__name__)
 ROWS = (1,)  # batch 1: where the compiled step gained most (batch 8 gained at most 1.17x, docs/benchmarks.md)
 ROOM = 2.0  # free host memory it wants after loading, in weight bytes: the graph's frozen copy and more
 COMPILING = "compiling"
+NICE = 19  # the compile thread's (and its compile workers') priority: the serving threads go first
+SWITCH_S = 0.0005  # the GIL's switch interval while it compiles (Python's 5 ms starved the serving thread)
 
 
 def why_not_here(stage, weight_bytes: int) -> str | None:
@@ -55,11 +59,17 @@ class BackgroundCompile:
         self._thread = threading.Thread(target=self._compile, name="compile", daemon=True)
 
     def start(self) -> None:
+        self._switch = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_S)
         self._thread.start()
         log.info("[compiled] decode step at batch %s compiling in the background; the fused step serves meanwhile",
                  ",".join(map(str, ROWS)))
 
     def _compile(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)  # this thread alone (Linux)
+        except (OSError, AttributeError):
+            pass
         try:
             for rows in ROWS:
                 self._seconds[rows] = self.compiled.warm(rows)
@@ -77,6 +87,7 @@ class BackgroundCompile:
         faster. Whether it changed anything (cheap, and False, until then and after)."""
         if self.state != COMPILING or not self._done.is_set():
             return False
+        sys.setswitchinterval(self._switch)
         found: dict[str, dict] = {}
         for rows, seconds in self._seconds.items():
             try:
