@@ -191,6 +191,7 @@ class NatsSettings(Group):
     user: str | None = setting("SWARM_NATS_USER", "", optional(text))  # this process's NATS user
     password: str | None = setting("SWARM_NATS_PASSWORD", "", secret, shown=False)
     replicas: int = setting("SWARM_NATS_REPLICAS", "1", whole(1, 5, "must be at most 5 (JetStream's limit)"))
+    auth_dir: Path | None = setting("SWARM_NATS_AUTH_DIR", "", optional(path))  # users of a server the leader manages
 
     def __post_init__(self):
         if bool(self.user) != bool(self.password):
