@@ -179,3 +179,33 @@ def test_the_users_file_grants_per_load_once_on(tmp_path):
     auth.ensure(["f1", "f2", "f3"])  # a fellow added later: the grants stay on, and as they were
     text = auth.config.read_text()
     assert auth.grants() == {"f1": ["ld-a"]} and text.count(f"CONSUMER.MSG.NEXT.{STREAM}") == 1, text
+
+
+def test_a_ring_head_is_granted_its_queue_and_loses_it_when_unloaded(tmp_path):
+    """A 2-stage ring over f1 and f2 on a managed server: only the head's fellow is granted the load's
+    queue (the later stage pulls no requests), and that is enough to serve; unloaded, no grant is left."""
+    from core.nats_auth import AuthDir
+    from core.nats_server import EmbeddedNats
+    from tests.serving_fixtures import make_servable, secured_processes, stop_all, stream_a_reply
+
+    _, servable = make_servable(tmp_path / "models", "tiny", layers=4, hidden=64, stages=2)
+    auth = AuthDir(tmp_path / "auth")
+    auth.ensure(["f1", "f2"], per_load=True)
+    server = EmbeddedNats(tmp_path / "js", config=auth.config, pid_file=auth.pid_file).start()
+    leader, fellows = None, []
+    try:
+        leader, fellows = secured_processes(tmp_path, auth, server.url, servable.parent, ["f1", "f2"],
+                                            manages_nats=True)
+        r = httpx.post(leader.base_url + "/api/v1/models/tiny/load",
+                       json={"num_stages": 2, "fellow_ids": ["f1", "f2"], "wait": True}, timeout=180)
+        assert r.status_code == 200 and r.json()["state"] == "ready", (r.text, fellows[0].tail())
+        head = next(s["fellow_id"] for s in r.json()["stages"] if s["stage"] == 0)
+        assert auth.grants() == {head: [r.json()["load_id"]]}
+        stream_a_reply(leader.base_url)
+        r = httpx.post(leader.base_url + "/api/v1/models/tiny/unload", json={"wait": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        wait_until(lambda: auth.grants() == {}, 30, "the head's grant taken away")
+    finally:
+        if leader is not None:
+            stop_all(leader, fellows)
+        server.stop()
