@@ -40,10 +40,6 @@ class RequestGrants:
         self.auth = AuthDir(folder) if folder else None
         self._lock = asyncio.Lock()
 
-    @property
-    def managed(self) -> bool:
-        return self.auth is not None
-
     async def placed(self) -> dict[str, list[str]]:
         """fellow id -> the loads whose stage 0 it runs (loading or ready), from the loads' rows."""
         async with self.leader.sessions() as session:
@@ -61,7 +57,11 @@ class RequestGrants:
             return
         async with self._lock:
             grants = await self.placed()
-            changed = await asyncio.to_thread(self.auth.set_grants, grants)
+            try:
+                changed = await asyncio.to_thread(self.auth.set_grants, grants)
+            except (OSError, ValueError) as exc:  # its stages' first pulls are refused: the load fails
+                log.error("request grants could not be written to %s: %s", self.auth.config, exc)
+                return
             if not (changed or force):
                 return
             if not reload_server(self.auth.pid_file):
