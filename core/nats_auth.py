@@ -5,7 +5,10 @@ A leader may do anything. Ops may only read the event log and the heartbeats: no
 create replaces, deletes or outlives another's. A fellow may publish its own heartbeat, the events a
 fellow reports (stage ready, replica lost, unloaded, load failed, request finished or failed) on
 subjects that name it, token frames and ring frames; it may take only its own commands (a consumer
-filtered to them), pull from the request queues, and read only its own inbox. Nothing else: not
+filtered to them), pull from the request queues, and read only its own inbox. Which request queues: on a
+nats-server the leader manages (`swarm up`; AuthDir with `grants.json`), only those of the loads whose
+stage 0 the leader placed on it (leader.serving.grants keeps them, and reloads the server); on one it
+does not, any load's (the leader cannot change that server's users). Nothing else: not
 `load.placed`, not `api_token.*`, not another fellow's heartbeat or commands, not the event log, not a
 stored token frame (it publishes frames, and learns of a request's only how many are stored). What
 it may publish the leader still checks against its placements (leader.projectors.authority) and the
@@ -27,7 +30,7 @@ from pathlib import Path
 from typing import Mapping
 
 from events.subjects import (COMMANDS_STREAM, EVENTS_STREAM, HEARTBEATS_STREAM, REQUESTS_STREAM, commands_for, event,
-                             event_watch, heartbeat)
+                             event_watch, heartbeat, request, request_consumer)
 
 LEADER_USER = "leader"
 OPS_USER = "ops"
@@ -95,8 +98,17 @@ def ops_permissions() -> dict:
     }
 
 
-def fellow_permissions(fellow_id: str, js_domain: str | None = None) -> dict:
-    """`js_domain`: its JetStream API requests as a leaf node maps them, into the hub's domain."""
+def request_queues(loads: list[str] | None) -> list[str]:
+    """Publish rights on request consumers: those of `loads` (each filtered to its load's subject), or
+    any load's (None: a server whose users the leader does not manage)."""
+    if loads is None:
+        return _consumer_api(REQUESTS_STREAM, "*")
+    return [s for load_id in loads for s in _consumer_api(REQUESTS_STREAM, request_consumer(load_id), request(load_id))]
+
+
+def fellow_permissions(fellow_id: str, js_domain: str | None = None, loads: list[str] | None = None) -> dict:
+    """`js_domain`: its JetStream API requests as a leaf node maps them, into the hub's domain; `loads`:
+    the loads whose request queues it may pull from (None: any load's)."""
     user = fellow_user(fellow_id)
     command_consumer = "fellow-" + fellow_id  # events.subjects.command_consumer
     perms = {
@@ -107,7 +119,7 @@ def fellow_permissions(fellow_id: str, js_domain: str | None = None) -> dict:
             "swarm.tok.*", "swarm.ring.>",
             "$JS.API.STREAM.INFO.*",  # no MSG.GET, DIRECT.GET or consumer on SWARM_TOKENS: no other request's reply
             *_consumer_api(COMMANDS_STREAM, command_consumer, commands_for(fellow_id)),
-            *_consumer_api(REQUESTS_STREAM, "*"),
+            *request_queues(loads),
         ]},
         "subscribe": {"allow": [
             inbox_prefix(user) + ".>", f"swarm.logs.{fellow_id}", "swarm.cancel.*.*", "swarm.ring.>",
@@ -121,13 +133,13 @@ def fellow_permissions(fellow_id: str, js_domain: str | None = None) -> dict:
     return perms
 
 
-def leaf_permissions(fellow_ids: list[str], hub_domain: str) -> dict:
+def leaf_permissions(fellow_ids: list[str], hub_domain: str, grants: Mapping[str, list[str]] | None = None) -> dict:
     """A leaf link's rights on the hub (what it may send in, what it may take out): its fellows' rights,
     their `$JS.API.` requests as the leaf maps them, into the hub's JetStream domain."""
     publish: list[str] = []
     subscribe: list[str] = []
     for fellow_id in fellow_ids:
-        perms = fellow_permissions(fellow_id, hub_domain)
+        perms = fellow_permissions(fellow_id, hub_domain, None if grants is None else grants.get(fellow_id, []))
         publish += perms["publish"]["allow"]
         subscribe += perms["subscribe"]["allow"]
     # a fellow answers a logs request on the leader's inbox; a hub forwards to a leaf only the interest
@@ -137,10 +149,11 @@ def leaf_permissions(fellow_ids: list[str], hub_domain: str) -> dict:
 
 
 def server_config(passwords: Mapping[str, str], leaves: Mapping[str, list[str]] | None = None,
-                  js_domain: str | None = None) -> str:
+                  js_domain: str | None = None, grants: Mapping[str, list[str]] | None = None) -> str:
     """The `authorization` block for nats-server: `passwords` maps each user to its password, `leaves`
     each leaf name to its fellows; `js_domain`: a leaf node's config, whose fellows' JetStream API
-    requests are mapped into the hub's domain (the leaf checks rights after that mapping).
+    requests are mapped into the hub's domain (the leaf checks rights after that mapping); `grants`:
+    each fellow's loads whose request queues it may pull from (None: any load's, for every fellow).
 
     A user is `leader`, `ops`, `fellow-<id>` or `leaf-<name>`. JSON is valid nats-server config syntax."""
     leaves = leaves or {}
@@ -151,9 +164,10 @@ def server_config(passwords: Mapping[str, str], leaves: Mapping[str, list[str]] 
         elif user == OPS_USER:
             perms = ops_permissions()
         elif user.startswith("fellow-"):
-            perms = fellow_permissions(user[len("fellow-"):], js_domain)
+            fellow_id = user[len("fellow-"):]
+            perms = fellow_permissions(fellow_id, js_domain, None if grants is None else grants.get(fellow_id, []))
         elif user.startswith("leaf-") and user[len("leaf-"):] in leaves:
-            perms = leaf_permissions(leaves[user[len("leaf-"):]], HUB_DOMAIN)
+            perms = leaf_permissions(leaves[user[len("leaf-"):]], HUB_DOMAIN, grants)
         else:
             raise ValueError(f"unknown NATS user {user!r} (leader, ops, fellow-<id> or leaf-<name>)")
         users.append({"user": user, "password": password, "permissions": perms})
@@ -164,7 +178,9 @@ class AuthDir:
     """A folder holding `users.json` (user -> password; kept, so restarts keep the same passwords),
     the nats-server config `auth.conf` built from it, and one `<user>.env` per user; with leaf nodes,
     `leaves.json` (leaf name -> its fellows) and one `leaf-<name>.conf` per leaf (its fellows' users,
-    for the leaf's own nats-server)."""
+    for the leaf's own nats-server). For a nats-server the leader manages, `grants.json` (fellow -> the
+    loads whose request queues it may pull from; written by the leader, leader.serving.grants) and the
+    server's pid file `nats-server.pid` (the leader reloads the server when the grants change)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -184,9 +200,32 @@ class AuthDir:
     def leaf_config(self, name: str) -> Path:
         return self.path / f"leaf-{name}.conf"
 
-    def ensure(self, fellow_ids: list[str], leaves: Mapping[str, list[str]] | None = None) -> dict[str, str]:
+    @property
+    def pid_file(self) -> Path:
+        return self.path / "nats-server.pid"
+
+    def grants(self) -> dict[str, list[str]] | None:
+        """Each fellow's loads whose request queues it may pull from; None: per-load grants are off (any
+        fellow may pull any load's)."""
+        f = self.path / "grants.json"
+        return json.loads(f.read_text()) if f.exists() else None
+
+    def set_grants(self, grants: Mapping[str, list[str]]) -> bool:
+        """Keep these grants (per-load grants on) and rewrite `auth.conf` with them; False where nothing
+        changed (the server needs no reload)."""
+        grants = {f: sorted(set(loads)) for f, loads in sorted(grants.items()) if loads}
+        if grants == self.grants():
+            return False
+        config = server_config(self.passwords(), self.leaves(), grants=grants)
+        self._write("auth.conf", config)
+        self._write("grants.json", json.dumps(grants, indent=1) + "\n")
+        return True
+
+    def ensure(self, fellow_ids: list[str], leaves: Mapping[str, list[str]] | None = None,
+               per_load: bool = False) -> dict[str, str]:
         """Add the leader, ops, these fellows and these leaves (name -> its fellows, added too; new
-        passwords for new users); rewrite the files."""
+        passwords for new users); rewrite the files. `per_load`: turn per-load grants on (none yet),
+        for a nats-server the leader manages; once on, they stay on."""
         self.path.mkdir(parents=True, exist_ok=True)
         os.chmod(self.path, 0o700)
         passwords = self.passwords()
@@ -196,7 +235,11 @@ class AuthDir:
             heartbeat(name)  # a leaf name is a subject token too
         for user in (LEADER_USER, OPS_USER, *(fellow_user(f) for f in fellows), *(leaf_user(n) for n in all_leaves)):
             passwords.setdefault(user, secrets.token_urlsafe(24))
-        config = server_config(passwords, all_leaves)  # raises ValueError on a bad id before anything is written
+        grants = self.grants()
+        # raises ValueError on a bad id before anything is written
+        config = server_config(passwords, all_leaves, grants={} if grants is None and per_load else grants)
+        if grants is None and per_load:
+            self._write("grants.json", "{}\n")
         self._write("users.json", json.dumps(passwords, indent=1, sort_keys=True) + "\n")
         self._write("auth.conf", config)
         if all_leaves:

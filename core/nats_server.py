@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,29 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _drain(stream) -> None:
+    try:
+        while stream.read(65536):
+            pass
+    except (OSError, ValueError):  # closed
+        pass
+
+
+def reload_server(pid_file: Path) -> bool:
+    """Tell the nats-server whose pid is in `pid_file` to reload its config (SIGHUP, what `nats-server
+    --signal reload` sends); it applies it at once, to the clients already connected too. False where
+    no nats-server runs under that pid (a stale file is not trusted with a signal)."""
+    try:
+        pid = int(Path(pid_file).read_text().strip())
+        comm = Path(f"/proc/{pid}/comm")
+        if comm.parent.parent.exists() and not comm.read_text().startswith("nats-server"):
+            return False
+        os.kill(pid, signal.SIGHUP)
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -102,6 +126,7 @@ class EmbeddedNats:
     cluster: "ClusterNode | None" = None  # a node of a cluster: its name, route port and routes
     leaf_port: int | None = None  # a hub: listen for leaf nodes here (0: a free port), JetStream domain HUB_DOMAIN
     leaf: LeafRemote | None = None  # a leaf node of a hub, without JetStream
+    pid_file: Path | None = None  # where the server writes its pid (`reload_server` signals it)
 
     @property
     def jetstream(self) -> bool:
@@ -123,6 +148,8 @@ class EmbeddedNats:
             args += ["-c", str(config)]
         if self.cluster is not None:
             args += self.cluster.args(self.host)
+        if self.pid_file is not None:
+            args += ["-P", str(self.pid_file)]
         lock = self._lock_store() if self.jetstream else None
         try:  # it dies with us (a `swarm up` killed with -9 left it running), and holds the store's lock
             self.process = spawn_binary(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -147,6 +174,9 @@ class EmbeddedNats:
                     self.port = int(client[0].rsplit(":", 1)[1])
                     shutil.rmtree(ports_dir, ignore_errors=True)
                     self._wait_listening(deadline)
+                    # its log goes on (a reload, a refused client): read it, or a full pipe would stall it
+                    threading.Thread(target=_drain, args=(self.process.stderr,), daemon=True,
+                                     name="nats-server-log").start()
                     return self
             time.sleep(0.01)
         self.stop()

@@ -192,6 +192,7 @@ class NatsSettings(Group):
     user: str | None = setting("SWARM_NATS_USER", "", optional(text))  # this process's NATS user
     password: str | None = setting("SWARM_NATS_PASSWORD", "", secret, shown=False)
     replicas: int = setting("SWARM_NATS_REPLICAS", "1", whole(1, 5, "must be at most 5 (JetStream's limit)"))
+    auth_dir: Path | None = setting("SWARM_NATS_AUTH_DIR", "", optional(path))  # users of a server the leader manages
 
     def __post_init__(self):
         if bool(self.user) != bool(self.password):
@@ -285,8 +286,7 @@ class Settings:
         return _read_group(cls, env, {}, lenient=False)
 
     def replace(self, **groups: dict) -> "Settings":
-        """A copy with some fields changed, by group: ``s.replace(serving={"speculative": 4})``;
-        ``data_dir=`` as it is."""
+        """A copy with fields changed by group (``s.replace(serving={"speculative": 4})``), ``data_dir=`` as is."""
         changes = {name: (_replace(getattr(self, name), **value) if isinstance(value, dict) else value)
                    for name, value in groups.items()}
         return _replace(self, **changes)

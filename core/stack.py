@@ -51,15 +51,17 @@ def _children(settings: Settings, env: dict, fellows: int) -> list[Child]:
 
     The embedded nats-server runs with a user per role (core/nats_auth.py, passwords kept under
     SWARM_DATA_DIR/nats-auth): the leader and each fellow get their own credentials in their environment.
-    With SWARM_NATS_URL, every child uses the SWARM_NATS_USER/PASSWORD it inherits, if any."""
+    The leader manages that server's grants (SWARM_NATS_AUTH_DIR): a fellow pulls only the request queues
+    of the loads placed on it. With SWARM_NATS_URL, every child uses the SWARM_NATS_USER/PASSWORD it
+    inherits, if any, and a fellow may pull any load's requests (the leader cannot change that server's users)."""
     out = []
     creds: dict[str, dict] = {}  # child name -> its NATS credentials' variables
     if not settings.nats.url:
         auth = AuthDir(settings.data_dir / "nats-auth")
-        auth.ensure([f"local-{i}" for i in range(fellows)])
-        creds["leader"] = auth.credentials(LEADER_USER).env()
+        auth.ensure([f"local-{i}" for i in range(fellows)], per_load=True)
+        creds["leader"] = {**auth.credentials(LEADER_USER).env(), "SWARM_NATS_AUTH_DIR": str(auth.path)}
         creds.update({f"local-{i}": auth.credentials(fellow_user(f"local-{i}")).env() for i in range(fellows)})
-        nats = EmbeddedNats(settings.nats_store_dir, config=auth.config)
+        nats = EmbeddedNats(settings.nats_store_dir, config=auth.config, pid_file=auth.pid_file)
 
         def start_nats() -> subprocess.Popen:  # the same store, and after the first start the same port
             nats.start()

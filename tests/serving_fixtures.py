@@ -90,19 +90,22 @@ def stack_serving(root: Path, servables: Path, *model_ids: str, env: dict | None
         nats.stop()
 
 
-def secured_processes(root: Path, auth, nats_url: str, servables: Path, fellow_ids: list[str]):
+def secured_processes(root: Path, auth, nats_url: str, servables: Path, fellow_ids: list[str],
+                      manages_nats: bool = False):
     """(leader, fellows) as real processes, each logged in to NATS as its own user (core.nats_auth `auth`),
-    started, healthy and online; stop them with `stop_all`."""
+    started, healthy and online; stop them with `stop_all`. `manages_nats`: the leader keeps the request
+    grants of that server (SWARM_NATS_AUTH_DIR; its nats-server writes its pid to `auth.pid_file`)."""
     from core.nats_auth import LEADER_USER, fellow_user
 
     db = f"sqlite+aiosqlite:///{root / 'swarm.db'}"
     port = None
 
-    def env(user: str) -> dict:
+    def env(user: str, **extra) -> dict:
         return swarm_env(root, nats_url, db, port=port, SWARM_SERVABLE_MODELS_ROOT=servables, OMP_NUM_THREADS=1,
-                         **auth.credentials(user).env())
+                         **auth.credentials(user).env(), **extra)
 
-    leader = SwarmProcess(["leader"], env(LEADER_USER), root / "leader.log")
+    leader = SwarmProcess(["leader"], env(LEADER_USER, **({"SWARM_NATS_AUTH_DIR": auth.path} if manages_nats else {})),
+                          root / "leader.log")
     port = leader.env["SWARM_LEADER_PORT"]
     fellows = [SwarmProcess(["fellow", "--id", f], env(fellow_user(f)), root / f"{f}.log") for f in fellow_ids]
     try:

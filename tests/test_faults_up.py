@@ -94,7 +94,14 @@ async def test_its_nats_server_refuses_anonymous_clients_and_each_part_has_its_u
     assert users == {"leader", fellow_user("local-0")}
     assert b"MALLOC_ARENA_MAX=2" in arenas["leader"]  # its RSS kept flat (docs/reliability.md)
     assert b"MALLOC_ARENA_MAX=2" not in arenas[fellow_user("local-0")]  # torch's threads keep glibc's default
-    assert set(AuthDir(Path(up.env["SWARM_DATA_DIR"]) / "nats-auth").passwords()) >= users
+    auth = AuthDir(Path(up.env["SWARM_DATA_DIR"]) / "nats-auth")
+    assert set(auth.passwords()) >= users
+    # the leader manages this server: the fellow may pull the request queue of its load, and no other
+    assert b"SWARM_NATS_AUTH_DIR=" + str(auth.path).encode() in arenas["leader"]
+    with sqlite3.connect(up.db) as conn:
+        placed = [load_id for load_id, in conn.execute(
+            "SELECT load_id FROM load_stages WHERE stage = 0 AND state IN ('loading', 'ready')")]
+    assert auth.grants() == {"local-0": placed} and len(placed) == 1
 
 
 async def test_a_killed_leader_is_restarted_and_its_streaming_client_resumes(up):

@@ -4,9 +4,8 @@ loads of another fellow. A real stack: nats-server with a user per role, a leade
 refused by NATS or ignored by the leader and kept in `dead_letters` with the reason; the victim's
 request is served as it would be without it, and its SQL row is true.
 
-What a fellow can still do (docs/reliability.md, trust model): pull another load's queued requests.
-It may no longer read other requests' frames through SWARM_TOKENS (attack 5): it learns only how many
-a request has.
+Another load's queued requests it cannot pull (tests/test_trust_requests.py), nor read other requests'
+frames through SWARM_TOKENS (attack 5): it learns only how many a request has.
 """
 
 from __future__ import annotations
@@ -20,89 +19,26 @@ import nats
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from core.bus import connect, publish_event
-from core.nats_auth import LEADER_USER, AuthDir, fellow_user
-from core.nats_server import EmbeddedNats
+from core.bus import publish_event
+from core.nats_auth import LEADER_USER, fellow_user
 from events import subjects
 from events.api_tokens import ApiTokenMinted
 from events.base import encode
 from events.frames import DoneFrame, StartFrame, TokenFrame, frame_decoder, frame_msg_id
 from events.loads import LoadFailed, ModelUnloaded, ReplicaLost
 from events.requests import RequestFinished
-from tests.processes import SwarmProcess, wait_until
-from tests.serving_fixtures import make_servable, secured_processes, stop_all
+from tests.processes import wait_until
+from tests.trust_fixtures import PROMPT, chat, load_state, two_loads
 
 pytestmark = pytest.mark.slow
 
-PROMPT = [{"role": "user", "content": "Tell me about lists."}]
 FORGED = "FORGED"
-
-
-class Swarm:
-    def __init__(self, root, auth: AuthDir, nats_url: str, leader: SwarmProcess, fellows: list[SwarmProcess]):
-        self.root, self.auth, self.nats_url, self.leader, self.fellows = root, auth, nats_url, leader, fellows
-        self.url = leader.base_url
-        self.loads: dict[str, str] = {}
-
-    def sql(self, query: str) -> list[tuple]:
-        import sqlite3
-
-        db = sqlite3.connect(self.root / "swarm.db")
-        try:
-            return db.execute(query).fetchall()
-        finally:
-            db.close()
-
-    def dead_letters(self) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {}
-        for subject, reason in self.sql("SELECT subject, reason FROM dead_letters ORDER BY seq"):
-            out.setdefault(subject, []).append(reason)
-        return out
-
-    async def login(self, user: str):
-        errors: list[str] = []
-
-        async def on_error(exc):
-            errors.append(str(exc))
-
-        nc = await connect(self.nats_url, name=user, credentials=self.auth.credentials(user), error_cb=on_error)
-        nc.denials = errors
-        return nc
 
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
-    root = tmp_path_factory.mktemp("trust")
-    for model_id, seed in (("alpha", 1), ("beta", 2)):
-        make_servable(root / "models", model_id, layers=2, hidden=64, stages=1, seed=seed)
-    auth = AuthDir(root / "auth")
-    auth.ensure(["f1", "f2"])
-    server = EmbeddedNats(root / "js", config=auth.config).start()
-    leader, fellows = None, []
-    try:
-        leader, fellows = secured_processes(root, auth, server.url, root / "models" / "servables", ["f1", "f2"])
-        s = Swarm(root, auth, server.url, leader, fellows)
-        for model_id, fellow in (("alpha", "f1"), ("beta", "f2")):
-            r = httpx.post(f"{s.url}/api/v1/models/{model_id}/load", json={"fellow_ids": [fellow], "wait": True},
-                           timeout=180)
-            assert r.status_code == 200 and r.json()["state"] == "ready", (r.text, fellows[0].tail())
-            s.loads[model_id] = r.json()["load_id"]
+    with two_loads(tmp_path_factory.mktemp("trust")) as s:
         yield s
-    finally:
-        if leader is not None:
-            stop_all(leader, fellows)
-        server.stop()
-
-
-def chat(s: Swarm, model: str, **body) -> dict:
-    r = httpx.post(s.url + "/v1/chat/completions", timeout=60,
-                   json={"model": model, "messages": PROMPT, "temperature": 0, "max_tokens": 12, **body})
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def load_state(s: Swarm, model: str) -> str:
-    return httpx.get(f"{s.url}/api/v1/models/{model}", timeout=10).json()["load_state"]
 
 
 async def stored(nc, subject: str, evt) -> int:

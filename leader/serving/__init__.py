@@ -1,9 +1,10 @@
 """Loads on the leader: request, place, command, react to stages ready and fellows lost; resolve chat models.
 
 By concern: `commands` (request, place, command, unload), `reactions` (to load events and lost
-fellows, in a task of their own), `ready` (the ready-model view the chat hot path reads), `sweeper`
-(ends the rows of requests that can no longer finish), `reconcile` (stops the stages a returning
-fellow still runs for loads the leader gave up on), `limits` (what the bus carries).
+fellows, in a task of their own), `grants` (which fellow may pull which load's requests), `ready` (the
+ready-model view the chat hot path reads), `sweeper` (ends the rows of requests that can no longer
+finish), `reconcile` (stops the stages a returning fellow still runs for loads the leader gave up on),
+`limits` (what the bus carries).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from leader.errors import ApiError
 from leader.relay_stats import RelayStats
 from leader.services import LeaderServices
 from leader.serving.commands import LoadCommands
+from leader.serving.grants import RequestGrants
 from leader.serving.reactions import Reactions
 from leader.serving.ready import ReadyLoad, ReadyView
 from leader.serving.reconcile import Reconciler
@@ -33,7 +35,8 @@ class Serving:
         self.catalog = Catalog(leader)
         self.view = ReadyView(leader)
         self.relay = RelayStats()  # bytes and frames per lane of every ring, for the performance view
-        self.commands = LoadCommands(leader, self.catalog)
+        self.grants = RequestGrants(leader)  # which fellow may pull which load's requests
+        self.commands = LoadCommands(leader, self.catalog, self.grants)
         self.sweeper = RequestSweeper(leader)
         self.reactions = Reactions(leader, self.commands, self.view, self.relay, on_ended=self.sweeper.poke)
         self.reconciler = Reconciler(leader)
@@ -49,6 +52,7 @@ class Serving:
         return self.view.loads
 
     async def start(self) -> None:
+        await self.grants.sync(force=True)  # what the rows say, whatever the server has from before
         await self.relay.start(self.leader.nc)
         await self.reactions.start()
         await self.sweeper.start()

@@ -30,6 +30,7 @@ from leader.placement import (PlacementError, fewer_stages_note, for_old_fellows
                               place_ring_replicas, pre_ampere_batch_cap, ring_needs, ring_stage_count, transport_plan)
 from leader.services import LeaderServices
 from leader.serving.drafts import choose_draft
+from leader.serving.grants import RequestGrants
 from leader.serving.rows import active_load, get_load, load_stages, model_not_found
 
 
@@ -98,9 +99,10 @@ LOAD_LOCK_NS = 0x4C4F4144  # "LOAD": the advisory lock namespace of model loads
 
 
 class LoadCommands:
-    def __init__(self, leader: LeaderServices, catalog: Catalog):
+    def __init__(self, leader: LeaderServices, catalog: Catalog, grants: RequestGrants):
         self.leader = leader
         self.catalog = catalog
+        self.grants = grants
         self._loading: dict[str, asyncio.Lock] = {}
 
     async def load(self, model_id: str, num_stages: int | None = None, fellow_id: str | None = None,
@@ -187,6 +189,7 @@ class LoadCommands:
         await self.leader.publish(LoadPlaced(load_id=load_id, model_id=model_id, stages=assignments,
                                              transport=transport, quantization=quantization,
                                              quantization_reason=reason, reason="; ".join(notes)), wait=["loads"])
+        await self.grants.sync()  # stage 0's fellows may pull the load's requests before they are told to
         for a in assignments:
             cmd = LoadStage(load_id=load_id, model_id=model_id, assignment=a, num_stages=plan.num_stages,
                             stage_fellows=[x.fellow_id for x in assignments if x.replica == a.replica],
@@ -245,6 +248,7 @@ class LoadCommands:
             id=stage_replaced_id(load.load_id, lost.stage, lost.replica, lost.fellow_id), load_id=load.load_id,
             model_id=load.model_id, stage=lost.stage, replica=lost.replica, fellow_id=fellow,
             lost_fellow_id=lost.fellow_id, reason=why), wait=["loads"])
+        await self.grants.sync()  # a later stage pulls no requests: nothing changes today, but the rows decide
         assignment = StageAssignment(stage=lost.stage, fellow_id=fellow, replica=lost.replica,
                                      layers=(lost.layer_first, lost.layer_last), shards=list(shards))
         ring = sorted((s for s in stages if s.replica == lost.replica), key=lambda s: s.stage)

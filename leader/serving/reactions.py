@@ -18,8 +18,8 @@ from core.tasks import cancel_and_wait
 from events import subjects
 from events.base import Event
 from events.fellow import FellowLost
-from events.loads import (STAGE_RESTARTING, LoadFailed, ModelLoaded, ModelUnloaded, ReplicaLost, StageReady,
-                          load_failed_id, replica_lost_id)
+from events.loads import (STAGE_RESTARTING, LoadFailed, LoadPlaced, ModelLoaded, ModelUnloaded, ReplicaLost,
+                          StageReady, StageReplaced, load_failed_id, replica_lost_id)
 from leader.db.tables import Load, LoadStage
 from leader.relay_stats import RelayStats
 from leader.services import LeaderServices
@@ -30,6 +30,10 @@ from leader.serving.rows import ACTIVE, SERVING, UNLOADED_CODES, get_load, load_
 log = logging.getLogger(__name__)
 
 ENDS_READY = (ModelLoaded, LoadFailed, ModelUnloaded, ReplicaLost, StageReady)  # events that change the ready view
+# events that change whose stage 0 a load's is (leader.serving.grants): LoadCommands syncs before placing,
+# these after the fact too, for a load that ended or lost a replica, and for a placement the rows only
+# hear of on a replay
+GRANT_EVENTS = (LoadPlaced, StageReplaced, LoadFailed, ModelUnloaded, ReplicaLost)
 
 
 async def purge_queue(js, load_id: str) -> None:
@@ -106,6 +110,8 @@ class Reactions:
                 await self._release_stages(evt.load_id, "failed" if isinstance(evt, LoadFailed) else evt.reason)
             elif isinstance(evt, FellowLost):
                 await self._fellow_lost(evt)
+        if any(isinstance(e, GRANT_EVENTS) for e in events):
+            await self.commands.grants.sync()  # a stage 0 that ended pulls no more requests
         if any(isinstance(e, ENDS_READY) for e in events):
             await self.view.refresh()
         async with self.changed:

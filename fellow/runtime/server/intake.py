@@ -33,6 +33,7 @@ ACK_WAIT_S = 10.0
 # them: a client that hangs up while its request waits on the bus must not have it served in full.
 EARLY_CANCEL_S = 300.0
 EARLY_CANCELS = 10_000
+GRANT_WAIT_S = 15.0  # how long a first refused pull is retried (Intake._subscribe)
 _request = msgspec.json.Decoder(ChatRequest).decode
 
 
@@ -88,13 +89,26 @@ class Intake:
         self.running = False
         self.room.set()
 
+    async def _subscribe(self):
+        """The load's request consumer. On a nats-server the leader manages, this fellow may use it once the
+        leader granted it (before the stage's command; leader.serving.grants): a refused request times out,
+        so one is retried for GRANT_WAIT_S, in case the server's reload lags the command."""
+        durable = subjects.request_consumer(self.load_id)
+        config = ConsumerConfig(durable_name=durable, deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.EXPLICIT,
+                                ack_wait=ACK_WAIT_S, inactive_threshold=3600.0)
+        deadline = time.monotonic() + GRANT_WAIT_S
+        while True:
+            try:
+                return await self.js.pull_subscribe(subjects.request(self.load_id), durable=durable,
+                                                    stream=REQUESTS_STREAM, config=config)
+            except (NatsTimeout, asyncio.TimeoutError):
+                if not self.running or time.monotonic() > deadline:
+                    raise
+                log.warning("the request queue of load %s did not answer (not granted yet?): again", self.load_id)
+
     async def run(self) -> None:
         """Until ``stop``."""
-        durable = subjects.request_consumer(self.load_id)
-        sub = await self.js.pull_subscribe(
-            subjects.request(self.load_id), durable=durable, stream=REQUESTS_STREAM,
-            config=ConsumerConfig(durable_name=durable, deliver_policy=DeliverPolicy.ALL,
-                                  ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S, inactive_threshold=3600.0))
+        sub = await self._subscribe()
         while self.running:
             if len(self.active) >= self.max_in_flight or self.scheduler.budget.free <= 0:
                 await self._wait_room()
