@@ -58,7 +58,8 @@ def gguf_files(tree: Path, ckpt: Path, out: Path) -> dict[str, Path]:
                 "--outtype", "f32", "--outfile", str(files["f32"])], "convert_hf_to_gguf.py")
     for kind in GGUF_TYPES[1:]:
         if not files[kind].exists():
-            _quiet([str(tree / "build/bin/llama-quantize"), str(files["f32"]), str(files[kind]), kind], "llama-quantize")
+            _quiet([str(tree / "build/bin/llama-quantize"), str(files["f32"]), str(files[kind]), kind],
+                   "llama-quantize")
     return files
 
 
@@ -139,12 +140,14 @@ async def llama_load_test(url: str, prompts: list[list[int]], tokens: int) -> di
 
 
 def llama_rates(tree: Path, files: dict[str, Path], prompts: dict[int, list[list[int]]], tokens: int,
-                log_dir: Path, threads: int = 2) -> dict[str, dict[int, dict]]:
-    """{gguf type: {streams: aggregate figures}}: one server per file, every stream count against it."""
+                log_dir: Path, threads: int = 2, repeats: int = 1) -> dict[str, dict[int, float]]:
+    """{gguf type: {streams: decode tokens/s, the best of `repeats` runs}}: one server per file, every
+    stream count against it."""
     out = {}
     for kind, path in files.items():
         with LlamaServer(tree, path, log_dir / f"llama-server-{kind}.log", threads, max(prompts)) as server:
-            out[kind] = {b: asyncio.run(llama_load_test(server.url, p, tokens)) for b, p in prompts.items()}
-        print(json.dumps({"llama.cpp": kind, **{f"{b} streams tok/s": round(r["agg_tok_s"], 1)
-                                                 for b, r in out[kind].items()}}), flush=True)
+            out[kind] = {b: max(asyncio.run(llama_load_test(server.url, p, tokens))["agg_tok_s"]
+                                for _ in range(repeats)) for b, p in prompts.items()}
+        print(json.dumps({"llama.cpp": kind, **{f"{b} streams tok/s": round(r, 1) for b, r in out[kind].items()}}),
+              flush=True)
     return out
