@@ -2,6 +2,7 @@
 ratio against HF `generate` measured in the same run, over a matrix of shapes (bench/bench_matrix.py's).
 
     .venv/bin/python bench/bench_peers.py --llama-cpp DIR [--shapes A B ...] [--tokens 128] [--streams 1 8]
+        [--repeats 3] [--threads N]
 
 DIR (or SWARM_BENCH_LLAMA_CPP) is a llama.cpp source tree with a built build/bin/llama-server and
 build/bin/llama-quantize, its convert_hf_to_gguf.py and gguf-py/ (the converter needs sentencepiece).
@@ -9,18 +10,17 @@ build/bin/llama-quantize, its convert_hf_to_gguf.py and gguf-py/ (the converter 
 Per shape, one random float32 checkpoint (bench_matrix.make_checkpoint: end-of-turn rows zeroed, so no reply
 ends early), and at each stream count, decode tokens/s of:
 - HF `generate` at that batch, the baseline every ratio divides by;
-- the stack (nats-server, a leader, a fellow; no SWARM_* serving variable set), its load at float32, then
-  quantized int8 ({"bits": 8}) and int4 ({"method": "int4-fast"}), one load at a time; clients stream
-  /v1/chat/completions (bench_serving.load_test);
+- the stack (nats-server, a leader, a fellow; no SWARM_* serving variable set, but SWARM_SERVE_THREADS
+  with ``--threads``), its load at float32, then quantized int8 ({"bits": 8}) and int4
+  ({"method": "int4-fast"}), one load at a time; clients stream /v1/chat/completions (bench_serving.load_test);
 - `llama-server -t N -np 8 -cb --no-repack` on the checkpoint converted to GGUF float32
   (convert_hf_to_gguf.py --outtype f32), and on q8_0 and q4_0 made from it by llama-quantize (its default
   recipe for each type); clients stream its /completion endpoint, greedy, end of text ignored, the same
   chat-templated prompts as the stack's (bench/peers_llama.py).
 The figure of n streams started together is bench_serving.aggregate's: tokens past each stream's first over
 the span from the median first token to the last stream's end, the best of ``--repeats`` runs (generate's:
-the best of two, as in bench_matrix). Ratios: stack / llama.cpp at the matching
-precision (float32 / f32, int8 / q8_0, int4 / q4_0), and each of the six / generate; then min and median over
-the shapes.
+the best of two, as in bench_matrix). Ratios: stack / llama.cpp at the matching precision (float32 / f32,
+int8 / q8_0, int4 / q4_0), and each of the six / generate; then min and median over the shapes.
 """
 
 from __future__ import annotations
@@ -50,13 +50,15 @@ from tests.serving_fixtures import Stack  # noqa: E402
 PAIRS = (("f32", None, "f32"), ("int8", {"bits": 8}, "q8_0"), ("int4", {"method": "int4-fast"}, "q4_0"))
 
 
-def stack_rates(name: str, tmp: Path, streams: list[int], tokens: int, repeats: int = 1) -> tuple[dict, dict]:
+def stack_rates(name: str, tmp: Path, streams: list[int], tokens: int, repeats: int = 1,
+                threads: int = 0) -> tuple[dict, dict]:
     """({label: {streams: tokens/s}}, {label: the method the load was placed at}) of the stack serving the
     servable at tmp/servables/name, loaded at each of PAIRS' quantizations in turn."""
     rates, placed = {}, {}
     with EmbeddedNats(tmp / name / "js") as nats:
         # SWARM_SERVE_QUANTIZED=auto is the fellow's default (the test fixture turns it off)
-        stack = Stack(tmp / name, nats.url, tmp / "servables", SWARM_SERVE_QUANTIZED="auto").start()
+        env = {"SWARM_SERVE_THREADS": threads} if threads else {}
+        stack = Stack(tmp / name, nats.url, tmp / "servables", SWARM_SERVE_QUANTIZED="auto", **env).start()
         try:
             for label, quantization, _ in PAIRS:
                 body = {"wait": True, "timeout_s": 1800} | ({"quantization": quantization} if quantization else {})
@@ -75,16 +77,17 @@ def stack_rates(name: str, tmp: Path, streams: list[int], tokens: int, repeats: 
     return rates, placed
 
 
-def run_shape(name: str, tmp: Path, tree: Path, tokens: int, streams: list[int], llama_threads: int,
+def run_shape(name: str, tmp: Path, tree: Path, tokens: int, streams: list[int], threads: int = 0,
               repeats: int = 1) -> dict:
+    """Every figure of one shape; threads 0: each side's default (llama-server -t torch's count here)."""
     ckpt, tok, model = prepare(name, SHAPES[name], tmp)
     row = {"name": name, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
            "generate": {b: hf_generate(model, tok, b, tokens) for b in streams}}
     del model
     files = gguf_files(tree, ckpt, tmp / name / "gguf")
     row["llama"] = llama_rates(tree, files, {b: prompts_for(tok, b) for b in streams}, tokens, tmp / name,
-                               llama_threads, repeats)
-    row["stack"], row["placed"] = stack_rates(name, tmp, streams, tokens, repeats)
+                               threads or torch.get_num_threads(), repeats)
+    row["stack"], row["placed"] = stack_rates(name, tmp, streams, tokens, repeats, threads)
     return row
 
 
@@ -135,16 +138,19 @@ def main() -> None:
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per stream")
     ap.add_argument("--repeats", type=int, default=3, help="each stack and llama.cpp figure: the best of this many")
-    ap.add_argument("--llama-threads", type=int, default=0, help="llama-server -t (0: torch's thread count here)")
+    ap.add_argument("--threads", type=int, default=0, help="0: the defaults (torch's own here and in the stage, "
+                    "llama-server -t torch's count); N: N torch threads here, SWARM_SERVE_THREADS=N, llama-server -t N")
     args = ap.parse_args()
     tree = llama_tree(args.llama_cpp)
-    threads = args.llama_threads or torch.get_num_threads()
-    print(f"{torch.get_num_threads()} torch threads, llama-server -t {threads}, {args.tokens} new tokens per stream, "
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"{torch.get_num_threads()} torch threads, llama-server -t {torch.get_num_threads()}, "
+          f"stage threads {args.threads or 'default'}, {args.tokens} new tokens per stream, "
           f"best of {args.repeats}", flush=True)
     tmp = scratch_dir("swarm-bench-peers-")
     rows = []
     for name in args.shapes:
-        rows.append(run_shape(name, tmp, tree, args.tokens, args.streams, threads, args.repeats))
+        rows.append(run_shape(name, tmp, tree, args.tokens, args.streams, args.threads, args.repeats))
         print(json.dumps(rows[-1], default=str), flush=True)
     print()
     print(rate_table(rows, args.streams))
