@@ -145,9 +145,21 @@ def llama_rates(tree: Path, files: dict[str, Path], prompts: dict[int, list[list
     stream count against it."""
     out = {}
     for kind, path in files.items():
-        with LlamaServer(tree, path, log_dir / f"llama-server-{kind}.log", threads, max(prompts)) as server:
-            out[kind] = {b: max(asyncio.run(llama_load_test(server.url, p, tokens))["agg_tok_s"]
-                                for _ in range(repeats)) for b, p in prompts.items()}
+        # a server that went away is started again: on the shared machine two logged a clean exit (as on SIGTERM)
+        # a second after they started, from no signal this benchmark sends
+        for attempt in range(1, 4):
+            server = LlamaServer(tree, path, log_dir / f"llama-server-{kind}.log", threads, max(prompts))
+            try:
+                with server:
+                    out[kind] = {b: max(asyncio.run(llama_load_test(server.url, p, tokens))["agg_tok_s"]
+                                        for _ in range(repeats)) for b, p in prompts.items()}
+                break
+            except httpx.HTTPError as exc:
+                tail = "\n".join(server.log.read_text(errors="replace").splitlines()[-5:])
+                print(f"llama-server {kind}, attempt {attempt}: {exc!r} (exit {server.proc.returncode}); its log "
+                      f"ends:\n{tail}", file=sys.stderr, flush=True)
+                if attempt == 3:
+                    raise
         print(json.dumps({"llama.cpp": kind, **{f"{b} streams tok/s": round(r, 1) for b, r in out[kind].items()}}),
               flush=True)
     return out
