@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -130,7 +131,10 @@ async def llama_stream(client: httpx.AsyncClient, url: str, prompt: list[int], t
 
 async def llama_load_test(url: str, prompts: list[list[int]], tokens: int) -> dict:
     """len(prompts) streams at once, after an 8-token warm-up: bench_serving.aggregate's figures."""
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+    # a fresh connection a request: llama-server closed kept-alive ones that the client then reused
+    # ("Server disconnected without sending a response")
+    fresh = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=fresh) as client:
         await llama_stream(client, url, prompts[-1][:4], 8)
         t0 = time.perf_counter()
         results = await asyncio.gather(*(llama_stream(client, url, p, tokens) for p in prompts))
@@ -141,25 +145,13 @@ async def llama_load_test(url: str, prompts: list[list[int]], tokens: int) -> di
 
 def llama_rates(tree: Path, files: dict[str, Path], prompts: dict[int, list[list[int]]], tokens: int,
                 log_dir: Path, threads: int = 2, repeats: int = 1) -> dict[str, dict[int, float]]:
-    """{gguf type: {streams: decode tokens/s, the best of `repeats` runs}}: one server per file, every
+    """{gguf type: {streams: decode tokens/s, the median of `repeats` runs}}: one server per file, every
     stream count against it."""
     out = {}
     for kind, path in files.items():
-        # a server that went away is started again: on the shared machine two logged a clean exit (as on SIGTERM)
-        # a second after they started, from no signal this benchmark sends
-        for attempt in range(1, 4):
-            server = LlamaServer(tree, path, log_dir / f"llama-server-{kind}.log", threads, max(prompts))
-            try:
-                with server:
-                    out[kind] = {b: max(asyncio.run(llama_load_test(server.url, p, tokens))["agg_tok_s"]
-                                        for _ in range(repeats)) for b, p in prompts.items()}
-                break
-            except httpx.HTTPError as exc:
-                tail = "\n".join(server.log.read_text(errors="replace").splitlines()[-5:])
-                print(f"llama-server {kind}, attempt {attempt}: {exc!r} (exit {server.proc.returncode}); its log "
-                      f"ends:\n{tail}", file=sys.stderr, flush=True)
-                if attempt == 3:
-                    raise
+        with LlamaServer(tree, path, log_dir / f"llama-server-{kind}.log", threads, max(prompts)) as server:
+            out[kind] = {b: statistics.median(asyncio.run(llama_load_test(server.url, p, tokens))["agg_tok_s"]
+                                              for _ in range(repeats)) for b, p in prompts.items()}
         print(json.dumps({"llama.cpp": kind, **{f"{b} streams tok/s": round(r, 1) for b, r in out[kind].items()}}),
               flush=True)
     return out
