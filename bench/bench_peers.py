@@ -148,7 +148,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"{torch.get_num_threads()} torch threads, llama-server -t {torch.get_num_threads()}, "
           f"stage threads {args.threads or 'default'}, {args.tokens} new tokens per stream, "
-          f"best of {args.repeats}", flush=True)
+          f"median of {args.repeats} runs", flush=True)
     tmp = scratch_dir("swarm-bench-peers-")
     rows = []
     for name in args.shapes:
