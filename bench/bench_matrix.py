@@ -43,6 +43,7 @@ SHAPES = {
     "llama-gqa8": ("llama", 1024, 4, 2816, 4096, 16, 2, False),  # hidden 1,024, grouped attention 8:1
     "q2-wide-mlp": ("qwen2", 384, 12, 2304, 32000, 6, 2, False),  # Qwen2 biases, MLP 6x, untied
     "q3-v152k": ("qwen3", 768, 6, 3072, 151936, 12, 4, True),  # Qwen's 152k vocabulary, MLP 4x
+    "q36m-l20": ("qwen3", 384, 20, 1152, 4096, 6, 2, True),  # deep and narrow: 20 layers at hidden 384, MLP 3x
 }
 
 
@@ -150,8 +151,9 @@ async def stack_ttft(base: str, model: str, n: int = 12) -> float:
     return statistics.median(times) * 1e3
 
 
-def run_shape(name: str, shape: tuple, tmp: Path, tokens: int, streams: list[int], bandwidth: float,
-              with_stack: bool, stage_threads: int = 0, engine: bool = True, compile: str = "off") -> dict:
+def prepare(name: str, shape: tuple, tmp: Path) -> tuple:
+    """(checkpoint folder, its tokenizer padding left, the model in float32) of a shape, exported as a
+    one-stage servable at tmp/servables/name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fellow.runtime.tools.export import export
@@ -160,7 +162,12 @@ def run_shape(name: str, shape: tuple, tmp: Path, tokens: int, streams: list[int
     export(ckpt, tmp / "servables" / name, stages=1, model_id=name)
     tok = AutoTokenizer.from_pretrained(str(ckpt))
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    return ckpt, tok, AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+
+
+def run_shape(name: str, shape: tuple, tmp: Path, tokens: int, streams: list[int], bandwidth: float,
+              with_stack: bool, stage_threads: int = 0, engine: bool = True, compile: str = "off") -> dict:
+    _, tok, model = prepare(name, shape, tmp)
     row = {"name": name, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
            "floor_ms": weight_bytes_per_token(model) / bandwidth * 1e3}
     row["generate"] = {b: hf_generate(model, tok, b, tokens) if tokens else 1.0 for b in streams}

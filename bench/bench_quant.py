@@ -21,24 +21,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_matrix import SHAPES, engine_alone, hf_generate, make_checkpoint  # noqa: E402
+from bench.bench_matrix import SHAPES, engine_alone, hf_generate, prepare  # noqa: E402
 from bench.scratch import scratch_dir  # noqa: E402
 
 METHODS = ("none", "int8", "int4-fast", "nf4")
 
 
 def run_shape(name: str, tmp: Path, tokens: int, streams: list[int]) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from events.stage import StageOptions
     from fellow.runtime.model.loader import load_one_stage
-    from fellow.runtime.tools.export import export
 
-    ckpt = make_checkpoint(tmp / name / "hf", SHAPES[name])
-    export(ckpt, tmp / "servables" / name, stages=1, model_id=name)
-    tok = AutoTokenizer.from_pretrained(str(ckpt))
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    _, tok, model = prepare(name, SHAPES[name], tmp)
     row = {"name": name, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
            "generate": {b: hf_generate(model, tok, b, tokens) for b in streams}}
     del model

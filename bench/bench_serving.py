@@ -129,6 +129,12 @@ async def load_test(base: str, model: str, concurrency: int, tokens: int) -> dic
         t0 = time.perf_counter()
         results = await asyncio.gather(*(stream_one(client, url, model, QUESTIONS[i % len(QUESTIONS)], tokens)
                                          for i in range(concurrency)))
+    return aggregate(results, t0)
+
+
+def aggregate(results: list[dict], t0: float) -> dict:
+    """The figures of streams started together at `t0`, each a dict of ttft, tokens, decode_s and end."""
+    concurrency = len(results)
     wall = max(r["end"] for r in results) - t0
     total = sum(r["tokens"] for r in results)
     ttft = statistics.median(r["ttft"] for r in results)
