@@ -125,6 +125,9 @@ class StageServerBase:
                      "served model's), steps %s", self.cfg.stage, self.draft.name, self.draft.position_bytes,
                      self.draft.ratio, self.draft.decoder_label)
 
+    def after_ready(self) -> None:
+        """Right after the ready report (the bus thread): what may start once the load is ready."""
+
     def compute(self) -> None:
         """Compute on this, the main, thread until ``stop_compute``."""
         raise NotImplementedError
@@ -267,6 +270,7 @@ class StageServerBase:
                                max_in_flight=self.in_flight, vram_bytes=self.vram_bytes(),
                                load_s=round(self.load_s, 3), kernels=self.stage.kernels,
                                weights=self.stage.weights))
+            self.after_ready()
             self.spawn(self._report_metrics(), "metrics")
             await self._serve_bus()
         finally:

@@ -59,9 +59,11 @@ class StageServer(StageServerBase):
     def stop_compute(self) -> None:
         self.serving.stop()
 
-    async def _start(self) -> None:
-        if self.background is not None:  # serving starts now: it compiles beside it, nobody waits
+    def after_ready(self) -> None:
+        if self.background is not None:  # the load is ready: it compiles beside the serving, nobody waits
             self.background.start()
+
+    async def _start(self) -> None:
         self.intake = Intake(self.cfg, self.nc, self.js, self.tokenizer, self.engine, self.serving,
                              max_in_flight=self.in_flight)
         await self.nc.subscribe(subjects.cancels_of(self.load_id), cb=self.intake.on_cancel)
