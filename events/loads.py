@@ -31,6 +31,7 @@ class TransportPlan(msgspec.Struct, frozen=True, kw_only=True):
     step_profile: bool = False  # ... and profiles a one-token step (SWARM_SERVE_STEP_COSTS=profile)
     # the servable a drafting load's last stage drafts with (SWARM_SERVE_DRAFT_MODEL on the leader); "": none
     draft_model: str = ""
+    draft_asked: str = ""  # the leader's SWARM_SERVE_DRAFT_MODEL where it chose (a fellow's own then stays unused)
     in_flight_max: int = 0  # a ring's stage 0 may raise max_in_flight to this, sized from the ring's measured
     # step costs and link transit (fellow.runtime.ring.sizing); 0: max_in_flight is fixed
 

@@ -40,7 +40,7 @@ def stage_options(settings: Settings, cmd: LoadStage, draft_dir: str = "") -> St
     t, serving = cmd.transport, settings.serving
     speculative = t.speculative or serving.speculative  # rings draft on stage 0
     last = cmd.assignment.stage == cmd.num_stages - 1  # a ring's draft model drafts on its last stage
-    if speculative and last and not draft_dir and not t.draft_model and serving.draft_model not in ("", "auto"):
+    if speculative and last and not draft_dir and not t.draft_asked and serving.draft_model not in ("", "auto"):
         draft_dir = str(draft_model_dir(settings))  # the fellow's own ("auto" is the leader's to resolve)
     own = {name: getattr(serving, name) for name in StageOptions.__struct_fields__ if hasattr(serving, name)}
     ring = cmd.num_stages > 1  # a ring keeps the plan's, which each of its stages reserves memory for

@@ -58,6 +58,8 @@ def test_a_plan_no_load_serves_or_a_draft_model_not_there_is_refused_before_a_pr
         stage_options(drafting, load(num_stages=2, stage=1, speculative=4))
     leaders = load(num_stages=2, stage=1, speculative=4, draft_model="small")
     assert stage_options(drafting, leaders, "/cache/small").draft_model_dir == "/cache/small"  # the leader's wins
+    chose_none = load(num_stages=2, stage=1, speculative=4, draft_asked="nowhere")  # the leader found none
+    assert stage_options(drafting, chose_none).draft_model_dir == ""  # its verdict stands: the fellow's not tried
     auto = Settings.from_env({"SWARM_DATA_DIR": str(tmp_path), "SWARM_SERVE_DRAFT_MODEL": "auto"})
     assert stage_options(auto, load(speculative=4)).draft_model_dir == ""  # auto: the leader's to resolve
 

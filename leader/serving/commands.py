@@ -207,6 +207,7 @@ class LoadCommands:
         if not setting or not transport.speculative or is_servable_dir(setting):
             return transport, ""
         draft, why = choose_draft(setting, model, await self.catalog.all())
+        transport = msgspec.structs.replace(transport, draft_asked=setting)  # the fellows' own stays unused
         if draft is None:
             return transport, why
         return msgspec.structs.replace(transport, draft_model=draft.model_id), ""
