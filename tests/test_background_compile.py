@@ -2,8 +2,9 @@
 step at once, compiles its decode step on another thread meanwhile, and swaps it in at a step boundary; the
 replies are the fused step's throughout, and the load's status says where the compile is.
 
-In-process, inductor's default mode (a third of the compile; tests/test_compiled_decode.py says why); the
-stack test runs what a fellow runs, max-autotune, which takes tens of seconds even for a tiny model."""
+In-process, the reduce form alone (inductor's default mode: a third of the compile; tests/test_compiled_decode.py
+says why); the stack test runs what a fellow runs, both forms, the linear one under max-autotune, which takes
+tens of seconds even for a tiny model."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ import transformers
 from events.requests import Sampling
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.session import Session
-from fellow.runtime.model.background_compile import COMPILING, BackgroundCompile
+from events.stage import StageOptions
+from fellow.runtime.model.background_compile import COMPILING, BackgroundCompile, _choose
+from fellow.runtime.model.graph_linear import REDUCE
+from fellow.runtime.model.loader import load_one_stage
 from fellow.runtime.model.kernels import prepare_stage
 from fellow.runtime.model.stage import StageModel
 from tests.processes import wait_until
@@ -53,7 +57,7 @@ def test_a_stage_serves_while_its_step_compiles_and_swaps_it_in_between_steps(mo
     expected = replies(local_engine(fused, kv_tokens=4096), PROMPTS, 24)
     stage = StageModel.from_causal_lm(copy.deepcopy(model))
     prepare_stage(stage, batch_cap=2, keep_plain=True)
-    background = BackgroundCompile(stage, stage.plain_weights, mode=None, only_faster=False)
+    background = BackgroundCompile(stage, stage.plain_weights, forms=(REDUCE,), only_faster=False)
     engine = local_engine(stage, kv_tokens=4096)
     background.start()
     during = replies(engine, PROMPTS, 24, background.poll)  # served by the fused step while it compiles
@@ -61,10 +65,43 @@ def test_a_stage_serves_while_its_step_compiles_and_swaps_it_in_between_steps(mo
     assert background.wait(300)
     assert background.poll() and not background.poll()  # swapped once, at a boundary
     assert stage.compiled is background.compiled and background.compiled.serving == {1}
-    assert background.state.startswith("batch 1 compiled") and background.report["serving"] == [1]
+    assert background.state.startswith("batch 1 compiled (reduce)") and background.report["serving"] == [1]
     steps = background.compiled.steps
     assert replies(engine, PROMPTS, 24) == expected  # now the compiled step's, token for token
     assert background.compiled.steps >= steps + 3 * 23
+
+
+@pytest.mark.parametrize("method", ["int8", "int4-fast"])
+def test_a_quantized_stage_compiles_its_step_over_its_own_kernels(tmp_path, method):
+    """An int8 or int4 stage compiles in the background too: its graph calls the stage's quantized weights
+    (no copy kept at load) and replies token for token as its fused step."""
+    _, servable = make_servable(tmp_path, "tiny", layers=2, hidden=64, stages=1)
+    options = StageOptions(quantization=method, compile=None, max_batch=2)
+    expected = replies(local_engine(load_one_stage(servable, "cpu", options).stage, kv_tokens=4096), PROMPTS, 16)
+    stage = load_one_stage(servable, "cpu", options).stage
+    assert stage.plain_weights is not None and not stage.plain_weights.by_linear  # nothing kept beside it
+    background = BackgroundCompile(stage, stage.plain_weights, only_faster=False)
+    assert list(background.candidates) == [REDUCE]  # no float32 weight: one graph
+    engine = local_engine(stage, kv_tokens=4096)
+    background.start()
+    assert replies(engine, PROMPTS, 16, background.poll) == expected
+    assert background.wait(300) and (background.poll() or background.state != COMPILING)
+    assert stage.compiled is background.compiled and background.compiled.serving == {1}, background.report
+    steps = background.compiled.steps
+    assert replies(engine, PROMPTS, 16) == expected
+    assert background.compiled.steps >= steps + 3 * 15
+
+
+def test_the_fastest_form_that_checks_serves():
+    fast = {"serving": True, "compiled_ms": 4.0, "fused_ms": 6.0}
+    slow = {"serving": True, "compiled_ms": 5.0, "fused_ms": 6.0}
+    chosen = _choose({"reduce": slow, "linear": fast}, 1, "")
+    assert chosen["form"] == "linear" and chosen["forms_ms"] == {"reduce": 5.0, "linear": 4.0}
+    wrong = {"serving": False, "why": "its logits differ from the fused step's by 0.1"}
+    assert _choose({"reduce": wrong, "linear": slow}, 1, "")["form"] == "linear"
+    none = _choose({"reduce": wrong, "linear": {"serving": False, "why": "not faster than the fused step here"}}, 1, "")
+    assert not none["serving"] and "reduce: its logits" in none["why"] and "linear: not faster" in none["why"]
+    assert _choose({}, 1, "RuntimeError: no compiler") == {"serving": False, "why": "RuntimeError: no compiler"}
 
 
 def test_a_stack_load_is_ready_before_its_step_compiles_and_its_status_follows(tmp_path, nats_server):

@@ -1,13 +1,15 @@
 """SWARM_SERVE_COMPILE=auto, the default: the compiled decode step without a load that waits for it.
 
-A whole-model float32 CPU stage that ``compiled.why_not`` lets compile keeps its weights' plain form
-while it loads, where the host has room for it and the compiled graph (``why_not_here``), and serves
-its fused step at once. Once it serves, a thread compiles its step at batch 1
-(``CompiledDecode.warm``: no cache and no decode slab, nothing the serving thread holds; inductor's
-cache under the fellow's data dir makes a later load's compile take a fraction as long). At the first
-step boundary after that, the serving thread checks the compiled step's logits against the fused
-step's and times both (``CompiledDecode.build(compiled=True)``), and from that step on its batch-1
-steps run compiled where that measured faster. ``state`` says where it is: the stage's metrics carry
+A whole-model CPU stage that ``compiled.why_not`` lets compile (float32, or int8 and int4 over torch's
+kernels) keeps its float32 weights' plain form while it loads, where the host has room for it and the
+compiled graph (``why_not_here``), and serves its fused step at once. Once it serves, a thread compiles
+its step at batch 1 (``CompiledDecode.warm``: no cache and no decode slab, nothing the serving thread
+holds; inductor's cache under the fellow's data dir makes a later load's compile take a fraction as
+long), once for each way of multiplying a row by a float32 weight (``graph_linear.GEMV_FORMS``: neither
+wins on every shape). At the first step boundary after that, the serving thread checks each compiled
+step's logits against the fused step's and times them (``CompiledDecode.build(compiled=True)``), and
+from that step on its batch-1 steps run through the fastest where it measured faster than the fused
+step; the other is dropped. ``state`` says where it is: the stage's metrics carry
 it to the load's status, and ``report`` lands in ``kernels["compiled"]``.
 """
 
@@ -18,8 +20,9 @@ import os
 import sys
 import threading
 
-from fellow.runtime.model.compiled import (COMPILE_MODE, CompiledDecode, PlainWeights, _one_line, _resident_bytes,
-                                           why_not)
+from fellow.runtime.model.compiled import CompiledDecode, PlainWeights, _one_line, _resident_bytes, why_not
+from fellow.runtime.model.fused import Linear
+from fellow.runtime.model.graph_linear import GEMV_FORMS, REDUCE
 from fellow.runtime.model.kv_budget import cpu_free_bytes
 
 log = logging.getLogger(__name__)
@@ -44,15 +47,20 @@ class BackgroundCompile:
     """The stage's decode step compiled on a thread of its own while the stage serves, swapped in at a step
     boundary where it checks and measures faster."""
 
-    def __init__(self, stage, plain: PlainWeights, mode: str | None = COMPILE_MODE, only_faster: bool = True) -> None:
-        """``mode``: inductor's (None: its default, a third of the compile; tests); ``only_faster=False``: serve
-        the compiled step wherever its logits agree (tests, on models too small for it to pay)."""
+    def __init__(self, stage, plain: PlainWeights, forms: tuple[str, ...] | None = None, only_faster: bool = True) -> None:
+        """``forms``: how the graphs multiply one row by a float32 weight (graph_linear.GEMV_FORMS), each
+        built in turn and the faster served; default, both where the stage has float32 weights, else the
+        reduce form alone (a quantized stage's graph calls its own kernels either way). ``only_faster=False``:
+        serve the compiled step wherever its logits agree (tests, on models too small for it to pay)."""
         self.stage = stage
-        self.compiled = CompiledDecode(stage, plain, mode)
+        if forms is None:
+            forms = tuple(GEMV_FORMS) if has_float_weights(stage) else (REDUCE,)
+        self.candidates = {form: CompiledDecode(stage, plain, GEMV_FORMS[form], form) for form in forms}
+        self.compiled: CompiledDecode | None = None  # the one that serves, once chosen
         self.only_faster = only_faster
         self.state = COMPILING
         self.report: dict = {"asked": list(ROWS), "background": True, "state": COMPILING}
-        self._seconds: dict[int, float] = {}
+        self._seconds: dict[tuple[str, int], float] = {}
         self._error = ""
         self._resident = _resident_bytes()
         self._done = threading.Event()
@@ -62,8 +70,8 @@ class BackgroundCompile:
         self._switch = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_S)
         self._thread.start()
-        log.info("[compiled] decode step at batch %s compiling in the background; the fused step serves meanwhile",
-                 ",".join(map(str, ROWS)))
+        log.info("[compiled] decode step at batch %s compiling in the background (%s); the fused step serves "
+                 "meanwhile", ",".join(map(str, ROWS)), ", ".join(self.candidates))
 
     def _compile(self) -> None:
         try:
@@ -71,9 +79,10 @@ class BackgroundCompile:
         except (OSError, AttributeError):
             pass
         try:
-            for rows in ROWS:
-                self._seconds[rows] = self.compiled.warm(rows)
-        except Exception as exc:  # inductor could not build it here: the fused step goes on serving
+            for form, candidate in self.candidates.items():
+                for rows in ROWS:
+                    self._seconds[form, rows] = candidate.warm(rows)
+        except Exception as exc:  # inductor could not build it here: what did build still may serve
             self._error = _one_line(exc)
         finally:
             self._done.set()
@@ -83,22 +92,34 @@ class BackgroundCompile:
         return self._done.wait(timeout)
 
     def poll(self) -> bool:
-        """On the serving thread, between steps: once the step is built, check and time it and serve it where
-        faster. Whether it changed anything (cheap, and False, until then and after)."""
+        """On the serving thread, between steps: once the steps are built, check and time each and serve the
+        fastest where it beats the fused step. Whether it changed anything (cheap, and False, until then and
+        after)."""
         if self.state != COMPILING or not self._done.is_set():
             return False
         sys.setswitchinterval(self._switch)
         found: dict[str, dict] = {}
-        for rows, seconds in self._seconds.items():
-            try:
-                found[str(rows)] = {"compile_s": round(seconds, 1),
-                                    **self.compiled.build(rows, self.only_faster, compiled=True)}
-            except Exception as exc:
-                found[str(rows)] = {"compile_s": round(seconds, 1), "serving": False, "why": _one_line(exc)}
-        if self._error:
-            found[str(ROWS[len(self._seconds)])] = {"serving": False, "why": self._error}
-        self.stage.compiled = self.compiled if self.compiled.serving else None
-        self.report.update(batches=found, serving=sorted(self.compiled.serving))
+        for rows in ROWS:
+            tried = {}
+            for form, candidate in self.candidates.items():
+                if (form, rows) not in self._seconds:
+                    continue
+                seconds = self._seconds[form, rows]
+                try:
+                    tried[form] = {"compile_s": round(seconds, 1),
+                                   **candidate.build(rows, self.only_faster, compiled=True)}
+                except Exception as exc:
+                    tried[form] = {"compile_s": round(seconds, 1), "serving": False, "why": _one_line(exc)}
+            found[str(rows)] = _choose(tried, rows, self._error)
+        chosen = {e["form"] for e in found.values() if e.get("serving")}
+        for form, candidate in self.candidates.items():
+            if form not in chosen:
+                candidate.serving.clear()
+        # one form serves every batch size (one batch size today: ROWS)
+        self.compiled = next((self.candidates[form] for form in chosen), None)
+        self.candidates = {}
+        self.stage.compiled = self.compiled
+        self.report.update(batches=found, serving=sorted(self.compiled.serving) if self.compiled else [])
         if self._resident is not None and (after := _resident_bytes()) is not None:
             self.report["resident_added_bytes"] = after - self._resident
         self.state = self.report["state"] = self.summary(found)
@@ -110,8 +131,32 @@ class BackgroundCompile:
         parts = []
         for rows, e in found.items():
             if e.get("serving"):
-                parts.append(f"batch {rows} compiled, {e['compiled_ms']:.2f} ms against the fused "
+                parts.append(f"batch {rows} compiled ({e['form']}), {e['compiled_ms']:.2f} ms against the fused "
                              f"{e['fused_ms']:.2f} (compiled in {e['compile_s']:.0f} s)")
             else:
                 parts.append(f"batch {rows} fused: {e.get('why', 'not compiled')}")
         return "; ".join(parts)
+
+
+def has_float_weights(stage) -> bool:
+    """Whether the stage multiplies by any plain float32 weight (its graphs' GEMV form matters)."""
+    layers = stage.fused.layers if stage.fused is not None else []
+    return any(type(getattr(layer, name)) is Linear for layer in layers for name in ("qkv", "o", "gate_up", "down"))
+
+
+def _choose(tried: dict[str, dict], rows: int, error: str) -> dict:
+    """What serves ``rows`` sessions: the fastest form that serves (its entry, with ``form`` and every form's
+    time), else the first entry, with why none serves."""
+    serving = {form: e for form, e in tried.items() if e.get("serving")}
+    if not serving:
+        if not tried:
+            return {"serving": False, "why": error or "not compiled"}
+        entry = dict(next(iter(tried.values())))
+        if len(tried) > 1:
+            entry["why"] = "; ".join(f"{f}: {e.get('why', 'not serving')}" for f, e in tried.items())
+        return entry
+    form = min(serving, key=lambda f: serving[f]["compiled_ms"])
+    entry = {**serving[form], "form": form}
+    if len(tried) > 1:
+        entry["forms_ms"] = {f: e.get("compiled_ms") for f, e in tried.items()}
+    return entry

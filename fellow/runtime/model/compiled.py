@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fellow.runtime.model.fused import Linear, _norm, rotary_tables
+from fellow.runtime.model.graph_linear import (LINEAR, GraphLinear, call, embedding, keep, keep_embedding,
+                                               why_not_embedding, why_not_graph)
 from fellow.runtime.model.kv_cache import random_caches
 
 log = logging.getLogger(__name__)
@@ -80,10 +82,11 @@ def why_not(stage) -> str | None:
         return f"its weights are {str(stage.dtype).removeprefix('torch.')}, not float32"
     for layer in stage.fused.layers:
         for name in ("qkv", "o", "gate_up", "down"):
-            if type(getattr(layer, name)) is not Linear:
-                return f"its layers are quantized or carry adapters ({type(getattr(layer, name)).__name__})"
-    if type(stage.embed) is not nn.Embedding or type(getattr(stage.head, "linear", None)) is not Linear:
-        return "its embeddings or head are not plain float32 weights"
+            if why := why_not_graph(getattr(layer, name)):
+                return why
+    head = getattr(stage.head, "linear", None)
+    if head is None or (why := why_not_embedding(stage.embed) or why_not_graph(head)):
+        return why or "its head is not a linear weight"
     return None
 
 
@@ -111,41 +114,40 @@ class DecodeGraph(nn.Module):
     (``fused.rotary_tables``) -> logits [B, V]. The same arithmetic as ``FusedStack.forward`` and the
     stage's head, with the attention left to ``attend_rows``."""
 
-    def __init__(self, stage, plain: PlainWeights) -> None:
+    def __init__(self, stage, plain: PlainWeights, gemv: str = LINEAR) -> None:
         super().__init__()
+        self.gemv = gemv  # graph_linear.GEMV_FORMS
         fused = stage.fused
         self.heads, self.kv_heads, self.dim = fused.num_heads, fused.num_kv_heads, fused.head_dim
         self.hidden = stage.config.hidden_size
         self.n = len(fused.layers)
         self.eps: list[tuple[float, float, float | None]] = []
         self.intermediate: list[int] = []
-        keep = self.register_buffer
+        self.linears: dict[str, GraphLinear] = {}
         for i, layer in enumerate(fused.layers):
             for name in ("qkv", "o", "gate_up", "down"):
-                linear = getattr(layer, name)
-                keep(f"{name}{i}", plain.of(linear))
-                keep(f"{name}_bias{i}", linear.bias)
-            keep(f"in{i}", layer.input_norm[0])
-            keep(f"post{i}", layer.post_norm[0])
-            keep(f"qk{i}", None if layer.qk_norm is None else layer.qk_norm[0])
+                self.linears[f"{name}{i}"] = keep(self, f"{name}{i}", getattr(layer, name), plain)
+            self.register_buffer(f"in{i}", layer.input_norm[0])
+            self.register_buffer(f"post{i}", layer.post_norm[0])
+            self.register_buffer(f"qk{i}", None if layer.qk_norm is None else layer.qk_norm[0])
             self.eps.append((layer.input_norm[1], layer.post_norm[1],
                              None if layer.qk_norm is None else layer.qk_norm[1]))
             self.intermediate.append(layer.intermediate)
-        keep("embed", stage.embed.weight.detach())
+        keep_embedding(self, stage.embed)
+        self.dtype = stage.dtype
         norm_weight, self.norm_eps = _norm(stage.norm)
-        keep("norm", norm_weight)
-        head = stage.head.linear
-        keep("head", plain.of(head))
-        keep("head_bias", head.bias)
+        self.register_buffer("norm", norm_weight)
+        self.linears["head"] = keep(self, "head", stage.head.linear, plain)
 
     def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, d = ids.shape[0], self.dim
         qk_heads, half = self.heads + self.kv_heads, d // 2
         w = lambda name, i: getattr(self, f"{name}{i}")
-        hidden = F.embedding(ids, self.embed)[:, None]
+        linear = lambda name, x: call(self, name, self.linears[name], x)
+        hidden = embedding(self, ids, self.dtype)[:, None]
         for i in range(self.n):
             in_eps, post_eps, qk_eps = self.eps[i]
-            qkv = F.linear(F.rms_norm(hidden, (self.hidden,), w("in", i), in_eps), w("qkv", i), w("qkv_bias", i))
+            qkv = linear(f"qkv{i}", F.rms_norm(hidden, (self.hidden,), w("in", i), in_eps))
             qk = qkv[..., : qk_heads * d].view(batch, 1, qk_heads, d)
             if qk_eps is not None:
                 qk = F.rms_norm(qk, (d,), None, qk_eps) * w("qk", i)
@@ -153,21 +155,21 @@ class DecodeGraph(nn.Module):
             q, k = qk[:, :, : self.heads].transpose(1, 2), qk[:, :, self.heads :].transpose(1, 2)
             v = qkv[..., qk_heads * d :].view(batch, 1, self.kv_heads, d).transpose(1, 2)
             attended = attend_rows(q.contiguous(), k.contiguous(), v.contiguous(), i)
-            hidden = hidden + F.linear(attended, w("o", i), w("o_bias", i))
+            hidden = hidden + linear(f"o{i}", attended)
             normed = F.rms_norm(hidden, (self.hidden,), w("post", i), post_eps)
-            gate, up = F.linear(normed, w("gate_up", i), w("gate_up_bias", i)).split(self.intermediate[i], dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, w("down", i), w("down_bias", i))
+            gate, up = linear(f"gate_up{i}", normed).split(self.intermediate[i], dim=-1)
+            hidden = hidden + linear(f"down{i}", F.silu(gate) * up)
         last = F.rms_norm(hidden[:, -1], (self.hidden,), self.norm, self.norm_eps)
-        return F.linear(last, self.head, self.head_bias)
+        return linear("head", last)
 
 
 class CompiledDecode:
     """The stage's decode step at the batch sizes it compiled and measured faster than the fused step."""
 
-    def __init__(self, stage, plain: PlainWeights, mode: str | None = COMPILE_MODE) -> None:
+    def __init__(self, stage, plain: PlainWeights, mode: str | None = COMPILE_MODE, gemv: str = LINEAR) -> None:
         self.stage = stage
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        self.graph = DecodeGraph(stage, plain)
+        self.graph = DecodeGraph(stage, plain, gemv)
         self.fn = torch.compile(self.graph, dynamic=False, mode=mode, fullgraph=True)
         self.serving: set[int] = set()
         self.steps = 0  # decode steps it served

@@ -18,7 +18,7 @@ from fellow.runtime.model.device_split import (Card, DeviceSplit, SplitError, by
 from fellow.runtime.model.grouped_attention import GROUPED, choose_attention
 from fellow.runtime.model.half_storage import apply_half_storage
 from fellow.runtime.model.background_compile import why_not_here
-from fellow.runtime.model.compiled import compile_decode, why_not
+from fellow.runtime.model.compiled import PlainWeights, compile_decode, why_not
 from fellow.runtime.model.cuda_graphs import graph_decode
 from fellow.runtime.model.fourbit_rows import plan_4bit_rows
 from fellow.runtime.model.kernels import prepare_stage, quant_chooser
@@ -183,10 +183,14 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
     stage = StageModel(config=mods.config, layers=mods.layers, first_layer=mods.layer_indices[0],
                        rotary_emb=mods.rotary_emb, embed=mods.embed, norm=mods.norm, head=mods.lm_head)
     # the plain weights a compiled step is built from: at load where asked, or (auto) in the background once
-    # a whole float32 CPU stage serves (fellow.runtime.model.background_compile)
-    background = compile is None and num_stages == 1 and device.type == "cpu" and quantizer is None
+    # a whole float32 CPU stage serves (fellow.runtime.model.background_compile); an int8 or int4 stage's
+    # graph calls its quantized weights as they are, so it keeps nothing more
+    background = (compile is None and num_stages == 1 and device.type == "cpu"
+                  and quantization in (NONE, INT8, INT4_FAST))
     prepare_stage(stage, packed=packed, batch_cap=batch_cap, quantizer=quantizer,
                   keep_plain=bool(compile) or background)
+    if quantizer is not None and (background or compile):
+        stage.plain_weights = PlainWeights(None)
     apply_inner(stage, mods.inner)  # cuts training made inside the stage, where they were trained
     # the HF layers' attention (SWARM_SERVE_ATTENTION); fused layers attend grouped on their own
     stage.kernels = {**stage.kernels, "attention": "fused" if stage.fused is not None else
