@@ -57,7 +57,7 @@ def test_a_stage_serves_while_its_step_compiles_and_swaps_it_in_between_steps(mo
     expected = replies(local_engine(fused, kv_tokens=4096), PROMPTS, 24)
     stage = StageModel.from_causal_lm(copy.deepcopy(model))
     prepare_stage(stage, batch_cap=2, keep_plain=True)
-    background = BackgroundCompile(stage, stage.plain_weights, forms=(REDUCE,), only_faster=False)
+    background = BackgroundCompile(stage, stage.plain_weights, forms=(REDUCE,), only_faster=False, rows=(1,))
     engine = local_engine(stage, kv_tokens=4096)
     background.start()
     during = replies(engine, PROMPTS, 24, background.poll)  # served by the fused step while it compiles
@@ -80,7 +80,7 @@ def test_a_quantized_stage_compiles_its_step_over_its_own_kernels(tmp_path, meth
     expected = replies(local_engine(load_one_stage(servable, "cpu", options).stage, kv_tokens=4096), PROMPTS, 16)
     stage = load_one_stage(servable, "cpu", options).stage
     assert stage.plain_weights is not None and not stage.plain_weights.by_linear  # nothing kept beside it
-    background = BackgroundCompile(stage, stage.plain_weights, only_faster=False)
+    background = BackgroundCompile(stage, stage.plain_weights, only_faster=False, rows=(1,))
     assert list(background.candidates) == [REDUCE]  # no float32 weight: one graph
     engine = local_engine(stage, kv_tokens=4096)
     background.start()
@@ -92,16 +92,45 @@ def test_a_quantized_stage_compiles_its_step_over_its_own_kernels(tmp_path, meth
     assert background.compiled.steps >= steps + 3 * 15
 
 
+def test_batches_of_several_rows_compile_too_and_each_size_is_served_by_its_own_step(model):
+    """rows=(1, 2): two graphs' worth of steps behind one ``stage.compiled``; two sessions decoding together
+    take the batch-2 step, and the replies are the fused step's."""
+    fused = StageModel.from_causal_lm(copy.deepcopy(model))
+    prepare_stage(fused, batch_cap=2)
+
+    def together(engine):
+        for i, prompt in enumerate(PROMPTS[:2]):
+            engine.add(Session(f"s{i}", prompt, 12, sampling=Sampling(temperature=0.0)))
+        out: dict[str, list[int]] = {}
+        while engine.busy:
+            for sid, tokens in engine.step().tokens.items():
+                out.setdefault(sid, []).extend(tokens)
+        return out
+
+    expected = together(local_engine(fused, kv_tokens=4096))
+    stage = StageModel.from_causal_lm(copy.deepcopy(model))
+    prepare_stage(stage, batch_cap=2, keep_plain=True)
+    background = BackgroundCompile(stage, stage.plain_weights, forms=(REDUCE,), only_faster=False, rows=(1, 2))
+    assert background.plan == [(REDUCE, 1), (REDUCE, 2)]
+    background.start()
+    assert background.wait(300) and background.poll()
+    assert stage.compiled.serving == {1, 2}, background.report
+    assert set(background.report["batches"]) == {"1", "2"}
+    steps = stage.compiled.steps
+    assert together(local_engine(stage, kv_tokens=4096)) == expected
+    assert stage.compiled.steps >= steps + 10  # most of the 12 steps ran two rows compiled
+
+
 def test_the_fastest_form_that_checks_serves():
     fast = {"serving": True, "compiled_ms": 4.0, "fused_ms": 6.0}
     slow = {"serving": True, "compiled_ms": 5.0, "fused_ms": 6.0}
-    chosen = _choose({"reduce": slow, "linear": fast}, 1, "")
+    chosen = _choose({"reduce": slow, "linear": fast}, "")
     assert chosen["form"] == "linear" and chosen["forms_ms"] == {"reduce": 5.0, "linear": 4.0}
     wrong = {"serving": False, "why": "its logits differ from the fused step's by 0.1"}
-    assert _choose({"reduce": wrong, "linear": slow}, 1, "")["form"] == "linear"
-    none = _choose({"reduce": wrong, "linear": {"serving": False, "why": "not faster than the fused step here"}}, 1, "")
+    assert _choose({"reduce": wrong, "linear": slow}, "")["form"] == "linear"
+    none = _choose({"reduce": wrong, "linear": {"serving": False, "why": "not faster than the fused step here"}}, "")
     assert not none["serving"] and "reduce: its logits" in none["why"] and "linear: not faster" in none["why"]
-    assert _choose({}, 1, "RuntimeError: no compiler") == {"serving": False, "why": "RuntimeError: no compiler"}
+    assert _choose({}, "RuntimeError: no compiler") == {"serving": False, "why": "RuntimeError: no compiler"}
 
 
 def test_a_stack_load_is_ready_before_its_step_compiles_and_its_status_follows(tmp_path, nats_server):

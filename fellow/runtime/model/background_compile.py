@@ -22,12 +22,12 @@ import threading
 
 from fellow.runtime.model.compiled import CompiledDecode, PlainWeights, _one_line, _resident_bytes, why_not
 from fellow.runtime.model.fused import Linear
-from fellow.runtime.model.graph_linear import GEMV_FORMS, REDUCE
+from fellow.runtime.model.graph_linear import GEMV_FORMS, LINEAR, REDUCE
 from fellow.runtime.model.kv_budget import cpu_free_bytes
 
 log = logging.getLogger(__name__)
 
-ROWS = (1,)  # batch 1: where the compiled step gained most (batch 8 gained at most 1.17x, docs/benchmarks.md)
+ROWS = (1, 8)  # batch sizes compiled: one stream, and eight (what a full decode batch of the default cap runs)
 ROOM = 2.0  # free host memory it wants after loading, in weight bytes: the graph's frozen copy and more
 COMPILING = "compiling"
 NICE = 19  # the compile thread's (and its compile workers') priority: the serving threads go first
@@ -47,19 +47,26 @@ class BackgroundCompile:
     """The stage's decode step compiled on a thread of its own while the stage serves, swapped in at a step
     boundary where it checks and measures faster."""
 
-    def __init__(self, stage, plain: PlainWeights, forms: tuple[str, ...] | None = None, only_faster: bool = True) -> None:
+    def __init__(self, stage, plain: PlainWeights, forms: tuple[str, ...] | None = None, only_faster: bool = True,
+                 rows: tuple[int, ...] = ROWS) -> None:
         """``forms``: how the graphs multiply one row by a float32 weight (graph_linear.GEMV_FORMS), each
-        built in turn and the faster served; default, both where the stage has float32 weights, else the
-        reduce form alone (a quantized stage's graph calls its own kernels either way). ``only_faster=False``:
-        serve the compiled step wherever its logits agree (tests, on models too small for it to pay)."""
+        built at batch 1 and the faster served; default, both where the stage has float32 weights, else the
+        reduce form alone (a quantized stage's graph calls its own kernels either way). Batches of more rows
+        are built in the first form that multiplies them as it does at once (the linear one where planned:
+        the reduce form takes one row only). ``only_faster=False``: serve the compiled step wherever its
+        logits agree (tests, on models too small for it to pay)."""
         self.stage = stage
         if forms is None:
             forms = tuple(GEMV_FORMS) if has_float_weights(stage) else (REDUCE,)
-        self.candidates = {form: CompiledDecode(stage, plain, GEMV_FORMS[form], form) for form in forms}
-        self.compiled: CompiledDecode | None = None  # the one that serves, once chosen
+        many = LINEAR if LINEAR in forms else forms[0]
+        self.plan = [(form, 1) for form in forms if 1 in rows] + [(many, r) for r in rows if r != 1]
+        self.candidates = {form: CompiledDecode(stage, plain, GEMV_FORMS[form], form)
+                           for form in dict.fromkeys(form for form, _ in self.plan)}
+        self.compiled: CompiledSteps | None = None  # what serves, once chosen
         self.only_faster = only_faster
+        self.rows = tuple(sorted(set(rows)))
         self.state = COMPILING
-        self.report: dict = {"asked": list(ROWS), "background": True, "state": COMPILING}
+        self.report: dict = {"asked": list(self.rows), "background": True, "state": COMPILING}
         self._seconds: dict[tuple[str, int], float] = {}
         self._error = ""
         self._resident = _resident_bytes()
@@ -70,8 +77,8 @@ class BackgroundCompile:
         self._switch = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_S)
         self._thread.start()
-        log.info("[compiled] decode step at batch %s compiling in the background (%s); the fused step serves "
-                 "meanwhile", ",".join(map(str, ROWS)), ", ".join(self.candidates))
+        log.info("[compiled] decode step compiling in the background (%s); the fused step serves meanwhile",
+                 ", ".join(f"batch {rows} {form}" for form, rows in self.plan))
 
     def _compile(self) -> None:
         try:
@@ -79,9 +86,8 @@ class BackgroundCompile:
         except (OSError, AttributeError):
             pass
         try:
-            for form, candidate in self.candidates.items():
-                for rows in ROWS:
-                    self._seconds[form, rows] = candidate.warm(rows)
+            for form, rows in self.plan:
+                self._seconds[form, rows] = self.candidates[form].warm(rows)
         except Exception as exc:  # inductor could not build it here: what did build still may serve
             self._error = _one_line(exc)
         finally:
@@ -92,34 +98,34 @@ class BackgroundCompile:
         return self._done.wait(timeout)
 
     def poll(self) -> bool:
-        """On the serving thread, between steps: once the steps are built, check and time each and serve the
-        fastest where it beats the fused step. Whether it changed anything (cheap, and False, until then and
-        after)."""
+        """On the serving thread, between steps: once the steps are built, check and time each and serve, per
+        batch size, the fastest where it beats the fused step. Whether it changed anything (cheap, and False,
+        until then and after)."""
         if self.state != COMPILING or not self._done.is_set():
             return False
         sys.setswitchinterval(self._switch)
         found: dict[str, dict] = {}
-        for rows in ROWS:
+        by_rows: dict[int, CompiledDecode] = {}
+        for rows in self.rows:
             tried = {}
-            for form, candidate in self.candidates.items():
-                if (form, rows) not in self._seconds:
+            for form, planned in self.plan:
+                if planned != rows or (form, rows) not in self._seconds:
                     continue
-                seconds = self._seconds[form, rows]
+                entry = {"compile_s": round(self._seconds[form, rows], 1)}
                 try:
-                    tried[form] = {"compile_s": round(seconds, 1),
-                                   **candidate.build(rows, self.only_faster, compiled=True)}
+                    entry.update(self.candidates[form].build(rows, self.only_faster, compiled=True))
                 except Exception as exc:
-                    tried[form] = {"compile_s": round(seconds, 1), "serving": False, "why": _one_line(exc)}
-            found[str(rows)] = _choose(tried, rows, self._error)
-        chosen = {e["form"] for e in found.values() if e.get("serving")}
-        for form, candidate in self.candidates.items():
-            if form not in chosen:
-                candidate.serving.clear()
-        # one form serves every batch size (one batch size today: ROWS)
-        self.compiled = next((self.candidates[form] for form in chosen), None)
+                    entry.update(serving=False, why=_one_line(exc))
+                tried[form] = entry
+            found[str(rows)] = _choose(tried, self._error)
+            if found[str(rows)].get("serving"):
+                by_rows[rows] = self.candidates[found[str(rows)]["form"]]
+        for form, candidate in self.candidates.items():  # what does not serve is dropped
+            candidate.serving.intersection_update(r for r, c in by_rows.items() if c is candidate)
         self.candidates = {}
+        self.compiled = CompiledSteps(by_rows) if by_rows else None
         self.stage.compiled = self.compiled
-        self.report.update(batches=found, serving=sorted(self.compiled.serving) if self.compiled else [])
+        self.report.update(batches=found, serving=sorted(by_rows))
         if self._resident is not None and (after := _resident_bytes()) is not None:
             self.report["resident_added_bytes"] = after - self._resident
         self.state = self.report["state"] = self.summary(found)
@@ -144,7 +150,32 @@ def has_float_weights(stage) -> bool:
     return any(type(getattr(layer, name)) is Linear for layer in layers for name in ("qkv", "o", "gate_up", "down"))
 
 
-def _choose(tried: dict[str, dict], rows: int, error: str) -> dict:
+class CompiledSteps:
+    """The compiled steps that serve, by batch size (``stage.compiled``: the protocol ``StageModel.decode``
+    calls, as a CompiledDecode's)."""
+
+    def __init__(self, by_rows: dict[int, CompiledDecode]) -> None:
+        self.by_rows = by_rows
+
+    @property
+    def serving(self) -> set[int]:
+        return set(self.by_rows)
+
+    @property
+    def steps(self) -> int:
+        return sum(compiled.steps for compiled in {id(c): c for c in self.by_rows.values()}.values())
+
+    def serves(self, rows: int) -> bool:
+        return rows in self.by_rows
+
+    def decode(self, caches, ids):
+        return self.by_rows[len(caches)].decode(caches, ids)
+
+    def give_up(self, rows: int, exc: Exception) -> None:
+        self.by_rows.pop(rows).give_up(rows, exc)
+
+
+def _choose(tried: dict[str, dict], error: str) -> dict:
     """What serves ``rows`` sessions: the fastest form that serves (its entry, with ``form`` and every form's
     time), else the first entry, with why none serves."""
     serving = {form: e for form, e in tried.items() if e.get("serving")}
