@@ -5,7 +5,7 @@
   group and row), packed once by ``aten._convert_weight_to_int4pack_for_cpu``; ``aten._weight_int4pack_mm_for_cpu``.
 
 Both kernels are vectorised for bfloat16 activations only: called with float32 rows they ran 6-40
-times slower than a float32 matmul on this project's 2-core AVX-512 EPYC, with bfloat16 rows 2-5 times
+times slower than a float32 matmul on this project's 2-core EPYC, with bfloat16 rows 2-5 times
 faster (a 3,072 x 512 weight, one row, weight out of cache: float32 MKL 590 us, oneDNN packed 198 us,
 int8 111 us, int4 80 us). So a quantized linear casts its input rows to bfloat16 and its result back:
 the stage keeps computing norms, attention and its KV cache in float32. Each row's result is the same
