@@ -65,16 +65,31 @@ def held_out_text(chat_turn) -> str:
     return "".join(turns)
 
 
-def perplexity(stage, ids: list[int], ctx: int, chunks: int, reference: list[torch.Tensor] | None):
+@torch.inference_mode()
+def scored_logits(stage, chunk: list[int], first: int, decode: bool) -> torch.Tensor:
+    """The logits at positions ``first`` to the chunk's last but one: one verify pass over the chunk, or
+    (``decode``) its first ``first + 1`` tokens as a prompt, then one decode step a token, as a reply is
+    served (a quantized stage's decode steps multiply through other kernels than its prompts)."""
+    if not decode:
+        [logits] = stage.verify([stage.new_cache()], [chunk])
+        return logits[first:-1]
+    cache = stage.new_cache()
+    rows = [stage.prefill(cache, torch.tensor(chunk[: first + 1])).reshape(-1)]
+    for token in chunk[first + 1 : -1]:
+        rows.append(stage.decode([cache], torch.tensor([token]))[0])
+    return torch.stack(rows)
+
+
+def perplexity(stage, ids: list[int], ctx: int, chunks: int, reference: list[torch.Tensor] | None,
+               decode: bool = False):
     """(ppl, its standard error, each scored token's negative log-likelihood, the argmax at each scored
-    position, the top-1 agreement with ``reference``'s argmaxes). Each chunk teacher-forced in one verify
-    pass from an empty cache: the logits at every position."""
+    position, the top-1 agreement with ``reference``'s argmaxes). Each chunk teacher-forced from an empty
+    cache (``scored_logits``)."""
     nll, argmaxes, agree, total = [], [], 0, 0
     first = ctx // 2
     for c in range(chunks):
         chunk = ids[c * ctx : (c + 1) * ctx]
-        [logits] = stage.verify([stage.new_cache()], [chunk])
-        logprobs = torch.log_softmax(logits[first:-1].float(), dim=-1)
+        logprobs = torch.log_softmax(scored_logits(stage, chunk, first, decode).float(), dim=-1)
         targets = torch.tensor(chunk[first + 1 :])
         nll.append(-logprobs.gather(1, targets[:, None])[:, 0].double())
         argmaxes.append(logprobs.argmax(-1))
@@ -109,7 +124,7 @@ def texts(which: tuple[str, ...]) -> dict[str, str]:
     return {name: every[name]() for name in which}
 
 
-def measure(model_dir: Path, scored: dict[str, str], ctx: int, chunks: int, tokens: int) -> dict:
+def measure(model_dir: Path, scored: dict[str, str], ctx: int, chunks: int, tokens: int, decode: bool = False) -> dict:
     """{text: {method: row}} for each stage of METHODS, float32 first (every ratio is to it)."""
     from fellow.runtime.model.loader import load_one_stage
 
@@ -126,7 +141,8 @@ def measure(model_dir: Path, scored: dict[str, str], ctx: int, chunks: int, toke
             ids = tok(text, add_special_tokens=False)["input_ids"]
             if len(ids) < chunks * ctx:
                 raise SystemExit(f"the {name} text is {len(ids)} tokens; {chunks} chunks of {ctx} need {chunks * ctx}")
-            ppl, err, nll, argmaxes, top1 = perplexity(stage, ids, ctx, chunks, reference.get(name, (None,))[0])
+            ppl, err, nll, argmaxes, top1 = perplexity(stage, ids, ctx, chunks, reference.get(name, (None,))[0],
+                                                       decode)
             reference.setdefault(name, (argmaxes, generated, nll))
             _, ref_greedy, ref_nll = reference[name]
             same = sum(a == b for g, r in zip(generated, ref_greedy) for a, b in zip(g, r))
@@ -164,6 +180,9 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=48)
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--decode", action="store_true",
+                        help="score through one decode step a token (the kernels a reply runs) instead of one "
+                             "verify pass a chunk")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from fellow.runtime.tools.demo_model import make_demo_model
@@ -171,8 +190,9 @@ def main() -> None:
     tmp = scratch_dir("swarm-bench-ppl-")
     trained = args.model or (make_demo_model(tmp / "trained"), tmp / "trained")[1]
     random = args.random or (make_demo_model(tmp / "random", steps=1), tmp / "random")[1]
-    results = {"trained": measure(trained, texts(("held-out", "training")), args.ctx, args.chunks, args.tokens),
-               "random": measure(random, texts(("held-out",)), args.ctx, args.chunks, args.tokens)}
+    results = {"trained": measure(trained, texts(("held-out", "training")), args.ctx, args.chunks, args.tokens,
+                                  args.decode),
+               "random": measure(random, texts(("held-out",)), args.ctx, args.chunks, args.tokens, args.decode)}
     print()
     for model, by_text in results.items():
         for text, rows in by_text.items():

@@ -101,3 +101,32 @@ def test_what_cannot_compile_says_why(compiled, tmp_path):
     assert report == {"asked": [1], "why": why_not(ring)} and ring.compiled is None
     hf = StageModel.from_causal_lm(copy.deepcopy(model))  # not fused: the HF layers
     assert "not fused" in why_not(hf)
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_one_sessions_attention_equals_the_fused_stacks(compiled, name):
+    """attend_one (what a compiled one-session step attends with) against the fused stack's attend_decode:
+    the same outputs on every layer, sliding ones past their window included, and the same cache."""
+    from fellow.runtime.model.attend_one import attend_one
+    from fellow.runtime.model.kv_cache import random_caches
+
+    _, stage, _ = compiled[name]
+    fused = stage.fused
+    generator = torch.Generator().manual_seed(3)
+    ours, theirs = (random_caches(stage.new_cache, 1, 40, 1, torch.Generator().manual_seed(5))[0] for _ in "ab")
+    shape = (1, fused.num_heads, 1, fused.head_dim), (1, fused.num_kv_heads, 1, fused.head_dim)
+    with torch.inference_mode():
+        for cache in (ours, theirs):
+            cache.reserve(1)
+        one, decode = attend_one(fused, ours), fused.attend_decode([theirs])
+        for layer in fused.layers:
+            q, k, v = torch.randn(*shape[0], generator=generator), *(torch.randn(*shape[1], generator=generator)
+                                                                     for _ in "kv")
+            torch.testing.assert_close(one(layer, q, k, v), decode(layer, q, k, v), rtol=1e-5, atol=1e-6)
+        for cache in (ours, theirs):
+            cache.advance(1)
+        for slot in range(len(fused.layers)):
+            for a, b in zip(ours.layer(slot), theirs.layer(slot)):
+                assert torch.equal(a, b)
+    if name == "qwen2-window":  # its cache was past a sliding layer's window
+        assert any(w is not None and w < 41 for w in fused.windows.values())

@@ -7,9 +7,9 @@
   shape (46M Qwen3 h512: a step of 8.6 ms reduced against 10.5 with the templates, which also added 318 MB
   to the process against 80; 36M h384 with 20 layers: 8.8 against 8.2), so the background compile builds
   both and serves the faster (``background_compile``).
-- A quantized one (``quant.linear.QuantLinear``, torch's CPU int8 and int4 kernels): the same aten
-  kernel the fused step calls, on the same tensors, with its row cast to bfloat16 and back around it,
-  so inductor fuses the norms, rotary, casts and residuals between the kernels. A quantized fused step
+- A quantized one (``quant.linear.QuantLinear``, torch's CPU int8 and int4 kernels): the same kernel
+  the fused step calls (for int8 at a few rows ``swarm::int8_rows``: ``quant.int8_gemv``), on the same
+  tensors (torch's kernels read the row cast to bfloat16), so inductor fuses the norms, rotary, casts and residuals between the kernels. A quantized fused step
   spent as long in those small ops and Python as in its matmuls (46M Qwen3, int8: 4.0 of 7.6 ms a token
   in ``_weight_int8pack_mm``).
 
@@ -41,6 +41,7 @@ class GraphLinear:
     in_features: int
     pad: int = 0  # int4: zero inputs added to a multiple of 32
     group: int = 0  # int4: inputs per scale
+    few_rows: bool = False  # int8: calls of at most int8_gemv.MAX_ROWS rows go to swarm::int8_rows
 
 
 def why_not_graph(linear) -> str | None:
@@ -65,7 +66,11 @@ def keep(module: nn.Module, name: str, linear, plain) -> GraphLinear:
         return GraphLinear("float", linear.out_features, linear.in_features)
     module.register_buffer(name, linear.weight)
     module.register_buffer(f"{name}_scales", linear.scales)
-    return GraphLinear(linear.kernel, linear.out_features, linear.in_features, linear.pad, linear.group)
+    module.register_buffer(f"{name}_scales_f32", linear.scales_f32)
+    from fellow.runtime.model.quant import int8_gemv  # decided here: the graph traces no library lookup
+
+    return GraphLinear(linear.kernel, linear.out_features, linear.in_features, linear.pad, linear.group,
+                       few_rows=linear.kernel == "int8" and int8_gemv.takes(linear.in_features))
 
 
 def call(module: nn.Module, name: str, spec: GraphLinear, x: torch.Tensor) -> torch.Tensor:
@@ -78,8 +83,14 @@ def call(module: nn.Module, name: str, spec: GraphLinear, x: torch.Tensor) -> to
         # rows, both threads streaming the weight (MKL's GEMV for one row ran on one thread here)
         out = (x.reshape(1, spec.in_features) * weight).sum(-1).view(*x.shape[:-1], spec.out_features)
         return out if bias is None else out + bias
+    from fellow.runtime.model.quant import int8_gemv
     from fellow.runtime.model.quant.linear import ACT
 
+    if spec.few_rows and x.numel() <= int8_gemv.MAX_ROWS * spec.in_features:
+        out = torch.ops.swarm.int8_rows(x.reshape(-1, spec.in_features).float(), weight,
+                                        getattr(module, f"{name}_scales_f32"))
+        out = out.to(x.dtype).view(*x.shape[:-1], spec.out_features)
+        return out if bias is None else out + bias
     rows = x.reshape(-1, spec.in_features).to(ACT)
     if spec.kind == "int4":
         if spec.pad:

@@ -23,7 +23,8 @@ from fellow.runtime.model.compiled import PlainWeights
 from fellow.runtime.model.fused import Linear, fusable, onednn_available
 from fellow.runtime.model.kv_cache import random_caches
 from fellow.runtime.model.packed_linear import pack_stage
-from fellow.runtime.model.quant.linear import QuantLinear, quant_kernel
+from fellow.runtime.model.quant import int8_gemv
+from fellow.runtime.model.quant.linear import QUANT_KERNELS, QuantLinear, quant_kernel
 from fellow.runtime.model.quant.lora import LeanLoRA
 from fellow.runtime.model.quant.quantizer import StageQuantizer
 
@@ -206,6 +207,9 @@ def _prepare_quantized(stage, quantizer: StageQuantizer) -> dict:
         stage.kernels = {"path": "hf", "why": quantizer.why_not_fused}
     if stage.head is not None:
         stage.kernels["head"] = getattr(getattr(stage.head, "linear", None), "kernel", "float")
+    on_cpu = stage.layer_devices[0].type == "cpu"
+    if on_cpu and "int8" in (stage.kernels.get("head"), QUANT_KERNELS.get(quantizer.method)):
+        stage.kernels["int8_rows"] = int8_gemv.rows_kernel()  # what multiplies its int8 weights in decode steps
     if quantizer.adapted:
         stage.kernels["lora"] = {"mode": quantizer.lora, "modules": quantizer.adapted}
         log.info("LoRA adapters on %d modules kept apart, served %s", quantizer.adapted, quantizer.lora)

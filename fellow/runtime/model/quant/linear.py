@@ -1,6 +1,8 @@
 """The quantized weight (QuantLinear) and its kernels: torch's CPU int8 / int4, bitsandbytes', tinygemm.
 
-- int8 (``{"bits": 8}``): symmetric, one scale per output row; ``aten._weight_int8pack_mm``.
+- int8 (``{"bits": 8}``): symmetric, one scale per output row; calls of at most 8 rows (decode steps)
+  through this project's AVX2 kernel (``quant.int8_gemv``: the rows quantized to int8 in blocks of 32, as
+  llama.cpp's q8_0 does), more rows, or where it cannot build, through ``aten._weight_int8pack_mm``.
 - int4 (``{"method": "int4-fast"}``): asymmetric in groups of INT4_GROUP inputs (a scale and a zero per
   group and row), packed once by ``aten._convert_weight_to_int4pack_for_cpu``; ``aten._weight_int4pack_mm_for_cpu``.
 
@@ -49,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from core.quantization import INT4_FAST, INT8, NF4, SPLIT_MAX_ROWS
+from fellow.runtime.model.quant import int8_gemv
 
 QUANT_KERNELS = {INT8: "int8", INT4_FAST: "int4", NF4: "bnb-nf4"}  # on the CPU
 CUDA_KERNELS = {INT8: "bnb-int8", INT4_FAST: "int4-tinygemm", NF4: "bnb-nf4"}  # on a CUDA card
@@ -147,7 +150,7 @@ class QuantLinear:
     """A weight quantized to int8, int4 or NF4 and called like ``F.linear`` (fused.Linear's protocol)."""
 
     __slots__ = ("kernel", "weight", "scales", "bias", "out_features", "in_features", "group", "pad", "state",
-                 "row_limit", "float32_rows")
+                 "row_limit", "float32_rows", "scales_f32")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, method: str, kernel: str | None = None) -> None:
         """``kernel``: default, the method's kernel on the weight's device (quant_kernel). bitsandbytes'
@@ -166,8 +169,10 @@ class QuantLinear:
         self.group = self.pad = self.row_limit = 0
         self.float32_rows: frozenset[int] = frozenset()
         self.state = None
+        self.scales_f32: torch.Tensor | None = None  # int8: the scales in float32, for int8_gemv
         if kernel == "int8":
             self.weight, self.scales = quantize_int8(weight)
+            self.scales_f32 = self.scales.float()
         elif kernel == "bnb-int8":
             # as BitsAndBytesConfig(load_in_8bit=True) (bitsandbytes' Int8Params): row-wise absmax over the
             # float16 weight; served as its Linear8bitLt without outliers (threshold 0): each input row
@@ -237,6 +242,10 @@ class QuantLinear:
             rows = x.reshape(-1, self.in_features).to(torch.float16)
             out = bitsandbytes_module().matmul(rows, self.weight, bias=self.bias, state=self.state)
             return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        if kernel == "int8" and x.numel() <= int8_gemv.MAX_ROWS * self.in_features and int8_gemv.takes(self.in_features):
+            out = int8_gemv.int8_gemv(x.reshape(-1, self.in_features).float(), self.weight, self.scales_f32)
+            out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+            return out if self.bias is None else out.add_(self.bias)
         rows = x.reshape(-1, self.in_features).to(ACT)
         if self.pad:
             rows = F.pad(rows, (0, self.pad))
@@ -273,6 +282,8 @@ class QuantLinear:
     def bytes(self) -> int:
         extra = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
         scales = self.scale_tensor
+        if self.scales_f32 is not None:
+            extra += self.scales_f32.numel() * self.scales_f32.element_size()
         return self.weight.numel() * self.weight.element_size() + scales.numel() * scales.element_size() + extra
 
 

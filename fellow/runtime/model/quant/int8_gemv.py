@@ -1,0 +1,212 @@
+"""An int8 weight times a few float32 rows, on AVX2: what a quantized stage's decode steps multiply by.
+
+torch's CPU int8 kernel (``aten._weight_int8pack_mm``) is bound by its arithmetic here, not by memory:
+a 6,144 x 512 weight read from memory took 503 us on one thread and 263 us on two (6.3 and 12 GB/s of
+weights, where two threads read 32 GB/s): an int8 46M Qwen3 spent about 3.2 ms of its 5.9 ms compiled
+step in those calls, where llama.cpp's whole q8_0 step took 3.6. Widening the weights to float32 in
+a kernel of our own was no faster (284 us). So this kernel does what llama.cpp's q8_0 does: each row of
+activations is quantized to int8 in blocks of BLOCK (a float32 scale a block: its largest magnitude over
+127), and each block's products with the weight's int8 row are summed in integers (AVX2's byte
+multiply-adds), then scaled by the block's scale and the weight row's. 172 us for that weight, 1.4-1.7
+times torch's kernel on most shapes (docs/benchmarks.md). The rows' quantization moves a product by
+about 0.5 % of its size (relative norm, random rows), against 0.2-0.3 % for torch's kernel, which reads
+rows in bfloat16; perplexity through decode steps is in docs/benchmarks.md. The weight's rows are split
+over the OpenMP threads torch runs (the library links the ``libgomp`` torch loaded, so the two share one
+pool and its thread count), each read from memory once for all the rows of the call.
+
+The library is compiled on first use from the source below with the host's C compiler (``CC``, else
+``cc``), as inductor compiles its kernels, into a file named by the source's hash under ``swarm-kernels``
+beside inductor's cache (about 1.5 s, once per cache); where there is no compiler, no AVX2 or FMA, or
+the build fails, ``available()`` is False, says why (``unavailable_reason``), and the stage multiplies
+with torch's kernel, as it does calls of more than MAX_ROWS rows (prompt pieces) and weights whose
+inputs are not a multiple of BLOCK.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+import threading
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 8  # calls of more rows (prompt pieces) go to torch's kernel
+_scratch = threading.local()  # per thread (the serving one, the compile one): int8_gemv's working buffers
+BLOCK = 32  # inputs per activation scale
+
+SOURCE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <math.h>
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* x [rows, k] float -> xq [rows, k] int8 and d [rows, k/32] float (k % 32 == 0) */
+static void quantize_rows(const float *x, int8_t *xq, float *d, int64_t rows, int64_t k) {
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t b = 0; b < k / 32; b++) {
+            const float *xb = x + m * k + b * 32;
+            float amax = 0.f;
+            for (int i = 0; i < 32; i++) { float a = fabsf(xb[i]); if (a > amax) amax = a; }
+            float dd = amax / 127.f, inv = dd ? 1.f / dd : 0.f;
+            d[m * (k / 32) + b] = dd;
+            for (int i = 0; i < 32; i++) xq[m * k + b * 32 + i] = (int8_t)lrintf(xb[i] * inv);
+        }
+}
+
+/* y[m * n + j] = scale[j] * sum_b d[m, b] * sum_{i in block b} xq[m, i] * w[j, i]: each row quantized to
+   int8 in blocks of 32 (xq, d: the caller's scratch), then multiplied with AVX2's int8 products */
+void swarm_int8_gemv(const float *x, const int8_t *w, const float *scale, float *y, int64_t rows, int64_t n, int64_t k,
+             int8_t *xq, float *d) {
+    quantize_rows(x, xq, d, rows, k);
+    int64_t nb = k / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    #pragma omp parallel for schedule(static)
+    for (int64_t j = 0; j < n; j++) {
+        const int8_t *wr = w + j * k;
+        for (int64_t m = 0; m < rows; m++) {
+            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+            const int8_t *xr = xq + m * k;
+            const float *dr = d + m * nb;
+            int64_t b = 0;
+            for (; b + 1 < nb; b += 2) {
+                __m256i wv = _mm256_loadu_si256((const __m256i *)(wr + b * 32));
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + b * 32));
+                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
+                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dr[b]), acc0);
+                __m256i wv2 = _mm256_loadu_si256((const __m256i *)(wr + b * 32 + 32));
+                __m256i xv2 = _mm256_loadu_si256((const __m256i *)(xr + b * 32 + 32));
+                __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv2, wv2), _mm256_sign_epi8(xv2, wv2)), ones);
+                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p2), _mm256_set1_ps(dr[b + 1]), acc1);
+            }
+            for (; b < nb; b++) {
+                __m256i wv = _mm256_loadu_si256((const __m256i *)(wr + b * 32));
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + b * 32));
+                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
+                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dr[b]), acc0);
+            }
+            y[m * n + j] = hsum(_mm256_add_ps(acc0, acc1)) * scale[j];
+        }
+    }
+}
+"""
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+
+
+def _cache_dir() -> Path:
+    """Beside inductor's cache where it has one (a fellow points it under its data dir), else the user's."""
+    base = (os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME")
+            or os.path.join(os.path.expanduser("~"), ".cache"))
+    return Path(base) / "swarm-kernels"
+
+
+def _cpu_has_avx2_fma() -> bool:
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return False
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return " avx2" in flags and " fma" in flags
+
+
+@cache
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    """(the library, "") or (None, why not)."""
+    if not _cpu_has_avx2_fma():
+        return None, "this CPU lacks AVX2 or FMA"
+    digest = hashlib.sha256((SOURCE + " ".join(FLAGS)).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"int8_gemv-{digest}.so"
+    if not target.exists():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                src = Path(tmp) / "int8_gemv.c"
+                src.write_text(SOURCE)
+                built = Path(tmp) / "int8_gemv.so"
+                compiler = os.environ.get("CC") or "cc"
+                subprocess.run([compiler, *FLAGS, str(src), "-o", str(built)], check=True, capture_output=True,
+                               timeout=120)
+                os.replace(built, target)  # atomic: another process building at once is harmless
+        except (OSError, subprocess.SubprocessError) as exc:
+            stderr = getattr(exc, "stderr", b"") or b""
+            why = stderr.decode(errors="replace").strip().splitlines()[:1] or [str(exc)]
+            return None, f"the int8 kernel did not build: {why[0][:200]}"
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as exc:
+        return None, f"the int8 kernel did not load: {exc}"
+    fn = lib.swarm_int8_gemv
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2
+    return lib, ""
+
+
+def available() -> bool:
+    return _library()[0] is not None
+
+
+def unavailable_reason() -> str:
+    return _library()[1]
+
+
+def takes(in_features: int) -> bool:
+    """Whether a weight of ``in_features`` inputs can go through the kernel (blocks of 32, and built here)."""
+    return in_features % BLOCK == 0 and available()
+
+
+def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 (M <= MAX_ROWS, K a multiple of BLOCK), weight [N, K] int8, scales [N] float32 ->
+    [M, N] float32. Only where ``takes(K)``."""
+    x = x.contiguous()
+    rows, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(rows, n, dtype=torch.float32)
+    scratch = getattr(_scratch, "buffers", None)
+    if scratch is None or scratch[0].numel() < rows * k:  # the rows' int8 form and their block scales
+        scratch = _scratch.buffers = (torch.empty(rows * k, dtype=torch.int8), torch.empty(rows * k // BLOCK))
+    _library()[0].swarm_int8_gemv(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(), rows, n, k,
+                                  scratch[0].data_ptr(), scratch[1].data_ptr())
+    return out
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What ``int8_gemv`` computes, in torch (tests): each row quantized in blocks of BLOCK as the kernel does
+    (in float32, rounding to nearest even), the int8 products summed exactly."""
+    rows, k = x.shape
+    blocks = x.float().reshape(rows, k // BLOCK, BLOCK)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(blocks * torch.where(d > 0, 1.0 / d, 0.0))
+    products = torch.einsum("mbi,nbi->mnb", q.double(), weight.double().reshape(-1, k // BLOCK, BLOCK))
+    return (products * d[..., 0].double()[:, None, :]).sum(-1) * scales.double()
+
+
+# ``int8_gemv`` as an op a compiled graph calls (opaque to inductor). Defined through torch.library.Library
+# rather than custom_op: its dispatch cost 5 us a call against custom_op's 10 (a 20-layer stage calls it
+# 81 times a step)
+_LIBRARY = torch.library.Library("swarm", "FRAGMENT")
+_LIBRARY.define("int8_rows(Tensor x, Tensor weight, Tensor scales) -> Tensor")
+_LIBRARY.impl("int8_rows", lambda x, weight, scales: int8_gemv(x, weight, scales), "CPU")
+
+
+@torch.library.register_fake("swarm::int8_rows")
+def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+
+def rows_kernel() -> str:
+    """What multiplies an int8 weight by at most MAX_ROWS rows here, for a stage's status."""
+    return "swarm-int8-blocks" if available() else f"aten ({unavailable_reason()})"
