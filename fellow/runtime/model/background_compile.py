@@ -1,16 +1,18 @@
 """SWARM_SERVE_COMPILE=auto, the default: the compiled decode step without a load that waits for it.
 
-A whole-model CPU stage that ``compiled.why_not`` lets compile (float32, or int8 and int4 over torch's
+A whole-model CPU stage that ``compiled.why_not`` lets compile (float32, or int8 and int4 over their own
 kernels) keeps its float32 weights' plain form while it loads, where the host has room for it and the
 compiled graph (``why_not_here``), and serves its fused step at once. Once it serves, a thread compiles
-its step at batch 1 (``CompiledDecode.warm``: no cache and no decode slab, nothing the serving thread
-holds; inductor's cache under the fellow's data dir makes a later load's compile take a fraction as
-long), once for each way of multiplying a row by a float32 weight (``graph_linear.GEMV_FORMS``: neither
-wins on every shape). At the first step boundary after that, the serving thread checks each compiled
-step's logits against the fused step's and times them (``CompiledDecode.build(compiled=True)``), and
-from that step on its batch-1 steps run through the fastest where it measured faster than the fused
-step; the other is dropped. ``state`` says where it is: the stage's metrics carry
-it to the load's status, and ``report`` lands in ``kernels["compiled"]``.
+its step at each batch size of ROWS (``CompiledDecode.warm``: no cache and no decode slab, nothing the
+serving thread holds; inductor's cache under the fellow's data dir makes a later load's compile take a
+fraction as long), at batch 1 once for each way of multiplying a row by a float32 weight
+(``graph_linear.GEMV_FORMS``: neither wins on every shape). At the first step boundary after that, the
+serving thread checks each compiled step's logits against the fused step's and times them
+(``CompiledDecode.build(compiled=True)``), and from that step on each batch size runs through the
+fastest where it measured faster than the fused step; the rest are dropped. It measures once, between
+two steps of a stage that may be busy serving, and keeps what it found (docs/benchmarks.md has a run
+where that chose the fused step for int4). ``state`` says where it is: the stage's metrics carry it to
+the load's status, and ``report`` lands in ``kernels["compiled"]``.
 """
 
 from __future__ import annotations

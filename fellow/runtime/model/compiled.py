@@ -15,11 +15,13 @@ pays for every position up to the buffer's end each step; a graph with dynamic l
 0.2-0.4 of the fused step's speed.)
 
 Compiling takes tens of seconds per batch size on a small CPU (inductor's autotuning times each
-matmul), so it is off unless asked. When asked, the stage compiles each batch size at load, checks
-the compiled step's logits against the fused step's, times both, and serves with the compiled one
-only where it measured faster; its ``kernels["compiled"]`` says what it found, or why it did not
-compile (a ring stage, quantized or adapted layers, another device). Serves float32 CPU stages of
-the Llama family whose layers are fused, i.e. what ``fused.fusable`` accepts.
+matmul), so by default it runs on a thread of its own once the stage serves (``background_compile``);
+with batch sizes asked (``SWARM_SERVE_COMPILE=1,8``) the stage compiles each at load instead. Either
+way it checks the compiled step's logits against the fused step's, times both, and serves with the
+compiled one only where it measured faster; its ``kernels["compiled"]`` says what it found, or why it
+did not compile (a ring stage, adapted layers, NF4 or CUDA kernels, another device). Serves CPU stages
+of the Llama family whose layers are fused, i.e. what ``fused.fusable`` accepts, in float32, int8 or
+int4 (``graph_linear`` says how each weight is called).
 """
 
 from __future__ import annotations
