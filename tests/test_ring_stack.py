@@ -65,7 +65,9 @@ async def _greedy_ring_equals_hf(stack, url, hf, num_stages: int, fellow_ids: li
             assert isinstance(done, DoneFrame), (done, stack.logs())
             assert tokens == hf_greedy(hf, prompt, 20)
             t = done.timing
-            assert t["route"] == "direct" and t["bytes_per_token"] == HIDDEN * 2  # loopback: direct beats the relay
+            # each link's route, chosen by timing both at start: direct on a quiet loopback, but a busy machine
+            # (CI) once timed the relay faster on one link, so the choice is not asserted here
+            assert set(t["route"].split(",")) <= {"direct", "relay"} and t["bytes_per_token"] == HIDDEN * 2
             assert {"stage0_ms", "link_ms", "prefill_ms"} <= set(t)
             assert all(f"stage{i}_ms" in t for i in range(1, num_stages)) or len(tokens) < 2
         # garbage on every ring lane is dropped, and the ring serves on
