@@ -103,26 +103,46 @@ def test_what_cannot_compile_says_why(compiled, tmp_path):
     assert "not fused" in why_not(hf)
 
 
+@pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("name", SHAPES)
-def test_one_sessions_attention_equals_the_fused_stacks(compiled, name):
-    """attend_one (what a compiled one-session step attends with) against the fused stack's attend_decode:
-    the same outputs on every layer, sliding ones past their window included, and the same cache."""
+def test_one_sessions_attention_equals_sdpa_over_its_cache(compiled, name, kernel, monkeypatch):
+    """attend_one (how the fused and the compiled step attend for one session) against sdpa over the same
+    cache written position by position: the same outputs on every layer, sliding ones past their window
+    included, and the same cache; through the C kernel, and through torch where it is not built."""
+    import torch.nn.functional as F
+
+    from fellow.runtime.model import attend_kernel
     from fellow.runtime.model.attend_one import attend_one
     from fellow.runtime.model.kv_cache import random_caches
+
+    if kernel and not attend_kernel.available():
+        pytest.skip(f"no attention kernel: {attend_kernel.unavailable_reason()}")
+    if not kernel:
+        monkeypatch.setattr(attend_kernel, "takes", lambda buffer: False)
 
     _, stage, _ = compiled[name]
     fused = stage.fused
     generator = torch.Generator().manual_seed(3)
     ours, theirs = (random_caches(stage.new_cache, 1, 40, 1, torch.Generator().manual_seed(5))[0] for _ in "ab")
     shape = (1, fused.num_heads, 1, fused.head_dim), (1, fused.num_kv_heads, 1, fused.head_dim)
+
+    def reference(layer, q, k, v):
+        keys, values = theirs.write(layer.layer_idx, k, v)
+        window = fused.windows[layer.layer_idx] or keys.shape[2]
+        out = F.scaled_dot_product_attention(q, keys[:, :, -window:], values[:, :, -window:], scale=layer.scaling,
+                                             enable_gqa=True)
+        return out.transpose(1, 2).reshape(1, 1, -1)
+
     with torch.inference_mode():
         for cache in (ours, theirs):
             cache.reserve(1)
-        one, decode = attend_one(fused, ours), fused.attend_decode([theirs])
+        one = fused.attend_decode([ours])
+        assert one.__qualname__ == attend_one(fused, ours).__qualname__  # the fused step's one-session path
+        assert ("_kernel_attend" in one.__qualname__) == kernel
         for layer in fused.layers:
             q, k, v = torch.randn(*shape[0], generator=generator), *(torch.randn(*shape[1], generator=generator)
                                                                      for _ in "kv")
-            torch.testing.assert_close(one(layer, q, k, v), decode(layer, q, k, v), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(one(layer, q, k, v), reference(layer, q, k, v), rtol=1e-5, atol=1e-6)
         for cache in (ours, theirs):
             cache.advance(1)
         for slot in range(len(fused.layers)):
@@ -130,3 +150,33 @@ def test_one_sessions_attention_equals_the_fused_stacks(compiled, name):
                 assert torch.equal(a, b)
     if name == "qwen2-window":  # its cache was past a sliding layer's window
         assert any(w is not None and w < 41 for w in fused.windows.values())
+
+
+@pytest.mark.skipif(not __import__("fellow.runtime.model.f32_gemv", fromlist=["x"]).available(),
+                    reason="the float32 row kernel does not build here")
+def test_the_kernel_form_multiplies_through_the_row_kernel_and_gives_generates_reply(compiled):
+    """The kernel form (graph_linear.KERNEL): every float32 weight at one row through swarm::f32_rows (the
+    profiler sees it run), biases and a sliding window included, and the reply is generate's."""
+    from torch.profiler import profile
+
+    from fellow.runtime.model.compiled import CompiledDecode
+    from fellow.runtime.model.graph_linear import KERNEL
+
+    model, stage, _ = compiled["qwen2-window"]
+    kernel = CompiledDecode(stage, stage.plain_weights, None, KERNEL)
+    assert all(spec.row_kernel for spec in kernel.graph.linears.values())
+    entry = kernel.build(1, only_faster=False)
+    assert entry["serving"] and entry["max_logit_diff"] < 1e-3, entry
+    ids = list(range(9, 9 + PROMPT))
+    with torch.inference_mode():
+        inputs = torch.tensor([ids])
+        want = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=NEW,
+                              min_new_tokens=NEW, do_sample=False)[0, len(ids):].tolist()
+    before, stage.compiled = stage.compiled, kernel
+    try:
+        with profile() as prof:
+            assert greedy(stage, ids, NEW) == want
+    finally:
+        stage.compiled = before
+    calls = sum(e.count for e in prof.key_averages() if e.key == "swarm::f32_rows")
+    assert calls == NEW * len(kernel.graph.linears), calls

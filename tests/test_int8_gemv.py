@@ -58,7 +58,7 @@ def test_a_quantized_linear_takes_it_for_a_few_rows_and_torchs_for_more():
     torch.testing.assert_close(odd(rows).double(), odd_reference, rtol=2e-2, atol=2e-2)
 
 
-def test_without_a_compiler_it_says_why_and_torchs_kernel_multiplies(tmp_path):
+def test_without_a_compiler_each_kernel_says_why_and_torchs_kernel_multiplies(tmp_path):
     code = """
 import json, torch
 from fellow.runtime.model.quant import int8_gemv
@@ -66,8 +66,12 @@ from fellow.runtime.model.quant.linear import QuantLinear
 linear = QuantLinear(torch.randn(32, 64), None, "int8")
 x = torch.randn(2, 64)
 ref = (x.to(torch.bfloat16).double() @ (linear.weight.double() * linear.scales_f32.double()[:, None]).t())
+from fellow.runtime.model import attend_kernel, f32_gemv
+from fellow.runtime.model.graph_linear import gemv_forms
 print(json.dumps({"available": int8_gemv.available(), "why": int8_gemv.unavailable_reason(),
-                  "kernel": int8_gemv.rows_kernel(), "diff": float((linear(x).double() - ref).abs().max())}))
+                  "kernel": int8_gemv.rows_kernel(), "diff": float((linear(x).double() - ref).abs().max()),
+                  "others": [attend_kernel.unavailable_reason(), f32_gemv.unavailable_reason()],
+                  "forms": list(gemv_forms())}))
 """
     env = {**os.environ, "CC": str(tmp_path / "no-such-compiler"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
@@ -76,3 +80,6 @@ print(json.dumps({"available": int8_gemv.available(), "why": int8_gemv.unavailab
     found = json.loads(out.stdout.strip().splitlines()[-1])
     assert not found["available"] and found["kernel"].startswith("aten (") and found["why"], found
     assert found["diff"] < 0.1, found  # torch's bfloat16 kernel served the call
+    # the project's other kernels say why too, and the compile builds no form that needs one
+    assert all(found["others"]), found
+    assert found["forms"] == ["reduce", "linear"], found

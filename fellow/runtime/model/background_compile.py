@@ -6,7 +6,7 @@ compiled graph (``why_not_here``), and serves its fused step at once. Once it se
 its step at each batch size of ROWS (``CompiledDecode.warm``: no cache and no decode slab, nothing the
 serving thread holds; inductor's cache under the fellow's data dir makes a later load's compile take a
 fraction as long), at batch 1 once for each way of multiplying a row by a float32 weight
-(``graph_linear.GEMV_FORMS``: neither wins on every shape). At the first step boundary after that, the
+(``graph_linear.GEMV_FORMS``: none wins on every shape). At the first step boundary after that, the
 serving thread checks each compiled step's logits against the fused step's and times them
 (``CompiledDecode.build(compiled=True)``), and from that step on each batch size runs through the
 fastest where it measured faster than the fused step; the rest are dropped. It measures once, between
@@ -24,7 +24,7 @@ import threading
 
 from fellow.runtime.model.compiled import CompiledDecode, PlainWeights, _one_line, _resident_bytes, why_not
 from fellow.runtime.model.fused import Linear
-from fellow.runtime.model.graph_linear import GEMV_FORMS, LINEAR, REDUCE
+from fellow.runtime.model.graph_linear import GEMV_FORMS, LINEAR, REDUCE, gemv_forms
 from fellow.runtime.model.kv_budget import cpu_free_bytes
 
 log = logging.getLogger(__name__)
@@ -52,14 +52,14 @@ class BackgroundCompile:
     def __init__(self, stage, plain: PlainWeights, forms: tuple[str, ...] | None = None, only_faster: bool = True,
                  rows: tuple[int, ...] = ROWS) -> None:
         """``forms``: how the graphs multiply one row by a float32 weight (graph_linear.GEMV_FORMS), each
-        built at batch 1 and the faster served; default, both where the stage has float32 weights, else the
-        reduce form alone (a quantized stage's graph calls its own kernels either way). Batches of more rows
-        are built in the first form that multiplies them as it does at once (the linear one where planned:
-        the reduce form takes one row only). ``only_faster=False``: serve the compiled step wherever its
+        built at batch 1 and the fastest served; default, each that builds here where the stage has float32
+        weights, else the reduce form alone (a quantized stage's graph calls its own kernels either way).
+        Batches of more rows are built in the first form that multiplies them as it does at once (the linear
+        one where planned: the others take one row only). ``only_faster=False``: serve the compiled step wherever its
         logits agree (tests, on models too small for it to pay)."""
         self.stage = stage
         if forms is None:
-            forms = tuple(GEMV_FORMS) if has_float_weights(stage) else (REDUCE,)
+            forms = gemv_forms() if has_float_weights(stage) else (REDUCE,)
         many = LINEAR if LINEAR in forms else forms[0]
         self.plan = [(form, 1) for form in forms if 1 in rows] + [(many, r) for r in rows if r != 1]
         self.candidates = {form: CompiledDecode(stage, plain, GEMV_FORMS[form], form)

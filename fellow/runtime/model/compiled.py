@@ -7,12 +7,11 @@ row (``cpp_CppMicroGemmFP32Vec``: 0.64 ms against MKL's 1.30 ms for a 32,000 x 2
 norms, rotary and residuals fused around them. On bench/bench_matrix.py's six shapes a batch-1 step
 took 0.44-0.72 of the fused one's time at load (docs/benchmarks.md, "The compiled decode step, served").
 
-The attention stays outside the compiled graph, as one opaque op per layer (``swarm::attend_rows``)
-that runs the fused stack's own ``attend_decode``: each session writes its new position into its own
-``KVCache`` and attends to exactly its past, so the graph's shapes depend on the batch size alone, the
-caches keep their layout, and sessions join and leave as before. (A graph over fixed-size KV buffers
-pays for every position up to the buffer's end each step; a graph with dynamic lengths measured at
-0.2-0.4 of the fused step's speed.)
+The attention stays outside the graph, one opaque op a layer (``swarm::attend_rows``): the fused stack's
+``attend_decode``, or for one session ``attend_one`` (a C kernel). Each session writes its new position
+into its own ``KVCache`` and attends to exactly its past, so the graph's shapes depend on the batch size
+alone and sessions join and leave as before. (A graph over fixed-size KV buffers pays for every position
+up to the buffer's end each step; one with dynamic lengths ran at 0.2-0.4 of the fused step's speed.)
 
 Compiling takes tens of seconds per batch size on a small CPU (inductor's autotuning times each
 matmul), so by default it runs on a thread of its own once the stage serves (``background_compile``);
@@ -41,8 +40,8 @@ from torch import nn
 from fellow.runtime.model.fused import Linear, _norm, rotary_tables
 from fellow.runtime.model.graph_linear import (LINEAR, GraphLinear, call, embedding, keep, keep_embedding,
                                                why_not_embedding, why_not_graph)
-from fellow.runtime.model.attend_one import attend_one
-from fellow.runtime.model.kv_cache import KVCache, random_caches
+from fellow.runtime.model.kv_cache import random_caches
+from fellow.runtime.model.rotary_rows import RotaryRows
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +50,9 @@ TIMING_REPEATS = 5  # timed steps per path and batch size; the fastest counts
 CHECK_CONTEXT = 64  # positions in each cache when the compiled step's logits are checked and timed
 LOGIT_TOLERANCE = 1e-3  # the compiled step's logits may differ from the fused step's by this, relative
 # where the stage's kernels round their rows (int8 and int4: to bfloat16 in torch's kernels, to int8 blocks in
-# quant.int8_gemv): inductor's norms sum in another order, so an activation can round the other way. On a
-# 20-layer h384 model torch's kernels' graphs differed from the fused step by 7.8e-3 and 1.2e-2 (absolute); the
-# int8 block kernel's batch-8 graph by 0.026-0.056, about what the fused step itself differs by between a
-# batch of 8 and each session alone (0.016-0.018 of logits up to 1.8-2.0: its decode slab sums in another order)
+# quant.int8_gemv), inductor's norms, summing in another order, can round an activation the other way: on a
+# 20-layer h384 model graphs differed from the fused step by 7.8e-3 to 0.056, about what the fused step differs
+# by between a batch of 8 and each session alone (0.016-0.018 of logits up to 2: its slab sums in another order)
 QUANTIZED_LOGIT_TOLERANCE = 3e-2
 # graphs dynamo keeps for DecodeGraph.forward: one per stage and batch size. Every stage's step is one code
 # object, so a process that loads several stages (a benchmark, the tests) passed dynamo's default of 8 and
@@ -64,15 +62,21 @@ RECOMPILE_LIMIT = 64
 _current = threading.local()  # the decode step in progress: its attend function and fused layers
 
 
-@torch.library.custom_op("swarm::attend_rows", mutates_args=())
-def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
+def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
     """One layer's attention for the decode step in progress: q [B, heads, 1, D], k and v [B, kv_heads,
     1, D] -> [B, 1, heads * D]. Each row writes its key and value into its session's cache and attends
-    to its past there (the fused stack's ``attend_decode``); opaque to inductor, so it runs as written."""
+    to its past there (``attend_one``, the fused stack's ``attend_decode``); opaque to inductor. An op
+    through torch.library.Library rather than custom_op: 5 us of dispatch a call against 10."""
     return _current.attend(_current.layers[slot], q, k, v)
 
 
-@attend_rows.register_fake
+_LIBRARY = torch.library.Library("swarm", "FRAGMENT")
+_LIBRARY.define("attend_rows(Tensor q, Tensor k, Tensor v, int slot) -> Tensor")
+_LIBRARY.impl("attend_rows", _attend_rows, "CPU")
+attend_rows = torch.ops.swarm.attend_rows
+
+
+@torch.library.register_fake("swarm::attend_rows")
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
     return q.new_empty(q.shape[0], 1, q.shape[1] * q.shape[3])
 
@@ -184,6 +188,7 @@ class CompiledDecode:
         self.serving: set[int] = set()
         self.steps = 0  # decode steps it served
         self._like = torch.empty(0, dtype=stage.dtype)
+        self.rotary = RotaryRows(stage.rotary_emb, stage.dtype)
 
     def serves(self, rows: int) -> bool:
         return rows in self.serving
@@ -199,17 +204,15 @@ class CompiledDecode:
         compile in the middle of serving; ``build`` compiles with "default"."""
         for cache in caches:
             cache.reserve(1)
-        position_ids = torch.tensor([[cache.length] for cache in caches])
-        cos, sin = rotary_tables(*self.stage.rotary_emb(self._like, position_ids))
+        cos, sin = self.rotary([cache.length for cache in caches])
         fused = self.stage.fused
-        one = len(caches) == 1 and type(caches[0]) is KVCache
-        _current.attend = attend_one(fused, caches[0]) if one else fused.attend_decode(caches)
+        _current.attend = fused.attend_decode(caches)
         _current.layers = fused.layers
         try:
             with torch.compiler.set_stance(stance):
                 # a fresh copy: the graph's guards took the ids made in inference mode, and the engine's
                 # may not be
-                logits = self.fn(ids.reshape(-1).clone(), cos.contiguous(), sin.contiguous())
+                logits = self.fn(ids.reshape(-1).clone(), cos, sin)
         finally:
             _current.attend = _current.layers = None
         for cache in caches:
@@ -257,8 +260,7 @@ class CompiledDecode:
         want = self.stage.decode(caches, ids)
         _crop(caches)
         diff = float((got - want).abs().max())
-        entry = {"max_logit_diff": float(f"{diff:.2e}")} if compiled else {"compile_s": round(compile_s, 1),
-                                                                            "max_logit_diff": float(f"{diff:.2e}")}
+        entry = {"max_logit_diff": float(f"{diff:.2e}"), **({} if compiled else {"compile_s": round(compile_s, 1)})}
         tolerance = LOGIT_TOLERANCE if self.graph.reads_float32 else QUANTIZED_LOGIT_TOLERANCE
         if not diff <= tolerance * (1.0 + float(want.abs().max())):
             entry.update(serving=False, why=f"its logits differ from the fused step's by {diff:.3g}")

@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fellow.runtime.model.attend_one import attend_one
 from fellow.runtime.model.decode_slab import DecodeSlab
+from fellow.runtime.model.kv_cache import KVCache
 
 FUSABLE_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
 KERNELS = ("mkl", "onednn")
@@ -319,15 +321,16 @@ class FusedStack:
         return attend
 
     def attend_decode(self, caches):
-        """One new position per session. Two sessions or more attend in one call per layer over the
-        stage's slab, where their caches live side by side (``fellow.runtime.model.decode_slab``), unless
-        their pasts are too uneven for it; then each row attends to its own cache, no padded copy.
+        """One new position per session. One session attends through ``attend_one`` (a C kernel a layer where
+        it builds). Two or more attend in one call per layer over the stage's slab, where their caches live
+        side by side (``decode_slab``), unless their pasts are too uneven; then each row attends to its own.
 
-        A row's query heads that share a key/value head go in as that head's queries, so one
-        call with no mask serves every group: [1, kv_heads, groups, D] against [1, kv_heads, n, D].
-        A sliding-window layer attends to the last ``window`` keys only (a view, no copy).
+        A row's query heads that share a key/value head go in as that head's queries (one call, no mask, every
+        group: [1, kv_heads, groups, D] against [1, kv_heads, n, D]); a sliding layer sees its last ``window``.
         """
         rows = len(caches)
+        if rows == 1 and type(caches[0]) is KVCache:
+            return attend_one(self, caches[0])
         out_shape = (rows, 1, self.num_heads * self.head_dim)
         step = self.slab.step(caches) if self.slab is not None else None
         if step is not None:

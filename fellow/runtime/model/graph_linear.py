@@ -2,11 +2,13 @@
 
 - A plain float32 weight (``fused.Linear``, MKL's or oneDNN's form), at one row: a product and a sum
   over its plain form, frozen, which inductor writes as one parallel loop that streams the weight at
-  twice the speed of MKL's one-row GEMV on two cores (``REDUCE``). Or ``F.linear`` (``LINEAR``), which
-  inductor's GEMM templates serve under max-autotune, as every call of more rows. Neither wins on every
-  shape (46M Qwen3 h512: a step of 8.6 ms reduced against 10.5 with the templates, which also added 318 MB
-  to the process against 80; 36M h384 with 20 layers: 8.8 against 8.2), so the background compile builds
-  both and serves the faster (``background_compile``).
+  twice the speed of MKL's one-row GEMV on two cores (``REDUCE``); or the project's AVX2 kernel
+  (``KERNEL``: ``swarm::f32_rows``, ``f32_gemv``), faster at streaming but opaque, so inductor fuses
+  nothing into it; or ``F.linear`` (``LINEAR``), which inductor's GEMM templates serve under max-autotune,
+  as every call of more rows. None wins on every shape (46M Qwen3 h512: a step of 8.6 ms reduced against
+  10.5 with the templates, which also added 318 MB to the process against 80; 36M h384 with 20 layers:
+  8.8 against 8.2; the kernel 7.4-7.7 against reduce's 7.7-7.8 on the first, 7.4-8.2 against 6.5-7.2 on
+  the second), so the background compile builds each and serves the fastest (``background_compile``).
 - A quantized one (``quant.linear.QuantLinear``, torch's CPU int8 and int4 kernels): the same kernel
   the fused step calls (for int8 at a few rows ``swarm::int8_rows``: ``quant.int8_gemv``), on the same
   tensors (torch's kernels read the row cast to bfloat16), so inductor fuses the norms, rotary, casts and residuals between the kernels. A quantized fused step
@@ -28,8 +30,9 @@ from torch import nn
 from fellow.runtime.model.fused import Linear
 
 QUANT_GRAPH_KERNELS = ("int8", "int4")  # QuantLinear kernels the graph calls (torch's CPU ones)
-REDUCE, LINEAR = "reduce", "linear"  # how a graph multiplies one row by a float32 weight (GEMV_FORMS)
-GEMV_FORMS = {REDUCE: None, LINEAR: "max-autotune-no-cudagraphs"}  # each form and the inductor mode it wants
+REDUCE, KERNEL, LINEAR = "reduce", "kernel", "linear"  # how a graph multiplies one row by a float32 weight
+# each form and the inductor mode it wants
+GEMV_FORMS = {REDUCE: None, KERNEL: None, LINEAR: "max-autotune-no-cudagraphs"}
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,14 @@ class GraphLinear:
     pad: int = 0  # int4: zero inputs added to a multiple of 32
     group: int = 0  # int4: inputs per scale
     few_rows: bool = False  # int8: calls of at most int8_gemv.MAX_ROWS rows go to swarm::int8_rows
+    row_kernel: bool = False  # float32: one row in the kernel form goes to swarm::f32_rows
+
+
+def gemv_forms() -> tuple[str, ...]:
+    """The forms that can be built here: the kernel one where ``f32_gemv`` builds."""
+    from fellow.runtime.model import f32_gemv
+
+    return tuple(form for form in GEMV_FORMS if form != KERNEL or f32_gemv.available())
 
 
 def why_not_graph(linear) -> str | None:
@@ -63,7 +74,10 @@ def keep(module: nn.Module, name: str, linear, plain) -> GraphLinear:
     module.register_buffer(f"{name}_bias", linear.bias)
     if type(linear) is Linear:
         module.register_buffer(name, plain.of(linear))
-        return GraphLinear("float", linear.out_features, linear.in_features)
+        from fellow.runtime.model import f32_gemv  # decided here: the graph traces no library lookup
+
+        weight = plain.of(linear)
+        return GraphLinear("float", linear.out_features, linear.in_features, row_kernel=f32_gemv.takes(weight))
     module.register_buffer(name, linear.weight)
     module.register_buffer(f"{name}_scales", linear.scales)
     module.register_buffer(f"{name}_scales_f32", linear.scales_f32)
@@ -77,10 +91,13 @@ def call(module: nn.Module, name: str, spec: GraphLinear, x: torch.Tensor) -> to
     """``F.linear(x, weight, bias)`` for the weight kept under ``name``, as the fused step computes it."""
     weight, bias = getattr(module, name), getattr(module, f"{name}_bias")
     if spec.kind == "float":
-        if x.numel() != spec.in_features or module.gemv != REDUCE:
+        if x.numel() != spec.in_features or module.gemv == LINEAR:
             return F.linear(x, weight, bias)
-        # one row: a product and a sum over each weight row, which inductor writes as one loop over the
-        # rows, both threads streaming the weight (MKL's GEMV for one row ran on one thread here)
+        if module.gemv == KERNEL and spec.row_kernel:
+            out = torch.ops.swarm.f32_rows(x.reshape(1, spec.in_features), weight).view(*x.shape[:-1], -1)
+            return out if bias is None else out + bias
+        # a product and a sum over each weight row, which inductor writes as one loop over the rows, both
+        # threads streaming the weight (MKL's GEMV for one row ran on one thread here)
         out = (x.reshape(1, spec.in_features) * weight).sum(-1).view(*x.shape[:-1], spec.out_features)
         return out if bias is None else out + bias
     from fellow.runtime.model.quant import int8_gemv

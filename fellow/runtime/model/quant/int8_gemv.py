@@ -14,27 +14,22 @@ rows in bfloat16; perplexity through decode steps is in docs/benchmarks.md. The 
 over the OpenMP threads torch runs (the library links the ``libgomp`` torch loaded, so the two share one
 pool and its thread count), each read from memory once for all the rows of the call.
 
-The library is compiled on first use from the source below with the host's C compiler (``CC``, else
-``cc``), as inductor compiles its kernels, into a file named by the source's hash under ``swarm-kernels``
-beside inductor's cache (about 1.5 s, once per cache); where there is no compiler, no AVX2 or FMA, or
-the build fails, ``available()`` is False, says why (``unavailable_reason``), and the stage multiplies
-with torch's kernel, as it does calls of more than MAX_ROWS rows (prompt pieces) and weights whose
-inputs are not a multiple of BLOCK.
+The library is compiled on first use from the source below (``native.build``: the host's C compiler,
+cached beside inductor's cache); where there is no compiler, no AVX2 or FMA, or the build fails,
+``available()`` is False, says why (``unavailable_reason``), and the stage multiplies with torch's kernel,
+as it does calls of more than MAX_ROWS rows (prompt pieces) and weights whose inputs are not a multiple
+of BLOCK.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import subprocess
-import tempfile
 import threading
-from functools import cache
-from pathlib import Path
 
 import torch
+
+from fellow.runtime.model import native
 
 log = logging.getLogger(__name__)
 
@@ -42,17 +37,8 @@ MAX_ROWS = 8  # calls of more rows (prompt pieces) go to torch's kernel
 _scratch = threading.local()  # per thread (the serving one, the compile one): int8_gemv's working buffers
 BLOCK = 32  # inputs per activation scale
 
-SOURCE = r"""
-#include <immintrin.h>
-#include <stdint.h>
+SOURCE = native.HSUM + r"""
 #include <math.h>
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* x [rows, k] float -> xq [rows, k] int8 and d [rows, k/32] float (k % 32 == 0) */
 static void quantize_rows(const float *x, int8_t *xq, float *d, int64_t rows, int64_t k) {
@@ -103,64 +89,9 @@ void swarm_int8_gemv(const float *x, const int8_t *w, const float *scale, float 
     }
 }
 """
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
-
-
-def _cache_dir() -> Path:
-    """Beside inductor's cache where it has one (a fellow points it under its data dir), else the user's."""
-    base = (os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME")
-            or os.path.join(os.path.expanduser("~"), ".cache"))
-    return Path(base) / "swarm-kernels"
-
-
-def _cpu_has_avx2_fma() -> bool:
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return False
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return " avx2" in flags and " fma" in flags
-
-
-@cache
-def _library() -> tuple[ctypes.CDLL | None, str]:
-    """(the library, "") or (None, why not)."""
-    if not _cpu_has_avx2_fma():
-        return None, "this CPU lacks AVX2 or FMA"
-    digest = hashlib.sha256((SOURCE + " ".join(FLAGS)).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"int8_gemv-{digest}.so"
-    if not target.exists():
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                src = Path(tmp) / "int8_gemv.c"
-                src.write_text(SOURCE)
-                built = Path(tmp) / "int8_gemv.so"
-                compiler = os.environ.get("CC") or "cc"
-                subprocess.run([compiler, *FLAGS, str(src), "-o", str(built)], check=True, capture_output=True,
-                               timeout=120)
-                os.replace(built, target)  # atomic: another process building at once is harmless
-        except (OSError, subprocess.SubprocessError) as exc:
-            stderr = getattr(exc, "stderr", b"") or b""
-            why = stderr.decode(errors="replace").strip().splitlines()[:1] or [str(exc)]
-            return None, f"the int8 kernel did not build: {why[0][:200]}"
-    try:
-        lib = ctypes.CDLL(str(target))
-    except OSError as exc:
-        return None, f"the int8 kernel did not load: {exc}"
-    fn = lib.swarm_int8_gemv
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2
-    return lib, ""
-
-
-def available() -> bool:
-    return _library()[0] is not None
-
-
-def unavailable_reason() -> str:
-    return _library()[1]
+KERNEL = native.Kernel("int8_gemv", SOURCE, "the int8 kernel", "swarm_int8_gemv",
+                       [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2)
+available, unavailable_reason = KERNEL.available, KERNEL.unavailable_reason
 
 
 def takes(in_features: int) -> bool:
@@ -178,7 +109,7 @@ def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> to
     scratch = getattr(_scratch, "buffers", None)
     if scratch is None or scratch[0].numel() < rows * k:  # the rows' int8 form and their block scales
         scratch = _scratch.buffers = (torch.empty(rows * k, dtype=torch.int8), torch.empty(rows * k // BLOCK))
-    _library()[0].swarm_int8_gemv(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(), rows, n, k,
+    KERNEL.fn(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(), rows, n, k,
                                   scratch[0].data_ptr(), scratch[1].data_ptr())
     return out
 

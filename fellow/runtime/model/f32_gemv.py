@@ -1,0 +1,78 @@
+"""A float32 weight times one row, on AVX2: how a compiled one-session step's ``reduce`` form multiplies.
+
+A decode step for one session reads every weight once, so its speed is the speed weights stream from
+memory. MKL's one-row GEMV ran on one thread here (12 GB/s on a 6,144 x 512 weight), and inductor's loop
+over a product and a sum (``graph_linear.REDUCE``) at about 23. This kernel splits the weight's rows over
+torch's OpenMP threads in blocks of eight, eight running sums a block (the row loaded once for the eight):
+a step's weights of q46m-v4k streamed at 31 GB/s and q36m-l20's at 27, where two threads read about 32
+from memory (software prefetching the next block, four or twelve rows a block, or rows interleaved in
+blocks of eight were each as fast or slower). Called from compiled graphs as ``swarm::f32_rows`` (opaque to
+inductor); built on first use by ``native.build``, and where it cannot be, ``available()`` is False and the
+graph keeps inductor's loop.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from fellow.runtime.model import native
+
+SOURCE = native.HSUM + r"""
+
+/* y [n] = w [n, k] x [k], k a multiple of 8 */
+void swarm_f32_gemv(const float *x, const float *w, float *y, int64_t n, int64_t k) {
+    const int64_t blocks = n / 8;
+    #pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *w0 = w + b * 8 * k;
+        __m256 a[8];
+        for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < k; i += 8) {
+            const __m256 xv = _mm256_loadu_ps(x + i);
+            #pragma GCC unroll 8
+            for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w0 + r * k + i), a[r]);
+        }
+        for (int r = 0; r < 8; r++) y[b * 8 + r] = hsum(a[r]);
+    }
+    for (int64_t j = blocks * 8; j < n; j++) {  /* the last rows, fewer than a block */
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t i = 0; i < k; i += 8)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + j * k + i), a);
+        y[j] = hsum(a);
+    }
+}
+"""
+
+
+KERNEL = native.Kernel("f32_gemv", SOURCE, "the float32 row kernel", "swarm_f32_gemv",
+                       [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2)
+available, unavailable_reason = KERNEL.available, KERNEL.unavailable_reason
+
+
+def takes(weight: torch.Tensor) -> bool:
+    """Whether one row times ``weight`` [N, K] can go through the kernel (float32, contiguous, K in eights)."""
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
+            and weight.shape[1] % 8 == 0 and available())
+
+
+def f32_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [1, K] float32 times weight [N, K] (where ``takes(weight)``) -> [1, N]."""
+    if not weight.is_contiguous():  # never seen: the graph passes the weight it kept
+        return torch.nn.functional.linear(x, weight)
+    x = x.contiguous()
+    n, k = weight.shape
+    out = torch.empty(1, n, dtype=torch.float32)
+    KERNEL.fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), n, k)
+    return out
+
+
+_LIBRARY = torch.library.Library("swarm", "FRAGMENT")  # dispatch: 5 us a call, against custom_op's 10
+_LIBRARY.define("f32_rows(Tensor x, Tensor weight) -> Tensor")
+_LIBRARY.impl("f32_rows", f32_gemv, "CPU")
+
+
+@torch.library.register_fake("swarm::f32_rows")
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(1, weight.shape[0])

@@ -1,0 +1,106 @@
+"""C kernels of the project's own, built on first use with the host's C compiler and loaded with ctypes.
+
+As inductor compiles its kernels: the source is compiled (``CC``, else ``cc``) into a file named by its
+hash under ``swarm-kernels`` beside inductor's cache (about 1.5 s, once per cache), with OpenMP from the
+``libgomp`` torch loaded, so a kernel and torch share one thread pool and its thread count. Where there is
+no compiler, no AVX2 or FMA, or the build fails, ``build`` says why and the caller keeps torch's kernels.
+Used by ``quant.int8_gemv`` (int8 rows) and ``attend_kernel`` (one session's decode attention).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+# C: the sum of an AVX register's eight floats (the kernels' sources start with it)
+HSUM = r"""
+#include <immintrin.h>
+#include <stdint.h>
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+"""
+
+
+def cache_dir() -> Path:
+    """Beside inductor's cache where it has one (a fellow points it under its data dir), else the user's."""
+    base = (os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME")
+            or os.path.join(os.path.expanduser("~"), ".cache"))
+    return Path(base) / "swarm-kernels"
+
+
+def cpu_has_avx2_fma() -> bool:
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return False
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return " avx2" in flags and " fma" in flags
+
+
+def build(name: str, source: str, what: str) -> tuple[ctypes.CDLL | None, str]:
+    """(the library ``name`` built from ``source``, "") or (None, why not: one line, naming ``what``)."""
+    if not cpu_has_avx2_fma():
+        return None, "this CPU lacks AVX2 or FMA"
+    digest = hashlib.sha256((source + " ".join(FLAGS)).encode()).hexdigest()[:16]
+    target = cache_dir() / f"{name}-{digest}.so"
+    if not target.exists():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                src = Path(tmp) / f"{name}.c"
+                src.write_text(source)
+                built = Path(tmp) / f"{name}.so"
+                compiler = os.environ.get("CC") or "cc"
+                subprocess.run([compiler, *FLAGS, str(src), "-o", str(built)], check=True, capture_output=True,
+                               timeout=120)
+                os.replace(built, target)  # atomic: another process building at once is harmless
+        except (OSError, subprocess.SubprocessError) as exc:
+            stderr = getattr(exc, "stderr", b"") or b""
+            why = stderr.decode(errors="replace").strip().splitlines()[:1] or [str(exc)]
+            return None, f"{what} did not build: {why[0][:200]}"
+    try:
+        return ctypes.CDLL(str(target)), ""
+    except OSError as exc:
+        return None, f"{what} did not load: {exc}"
+
+
+class Kernel:
+    """One C function (``symbol``, returning nothing, of ``argtypes``) of a library ``build`` makes from
+    ``source`` on first use."""
+
+    def __init__(self, name: str, source: str, what: str, symbol: str, argtypes: list) -> None:
+        self.name, self.source, self.what, self.symbol, self.argtypes = name, source, what, symbol, argtypes
+
+    @cached_property
+    def _built(self) -> tuple:
+        lib, why = build(self.name, self.source, self.what)
+        if lib is None:
+            return None, why
+        fn = getattr(lib, self.symbol)
+        fn.restype, fn.argtypes = None, self.argtypes
+        return fn, ""
+
+    @property
+    def fn(self):
+        """The function (only where ``available()``)."""
+        return self._built[0]
+
+    def available(self) -> bool:
+        return self._built[0] is not None
+
+    def unavailable_reason(self) -> str:
+        return self._built[1]
