@@ -13,10 +13,13 @@ ends early), and at each stream count, decode tokens/s of:
 - the stack (nats-server, a leader, a fellow; no SWARM_* serving variable set, but SWARM_SERVE_THREADS
   with ``--threads``), its load at float32, then quantized int8 ({"bits": 8}) and int4
   ({"method": "int4-fast"}), one load at a time; clients stream /v1/chat/completions (bench_serving.load_test);
-- `llama-server -t N -np 8 -cb --no-repack` on the checkpoint converted to GGUF float32
-  (convert_hf_to_gguf.py --outtype f32), and on q8_0 and q4_0 made from it by llama-quantize (its default
+- beside each load, `llama-server -t N -np 8 -cb --no-repack` on the checkpoint converted to GGUF float32
+  (convert_hf_to_gguf.py --outtype f32), or on q8_0 or q4_0 made from it by llama-quantize (its default
   recipe for each type); clients stream its /completion endpoint, greedy, end of text ignored, the same
-  chat-templated prompts as the stack's (bench/peers_llama.py).
+  chat-templated prompts as the stack's (bench/peers_llama.py). The two are timed in turn, stream count by
+  stream count, repeat by repeat (``paired_rates``), so a slow spell of a shared machine falls on both
+  sides of a ratio (two runs timed one side after the other saw llama.cpp's own f32 figure move by a
+  third between runs).
 The figure of n streams started together is bench_serving.aggregate's: tokens past each stream's first over
 the span from the median first token to the last stream's end; the median of ``--repeats`` runs, not the
 best (a client starved of CPU by the server it times reads a stream's tokens in one burst: one such run gave
@@ -41,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_matrix import SHAPES, hf_generate, prepare, prompts_for  # noqa: E402
 from bench.bench_serving import load_test  # noqa: E402
-from bench.peers_llama import gguf_files, llama_rates, llama_tree  # noqa: E402
+from bench.peers_llama import LlamaServer, gguf_files, llama_load_test, llama_tree  # noqa: E402
 from bench.scratch import scratch_dir  # noqa: E402
 from core.nats_server import EmbeddedNats  # noqa: E402
 from core.quantization import method_of  # noqa: E402
@@ -65,11 +68,14 @@ def settled(stack: Stack, name: str, load: dict) -> str:
     return done
 
 
-def stack_rates(name: str, tmp: Path, streams: list[int], tokens: int, repeats: int = 1,
-                threads: int = 0) -> tuple[dict, dict]:
-    """({label: {streams: tokens/s}}, {label: the method the load was placed at}) of the stack serving the
-    servable at tmp/servables/name, loaded at each of PAIRS' quantizations in turn."""
-    rates, placed = {}, {}
+def paired_rates(name: str, tmp: Path, tree: Path, files: dict[str, Path], prompts: dict[int, list[list[int]]],
+                 tokens: int, repeats: int = 1, threads: int = 0) -> tuple[dict, dict, dict]:
+    """({label: {streams: tokens/s}} of the stack, {gguf type: {streams: tokens/s}} of llama-server,
+    {label: the method the load was placed at}): the stack serving the servable at tmp/servables/name, loaded
+    at each of PAIRS' quantizations in turn, and beside each load llama-server on the matching GGUF file, the
+    two timed in turn at every stream count of every repeat, so that a slower spell of the machine falls on
+    both sides of a ratio; each figure the median of ``repeats``."""
+    stack_out, llama_out, placed = {}, {}, {}
     with EmbeddedNats(tmp / name / "js") as nats:
         # SWARM_SERVE_QUANTIZED=auto and SWARM_SERVE_COMPILE=auto are the fellow's defaults (the test fixture
         # turns both off)
@@ -77,22 +83,33 @@ def stack_rates(name: str, tmp: Path, streams: list[int], tokens: int, repeats: 
         stack = Stack(tmp / name, nats.url, tmp / "servables", SWARM_SERVE_QUANTIZED="auto",
                       SWARM_SERVE_COMPILE="auto", **env).start()
         try:
-            for label, quantization, _ in PAIRS:
+            for label, quantization, kind in PAIRS:
                 body = {"wait": True, "timeout_s": 1800} | ({"quantization": quantization} if quantization else {})
                 r = stack.post(f"/api/v1/models/{name}/load", body, timeout=1900)
                 assert r.status_code == 200 and r.json()["state"] == "ready", r.text
                 placed[label] = method_of(r.json()["quantization"])
                 settled(stack, name, r.json())  # the default's decode step compiled in the background, where it does
-                rates[label] = {b: statistics.median(asyncio.run(load_test(stack.url, name, b, tokens))["agg_tok_s"]
-                                                     for _ in range(repeats)) for b in streams}
+                ours: dict[int, list[float]] = {b: [] for b in prompts}
+                theirs: dict[int, list[float]] = {b: [] for b in prompts}
+                with LlamaServer(tree, files[kind], tmp / name / f"llama-server-{kind}.log", threads or
+                                 torch.get_num_threads(), max(prompts)) as server:
+                    for _ in range(repeats):
+                        for b, batch in prompts.items():
+                            ours[b].append(asyncio.run(load_test(stack.url, name, b, tokens))["agg_tok_s"])
+                            theirs[b].append(asyncio.run(llama_load_test(server.url, batch, tokens))["agg_tok_s"])
+                stack_out[label] = {b: statistics.median(v) for b, v in ours.items()}
+                llama_out[kind] = {b: statistics.median(v) for b, v in theirs.items()}
                 print(json.dumps({"stack": label, "placed": placed[label],
-                                  **{f"{b} streams tok/s": round(v, 1) for b, v in rates[label].items()}}), flush=True)
+                                  **{f"{b} streams tok/s": round(v, 1) for b, v in stack_out[label].items()},
+                                  "llama.cpp": kind,
+                                  **{f"llama {b} streams tok/s": round(v, 1) for b, v in llama_out[kind].items()}}),
+                      flush=True)
                 assert stack.post(f"/api/v1/models/{name}/unload").status_code == 200
                 wait_until(lambda: stack.get(f"/api/v1/models/{name}").json()["load_state"] == "unloaded", 120,
                            "unloaded")
         finally:
             stack.stop()
-    return rates, placed
+    return stack_out, llama_out, placed
 
 
 def run_shape(name: str, tmp: Path, tree: Path, tokens: int, streams: list[int], threads: int = 0,
@@ -103,9 +120,8 @@ def run_shape(name: str, tmp: Path, tree: Path, tokens: int, streams: list[int],
            "generate": {b: hf_generate(model, tok, b, tokens) for b in streams}}
     del model
     files = gguf_files(tree, ckpt, tmp / name / "gguf")
-    row["llama"] = llama_rates(tree, files, {b: prompts_for(tok, b) for b in streams}, tokens, tmp / name,
-                               threads or torch.get_num_threads(), repeats)
-    row["stack"], row["placed"] = stack_rates(name, tmp, streams, tokens, repeats, threads)
+    row["stack"], row["llama"], row["placed"] = paired_rates(
+        name, tmp, tree, files, {b: prompts_for(tok, b) for b in streams}, tokens, repeats, threads)
     return row
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -141,17 +140,3 @@ async def llama_load_test(url: str, prompts: list[list[int]], tokens: int) -> di
     for r in results:
         assert r["tokens"] == tokens, f"llama-server decoded {r['tokens']} tokens, not {tokens}"
     return aggregate(results, t0)
-
-
-def llama_rates(tree: Path, files: dict[str, Path], prompts: dict[int, list[list[int]]], tokens: int,
-                log_dir: Path, threads: int = 2, repeats: int = 1) -> dict[str, dict[int, float]]:
-    """{gguf type: {streams: decode tokens/s, the median of `repeats` runs}}: one server per file, every
-    stream count against it."""
-    out = {}
-    for kind, path in files.items():
-        with LlamaServer(tree, path, log_dir / f"llama-server-{kind}.log", threads, max(prompts)) as server:
-            out[kind] = {b: statistics.median(asyncio.run(llama_load_test(server.url, p, tokens))["agg_tok_s"]
-                                              for _ in range(repeats)) for b, p in prompts.items()}
-        print(json.dumps({"llama.cpp": kind, **{f"{b} streams tok/s": round(r, 1) for b, r in out[kind].items()}}),
-              flush=True)
-    return out

@@ -4,9 +4,10 @@ A decode step for one session reads every weight once, so its speed is the speed
 memory. MKL's one-row GEMV ran on one thread here (12 GB/s on a 6,144 x 512 weight), and inductor's loop
 over a product and a sum (``graph_linear.REDUCE``) at about 23. This kernel splits the weight's rows over
 torch's OpenMP threads in blocks of eight, eight running sums a block (the row loaded once for the eight):
-a step's weights of q46m-v4k streamed at 31 GB/s and q36m-l20's at 27, where two threads read about 32
-from memory (software prefetching the next block, four or twelve rows a block, or rows interleaved in
-blocks of eight were each as fast or slower). Called from compiled graphs as ``swarm::f32_rows`` (opaque to
+over a step's weights, 2.0 (q46m-v4k) and 1.8 (q36m-l20) times MKL's speed in one run of
+bench/bench_row_kernels.py (24.7 and 20.5 GB/s; 31 and 27 on a quieter spell, where two threads read about
+32 from memory). Software prefetching the next block, four or twelve rows a block, or rows interleaved in
+blocks of eight were each as fast or slower. Called from compiled graphs as ``swarm::f32_rows`` (opaque to
 inductor); built on first use by ``native.build``, and where it cannot be, ``available()`` is False and the
 graph keeps inductor's loop.
 """
