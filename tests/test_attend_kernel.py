@@ -45,8 +45,9 @@ def test_the_kernel_attends_as_sdpa_and_writes_the_new_position(kv, groups, dim,
     others = [p for p in range(capacity) if p != length]
     assert torch.equal(keys[:, others], before_keys[:, others])
     assert torch.equal(values[:, others], before_values[:, others])
-    want = F.scaled_dot_product_attention(q.view(1, kv, groups, dim).double(), keys[None, :, start : length + 1].double(),
-                                          values[None, :, start : length + 1].double(), scale=scale)
+    past = slice(start, length + 1)
+    want = F.scaled_dot_product_attention(q.view(1, kv, groups, dim).double(), keys[None, :, past].double(),
+                                          values[None, :, past].double(), scale=scale)
     torch.testing.assert_close(out.view(-1).double(), want.reshape(-1), rtol=1e-5, atol=1e-6)
 
 

@@ -88,9 +88,11 @@ def _kernel_attend(fused, addresses: dict, starts: dict, length: int):
         keys, values, head_stride, pos_stride = addresses[i]
         start = starts[i]
         out = torch.empty(1, 1, width)
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the fused step's are views, contiguous at one row
+        dtype = q.dtype  # float32 as the buffers are, unless a stage computes in another type beside them
+        # the fused step's are views, contiguous at one row; .float() and .contiguous() copy nothing then
+        q, k, v = q.float().contiguous(), k.float().contiguous(), v.float().contiguous()
         call(q.data_ptr(), k.data_ptr(), v.data_ptr(), keys, values, head_stride, pos_stride, kv, groups, dim,
              length, start, layer.scaling, out.data_ptr(), split[start])
-        return out
+        return out if dtype is torch.float32 else out.to(dtype)
 
     return attend

@@ -55,8 +55,8 @@ class BackgroundCompile:
         built at batch 1 and the fastest served; default, each that builds here where the stage has float32
         weights, else the reduce form alone (a quantized stage's graph calls its own kernels either way).
         Batches of more rows are built in the first form that multiplies them as it does at once (the linear
-        one where planned: the others take one row only). ``only_faster=False``: serve the compiled step wherever its
-        logits agree (tests, on models too small for it to pay)."""
+        one where planned: the others take one row only). ``only_faster=False``: serve the compiled step
+        wherever its logits agree (tests, on models too small for it to pay)."""
         self.stage = stage
         if forms is None:
             forms = gemv_forms() if has_float_weights(stage) else (REDUCE,)

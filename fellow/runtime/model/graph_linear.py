@@ -7,8 +7,8 @@
   nothing into it; or ``F.linear`` (``LINEAR``), which inductor's GEMM templates serve under max-autotune,
   as every call of more rows. None wins on every shape (46M Qwen3 h512: a step of 8.6 ms reduced against
   10.5 with the templates, which also added 318 MB to the process against 80; 36M h384 with 20 layers:
-  8.8 against 8.2; the kernel 7.4-7.7 against reduce's 7.7-7.8 on the first, 7.4-8.2 against 6.5-7.2 on
-  the second), so the background compile builds each and serves the fastest (``background_compile``).
+  8.8 against 8.2; the kernel served in one of three peers runs, docs/benchmarks.md), so the background
+  compile builds each and serves the fastest (``background_compile``).
 - A quantized one (``quant.linear.QuantLinear``, torch's CPU int8 and int4 kernels): the same kernel
   the fused step calls (for int8 at a few rows ``swarm::int8_rows``: ``quant.int8_gemv``), on the same
   tensors (torch's kernels read the row cast to bfloat16), so inductor fuses the norms, rotary, casts and residuals between the kernels. A quantized fused step
@@ -73,10 +73,10 @@ def keep(module: nn.Module, name: str, linear, plain) -> GraphLinear:
     for quantized weights; ``plain.of`` gives a plain weight's float32 form)."""
     module.register_buffer(f"{name}_bias", linear.bias)
     if type(linear) is Linear:
-        module.register_buffer(name, plain.of(linear))
         from fellow.runtime.model import f32_gemv  # decided here: the graph traces no library lookup
 
         weight = plain.of(linear)
+        module.register_buffer(name, weight)
         return GraphLinear("float", linear.out_features, linear.in_features, row_kernel=f32_gemv.takes(weight))
     module.register_buffer(name, linear.weight)
     module.register_buffer(f"{name}_scales", linear.scales)
