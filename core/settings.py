@@ -25,8 +25,7 @@ Parser = Callable[[str, str], Any]  # (variable, its text or its default) -> the
 
 
 def setting(variable: str, default: str, parse: Parser, shown: bool = True) -> Any:
-    """A group's field read from ``variable``; ``default`` where it is unset or blank; ``shown=False``
-    keeps a secret out of the group's repr."""
+    """A field read from ``variable``; ``default`` where unset or blank; ``shown=False``: not in the repr."""
     return field(repr=shown, metadata={"variable": variable, "default": default, "parse": parse})
 
 
@@ -239,6 +238,7 @@ class ServingSettings(Group):
     typical_tokens: int = setting("SWARM_SERVE_TYPICAL_TOKENS", "1024", whole(1))
     context_tokens: int = setting("SWARM_SERVE_CONTEXT_TOKENS", "4096", whole(1))
     max_batch: int | None = setting("SWARM_SERVE_MAX_BATCH", "", optional(whole(0)))
+    stream_interval_ms: float = setting("SWARM_SERVE_STREAM_INTERVAL_MS", "25", number())  # fellow.token_batcher
     prefill_chunk: int | None = setting("SWARM_SERVE_PREFILL_CHUNK", "", optional(whole(0)))  # unset: 256 planned
     max_in_flight: int | None = setting("SWARM_SERVE_MAX_IN_FLIGHT", "", optional(whole(1)))  # unset: 8 planned
     packed_linear: bool = setting("SWARM_SERVE_PACKED_LINEAR", "auto", is_on("auto"))

@@ -43,6 +43,7 @@ class StageOptions(msgspec.Struct, frozen=True, kw_only=True):
     cuda_graphs: bool = True  # a whole-model CUDA stage's decode replays graphs where faster
     fourbit_rows: str = "auto"  # auto, off, or a fixed row limit "1".."8" (model.fourbit_rows)
     fourbit_float32: str = "auto"  # 4-bit matmuls in float32 where measured faster, or off
+    stream_interval_ms: float = 25.0  # a request's token frames after its first: at most one this often
 
     @property
     def batch_cap(self) -> int:

@@ -1,4 +1,4 @@
-"""Batches a request's tokens into frames: whatever arrived while the previous frame was in flight."""
+"""Batches a request's tokens into frames: the first token at once, then at most one frame an interval."""
 
 from __future__ import annotations
 
@@ -30,17 +30,22 @@ ROLLUP_REFUSED = 10111
 
 
 class TokenBatcher:
-    """One per request. Tokens that arrive while the previous frame is being sent ride together
-    in the next one; token frames do not wait for JetStream's ack (the stream keeps them all the
-    same), so an idle stage adds no delay.
+    """One per request. The first token frame goes out at once; after it, tokens ride together in frames at
+    most one an ``interval`` (SWARM_SERVE_STREAM_INTERVAL_MS), and the end (done or error) goes out at once
+    with whatever is left. Every frame costs the bus, the leader and the client about as much whatever it
+    carries: on two cores, a frame a token took 2-2.4 ms of their CPU a token from the stage's own
+    (docs/benchmarks.md). Token frames do not wait for JetStream's ack (the stream keeps them all the same).
 
     The done or error frame, acked, always follows every token frame (one ordered sender per request).
     With the request's `key` (ChatRequest.frame_key) every frame is signed: the leader drops a frame of a
     keyed request without a right tag (another fellow's forgery).
     """
 
-    def __init__(self, nc: Client, js: JetStreamContext, request_id: str, key: str = ""):
+    def __init__(self, nc: Client, js: JetStreamContext, request_id: str, key: str = "", interval: float = 0.0):
         self.nc = nc
+        self.interval = interval  # seconds between token frames after the first (0: each as it comes)
+        self._next_frame = 0.0  # the event loop's time from which the next token frame may go
+        self._timer: asyncio.TimerHandle | None = None
         self.js = js
         self.request_id = request_id
         self.key = key
@@ -95,11 +100,32 @@ class TokenBatcher:
         if self._final is not None:
             return
         self._final = make  # built when it is sent, after the token frames, with the next seq
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self._kick()
 
     def _kick(self) -> None:
+        if self._timer is not None:  # the tokens wait for it (an end cancels it)
+            return
         if self._sender is None or self._sender.done():
             self._sender = asyncio.create_task(self._send())
+
+    def _holds(self) -> bool:
+        """Whether the pending tokens wait for the interval (and a timer is set to send them then)."""
+        if self._final is not None or self._prompt:
+            return False
+        loop = asyncio.get_running_loop()
+        wait = self._next_frame - loop.time()
+        if wait <= 0:
+            return False
+        if self._timer is None:
+            self._timer = loop.call_later(wait, self._fire)
+        return True
+
+    def _fire(self) -> None:
+        self._timer = None
+        self._kick()
 
     async def _send(self) -> None:
         try:
@@ -110,6 +136,8 @@ class TokenBatcher:
                                                            prompt_logprobs=piece))
                     continue
                 if self._texts or self._ids:
+                    if self._holds():
+                        break
                     texts, ids, logprobs = self._texts, self._ids, self._logprobs
                     self._texts, self._ids, self._logprobs = [], [], []
                     # Token frames go out without waiting for JetStream's ack: the stream still keeps
@@ -117,6 +145,7 @@ class TokenBatcher:
                     # error frame, which is acked, follows them on the same connection in order.
                     await self._publish_unacked(TokenFrame(request_id=self.request_id, seq=self.seq, texts=texts,
                                                            text="".join(texts), token_ids=ids, logprobs=logprobs))
+                    self._next_frame = asyncio.get_running_loop().time() + self.interval
                     continue
                 if self.seq == 0 and self._claim is not None:  # start() raised: frame 0 may be ours or not
                     if not await self._claimed():

@@ -188,7 +188,8 @@ class Intake:
             if self.active:
                 await self._wait_room()
             return
-        batcher = TokenBatcher(self.nc, self.js, req.request_id, req.frame_key)
+        batcher = TokenBatcher(self.nc, self.js, req.request_id, req.frame_key,
+                               self.cfg.options.stream_interval_ms / 1e3)
         try:
             claimed = await batcher.start(self.fellow_id, self.cfg.replica)  # from here, our death fails it
         except Exception as exc:  # a bus timeout, say: the start frame may be stored or not
