@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import uuid
 
 import pytest
@@ -87,6 +89,15 @@ def demo_servables(tmp_path_factory):
     template), trained once a session for DEMO_STEPS: its replies open with an empty ``<think>`` block."""
     from fellow.runtime.tools.demo_model import MODEL_ID, make_demo_model
 
-    servables = tmp_path_factory.mktemp("demo-models")
-    make_demo_model(servables / MODEL_ID, steps=DEMO_STEPS)
+    # under xdist, one folder for every worker of the run, trained by the first that asks (the others wait for
+    # it); alone, this session's own
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    servables, done = root / "demo-models", root / "demo-models.done"
+    with open(root / "demo-models.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(servables, ignore_errors=True)
+            make_demo_model(servables / MODEL_ID, steps=DEMO_STEPS)
+            done.touch()
     return servables
