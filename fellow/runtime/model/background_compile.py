@@ -9,9 +9,10 @@ fraction as long), at batch 1 once for each way of multiplying a row by a float3
 (``graph_linear.GEMV_FORMS``: none wins on every shape). At the first step boundary after that, the
 serving thread checks each compiled step's logits against the fused step's and times them
 (``CompiledDecode.build(compiled=True)``), and from that step on each batch size runs through the
-fastest where it measured faster than the fused step; the rest are dropped. It measures once, between
-two steps of a stage that may be busy serving, and keeps what it found (docs/benchmarks.md has a run
-where that chose the fused step for int4). ``state`` says where it is: the stage's metrics carry it to
+fastest where it measured faster than the fused step; the rest are dropped. Where several serve a batch
+size, it times them and the fused step again in turn (``_retime``: one form timed alone once chose the
+fused step for int4 in one run, docs/benchmarks.md), all between two steps of a stage that may be busy
+serving, and keeps what it found. ``state`` says where it is: the stage's metrics carry it to
 the load's status, and ``report`` lands in ``kernels["compiled"]``.
 """
 
@@ -19,13 +20,19 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import sys
 import threading
 
-from fellow.runtime.model.compiled import CompiledDecode, PlainWeights, _one_line, _resident_bytes, why_not
+import torch
+
+from fellow.runtime.model.compiled import (CHECK_CONTEXT, CompiledDecode, PlainWeights, _best_ms, _one_line,
+                                           _resident_bytes, why_not)
 from fellow.runtime.model.fused import Linear
 from fellow.runtime.model.graph_linear import GEMV_FORMS, LINEAR, REDUCE, gemv_forms
 from fellow.runtime.model.kv_budget import cpu_free_bytes
+from fellow.runtime.model.kv_cache import random_caches
+from fellow.runtime.model.native_step import NATIVE, NativeStep, why_not as native_why_not
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +40,8 @@ ROWS = (1, 8)  # batch sizes compiled: one stream, and eight (what a full decode
 ROOM = 2.0  # free host memory it wants after loading, in weight bytes: the graph's frozen copy and more
 COMPILING = "compiling"
 NICE = 19  # the compile thread's (and its compile workers') priority: the serving threads go first
+FUSED = "fused"
+RETIME_ROUNDS = 3  # rounds in which the forms that serve a batch size are timed again, in turn
 SWITCH_S = 0.0005  # the GIL's switch interval while it compiles (Python's 5 ms starved the serving thread)
 
 
@@ -52,17 +61,22 @@ class BackgroundCompile:
     def __init__(self, stage, plain: PlainWeights, forms: tuple[str, ...] | None = None, only_faster: bool = True,
                  rows: tuple[int, ...] = ROWS) -> None:
         """``forms``: how the graphs multiply one row by a float32 weight (graph_linear.GEMV_FORMS), each
-        built at batch 1 and the fastest served; default, each that builds here where the stage has float32
-        weights, else the reduce form alone (a quantized stage's graph calls its own kernels either way).
+        built at batch 1 and the fastest served, or ``native_step.NATIVE``, the step as one C call; default,
+        each that builds here where the stage has float32 weights, else the reduce form alone (a quantized
+        stage's graph calls its own kernels either way), and the native step where it takes the stage.
         Batches of more rows are built in the first form that multiplies them as it does at once (the linear
-        one where planned: the others take one row only). ``only_faster=False``: serve the compiled step
+        one where planned: the others take one row only), and the native one; where the native step serves
+        every size measured, it serves the sizes between them too. ``only_faster=False``: serve the compiled step
         wherever its logits agree (tests, on models too small for it to pay)."""
         self.stage = stage
         if forms is None:
             forms = gemv_forms() if has_float_weights(stage) else (REDUCE,)
+            forms += (NATIVE,) if native_why_not(stage) is None else ()
         many = LINEAR if LINEAR in forms else forms[0]
-        self.plan = [(form, 1) for form in forms if 1 in rows] + [(many, r) for r in rows if r != 1]
-        self.candidates = {form: CompiledDecode(stage, plain, GEMV_FORMS[form], form)
+        self.plan = [(form, 1) for form in forms if 1 in rows] + [
+            (form, r) for r in rows if r != 1 for form in dict.fromkeys((many, *(f for f in forms if f == NATIVE)))]
+        self.candidates = {form: NativeStep(stage, plain) if form == NATIVE else
+                           CompiledDecode(stage, plain, GEMV_FORMS[form], form)
                            for form in dict.fromkeys(form for form, _ in self.plan)}
         self.compiled: CompiledSteps | None = None  # what serves, once chosen
         self.only_faster = only_faster
@@ -119,9 +133,15 @@ class BackgroundCompile:
                 except Exception as exc:
                     entry.update(serving=False, why=_one_line(exc))
                 tried[form] = entry
+            self._retime(rows, tried)
             found[str(rows)] = _choose(tried, self._error)
             if found[str(rows)].get("serving"):
                 by_rows[rows] = self.candidates[found[str(rows)]["form"]]
+        native = self.candidates.get(NATIVE)
+        if native is not None and len(by_rows) > 1 and all(c is native for c in by_rows.values()):
+            # the native step serves every size it was measured at: the sizes between take it too (one kernel)
+            by_rows.update({r: native for r in range(min(by_rows), max(by_rows) + 1)})
+            native.serving.update(by_rows)
         for form, candidate in self.candidates.items():  # what does not serve is dropped
             candidate.serving.intersection_update(r for r, c in by_rows.items() if c is candidate)
         self.candidates = {}
@@ -133,6 +153,33 @@ class BackgroundCompile:
         self.state = self.report["state"] = self.summary(found)
         log.info("[compiled] decode step: %s", self.state)
         return True
+
+    @torch.inference_mode()
+    def _retime(self, rows: int, tried: dict[str, dict]) -> None:
+        """Where several forms serve ``rows`` sessions, time them and the fused step again in turn (RETIME_ROUNDS
+        rounds of each's best of compiled.TIMING_REPEATS) and keep each one's median: each ``build`` timed its
+        form alone, once, and two runs of the same stage chose differently (a busy machine moves a step by a
+        third)."""
+        forms = [form for form, entry in tried.items() if entry.get("serving")]
+        if len(forms) < 2:
+            return
+        caches = random_caches(self.stage.new_cache, rows, CHECK_CONTEXT, 1, torch.Generator().manual_seed(rows))
+        ids = torch.randint(0, self.candidates[forms[0]].vocab, (rows,))
+        steps = {form: self.candidates[form].decode for form in forms} | {FUSED: self.stage.decode}
+        times: dict[str, list[float]] = {form: [] for form in steps}
+        try:
+            for _ in range(RETIME_ROUNDS):
+                for form, step in steps.items():
+                    times[form].append(_best_ms(lambda: step(caches, ids), caches))
+        finally:
+            for cache in caches:
+                cache.release()
+        fused_ms = round(statistics.median(times[FUSED]), 3)
+        for form in forms:
+            entry = tried[form]
+            entry.update(compiled_ms=round(statistics.median(times[form]), 3), fused_ms=fused_ms)
+            if self.only_faster and entry["compiled_ms"] >= fused_ms:
+                entry.update(serving=False, why="not faster than the fused step here")
 
     def summary(self, found: dict[str, dict]) -> str:
         """One line for the status: what serves each batch size, and why."""

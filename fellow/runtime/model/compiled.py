@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fellow.runtime.model.fused import Linear, _norm, rotary_tables
+from fellow.runtime.model.fused import Linear, _norm
 from fellow.runtime.model.graph_linear import (LINEAR, GraphLinear, call, embedding, keep, keep_embedding,
                                                why_not_embedding, why_not_graph)
 from fellow.runtime.model.kv_cache import random_caches
@@ -187,8 +187,9 @@ class CompiledDecode:
         self.fn = torch.compile(self.graph, dynamic=False, mode=mode, fullgraph=True)
         self.serving: set[int] = set()
         self.steps = 0  # decode steps it served
-        self._like = torch.empty(0, dtype=stage.dtype)
         self.rotary = RotaryRows(stage.rotary_emb, stage.dtype)
+        self.vocab = self.graph.embed.shape[0]  # ids drawn below it when it is checked
+        self.tolerance = LOGIT_TOLERANCE if self.graph.reads_float32 else QUANTIZED_LOGIT_TOLERANCE
 
     def serves(self, rows: int) -> bool:
         return rows in self.serving
@@ -238,20 +239,20 @@ class CompiledDecode:
         layer's attention a stand-in of its shape: ``attend_rows`` is opaque to the graph), so a thread may
         do it while another serves; the seconds it took. ``build(rows, compiled=True)`` checks it after."""
         ids = torch.zeros(rows, dtype=torch.long)
-        cos, sin = rotary_tables(*self.stage.rotary_emb(self._like, torch.full((rows, 1), CHECK_CONTEXT)))
+        cos, sin = self.rotary([CHECK_CONTEXT] * rows)
         width = self.graph.heads * self.graph.dim
         _current.attend = lambda layer, q, k, v: q.new_zeros(q.shape[0], 1, width)  # a new tensor: no alias
         _current.layers = self.stage.fused.layers
         started = time.perf_counter()
         try:
             with _quiet_compile():
-                self.fn(ids, cos.contiguous(), sin.contiguous())
+                self.fn(ids, cos, sin)
         finally:
             _current.attend = _current.layers = None
         return time.perf_counter() - started
 
     def _build(self, rows: int, caches: list, only_faster: bool, compiled: bool) -> dict:
-        ids = torch.randint(0, self.graph.embed.shape[0], (rows,))
+        ids = torch.randint(0, self.vocab, (rows,))
         started = time.perf_counter()
         with _quiet_compile():
             got = self.decode(caches, ids, stance="fail_on_recompile" if compiled else "default")
@@ -261,8 +262,7 @@ class CompiledDecode:
         _crop(caches)
         diff = float((got - want).abs().max())
         entry = {"max_logit_diff": float(f"{diff:.2e}"), **({} if compiled else {"compile_s": round(compile_s, 1)})}
-        tolerance = LOGIT_TOLERANCE if self.graph.reads_float32 else QUANTIZED_LOGIT_TOLERANCE
-        if not diff <= tolerance * (1.0 + float(want.abs().max())):
+        if not diff <= self.tolerance * (1.0 + float(want.abs().max())):
             entry.update(serving=False, why=f"its logits differ from the fused step's by {diff:.3g}")
             return entry
         fused_ms = _best_ms(lambda: self.stage.decode(caches, ids), caches)

@@ -37,7 +37,7 @@ MAX_ROWS = 8  # calls of more rows (prompt pieces) go to torch's kernel
 _scratch = threading.local()  # per thread (the serving one, the compile one): int8_gemv's working buffers
 BLOCK = 32  # inputs per activation scale
 
-SOURCE = native.HSUM + r"""
+SOURCE = native.HSUM + native.INT8_DOT + r"""
 #include <math.h>
 
 /* x [rows, k] float -> xq [rows, k] int8 and d [rows, k/32] float (k % 32 == 0) */
@@ -59,34 +59,10 @@ void swarm_int8_gemv(const float *x, const int8_t *w, const float *scale, float 
              int8_t *xq, float *d) {
     quantize_rows(x, xq, d, rows, k);
     int64_t nb = k / 32;
-    const __m256i ones = _mm256_set1_epi16(1);
     #pragma omp parallel for schedule(static)
-    for (int64_t j = 0; j < n; j++) {
-        const int8_t *wr = w + j * k;
-        for (int64_t m = 0; m < rows; m++) {
-            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-            const int8_t *xr = xq + m * k;
-            const float *dr = d + m * nb;
-            int64_t b = 0;
-            for (; b + 1 < nb; b += 2) {
-                __m256i wv = _mm256_loadu_si256((const __m256i *)(wr + b * 32));
-                __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + b * 32));
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
-                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dr[b]), acc0);
-                __m256i wv2 = _mm256_loadu_si256((const __m256i *)(wr + b * 32 + 32));
-                __m256i xv2 = _mm256_loadu_si256((const __m256i *)(xr + b * 32 + 32));
-                __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv2, wv2), _mm256_sign_epi8(xv2, wv2)), ones);
-                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p2), _mm256_set1_ps(dr[b + 1]), acc1);
-            }
-            for (; b < nb; b++) {
-                __m256i wv = _mm256_loadu_si256((const __m256i *)(wr + b * 32));
-                __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + b * 32));
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
-                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dr[b]), acc0);
-            }
-            y[m * n + j] = hsum(_mm256_add_ps(acc0, acc1)) * scale[j];
-        }
-    }
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t m = 0; m < rows; m++)
+            y[m * n + j] = int8_dot(w + j * k, xq + m * k, d + m * nb, nb) * scale[j];
 }
 """
 KERNEL = native.Kernel("int8_gemv", SOURCE, "the int8 kernel", "swarm_int8_gemv",

@@ -1,0 +1,184 @@
+"""The decode step of up to eight sessions as one C call (``step_kernel``): the background compile's ``native`` form.
+
+A compiled one-session step still called about six opaque ops a layer (products, attention) with
+inductor's Python wrapper between them: 1.5-2 ms of a 5-9 ms step on two cores went to dispatch, not to
+streaming weights (docs/benchmarks.md), and a deep, narrow model paid it most. This step runs every
+layer, the head included, in one C call over the stage's own tensors (float32 weights in their plain
+form, int8 ones as ``quant.int8_gemv`` reads them; int4 ones in rows of their own, ``int4_rows``, half a
+byte a weight more held beside torch's packing), writing each session's new key and value into its
+``KVCache`` as ``attend_one`` does. It takes the same stages as the compiled step (``compiled.why_not``)
+whose shapes the kernel's loops take; ``why_not`` says otherwise. Nothing is compiled: the background
+compile builds it beside its graphs at each batch size, checks its logits against the fused step's and
+times it like them (``CompiledDecode.build``), and serves whichever is fastest.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+import weakref
+
+import torch
+from torch import nn
+
+from fellow.runtime.model import attend_kernel, step_kernel
+from fellow.runtime.model.attend_one import _addresses_of
+from fellow.runtime.model.compiled import (LOGIT_TOLERANCE, QUANTIZED_LOGIT_TOLERANCE, CompiledDecode,
+                                           PlainWeights, why_not as why_not_compiled)
+from fellow.runtime.model.fused import Linear, _norm
+from fellow.runtime.model.rotary_rows import RotaryRows
+
+NATIVE = "native"
+_layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # by cache: (its addresses, NativeStep._layout)
+NAMES = ("qkv", "o", "gate_up", "down")
+
+
+def why_not(stage) -> str | None:
+    """None where ``NativeStep`` can serve the stage's one-session step, else why not (one line)."""
+    why = why_not_compiled(stage)
+    if why is not None:
+        return why
+    if not step_kernel.available():
+        return step_kernel.unavailable_reason()
+    if not attend_kernel.available():
+        return attend_kernel.unavailable_reason()
+    fused = stage.fused
+    if fused.head_dim % 2 or fused.head_dim > step_kernel.MAX_DIM:
+        return f"its head size {fused.head_dim} is not one the step kernel rotates"
+    linears = [getattr(layer, name) for layer in fused.layers for name in NAMES] + [stage.head.linear]
+    for linear in linears:
+        if type(linear) is Linear:
+            if linear.in_features % 8:
+                return f"a float32 weight of {linear.in_features} inputs (the kernel reads eights)"
+        elif linear.kernel not in ("int8", "int4") or linear.in_features % 32 or linear.pad:
+            return f"its {linear.kernel} weights of {linear.in_features} inputs (the kernel reads int8 or int4 in 32s)"
+        elif linear.kernel == "int4" and linear.out_features % 32:
+            return f"an int4 weight of {linear.out_features} outputs (torch packs them in 32s)"
+    if type(stage.embed) is nn.Embedding and stage.embed.weight.dtype != torch.float32:
+        return "its embeddings are not float32"
+    cos, _ = RotaryRows(stage.rotary_emb, stage.dtype)([0])
+    if cos.shape[-1] != fused.head_dim:
+        return "its rotary covers part of each head"
+    return None
+
+
+class NativeStep(CompiledDecode):
+    """The protocol of ``CompiledDecode`` (build, decode, serves, give_up) over one C call a step of 1 to
+    ``step_kernel.MAX_ROWS`` sessions."""
+
+    def __init__(self, stage, plain: PlainWeights) -> None:
+        self.stage = stage
+        self.serving: set[int] = set()
+        self.steps = 0
+        self.rotary = RotaryRows(stage.rotary_emb, stage.dtype)
+        self._kept: list[torch.Tensor] = []  # every tensor whose address the structs hold
+        self._weight_bytes = 0
+        fused = stage.fused
+        self.layers = (step_kernel.Layer * len(fused.layers))()
+        widths, outs, floats = [fused.num_heads * fused.head_dim], [], True
+        for layer, spec in zip(fused.layers, self.layers):
+            for name in NAMES:
+                linear = getattr(layer, name)
+                setattr(spec, name, self._lin(linear, plain))
+                widths.append(linear.in_features)
+                floats &= type(linear) is Linear
+            outs += [layer.qkv.out_features, layer.gate_up.out_features]
+            spec.in_norm, spec.in_eps = self._ptr(layer.input_norm[0]), layer.input_norm[1]
+            spec.post_norm, spec.post_eps = self._ptr(layer.post_norm[0]), layer.post_norm[1]
+            if layer.qk_norm is not None:
+                spec.qk_norm, spec.qk_eps = self._ptr(layer.qk_norm[0]), layer.qk_norm[1]
+            spec.scaling = layer.scaling
+            spec.window = fused.windows.get(layer.layer_idx) or 0
+        head = stage.head.linear
+        floats &= type(head) is Linear
+        self.vocab = head.out_features
+        self.tolerance = LOGIT_TOLERANCE if floats else QUANTIZED_LOGIT_TOLERANCE
+        norm_weight, norm_eps = _norm(stage.norm)
+        width = max(widths + [head.in_features])
+        if type(stage.embed) is nn.Embedding:
+            embed, embed_scale = self._ptr(stage.embed.weight.detach()), None
+        else:  # QuantEmbedding: int8 rows and a scale a row
+            embed, embed_scale = self._ptr(stage.embed.linear.weight, torch.int8), self._ptr(stage.embed.row_scales)
+        hidden = stage.config.hidden_size
+        self.model = step_kernel.Model(
+            layers=len(fused.layers), hidden=hidden, heads=fused.num_heads, kv_heads=fused.num_kv_heads,
+            dim=fused.head_dim, embed=embed, embed_scale=embed_scale, norm=self._ptr(norm_weight),
+            norm_eps=norm_eps, head=self._lin(head, plain), width=width,
+            parallel=int(self._weight_bytes >= step_kernel.PARALLEL_BYTES))
+        self.model.most = max(outs)
+        self._work = torch.empty(step_kernel.MAX_ROWS * (hidden + 2 * width + fused.num_heads * fused.head_dim
+                                                          + max(outs)))
+        self._args = (ctypes.byref(self.model), ctypes.addressof(self.layers))
+
+    def _ptr(self, tensor: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> int | None:
+        if tensor is None:
+            return None
+        tensor = tensor.detach().to(dtype).contiguous()
+        self._kept.append(tensor)
+        return tensor.data_ptr()
+
+    def _lin(self, linear, plain: PlainWeights) -> step_kernel.Lin:
+        n, k = linear.out_features, linear.in_features
+        bits = 32 if type(linear) is Linear else 8 if linear.kernel == "int8" else 4
+        self._weight_bytes += n * k * bits // 8
+        if bits == 32:
+            return step_kernel.Lin(w=self._ptr(plain.of(linear)), scale=None, bias=self._ptr(linear.bias), n=n, k=k,
+                                   bits=32)
+        if bits == 8:
+            return step_kernel.Lin(w=self._ptr(linear.weight, torch.int8), scale=self._ptr(linear.scales_f32),
+                                   bias=self._ptr(linear.bias), n=n, k=k, bits=8)
+        weight, scales = int4_rows(linear)
+        return step_kernel.Lin(w=self._ptr(weight, torch.uint8), scale=self._ptr(scales), bias=self._ptr(linear.bias),
+                               n=n, k=k, bits=4, group=linear.group)
+
+    def warm(self, rows: int) -> float:
+        """Nothing to compile: the kernel's library, built (the seconds that took)."""
+        started = time.perf_counter()
+        if not 1 <= rows <= step_kernel.MAX_ROWS or not step_kernel.available():
+            raise RuntimeError(f"the native step takes 1 to {step_kernel.MAX_ROWS} sessions" if step_kernel.available()
+                               else step_kernel.unavailable_reason())
+        return time.perf_counter() - started
+
+    def decode(self, caches, ids: torch.Tensor, stance: str = "") -> torch.Tensor:
+        """One new position per session, as ``StageModel.decode``: logits [B, V]."""
+        rows = len(caches)
+        pointers = (ctypes.c_void_p * rows)()
+        for i, cache in enumerate(caches):
+            cache.reserve(1)
+            pointers[i] = self._layout(cache).data_ptr()
+        lengths = [cache.length for cache in caches]
+        cos, sin = self.rotary(lengths)
+        tokens = ids.reshape(-1).to(torch.int64).contiguous()
+        where = torch.tensor(lengths, dtype=torch.int64)
+        logits = torch.empty(rows, self.vocab)
+        step_kernel.STEP.fn(*self._args, rows, tokens.data_ptr(), where.data_ptr(), pointers, cos.data_ptr(),
+                            sin.data_ptr(), logits.data_ptr(), self._work.data_ptr())
+        for cache in caches:
+            cache.advance(1)
+        self.steps += 1
+        return logits
+
+    def _layout(self, cache) -> torch.Tensor:
+        """The session's cache as the kernel reads it: [layers, 4] int64 (keys and values addresses, head and
+        position strides), kept per cache until its buffers change (``attend_one._addresses_of``)."""
+        addresses = _addresses_of(cache)
+        if addresses is None:
+            raise RuntimeError("a session's cache holds buffers the kernel does not read")
+        kept = _layouts.get(cache)
+        if kept is None or kept[0] is not addresses:
+            layout = torch.tensor([addresses[layer.layer_idx] for layer in self.stage.fused.layers], dtype=torch.int64)
+            kept = _layouts[cache] = (addresses, layout)
+        return kept[1]
+
+
+def int4_rows(linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int4 QuantLinear's weight as the step kernel reads it: uint8 [N, K / 2], each 32 inputs' 16 bytes
+    holding input i low and input i + 16 high; and float32 [N, K / group, 2], each group's scale and offset
+    (a weight is q * scale + offset). From torch's CPU packing, which holds blocks of 32 outputs, one input
+    after another, 16 bytes an input: output o in the low nibble, o + 16 in the high one (a test checks it)."""
+    n, k = linear.out_features, linear.in_features
+    packed = linear.weight.view(torch.uint8).reshape(n // 32, k, 16)
+    values = torch.cat([packed & 15, packed >> 4], dim=2).permute(0, 2, 1).reshape(n, k // 32, 2, 16)
+    rows = (values[:, :, 0] | (values[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    scale, zero = linear.scales[:, :n].float().unbind(-1)  # [K / group, N] each: q * scale + zero - 8 * scale
+    return rows, torch.stack([scale, zero - 8 * scale], dim=-1).transpose(0, 1).contiguous()

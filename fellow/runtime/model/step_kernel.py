@@ -1,0 +1,207 @@
+"""The decode step of up to eight sessions as one C call: the C side of ``native_step``.
+
+``swarm_step`` runs a fused stage's step for ``rows`` sessions from their tokens' embeddings to the logits:
+per layer the input norm, the query-key-value product, the query and key norms, the rotary, each session's
+new key and value written at its length and its attention over its own past (a sliding window seen from its
+start), the out product added to the hidden state, the post norm, the gate-and-up product, SiLU times up,
+the down product added; then the final norm and the head. One OpenMP parallel region for the whole step:
+each product's weight rows are split over the threads (``step_products``: each read once for every
+session), the attention's (session, head) pairs too, and the small steps between run on one thread
+(``omp single``); the threads meet at each one's end, about ten times a layer. The arithmetic is
+``compiled.DecodeGraph``'s, summed in another order. Each session's cache is four numbers a layer (keys
+and values addresses, head and position strides: ``attend_one``'s), passed by pointer per session.
+
+Built on first use by ``native.build``; where it cannot be, ``available()`` is False and says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from fellow.runtime.model import native, step_products
+
+SOURCE = native.HSUM + r"""
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+""" + step_products.SOURCE + r"""
+typedef struct {
+    Lin qkv, o, gate_up, down;
+    const float *in_norm, *post_norm, *qk_norm;  /* qk_norm NULL: none */
+    float in_eps, post_eps, qk_eps, scaling;
+    int64_t window;       /* 0: every position */
+} Layer;
+
+typedef struct {
+    int64_t layers, hidden, heads, kv_heads, dim;
+    const void *embed;        /* float32 [vocab, hidden], or int8 rows where embed_scale is set */
+    const float *embed_scale;
+    const float *norm;
+    float norm_eps;
+    Lin head;
+    int64_t width;            /* the widest input of any product */
+    int64_t most;             /* the widest output of a layer's products */
+    int64_t parallel;         /* 0: the calling thread alone (a model too small to pay for waking threads) */
+} Model;
+
+static void rms_norm(const float *x, const float *w, float eps, float *out, int64_t n) {
+    float ss = dot(x, x, n);
+    const float r = 1.f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * r * (w ? w[i] : 1.f);
+}
+
+/* one query head over positions start..end-1 of its key-value head */
+static void attend(const float *q, const float *kb, const float *vb, int64_t pos_stride, int64_t n, int64_t dim,
+                   float scale, float *p, float *o) {
+    float top = -INFINITY;
+    for (int64_t t = 0; t < n; t++) { p[t] = dot(q, kb + t * pos_stride, dim) * scale; if (p[t] > top) top = p[t]; }
+    float sum = 0.f;
+    for (int64_t t = 0; t < n; t++) { p[t] = expf(p[t] - top); sum += p[t]; }
+    const float inv = 1.f / sum;
+    int64_t c = 0;
+    for (; c + 16 <= dim; c += 16) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+        for (int64_t t = 0; t < n; t++) {
+            const float *vr = vb + t * pos_stride + c;
+            const __m256 w = _mm256_set1_ps(p[t]);
+            a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr), a0);
+            a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8), a1);
+        }
+        _mm256_storeu_ps(o + c, _mm256_mul_ps(a0, _mm256_set1_ps(inv)));
+        _mm256_storeu_ps(o + c + 8, _mm256_mul_ps(a1, _mm256_set1_ps(inv)));
+    }
+    for (; c < dim; c++) {
+        float a = 0.f;
+        for (int64_t t = 0; t < n; t++) a += p[t] * vb[t * pos_stride + c];
+        o[c] = a * inv;
+    }
+}
+
+/* one session's query and key heads normed (where the layer norms them) and rotated; its new key and value
+   written into its cache (c: keys, values, head stride, position stride) at length */
+static void place(const Model *m, const Layer *L, float *qkv, const float *cos, const float *sin, int64_t length,
+                  const int64_t *c) {
+    const int64_t dim = m->dim, half = dim / 2, qk_heads = m->heads + m->kv_heads;
+    float rot[1024];
+    for (int64_t h = 0; h < qk_heads; h++) {
+        float *x = qkv + h * dim;
+        if (L->qk_norm) rms_norm(x, L->qk_norm, L->qk_eps, x, dim);
+        for (int64_t i = 0; i < dim; i++)
+            rot[i] = x[i] * cos[i] + (i < half ? x[i + half] : x[i - half]) * sin[i];
+        memcpy(x, rot, dim * sizeof(float));
+    }
+    const float *k = qkv + m->heads * dim, *v = qkv + qk_heads * dim;
+    for (int64_t h = 0; h < m->kv_heads; h++) {
+        memcpy((float *)c[0] + h * c[2] + length * c[3], k + h * dim, dim * sizeof(float));
+        memcpy((float *)c[1] + h * c[2] + length * c[3], v + h * dim, dim * sizeof(float));
+    }
+}
+
+/* tokens, lengths [rows]; caches[r]: session r's [layers][4]; cos, sin [rows, dim]; logits [rows, vocab];
+   work: rows * (hidden + 2 * width + heads * dim + most) floats */
+void swarm_step(const Model *m, const Layer *layers, int64_t rows, const int64_t *tokens, const int64_t *lengths,
+                const int64_t *const *caches, const float *cos, const float *sin, float *logits, float *work) {
+    const int64_t hidden = m->hidden, dim = m->dim, groups = m->heads / m->kv_heads, qdim = m->heads * dim;
+    const int64_t width = m->width, most = m->most;
+    float *h = work, *x = h + rows * hidden, *att = x + rows * width, *act = att + rows * qdim;
+    float *big = act + rows * width;
+    const Rows hx = {hidden, width, 2 * width + 64, 2 * (width / 32) + 1};  /* h rows in, x rows out */
+    const Rows xb = {width, most, hx.qs, hx.ds}, xh = {width, hidden, hx.qs, hx.ds};
+    const Rows ah = {qdim, hidden, hx.qs, hx.ds}, xl = {width, m->head.n, hx.qs, hx.ds};
+    int8_t *xq = malloc(rows * hx.qs);
+    float *xd = malloc(rows * hx.ds * sizeof(float));
+    int64_t longest = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t token = tokens[r];
+        if (lengths[r] > longest) longest = lengths[r];
+        if (m->embed_scale) {
+            const int8_t *row = (const int8_t *)m->embed + token * hidden;
+            for (int64_t i = 0; i < hidden; i++) h[r * hidden + i] = (float)row[i] * m->embed_scale[token];
+        } else {
+            memcpy(h + r * hidden, (const float *)m->embed + token * hidden, hidden * sizeof(float));
+        }
+    }
+    #pragma omp parallel if(m->parallel)
+    {
+        float *p = malloc((longest + 1) * sizeof(float));
+        for (int64_t l = 0; l < m->layers; l++) {
+            const Layer *L = layers + l;
+            const int64_t inter = L->gate_up.n / 2;
+            #pragma omp single
+            {
+                for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, L->in_norm, L->in_eps, x + r * width, hidden);
+                prepare(&L->qkv, x, xq, xd, rows, xb);
+            }
+            product(&L->qkv, x, xq, xd, big, 0, rows, xb);
+            #pragma omp single
+            for (int64_t r = 0; r < rows; r++)
+                place(m, L, big + r * most, cos + r * dim, sin + r * dim, lengths[r], caches[r] + 4 * l);
+            #pragma omp for schedule(static)
+            for (int64_t t = 0; t < rows * m->heads; t++) {
+                const int64_t r = t / m->heads, hq = t % m->heads, kvh = hq / groups, length = lengths[r];
+                const int64_t *c = caches[r] + 4 * l;
+                const int64_t start = L->window && length + 1 > L->window ? length + 1 - L->window : 0;
+                attend(big + r * most + hq * dim, (const float *)c[0] + kvh * c[2] + start * c[3],
+                       (const float *)c[1] + kvh * c[2] + start * c[3], c[3], length + 1 - start, dim, L->scaling,
+                       p, att + r * qdim + hq * dim);
+            }
+            #pragma omp single
+            prepare(&L->o, att, xq, xd, rows, ah);
+            product(&L->o, att, xq, xd, h, 1, rows, ah);
+            #pragma omp single
+            {
+                for (int64_t r = 0; r < rows; r++)
+                    rms_norm(h + r * hidden, L->post_norm, L->post_eps, x + r * width, hidden);
+                prepare(&L->gate_up, x, xq, xd, rows, xb);
+            }
+            product(&L->gate_up, x, xq, xd, big, 0, rows, xb);
+            #pragma omp single
+            {
+                for (int64_t r = 0; r < rows; r++) {
+                    const float *g = big + r * most;
+                    for (int64_t i = 0; i < inter; i++) act[r * width + i] = g[i] / (1.f + expf(-g[i])) * g[inter + i];
+                }
+                prepare(&L->down, act, xq, xd, rows, xh);
+            }
+            product(&L->down, act, xq, xd, h, 1, rows, xh);
+        }
+        #pragma omp single
+        {
+            for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, m->norm, m->norm_eps, x + r * width, hidden);
+            prepare(&m->head, x, xq, xd, rows, xl);
+        }
+        product(&m->head, x, xq, xd, logits, 0, rows, xl);
+        free(p);
+    }
+    free(xq);
+    free(xd);
+}
+"""
+
+
+class Lin(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("bits", ctypes.c_int64), ("group", ctypes.c_int64)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("qkv", Lin), ("o", Lin), ("gate_up", Lin), ("down", Lin),
+                ("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qk_norm", ctypes.c_void_p),
+                ("in_eps", ctypes.c_float), ("post_eps", ctypes.c_float), ("qk_eps", ctypes.c_float),
+                ("scaling", ctypes.c_float), ("window", ctypes.c_int64)]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [("layers", ctypes.c_int64), ("hidden", ctypes.c_int64), ("heads", ctypes.c_int64),
+                ("kv_heads", ctypes.c_int64), ("dim", ctypes.c_int64), ("embed", ctypes.c_void_p),
+                ("embed_scale", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("norm_eps", ctypes.c_float),
+                ("head", Lin), ("width", ctypes.c_int64), ("most", ctypes.c_int64), ("parallel", ctypes.c_int64)]
+
+
+MAX_ROWS = 8  # sessions one call steps
+PARALLEL_BYTES = 4 << 20  # weight bytes a step from which its products are split over threads
+MAX_DIM = 1024  # the head size ``place`` rotates in its stack buffer
+STEP = native.Kernel("swarm_step", SOURCE, "the native step kernel", "swarm_step",
+                     [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p])
+available, unavailable_reason = STEP.available, STEP.unavailable_reason

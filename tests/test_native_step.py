@@ -1,0 +1,155 @@
+"""One session's decode step as one C call (fellow.runtime.model.native_step, the background compile's
+``native`` form): on a tied Qwen3 with per-head norms and grouped attention, and on a Qwen2 with biases
+whose upper layers slide, it gives HF generate's greedy reply token for token; an int8 stage replies as
+its fused step does, an int4 one within the quantized tolerance; a stage it cannot take says why; the
+background compile builds it by default.
+
+Real tiny models, the kernel compiled with the host's C compiler (skipped where none builds it)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from events.stage import StageOptions
+from fellow.runtime.model import step_kernel
+from fellow.runtime.model.background_compile import BackgroundCompile
+from fellow.runtime.model.graph_linear import REDUCE
+from fellow.runtime.model.kernels import prepare_stage
+from fellow.runtime.model.loader import load_one_stage
+from fellow.runtime.model.compiled import QUANTIZED_LOGIT_TOLERANCE
+from fellow.runtime.model.native_step import NATIVE, NativeStep, int4_rows, why_not
+from fellow.runtime.model.stage import StageModel
+from tests.serving_fixtures import make_servable
+from tests.test_compiled_decode import greedy
+from tests.tiny import make_tiny_checkpoint
+
+pytestmark = pytest.mark.skipif(not step_kernel.available(), reason="the step kernel does not build here")
+
+SHAPES = {"qwen3-wide": dict(family="qwen3", layers=2, hidden=128),
+          "qwen2-window": dict(family="qwen2", layers=4, hidden=64, window=16)}
+PROMPT, NEW = 23, 32  # the window's 16 positions are passed well before the reply ends
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("name", SHAPES)
+def test_the_native_step_gives_generates_greedy_reply(tmp_path, name, parallel, monkeypatch):
+    if parallel:  # the products and heads split over threads, as a model past PARALLEL_BYTES does
+        monkeypatch.setattr(step_kernel, "PARALLEL_BYTES", 0)
+    ckpt = make_tiny_checkpoint(tmp_path, **SHAPES[name])
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    stage = StageModel.from_causal_lm(copy.deepcopy(model))
+    prepare_stage(stage, batch_cap=2, keep_plain=True)
+    assert why_not(stage) is None
+    step = NativeStep(stage, stage.plain_weights)
+    assert step.model.parallel == int(parallel)
+    entry = step.build(1, only_faster=False, compiled=True)
+    assert entry["serving"] and entry["max_logit_diff"] < 1e-4 and entry["compiled_ms"] > 0, entry
+    stage.compiled = step
+    ids = torch.randint(0, model.config.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.inference_mode():
+        inputs = torch.tensor([ids])
+        want = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=NEW,
+                              min_new_tokens=NEW, do_sample=False)[0, len(ids):].tolist()
+    steps = step.steps
+    assert greedy(stage, ids, NEW) == want
+    assert step.steps == steps + NEW  # every decode step ran through the kernel
+    # two sessions in turn: each step finds its own cache's buffers (they grew meanwhile, too)
+    first, second = stage.new_cache(), stage.new_cache()
+    a = int(stage.prefill(first, torch.tensor(ids)).argmax())
+    b = int(stage.prefill(second, torch.tensor(ids[:9])).argmax())
+    outs = ([a], [b])
+    for _ in range(70):  # past the caches' first 64 positions of room
+        for cache, out in zip((first, second), outs):
+            out.append(int(stage.decode([cache], torch.tensor([out[-1]]))[0].argmax()))
+    stage.compiled = None
+    assert outs[0] == greedy(stage, ids, 71) and outs[1] == greedy(stage, ids[:9], 71)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_native_batch_equals_each_session_alone(tmp_path, parallel, monkeypatch):
+    """Three sessions of different lengths (one past the window before long) stepped together through one
+    call, then two, each equal to its reply alone; the kernel served every step."""
+    if parallel:
+        monkeypatch.setattr(step_kernel, "PARALLEL_BYTES", 0)
+    ckpt = make_tiny_checkpoint(tmp_path, **SHAPES["qwen2-window"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    stage = StageModel.from_causal_lm(model)
+    prepare_stage(stage, batch_cap=4, keep_plain=True)
+    prompts = [list(range(3, 3 + n)) for n in (5, 19, 11)]
+    alone = [greedy(stage, ids, 14) for ids in prompts]
+    step = NativeStep(stage, stage.plain_weights)
+    for rows in (1, 2, 3):
+        assert step.build(rows, only_faster=False, compiled=True)["serving"]
+    stage.compiled = step
+    caches = [stage.new_cache() for _ in prompts]
+    outs = [[int(stage.prefill(cache, torch.tensor(ids)).argmax())] for cache, ids in zip(caches, prompts)]
+    steps = step.steps
+    with torch.inference_mode():
+        for i in range(13):
+            live = [j for j in range(3) if i < 8 or j != 1]  # the second leaves after eight steps
+            logits = stage.decode([caches[j] for j in live], torch.tensor([outs[j][-1] for j in live]))
+            for j, row in zip(live, logits):
+                outs[j].append(int(row.argmax()))
+    assert step.steps == steps + 13
+    assert outs[0] == alone[0][:14] and outs[2] == alone[2][:14] and outs[1] == alone[1][:9]
+
+
+def test_an_int8_stage_replies_as_its_fused_step(tmp_path):
+    _, servable = make_servable(tmp_path, "tiny", layers=2, hidden=64, stages=1)
+    stage = load_one_stage(servable, "cpu", StageOptions(quantization="int8", compile=None)).stage
+    ids = list(range(5, 30))
+    expected = greedy(stage, ids, 24)
+    assert why_not(stage) is None
+    step = NativeStep(stage, stage.plain_weights)
+    entry = step.build(1, only_faster=False, compiled=True)
+    assert entry["serving"], entry
+    stage.compiled = step
+    assert greedy(stage, ids, 24) == expected and step.steps >= 23
+
+
+def test_an_int4_stage_computes_its_fused_steps_logits_within_the_quantized_tolerance(tmp_path):
+    """int4 rows read from torch's packing (``int4_rows``) and multiplied with int8 inputs, where the fused
+    step reads bfloat16 ones: the same token path, teacher-forced, gives logits within the tolerance the
+    background compile checks."""
+    _, servable = make_servable(tmp_path, "tiny", layers=2, hidden=64, stages=1)
+    stage = load_one_stage(servable, "cpu", StageOptions(quantization="int4-fast", compile=None)).stage
+    lin = stage.fused.layers[0].gate_up
+    rows, scales = int4_rows(lin)
+    n, k = lin.out_features, lin.in_features
+    q = torch.cat([rows.reshape(n, k // 32, 16) & 15, rows.reshape(n, k // 32, 16) >> 4], dim=2).float()
+    weight = (q.reshape(n, k // lin.group, lin.group) * scales[..., :1] + scales[..., 1:]).reshape(n, k)
+    # torch's dequantized form comes through its kernel in bfloat16
+    assert torch.allclose(weight, lin.dequantized(), atol=2 ** -8 * float(weight.abs().max()))
+    assert why_not(stage) is None
+    step = NativeStep(stage, stage.plain_weights)
+    assert step.build(1, only_faster=False, compiled=True)["serving"]
+    ids = list(range(5, 30))
+    path = greedy(stage, ids, 24)
+    fused, native = stage.new_cache(), stage.new_cache()
+    stage.prefill(fused, torch.tensor(ids))
+    stage.prefill(native, torch.tensor(ids))
+    for token in path:
+        want = stage.decode([fused], torch.tensor([token]))
+        got = step.decode([native], torch.tensor([token]))
+        assert float((got - want).abs().max()) <= QUANTIZED_LOGIT_TOLERANCE * (1 + float(want.abs().max()))
+
+
+def test_what_it_cannot_take_says_why_and_the_background_compile_builds_it_where_it_can(tmp_path):
+    _, servable = make_servable(tmp_path, "tiny", layers=2, hidden=64, stages=1)
+    for method in ("int8", "int4-fast"):
+        stage = load_one_stage(servable, "cpu", StageOptions(quantization=method, compile=None)).stage
+        background = BackgroundCompile(stage, stage.plain_weights, rows=(1, 8))
+        assert background.plan == [(REDUCE, 1), (NATIVE, 1), (REDUCE, 8), (NATIVE, 8)]
+        assert isinstance(background.candidates[NATIVE], NativeStep)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(step_kernel, "MAX_DIM", 8)
+        assert "its head size" in why_not(stage)
+        assert NATIVE not in BackgroundCompile(stage, stage.plain_weights, rows=(1,)).candidates
+    float_stage = load_one_stage(servable, "cpu", StageOptions(compile=None)).stage
+    plan = BackgroundCompile(float_stage, float_stage.plain_weights, rows=(1,)).plan
+    assert plan[-1] == (NATIVE, 1) and len(plan) >= 3  # beside the graphs' GEMV forms
