@@ -6,8 +6,9 @@ new key and value written at its length and its attention over its own past (a s
 start), the out product added to the hidden state, the post norm, the gate-and-up product, SiLU times up,
 the down product added; then the final norm and the head. One OpenMP parallel region for the whole step:
 each product's weight rows are split over the threads (``step_products``: each read once for every
-session), the attention's (session, head) pairs too, and the small steps between run on one thread
-(``omp single``); the threads meet at each one's end, about ten times a layer. The arithmetic is
+session), and so are the steps between: the norms by session, the inputs' quantization by block, the
+rotary and cache writes and the attention by (session, head), SiLU by element; the threads meet at
+each one's end, nine to twelve times a layer. The arithmetic is
 ``compiled.DecodeGraph``'s, summed in another order. Each session's cache is four numbers a layer (keys
 and values addresses, head and position strides: ``attend_one``'s), passed by pointer per session.
 
@@ -77,23 +78,22 @@ static void attend(const float *q, const float *kb, const float *vb, int64_t pos
     }
 }
 
-/* one session's query and key heads normed (where the layer norms them) and rotated; its new key and value
-   written into its cache (c: keys, values, head stride, position stride) at length */
-static void place(const Model *m, const Layer *L, float *qkv, const float *cos, const float *sin, int64_t length,
-                  const int64_t *c) {
-    const int64_t dim = m->dim, half = dim / 2, qk_heads = m->heads + m->kv_heads;
+/* one head of one session's queries and keys normed (where the layer norms them) and rotated; a key head's
+   key and value (the session's new ones) written into its cache (c: keys, values, head stride, position
+   stride) at length */
+static void place(const Model *m, const Layer *L, float *qkv, int64_t h, const float *cos, const float *sin,
+                  int64_t length, const int64_t *c) {
+    const int64_t dim = m->dim, half = dim / 2;
     float rot[1024];
-    for (int64_t h = 0; h < qk_heads; h++) {
-        float *x = qkv + h * dim;
-        if (L->qk_norm) rms_norm(x, L->qk_norm, L->qk_eps, x, dim);
-        for (int64_t i = 0; i < dim; i++)
-            rot[i] = x[i] * cos[i] + (i < half ? x[i + half] : x[i - half]) * sin[i];
-        memcpy(x, rot, dim * sizeof(float));
-    }
-    const float *k = qkv + m->heads * dim, *v = qkv + qk_heads * dim;
-    for (int64_t h = 0; h < m->kv_heads; h++) {
-        memcpy((float *)c[0] + h * c[2] + length * c[3], k + h * dim, dim * sizeof(float));
-        memcpy((float *)c[1] + h * c[2] + length * c[3], v + h * dim, dim * sizeof(float));
+    float *x = qkv + h * dim;
+    if (L->qk_norm) rms_norm(x, L->qk_norm, L->qk_eps, x, dim);
+    for (int64_t i = 0; i < dim; i++) rot[i] = x[i] * cos[i] + (i < half ? x[i + half] : x[i - half]) * sin[i];
+    memcpy(x, rot, dim * sizeof(float));
+    if (h >= m->heads) {
+        const int64_t kvh = h - m->heads;
+        memcpy((float *)c[0] + kvh * c[2] + length * c[3], x, dim * sizeof(float));
+        memcpy((float *)c[1] + kvh * c[2] + length * c[3], qkv + (m->heads + m->kv_heads + kvh) * dim,
+               dim * sizeof(float));
     }
 }
 
@@ -126,16 +126,16 @@ void swarm_step(const Model *m, const Layer *layers, int64_t rows, const int64_t
         float *p = malloc((longest + 1) * sizeof(float));
         for (int64_t l = 0; l < m->layers; l++) {
             const Layer *L = layers + l;
-            const int64_t inter = L->gate_up.n / 2;
-            #pragma omp single
-            {
-                for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, L->in_norm, L->in_eps, x + r * width, hidden);
-                prepare(&L->qkv, x, xq, xd, rows, xb);
-            }
+            const int64_t inter = L->gate_up.n / 2, qk_heads = m->heads + m->kv_heads;
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, L->in_norm, L->in_eps, x + r * width, hidden);
+            prepare(&L->qkv, x, xq, xd, rows, xb);
             product(&L->qkv, x, xq, xd, big, 0, rows, xb);
-            #pragma omp single
-            for (int64_t r = 0; r < rows; r++)
-                place(m, L, big + r * most, cos + r * dim, sin + r * dim, lengths[r], caches[r] + 4 * l);
+            #pragma omp for schedule(static)
+            for (int64_t t = 0; t < rows * qk_heads; t++) {
+                const int64_t r = t / qk_heads;
+                place(m, L, big + r * most, t % qk_heads, cos + r * dim, sin + r * dim, lengths[r], caches[r] + 4 * l);
+            }
             #pragma omp for schedule(static)
             for (int64_t t = 0; t < rows * m->heads; t++) {
                 const int64_t r = t / m->heads, hq = t % m->heads, kvh = hq / groups, length = lengths[r];
@@ -145,31 +145,25 @@ void swarm_step(const Model *m, const Layer *layers, int64_t rows, const int64_t
                        (const float *)c[1] + kvh * c[2] + start * c[3], c[3], length + 1 - start, dim, L->scaling,
                        p, att + r * qdim + hq * dim);
             }
-            #pragma omp single
             prepare(&L->o, att, xq, xd, rows, ah);
             product(&L->o, att, xq, xd, h, 1, rows, ah);
-            #pragma omp single
-            {
-                for (int64_t r = 0; r < rows; r++)
-                    rms_norm(h + r * hidden, L->post_norm, L->post_eps, x + r * width, hidden);
-                prepare(&L->gate_up, x, xq, xd, rows, xb);
-            }
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++)
+                rms_norm(h + r * hidden, L->post_norm, L->post_eps, x + r * width, hidden);
+            prepare(&L->gate_up, x, xq, xd, rows, xb);
             product(&L->gate_up, x, xq, xd, big, 0, rows, xb);
-            #pragma omp single
-            {
-                for (int64_t r = 0; r < rows; r++) {
-                    const float *g = big + r * most;
-                    for (int64_t i = 0; i < inter; i++) act[r * width + i] = g[i] / (1.f + expf(-g[i])) * g[inter + i];
-                }
-                prepare(&L->down, act, xq, xd, rows, xh);
+            #pragma omp for schedule(static)
+            for (int64_t t = 0; t < rows * inter; t++) {
+                const int64_t r = t / inter, i = t % inter;
+                const float *g = big + r * most;
+                act[r * width + i] = g[i] / (1.f + expf(-g[i])) * g[inter + i];
             }
+            prepare(&L->down, act, xq, xd, rows, xh);
             product(&L->down, act, xq, xd, h, 1, rows, xh);
         }
-        #pragma omp single
-        {
-            for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, m->norm, m->norm_eps, x + r * width, hidden);
-            prepare(&m->head, x, xq, xd, rows, xl);
-        }
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, m->norm, m->norm_eps, x + r * width, hidden);
+        prepare(&m->head, x, xq, xd, rows, xl);
         product(&m->head, x, xq, xd, logits, 0, rows, xl);
         free(p);
     }

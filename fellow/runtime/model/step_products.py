@@ -36,25 +36,28 @@ typedef struct { int64_t xs, ys, qs, ds; } Rows;
 
 SOURCE = native.DOT + native.INT8_DOT + STRUCTS + r"""
 /* the rows of an int8 product's input quantized to int8 in blocks of 32; an int4 product's to int16 (xq read
-   as int16), each block's sum beside its scale (xd[k / 32 + b]) */
+   as int16), each block's sum beside its scale (xd[k / 32 + b]); the (row, block) pairs split over the team
+   (nothing, and no barrier, for a float32 product) */
 static void prepare(const Lin *l, const float *x, int8_t *xq, float *xd, int64_t rows, Rows s) {
     if (l->bits == 32) return;
     const float top = l->bits == 4 ? 32767.f : 127.f;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t b = 0; b < l->k / 32; b++) {
-            const float *xb = x + r * s.xs + b * 32;
-            float *d = xd + r * s.ds;
-            float amax = 0.f, sum = 0.f;
-            for (int i = 0; i < 32; i++) { float a = fabsf(xb[i]); if (a > amax) amax = a; sum += xb[i]; }
-            const float scale = amax / top, inv = scale ? 1.f / scale : 0.f;
-            d[b] = scale;
-            if (l->bits == 4) {
-                d[l->k / 32 + b] = sum;
-                for (int i = 0; i < 32; i++) ((int16_t *)(xq + r * s.qs))[b * 32 + i] = (int16_t)lrintf(xb[i] * inv);
-            } else {
-                for (int i = 0; i < 32; i++) xq[r * s.qs + b * 32 + i] = (int8_t)lrintf(xb[i] * inv);
-            }
+    const int64_t nb = l->k / 32;
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < rows * nb; t++) {
+        const int64_t r = t / nb, b = t % nb;
+        const float *xb = x + r * s.xs + b * 32;
+        float *d = xd + r * s.ds;
+        float amax = 0.f, sum = 0.f;
+        for (int i = 0; i < 32; i++) { float a = fabsf(xb[i]); if (a > amax) amax = a; sum += xb[i]; }
+        const float scale = amax / top, inv = scale ? 1.f / scale : 0.f;
+        d[b] = scale;
+        if (l->bits == 4) {
+            d[nb + b] = sum;
+            for (int i = 0; i < 32; i++) ((int16_t *)(xq + r * s.qs))[b * 32 + i] = (int16_t)lrintf(xb[i] * inv);
+        } else {
+            for (int i = 0; i < 32; i++) xq[r * s.qs + b * 32 + i] = (int8_t)lrintf(xb[i] * inv);
         }
+    }
 }
 
 static inline void put(const Lin *l, float *y, int64_t j, float v, int add) {
