@@ -153,3 +153,22 @@ def test_what_it_cannot_take_says_why_and_the_background_compile_builds_it_where
     float_stage = load_one_stage(servable, "cpu", StageOptions(compile=None)).stage
     plan = BackgroundCompile(float_stage, float_stage.plain_weights, rows=(1,)).plan
     assert plan[-1] == (NATIVE, 1) and len(plan) >= 3  # beside the graphs' GEMV forms
+
+
+def test_its_library_builds_on_the_compile_thread_and_a_failed_build_says_why(tmp_path, monkeypatch):
+    """``why_not`` builds nothing (the C compiler's 3 s would delay the stage's ready): ``warm``, on the compile
+    thread, builds; where that fails, the step's check says why and ``why_not`` from then on too."""
+    from fellow.runtime.model import native
+
+    broken = native.Kernel("swarm_step_broken", "this is not C", "the native step kernel", "swarm_step", [])
+    monkeypatch.setattr(step_kernel, "STEP", broken)
+    monkeypatch.setattr(step_kernel, "available", broken.available)
+    monkeypatch.setattr(step_kernel, "unavailable_reason", broken.unavailable_reason)
+    _, servable = make_servable(tmp_path, "tiny", layers=2, hidden=64, stages=1)
+    stage = load_one_stage(servable, "cpu", StageOptions(quantization="int8", compile=None)).stage
+    assert why_not(stage) is None and "_built" not in vars(broken)  # nothing built yet
+    step = NativeStep(stage, stage.plain_weights)
+    step.warm(1)
+    with pytest.raises(RuntimeError, match="did not build"):
+        step.build(1, only_faster=False, compiled=True)
+    assert "the native step kernel did not build" in why_not(stage)

@@ -143,5 +143,9 @@ class Kernel:
     def available(self) -> bool:
         return self._built[0] is not None
 
+    def failed(self) -> bool:
+        """Whether a build was tried here and failed (cheap: never builds)."""
+        return "_built" in vars(self) and self._built[0] is None
+
     def unavailable_reason(self) -> str:
         return self._built[1]

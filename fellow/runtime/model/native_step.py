@@ -21,7 +21,7 @@ import weakref
 import torch
 from torch import nn
 
-from fellow.runtime.model import attend_kernel, step_kernel
+from fellow.runtime.model import native, step_kernel
 from fellow.runtime.model.attend_one import _addresses_of
 from fellow.runtime.model.compiled import (LOGIT_TOLERANCE, QUANTIZED_LOGIT_TOLERANCE, CompiledDecode,
                                            PlainWeights, why_not as why_not_compiled)
@@ -38,10 +38,12 @@ def why_not(stage) -> str | None:
     why = why_not_compiled(stage)
     if why is not None:
         return why
-    if not step_kernel.available():
+    # the library is built on the compile thread (``warm``: 3 s of the C compiler once per cache), not here,
+    # before the stage is ready; only a build that failed already, or a CPU it cannot run on, rules it out
+    if not native.cpu_has_avx2_fma():
+        return "this CPU lacks AVX2 or FMA"
+    if step_kernel.STEP.failed():
         return step_kernel.unavailable_reason()
-    if not attend_kernel.available():
-        return attend_kernel.unavailable_reason()
     fused = stage.fused
     if fused.head_dim % 2 or fused.head_dim > step_kernel.MAX_DIM:
         return f"its head size {fused.head_dim} is not one the step kernel rotates"
@@ -132,12 +134,18 @@ class NativeStep(CompiledDecode):
                                n=n, k=k, bits=4, group=linear.group)
 
     def warm(self, rows: int) -> float:
-        """Nothing to compile: the kernel's library, built (the seconds that took)."""
+        """No graph to compile: the kernel's library built, where it was not yet (on the compile thread); the
+        seconds that took. Where it does not build, ``build`` says why."""
         started = time.perf_counter()
-        if not 1 <= rows <= step_kernel.MAX_ROWS or not step_kernel.available():
-            raise RuntimeError(f"the native step takes 1 to {step_kernel.MAX_ROWS} sessions" if step_kernel.available()
-                               else step_kernel.unavailable_reason())
+        step_kernel.available()
         return time.perf_counter() - started
+
+    def build(self, rows: int, only_faster: bool = True, compiled: bool = False) -> dict:
+        if not step_kernel.available():
+            raise RuntimeError(step_kernel.unavailable_reason())
+        if not 1 <= rows <= step_kernel.MAX_ROWS:
+            raise RuntimeError(f"the native step takes 1 to {step_kernel.MAX_ROWS} sessions")
+        return super().build(rows, only_faster, compiled)
 
     def decode(self, caches, ids: torch.Tensor, stance: str = "") -> torch.Tensor:
         """One new position per session, as ``StageModel.decode``: logits [B, V]."""
