@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import sys
 import uuid
 
 import pytest
@@ -13,6 +14,16 @@ from core.bus import connect, ensure_streams
 from core.nats_server import EmbeddedNats
 from core.settings import Settings
 from tests.services import Postgres, postgres_bin
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_dynamo():
+    """Each test module starts with dynamo's caches empty, where torch is loaded at all: every stage's decode
+    graph is one code object, and a worker that ran many modules' compiles passed dynamo's limit of graphs a
+    code object (fellow/runtime/model/compiled.py), so a later compile failed for no fault of its own."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
 
 
 @pytest.fixture
