@@ -30,7 +30,10 @@ from tests.tiny import make_tiny_checkpoint
 pytestmark = pytest.mark.skipif(not step_kernel.available(), reason="the step kernel does not build here")
 
 SHAPES = {"qwen3-wide": dict(family="qwen3", layers=2, hidden=128),
-          "qwen2-window": dict(family="qwen2", layers=4, hidden=64, window=16)}
+          "qwen2-window": dict(family="qwen2", layers=4, hidden=64, window=16),
+          # one key-value head: one session has fewer (session, key-value head) pairs than two threads, so the
+          # kernel rotates every head, then attends by query head
+          "qwen3-one-kv": dict(family="qwen3", layers=2, hidden=32)}
 PROMPT, NEW = 23, 32  # the window's 16 positions are passed well before the reply ends
 
 

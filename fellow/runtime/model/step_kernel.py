@@ -4,12 +4,15 @@
 per layer the input norm, the query-key-value product, the query and key norms, the rotary, each session's
 new key and value written at its length and its attention over its own past (a sliding window seen from its
 start), the out product added to the hidden state, the post norm, the gate-and-up product, SiLU times up,
-the down product added; then the final norm and the head. One OpenMP parallel region for the whole step:
-each product's weight rows are split over the threads (``step_products``: each read once for every
-session), and so are the steps between: the norms by session, the inputs' quantization by block, the
-rotary and cache writes and the attention by (session, head), SiLU by element; the threads meet at
-each one's end, nine to twelve times a layer. The arithmetic is
-``compiled.DecodeGraph``'s, summed in another order. Each session's cache is four numbers a layer (keys
+the down product added; then the final norm and the head. One OpenMP parallel region for the whole step,
+and five barriers a layer: each product's weight rows are split over the threads (``step_products``: each
+read once for every session), and so is the attention, by (session, key-value head): each thread rotates
+and writes that head's key and value, then rotates and attends its query heads (with fewer such pairs than
+threads: the rotations, a barrier, then the attention by query head). The gate-and-up product is
+split by gate row, each thread taking the same up rows and applying SiLU to its own. The norms and the
+inputs' quantization are a few microseconds: every thread makes all of them for itself, rather than meet
+the others at a barrier (on a shared machine each barrier waits for the thread another process held up).
+The arithmetic is ``compiled.DecodeGraph``'s, summed in another order. Each session's cache is four numbers a layer (keys
 and values addresses, head and position strides: ``attend_one``'s), passed by pointer per session.
 
 Built on first use by ``native.build``; where it cannot be, ``available()`` is False and says why.
@@ -23,6 +26,7 @@ from fellow.runtime.model import native, step_products
 
 SOURCE = native.HSUM + r"""
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 """ + step_products.SOURCE + r"""
@@ -97,19 +101,38 @@ static void place(const Model *m, const Layer *L, float *qkv, int64_t h, const f
     }
 }
 
+/* bytes on whole cache lines, as torch's tensors are: an input row loaded across two lines costs a split load
+   eight times a weight vector */
+static void *lines(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+
+/* session r's query heads of key-value head g: their key and value normed, rotated and written at the
+   session's length, each query head normed, rotated and attended over its past (a sliding window seen from
+   its start); scores in p */
+static void attend_group(const Model *m, const Layer *L, float *qkv, int64_t g, const float *cos, const float *sin,
+                         int64_t length, const int64_t *c, float *p, float *att) {
+    const int64_t groups = m->heads / m->kv_heads, dim = m->dim;
+    const int64_t start = L->window && length + 1 > L->window ? length + 1 - L->window : 0;
+    place(m, L, qkv, m->heads + g, cos, sin, length, c);
+    for (int64_t hq = g * groups; hq < (g + 1) * groups; hq++) {
+        place(m, L, qkv, hq, cos, sin, length, c);
+        attend(qkv + hq * dim, (const float *)c[0] + g * c[2] + start * c[3],
+               (const float *)c[1] + g * c[2] + start * c[3], c[3], length + 1 - start, dim, L->scaling, p,
+               att + hq * dim);
+    }
+}
+
 /* tokens, lengths [rows]; caches[r]: session r's [layers][4]; cos, sin [rows, dim]; logits [rows, vocab];
-   work: rows * (hidden + 2 * width + heads * dim + most) floats */
+   work: rows * (hidden + 2 * width + heads * dim + most) floats (the second width unused: each thread norms
+   into its own rows) */
 void swarm_step(const Model *m, const Layer *layers, int64_t rows, const int64_t *tokens, const int64_t *lengths,
                 const int64_t *const *caches, const float *cos, const float *sin, float *logits, float *work) {
-    const int64_t hidden = m->hidden, dim = m->dim, groups = m->heads / m->kv_heads, qdim = m->heads * dim;
+    const int64_t hidden = m->hidden, dim = m->dim, qdim = m->heads * dim, kv = m->kv_heads;
     const int64_t width = m->width, most = m->most;
-    float *h = work, *x = h + rows * hidden, *att = x + rows * width, *act = att + rows * qdim;
+    float *h = work, *att = h + rows * hidden + rows * width, *act = att + rows * qdim;
     float *big = act + rows * width;
     const Rows hx = {hidden, width, 2 * width + 64, 2 * (width / 32) + 1};  /* h rows in, x rows out */
     const Rows xb = {width, most, hx.qs, hx.ds}, xh = {width, hidden, hx.qs, hx.ds};
     const Rows ah = {qdim, hidden, hx.qs, hx.ds}, xl = {width, m->head.n, hx.qs, hx.ds};
-    int8_t *xq = malloc(rows * hx.qs);
-    float *xd = malloc(rows * hx.ds * sizeof(float));
     int64_t longest = 0;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t token = tokens[r];
@@ -123,52 +146,71 @@ void swarm_step(const Model *m, const Layer *layers, int64_t rows, const int64_t
     }
     #pragma omp parallel if(m->parallel)
     {
-        float *p = malloc((longest + 1) * sizeof(float));
+        /* this thread's own: the normed rows and every product's quantized input (each thread makes them all,
+           rather than wait at a barrier for a share), the attention's scores */
+        float *x = lines(rows * width * sizeof(float)), *xd = lines(rows * hx.ds * sizeof(float));
+        int8_t *xq = lines(rows * hx.qs);
+        float *p = lines((longest + 1) * sizeof(float));
+        /* each (session, key-value head) at once where there are enough for every thread, else every head's
+           rotation and cache write, then each (session, query head)'s attention */
+        const int grouped = rows * kv >= omp_get_num_threads();
+        int64_t a, b;
         for (int64_t l = 0; l < m->layers; l++) {
             const Layer *L = layers + l;
-            const int64_t inter = L->gate_up.n / 2, qk_heads = m->heads + m->kv_heads;
-            #pragma omp for schedule(static)
+            const int64_t inter = L->gate_up.n / 2, qk_heads = m->heads + kv;
             for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, L->in_norm, L->in_eps, x + r * width, hidden);
             prepare(&L->qkv, x, xq, xd, rows, xb);
-            product(&L->qkv, x, xq, xd, big, 0, rows, xb);
-            #pragma omp for schedule(static)
-            for (int64_t t = 0; t < rows * qk_heads; t++) {
-                const int64_t r = t / qk_heads;
-                place(m, L, big + r * most, t % qk_heads, cos + r * dim, sin + r * dim, lengths[r], caches[r] + 4 * l);
+            product_all(&L->qkv, x, xq, xd, big, 0, rows, xb);
+            if (grouped) {
+                span(rows * kv, 1, &a, &b);
+                for (int64_t t = a; t < b; t++)
+                    attend_group(m, L, big + t / kv * most, t % kv, cos + t / kv * dim, sin + t / kv * dim,
+                                 lengths[t / kv], caches[t / kv] + 4 * l, p, att + t / kv * qdim);
+            } else {
+                span(rows * qk_heads, 1, &a, &b);
+                for (int64_t t = a; t < b; t++) {
+                    const int64_t r = t / qk_heads;
+                    place(m, L, big + r * most, t % qk_heads, cos + r * dim, sin + r * dim, lengths[r],
+                          caches[r] + 4 * l);
+                }
+                #pragma omp barrier
+                span(rows * m->heads, 1, &a, &b);
+                for (int64_t t = a; t < b; t++) {
+                    const int64_t r = t / m->heads, hq = t % m->heads, g = hq / (m->heads / kv), length = lengths[r];
+                    const int64_t *c = caches[r] + 4 * l;
+                    const int64_t start = L->window && length + 1 > L->window ? length + 1 - L->window : 0;
+                    attend(big + r * most + hq * dim, (const float *)c[0] + g * c[2] + start * c[3],
+                           (const float *)c[1] + g * c[2] + start * c[3], c[3], length + 1 - start, dim,
+                           L->scaling, p, att + r * qdim + hq * dim);
+                }
             }
-            #pragma omp for schedule(static)
-            for (int64_t t = 0; t < rows * m->heads; t++) {
-                const int64_t r = t / m->heads, hq = t % m->heads, kvh = hq / groups, length = lengths[r];
-                const int64_t *c = caches[r] + 4 * l;
-                const int64_t start = L->window && length + 1 > L->window ? length + 1 - L->window : 0;
-                attend(big + r * most + hq * dim, (const float *)c[0] + kvh * c[2] + start * c[3],
-                       (const float *)c[1] + kvh * c[2] + start * c[3], c[3], length + 1 - start, dim, L->scaling,
-                       p, att + r * qdim + hq * dim);
-            }
+            #pragma omp barrier
             prepare(&L->o, att, xq, xd, rows, ah);
-            product(&L->o, att, xq, xd, h, 1, rows, ah);
-            #pragma omp for schedule(static)
+            product_all(&L->o, att, xq, xd, h, 1, rows, ah);
             for (int64_t r = 0; r < rows; r++)
                 rms_norm(h + r * hidden, L->post_norm, L->post_eps, x + r * width, hidden);
             prepare(&L->gate_up, x, xq, xd, rows, xb);
-            product(&L->gate_up, x, xq, xd, big, 0, rows, xb);
-            #pragma omp for schedule(static)
-            for (int64_t t = 0; t < rows * inter; t++) {
-                const int64_t r = t / inter, i = t % inter;
-                const float *g = big + r * most;
-                act[r * width + i] = g[i] / (1.f + expf(-g[i])) * g[inter + i];
+            /* this thread's gate rows and the same up rows, then SiLU of its gates times its ups */
+            span(inter, 8, &a, &b);
+            product(&L->gate_up, x, xq, xd, big, 0, rows, xb, a, b);
+            product(&L->gate_up, x, xq, xd, big, 0, rows, xb, inter + a, inter + b);
+            for (int64_t r = 0; r < rows; r++) {
+                const float *gate = big + r * most;
+                for (int64_t i = a; i < b; i++)
+                    act[r * width + i] = gate[i] / (1.f + expf(-gate[i])) * gate[inter + i];
             }
+            #pragma omp barrier
             prepare(&L->down, act, xq, xd, rows, xh);
-            product(&L->down, act, xq, xd, h, 1, rows, xh);
+            product_all(&L->down, act, xq, xd, h, 1, rows, xh);
         }
-        #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, m->norm, m->norm_eps, x + r * width, hidden);
         prepare(&m->head, x, xq, xd, rows, xl);
-        product(&m->head, x, xq, xd, logits, 0, rows, xl);
+        product_all(&m->head, x, xq, xd, logits, 0, rows, xl);
         free(p);
+        free(x);
+        free(xq);
+        free(xd);
     }
-    free(xq);
-    free(xd);
 }
 """
 

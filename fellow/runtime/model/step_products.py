@@ -1,12 +1,14 @@
 """The products of the native decode step (``step_kernel``), as C: a weight times the step's rows.
 
-``product`` multiplies one of the step's weights (``Lin``: float32, int8 or int4) by its ``rows`` input
-rows (one per session, up to eight) inside the step's OpenMP parallel region: the weight's rows are
-split over the threads (``omp for``) and each weight row is read from memory once for all the input rows.
+``product`` multiplies the weight rows ``j0..j1`` of one of the step's weights (``Lin``: float32, int8 or
+int4) by its ``rows`` input rows (one per session, up to eight): inside the step's OpenMP parallel region each
+thread takes its own span of the weight's rows (``span``), and each weight row is read from memory once for
+all the input rows. No barrier inside: the step puts its own where a result is read.
 - float32: for one input row, eight weight rows a block (``f32_gemv``'s loop); for more, one weight row
   against every input row, an accumulator each.
 - int8: each input row quantized to int8 in blocks of 32 (``prepare``, as ``quant.int8_gemv`` does), and
-  each weight row multiplied by each input row with ``int8_dot``, exactly ``quant.int8_gemv``'s arithmetic.
+  each weight row's blocks multiplied by each input row's as ``int8_dot`` does (its two accumulators a row),
+  exactly ``quant.int8_gemv``'s arithmetic.
 - int4 (``native_step.int4_rows``' layout): each input row quantized to int16 in blocks of 32, each
   32-weight block's nibbles widened once for every input row, each group's offset times the input's sum
   over the group. int8 inputs, as llama.cpp's q4_1 by q8_1 does, moved a 20-layer model's logits by 0.08
@@ -34,15 +36,22 @@ typedef struct {
 typedef struct { int64_t xs, ys, qs, ds; } Rows;
 """
 
-SOURCE = native.DOT + native.INT8_DOT + STRUCTS + r"""
+SOURCE = native.DOT + STRUCTS + r"""
+/* this thread's share of n items, in units of align: [*a, *b) */
+static inline void span(int64_t n, int64_t align, int64_t *a, int64_t *b) {
+    const int64_t t = omp_get_thread_num(), T = omp_get_num_threads(), units = (n + align - 1) / align;
+    const int64_t lo = units * t / T * align, hi = units * (t + 1) / T * align;
+    *a = lo < n ? lo : n;
+    *b = hi < n ? hi : n;
+}
+
 /* the rows of an int8 product's input quantized to int8 in blocks of 32; an int4 product's to int16 (xq read
-   as int16), each block's sum beside its scale (xd[k / 32 + b]); the (row, block) pairs split over the team
-   (nothing, and no barrier, for a float32 product) */
+   as int16), each block's sum beside its scale (xd[k / 32 + b]); all of them, by the calling thread into its
+   own buffers (nothing for a float32 product): a few microseconds, where a split would cost a barrier */
 static void prepare(const Lin *l, const float *x, int8_t *xq, float *xd, int64_t rows, Rows s) {
     if (l->bits == 32) return;
     const float top = l->bits == 4 ? 32767.f : 127.f;
     const int64_t nb = l->k / 32;
-    #pragma omp for schedule(static)
     for (int64_t t = 0; t < rows * nb; t++) {
         const int64_t r = t / nb, b = t % nb;
         const float *xb = x + r * s.xs + b * 32;
@@ -65,34 +74,29 @@ static inline void put(const Lin *l, float *y, int64_t j, float v, int add) {
     y[j] = add ? y[j] + v : v;
 }
 
-static void f32_one(const Lin *l, const float *x, float *y, int add) {
+static void f32_one(const Lin *l, const float *x, float *y, int add, int64_t j0, int64_t j1) {
     const float *w = (const float *)l->w;
-    const int64_t n = l->n, k = l->k, blocks = (n + 7) / 8;
-    #pragma omp for schedule(static)
-    for (int64_t blk = 0; blk < blocks; blk++) {
-        const int64_t j0 = blk * 8;
-        const float *w0 = w + j0 * k;
-        if (j0 + 8 <= n) {
-            __m256 a[8];
-            for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
-            for (int64_t i = 0; i < k; i += 8) {
-                const __m256 xv = _mm256_loadu_ps(x + i);
-                #pragma GCC unroll 8
-                for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w0 + r * k + i), a[r]);
-            }
-            for (int r = 0; r < 8; r++) put(l, y, j0 + r, hsum(a[r]), add);
-        } else {
-            for (int64_t j = j0; j < n; j++) put(l, y, j, dot(x, w + j * k, k), add);
+    const int64_t k = l->k;
+    int64_t j = j0;
+    for (; j + 8 <= j1; j += 8) {
+        const float *w0 = w + j * k;
+        __m256 a[8];
+        for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < k; i += 8) {
+            const __m256 xv = _mm256_loadu_ps(x + i);
+            #pragma GCC unroll 8
+            for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w0 + r * k + i), a[r]);
         }
+        for (int r = 0; r < 8; r++) put(l, y, j + r, hsum(a[r]), add);
     }
+    for (; j < j1; j++) put(l, y, j, dot(x, w + j * k, k), add);
 }
 
 static inline __attribute__((always_inline)) void f32_many(const Lin *l, const float *x, float *y, int add,
-                                                           Rows s, const int R) {
+                                                           Rows s, int64_t j0, int64_t j1, const int R) {
     const float *w = (const float *)l->w;
-    const int64_t n = l->n, k = l->k;
-    #pragma omp for schedule(static)
-    for (int64_t j = 0; j < n; j++) {
+    const int64_t k = l->k;
+    for (int64_t j = j0; j < j1; j++) {
         const float *wr = w + j * k;
         __m256 a[8];
         for (int r = 0; r < R; r++) a[r] = _mm256_setzero_ps();
@@ -104,13 +108,51 @@ static inline __attribute__((always_inline)) void f32_many(const Lin *l, const f
     }
 }
 
+/* int8_dot for R input rows at once: each weight block loaded and its signs taken once */
+static inline __attribute__((always_inline)) void int8_many(const Lin *l, const int8_t *xq, const float *xd,
+                                                            float *y, int add, Rows s, int64_t j0, int64_t j1,
+                                                            const int R) {
+    const int64_t k = l->k, nb = k / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t j = j0; j < j1; j++) {
+        const int8_t *wr = (const int8_t *)l->w + j * k;
+        __m256 a0[8], a1[8];
+        for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+        int64_t b = 0;
+        for (; b + 1 < nb; b += 2) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(wr + b * 32)), wa = _mm256_sign_epi8(wv, wv);
+            const __m256i wv2 = _mm256_loadu_si256((const __m256i *)(wr + b * 32 + 32));
+            const __m256i wa2 = _mm256_sign_epi8(wv2, wv2);
+            for (int r = 0; r < R; r++) {
+                const int8_t *xr = xq + r * s.qs + b * 32;
+                const float *dr = xd + r * s.ds + b;
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(
+                    wa, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xr), wv)), ones);
+                a0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dr[0]), a0[r]);
+                const __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(
+                    wa2, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xr + 32)), wv2)), ones);
+                a1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p2), _mm256_set1_ps(dr[1]), a1[r]);
+            }
+        }
+        for (; b < nb; b++) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(wr + b * 32)), wa = _mm256_sign_epi8(wv, wv);
+            for (int r = 0; r < R; r++) {
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(
+                    wa, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + r * s.qs + b * 32)), wv)), ones);
+                a0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(xd[r * s.ds + b]), a0[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) put(l, y + r * s.ys, j, hsum(_mm256_add_ps(a0[r], a1[r])) * l->scale[j], add);
+    }
+}
+
 static inline __attribute__((always_inline)) void int4_many(const Lin *l, const int8_t *xq, const float *xd,
-                                                            float *y, int add, Rows s, const int R) {
+                                                            float *y, int add, Rows s, int64_t j0, int64_t j1,
+                                                            const int R) {
     const uint8_t *w = (const uint8_t *)l->w;
-    const int64_t n = l->n, k = l->k, nb = k / 32, per = l->group / 32, groups = k / l->group;
+    const int64_t k = l->k, nb = k / 32, per = l->group / 32, groups = k / l->group;
     const __m128i low = _mm_set1_epi8(15);
-    #pragma omp for schedule(static)
-    for (int64_t j = 0; j < n; j++) {
+    for (int64_t j = j0; j < j1; j++) {
         const uint8_t *wr = w + j * (k / 2);
         const float *sm = l->scale + j * groups * 2;
         __m256 acc[8];
@@ -142,23 +184,29 @@ static inline __attribute__((always_inline)) void int4_many(const Lin *l, const 
 #define EACH_ROWS(CALL) switch (rows) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; \
     case 4: CALL(4); break; case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); }
 
-/* y = W x (+ bias), or y += that, for each of the rows (at most 8); called inside the parallel region */
+/* y = W x (+ bias), or y += that, for weight rows j0..j1 and each of the rows (at most 8) */
 static void product(const Lin *l, const float *x, const int8_t *xq, const float *xd, float *y, int add,
-                    int64_t rows, Rows s) {
+                    int64_t rows, Rows s, int64_t j0, int64_t j1) {
     if (l->bits == 8) {
-        #pragma omp for schedule(static)
-        for (int64_t j = 0; j < l->n; j++)
-            for (int64_t r = 0; r < rows; r++)
-                put(l, y + r * s.ys, j, int8_dot((const int8_t *)l->w + j * l->k, xq + r * s.qs, xd + r * s.ds,
-                                                 l->k / 32) * l->scale[j], add);
+        #define INT8(R) int8_many(l, xq, xd, y, add, s, j0, j1, R)
+        EACH_ROWS(INT8)
     } else if (l->bits == 4) {
-        #define INT4(R) int4_many(l, xq, xd, y, add, s, R)
+        #define INT4(R) int4_many(l, xq, xd, y, add, s, j0, j1, R)
         EACH_ROWS(INT4)
     } else if (rows == 1) {
-        f32_one(l, x, y, add);
+        f32_one(l, x, y, add, j0, j1);
     } else {
-        #define F32(R) f32_many(l, x, y, add, s, R)
+        #define F32(R) f32_many(l, x, y, add, s, j0, j1, R)
         EACH_ROWS(F32)
     }
+}
+
+/* this thread's span of the weight's rows (in eights), then the team waits for every span */
+static void product_all(const Lin *l, const float *x, const int8_t *xq, const float *xd, float *y, int add,
+                        int64_t rows, Rows s) {
+    int64_t j0, j1;
+    span(l->n, 8, &j0, &j1);
+    product(l, x, xq, xd, y, add, rows, s, j0, j1);
+    #pragma omp barrier
 }
 """
