@@ -108,7 +108,7 @@ class NativeStep(CompiledDecode):
             norm_eps=norm_eps, head=self._lin(head, plain), width=width,
             parallel=int(self._weight_bytes >= step_kernel.PARALLEL_BYTES))
         self.model.most = max(outs)
-        self._work = torch.empty(step_kernel.MAX_ROWS * (hidden + 2 * width + fused.num_heads * fused.head_dim
+        self._work = torch.empty(step_kernel.MAX_ROWS * (hidden + width + fused.num_heads * fused.head_dim
                                                           + max(outs)))
         self._args = (ctypes.byref(self.model), ctypes.addressof(self.layers))
 

@@ -105,30 +105,35 @@ static void place(const Model *m, const Layer *L, float *qkv, int64_t h, const f
    eight times a weight vector */
 static void *lines(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
+/* query head hq of a session over its past (a sliding window seen from its start): its output in att's row,
+   scores in p */
+static void attend_head(const Model *m, const Layer *L, const float *qkv, int64_t hq, int64_t length,
+                        const int64_t *c, float *p, float *att) {
+    const int64_t g = hq / (m->heads / m->kv_heads), dim = m->dim;
+    const int64_t start = L->window && length + 1 > L->window ? length + 1 - L->window : 0;
+    attend(qkv + hq * dim, (const float *)c[0] + g * c[2] + start * c[3], (const float *)c[1] + g * c[2] + start * c[3],
+           c[3], length + 1 - start, dim, L->scaling, p, att + hq * dim);
+}
+
 /* session r's query heads of key-value head g: their key and value normed, rotated and written at the
-   session's length, each query head normed, rotated and attended over its past (a sliding window seen from
-   its start); scores in p */
+   session's length, then each query head normed, rotated and attended */
 static void attend_group(const Model *m, const Layer *L, float *qkv, int64_t g, const float *cos, const float *sin,
                          int64_t length, const int64_t *c, float *p, float *att) {
-    const int64_t groups = m->heads / m->kv_heads, dim = m->dim;
-    const int64_t start = L->window && length + 1 > L->window ? length + 1 - L->window : 0;
+    const int64_t groups = m->heads / m->kv_heads;
     place(m, L, qkv, m->heads + g, cos, sin, length, c);
     for (int64_t hq = g * groups; hq < (g + 1) * groups; hq++) {
         place(m, L, qkv, hq, cos, sin, length, c);
-        attend(qkv + hq * dim, (const float *)c[0] + g * c[2] + start * c[3],
-               (const float *)c[1] + g * c[2] + start * c[3], c[3], length + 1 - start, dim, L->scaling, p,
-               att + hq * dim);
+        attend_head(m, L, qkv, hq, length, c, p, att);
     }
 }
 
 /* tokens, lengths [rows]; caches[r]: session r's [layers][4]; cos, sin [rows, dim]; logits [rows, vocab];
-   work: rows * (hidden + 2 * width + heads * dim + most) floats (the second width unused: each thread norms
-   into its own rows) */
+   work: rows * (hidden + heads * dim + width + most) floats (each thread norms into rows of its own) */
 void swarm_step(const Model *m, const Layer *layers, int64_t rows, const int64_t *tokens, const int64_t *lengths,
                 const int64_t *const *caches, const float *cos, const float *sin, float *logits, float *work) {
     const int64_t hidden = m->hidden, dim = m->dim, qdim = m->heads * dim, kv = m->kv_heads;
     const int64_t width = m->width, most = m->most;
-    float *h = work, *att = h + rows * hidden + rows * width, *act = att + rows * qdim;
+    float *h = work, *att = h + rows * hidden, *act = att + rows * qdim;
     float *big = act + rows * width;
     const Rows hx = {hidden, width, 2 * width + 64, 2 * (width / 32) + 1};  /* h rows in, x rows out */
     const Rows xb = {width, most, hx.qs, hx.ds}, xh = {width, hidden, hx.qs, hx.ds};
@@ -176,12 +181,8 @@ void swarm_step(const Model *m, const Layer *layers, int64_t rows, const int64_t
                 #pragma omp barrier
                 span(rows * m->heads, 1, &a, &b);
                 for (int64_t t = a; t < b; t++) {
-                    const int64_t r = t / m->heads, hq = t % m->heads, g = hq / (m->heads / kv), length = lengths[r];
-                    const int64_t *c = caches[r] + 4 * l;
-                    const int64_t start = L->window && length + 1 > L->window ? length + 1 - L->window : 0;
-                    attend(big + r * most + hq * dim, (const float *)c[0] + g * c[2] + start * c[3],
-                           (const float *)c[1] + g * c[2] + start * c[3], c[3], length + 1 - start, dim,
-                           L->scaling, p, att + r * qdim + hq * dim);
+                    const int64_t r = t / m->heads;
+                    attend_head(m, L, big + r * most, t % m->heads, lengths[r], caches[r] + 4 * l, p, att + r * qdim);
                 }
             }
             #pragma omp barrier
