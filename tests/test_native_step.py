@@ -37,6 +37,16 @@ SHAPES = {"qwen3-wide": dict(family="qwen3", layers=2, hidden=128),
 PROMPT, NEW = 23, 32  # the window's 16 positions are passed well before the reply ends
 
 
+def trained_norms(model) -> None:
+    """Every norm's weights away from a random model's ones, each its own (a trained model's are; Qwen3's
+    query and key norms differ): a step that read one norm's weights for another's gives another reply."""
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("norm") and getattr(module, "weight", None) is not None:
+                module.weight.copy_(0.5 + torch.rand(module.weight.shape, generator=generator))
+
+
 @pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("name", SHAPES)
 def test_the_native_step_gives_generates_greedy_reply(tmp_path, name, parallel, monkeypatch):
@@ -44,6 +54,7 @@ def test_the_native_step_gives_generates_greedy_reply(tmp_path, name, parallel, 
         monkeypatch.setattr(step_kernel, "PARALLEL_BYTES", 0)
     ckpt = make_tiny_checkpoint(tmp_path, **SHAPES[name])
     model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    trained_norms(model)
     model.generation_config.eos_token_id = None
     stage = StageModel.from_causal_lm(copy.deepcopy(model))
     prepare_stage(stage, batch_cap=2, keep_plain=True)

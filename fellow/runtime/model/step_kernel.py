@@ -32,7 +32,7 @@ SOURCE = native.HSUM + r"""
 """ + step_products.SOURCE + r"""
 typedef struct {
     Lin qkv, o, gate_up, down;
-    const float *in_norm, *post_norm, *qk_norm;  /* qk_norm NULL: none */
+    const float *in_norm, *post_norm, *qk_norm;  /* qk_norm [heads + kv_heads, dim], or NULL: none */
     float in_eps, post_eps, qk_eps, scaling;
     int64_t window;       /* 0: every position */
 } Layer;
@@ -90,7 +90,7 @@ static void place(const Model *m, const Layer *L, float *qkv, int64_t h, const f
     const int64_t dim = m->dim, half = dim / 2;
     float rot[1024];
     float *x = qkv + h * dim;
-    if (L->qk_norm) rms_norm(x, L->qk_norm, L->qk_eps, x, dim);
+    if (L->qk_norm) rms_norm(x, L->qk_norm + h * dim, L->qk_eps, x, dim);  /* each head its row of weights */
     for (int64_t i = 0; i < dim; i++) rot[i] = x[i] * cos[i] + (i < half ? x[i + half] : x[i - half]) * sin[i];
     memcpy(x, rot, dim * sizeof(float));
     if (h >= m->heads) {
