@@ -124,16 +124,35 @@ def texts(which: tuple[str, ...]) -> dict[str, str]:
     return {name: every[name]() for name in which}
 
 
-def measure(model_dir: Path, scored: dict[str, str], ctx: int, chunks: int, tokens: int, decode: bool = False) -> dict:
+def native(stage) -> str:
+    """The stage's decode steps through the native step (``native_step``), as its background compile swaps it in
+    where it measures faster; '' where it does, else why not."""
+    from fellow.runtime.model.native_step import NativeStep, why_not
+
+    why = why_not(stage)
+    if why is None:
+        step = NativeStep(stage, stage.plain_weights)
+        entry = step.build(1, only_faster=False, compiled=True)
+        if not entry["serving"]:
+            return f"the native step was not taken: {entry}"
+        stage.compiled = step
+    return why or ""
+
+
+def measure(model_dir: Path, scored: dict[str, str], ctx: int, chunks: int, tokens: int, decode: bool = False,
+            with_native: bool = False, methods: tuple[str, ...] = METHODS) -> dict:
     """{text: {method: row}} for each stage of METHODS, float32 first (every ratio is to it)."""
     from fellow.runtime.model.loader import load_one_stage
 
     rows: dict[str, dict] = {name: {} for name in scored}
     reference: dict[str, tuple] = {}
-    for method in METHODS:
+    for method in methods:
         started = time.perf_counter()
-        loaded = load_one_stage(model_dir, "cpu", StageOptions(max_batch=1, quantization=method))
+        options = StageOptions(max_batch=1, quantization=method, **({"compile": None} if with_native else {}))
+        loaded = load_one_stage(model_dir, "cpu", options)
         stage, tok = loaded.stage, loaded.tokenizer
+        if with_native and (why := native(stage)):
+            print(f"# {method}: served without the native step: {why}", flush=True)
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                            tokenize=True, return_dict=False) for p in PROMPTS]
         generated = [greedy(stage, p, tokens) for p in prompts]
@@ -183,7 +202,16 @@ def main() -> None:
     parser.add_argument("--decode", action="store_true",
                         help="score through one decode step a token (the kernels a reply runs) instead of one "
                              "verify pass a chunk")
+    parser.add_argument("--native", action="store_true",
+                        help="with --decode: each stage's decode steps through the native step where it takes the "
+                             "stage (the step a served one-stage CPU load swaps in once it measures faster)")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
+                        help="the stages measured (float32, 'none', first: every ratio is to it)")
     args = parser.parse_args()
+    if args.methods[0] != "none":
+        parser.error("--methods starts with none (float32): every ratio is to it")
+    if args.native and not args.decode:
+        parser.error("--native scores decode steps: add --decode")
     torch.set_num_threads(args.threads)
     from fellow.runtime.tools.demo_model import make_demo_model
 
@@ -191,8 +219,9 @@ def main() -> None:
     trained = args.model or (make_demo_model(tmp / "trained"), tmp / "trained")[1]
     random = args.random or (make_demo_model(tmp / "random", steps=1), tmp / "random")[1]
     results = {"trained": measure(trained, texts(("held-out", "training")), args.ctx, args.chunks, args.tokens,
-                                  args.decode),
-               "random": measure(random, texts(("held-out",)), args.ctx, args.chunks, args.tokens, args.decode)}
+                                  args.decode, args.native, tuple(args.methods)),
+               "random": measure(random, texts(("held-out",)), args.ctx, args.chunks, args.tokens, args.decode,
+                                 args.native, tuple(args.methods))}
     print()
     for model, by_text in results.items():
         for text, rows in by_text.items():
