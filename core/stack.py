@@ -20,12 +20,16 @@ from core.supervise import Child, GaveUp, Supervisor
 DEMO_MODEL_ID = "swarm-demo"
 
 
+class StartFailed(RuntimeError):
+    """The stack did not come up: one line for the user, no traceback."""
+
+
 def _wait_http(url: str, sup: Supervisor, timeout: float, check) -> dict:
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
         if not sup.tick():
-            raise RuntimeError("a stack process exited during the start")
+            raise StartFailed("a stack process exited during the start")
         try:
             r = httpx.get(url, timeout=2.0)
             if r.status_code == 200 and check(r.json()):
@@ -34,7 +38,7 @@ def _wait_http(url: str, sup: Supervisor, timeout: float, check) -> dict:
         except httpx.HTTPError as exc:
             last = exc
         time.sleep(0.1)
-    raise RuntimeError(f"{url} not ready within {timeout:.0f}s (last: {last})")
+    raise StartFailed(f"{url} not ready within {timeout:.0f} s (last: {last}); stopping")
 
 
 def ensure_demo_model(settings: Settings) -> None:
@@ -107,7 +111,7 @@ def run_stack(settings: Settings, fellows: int = 1, demo: bool = True) -> int:
         while not stop.is_set() and sup.tick():
             stop.wait(0.2)
         return 0
-    except (GaveUp, NatsServerError) as exc:  # NatsServerError: another stack runs on this data dir
+    except (GaveUp, NatsServerError, StartFailed) as exc:  # NatsServerError: another stack runs on this data dir
         sup.say(str(exc))
         return 1
     finally:
