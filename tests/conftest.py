@@ -16,6 +16,34 @@ from core.settings import Settings
 from tests.services import Postgres, postgres_bin
 
 
+def _threads_each() -> int:
+    """Under xdist, each worker's share of the cores (0: not under xdist)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    return max(1, (os.cpu_count() or 1) // workers) if workers > 1 else 0
+
+
+# The workers share the machine's cores, so each one's torch, and the stage processes its tests start (they
+# inherit the variable), computes on its share of them: two threads a process on two cores the other worker
+# keeps busy made OpenMP's barriers spin against its threads, and the CPU tests ran 3 to 50 times slower.
+THREADS_EACH = _threads_each()
+if THREADS_EACH:
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS_EACH))
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+@pytest.fixture
+def two_threads():
+    """torch (and the kernels, which share its OpenMP pool) on two threads for the test, whatever the worker's
+    share: a kernel's split over threads is what it checks."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def fresh_dynamo():
     """Each test module starts with dynamo's caches empty, where torch is loaded at all: every stage's decode

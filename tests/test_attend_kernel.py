@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 from fellow.runtime.model import attend_kernel
 
-pytestmark = pytest.mark.skipif(not attend_kernel.available(),
-                                reason=f"no attention kernel: {attend_kernel.unavailable_reason()}")
+pytestmark = [pytest.mark.skipif(not attend_kernel.available(),
+                                reason=f"no attention kernel: {attend_kernel.unavailable_reason()}"),
+              pytest.mark.usefixtures("two_threads")]  # heads split over threads are what is checked
 
 CASES = [  # kv heads, groups, head size, length (positions before the new one), window start, split over threads
     (2, 2, 64, 0, 0, 0),

@@ -27,7 +27,8 @@ from tests.serving_fixtures import make_servable
 from tests.test_compiled_decode import greedy
 from tests.tiny import make_tiny_checkpoint
 
-pytestmark = pytest.mark.skipif(not step_kernel.available(), reason="the step kernel does not build here")
+pytestmark = [pytest.mark.skipif(not step_kernel.available(), reason="the step kernel does not build here"),
+              pytest.mark.usefixtures("two_threads")]  # its splits over threads are what is checked
 
 SHAPES = {"qwen3-wide": dict(family="qwen3", layers=2, hidden=128),
           "qwen2-window": dict(family="qwen2", layers=4, hidden=64, window=16),
