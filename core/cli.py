@@ -89,10 +89,24 @@ def _check_nats(s: Settings) -> None:
         raise CliError(str(exc)) from None
 
 
+def _check_port(host: str, port: int) -> None:
+    """The leader's port taken says so at once, before the leader starts its parts (uvicorn binds last)."""
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+            sock.bind((host, port))
+    except OSError as exc:
+        raise CliError(f"the leader cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
 def cmd_leader(args) -> int:
     import uvicorn
 
     s = _settings()
+    _check_port(s.leader.host, s.leader.port)
     _check_nats(s)
     _logging(args.verbose)
     app = part("leader-app")(s)

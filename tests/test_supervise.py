@@ -85,7 +85,8 @@ def test_swarm_up_gives_up_in_one_line_on_a_leader_that_cannot_start(tmp_path):
     with socket.socket() as taken:  # the leader's port is held: each start fails at once
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        env = swarm_env(tmp_path, None, port=taken.getsockname()[1])
+        port = taken.getsockname()[1]
+        env = swarm_env(tmp_path, None, port=port)
         up = SwarmProcess(["up", "--no-demo"], env, tmp_path / "up.log").start()
         try:
             assert up.proc.wait(120) == 1, up.tail()
@@ -96,3 +97,5 @@ def test_swarm_up_gives_up_in_one_line_on_a_leader_that_cannot_start(tmp_path):
     assert any(ln.startswith("swarm: the leader failed 5 times in 60 s (last: exit code") and
                ln.endswith("giving up") for ln in lines), lines
     assert "swarm stopped" in up.tail()
+    # each leader said why in one line, before starting its parts
+    assert f"swarm: error: the leader cannot listen on 127.0.0.1:{port}" in up.tail(10**6)
