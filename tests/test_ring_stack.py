@@ -141,6 +141,10 @@ async def test_a_servable_without_boundaries_is_refused_over_another_count(ring_
     assert r.status_code == 409 and "repeat" in r.json()["error"]["message"]
 
 
+# a reply's length: the ring cannot finish it without the stage that is killed once its first tokens came
+LONG_REPLY = 400
+
+
 async def _first_tokens_then_end(nc, js, load_id: str, content: str, started: asyncio.Event, timeout: float = 60):
     rid = "rq-" + uuid.uuid4().hex[:12]
     frames, ended = [], asyncio.Event()
@@ -155,7 +159,7 @@ async def _first_tokens_then_end(nc, js, load_id: str, content: str, started: as
 
     await nc.subscribe(f"swarm.tok.{rid}", cb=on_frame)
     req = ChatRequest(request_id=rid, load_id=load_id, model_id="tiny",
-                      messages=[ChatMessage(role="user", content=content)], max_tokens=1500,
+                      messages=[ChatMessage(role="user", content=content)], max_tokens=LONG_REPLY,
                       sampling=Sampling(temperature=0.0), created=time.time())
     await js.publish(f"swarm.req.{load_id}", msgspec.json.encode(req), headers={"Nats-Msg-Id": rid})
     await asyncio.wait_for(ended.wait(), timeout)
@@ -180,7 +184,7 @@ async def test_a_middle_stage_killed_mid_stream_is_replaced_and_the_replies_fini
             done = frames[-1]
             assert isinstance(done, DoneFrame), (done, stack.logs())
             tokens = [t for f in sorted(frames, key=lambda f: f.seq) if isinstance(f, TokenFrame) for t in f.token_ids]
-            assert tokens == hf_greedy(hf, prompt, 1500)
+            assert tokens == hf_greedy(hf, prompt, LONG_REPLY)
             assert done.timing["replays"] == 1  # it was in flight when the stage went, and replayed
     finally:
         await nc.close()
