@@ -135,7 +135,7 @@ void swarm_step(const Model *m, const Layer *layers, int64_t rows, const int64_t
     const int64_t width = m->width, most = m->most;
     float *h = work, *att = h + rows * hidden, *act = att + rows * qdim;
     float *big = act + rows * width;
-    const Rows hx = {hidden, width, (width + 63) / 64 * 64, 2 * (width / 32) + 1};  /* h rows in, x rows out */
+    const Rows hx = {hidden, width, 2 * width + 64, 2 * (width / 32) + 1};  /* h rows in, x rows out */
     const Rows xb = {width, most, hx.qs, hx.ds}, xh = {width, hidden, hx.qs, hx.ds};
     const Rows ah = {qdim, hidden, hx.qs, hx.ds}, xl = {width, m->head.n, hx.qs, hx.ds};
     int64_t longest = 0;
