@@ -186,7 +186,9 @@ async def test_openai_agents_with_a_function_tool_on_both_models_and_streamed(cl
                                    run_config=config)
     events = [event async for event in streamed.stream_events()]
     raw = [e.data.type for e in events if e.type == "raw_response_event"]
-    assert raw.count("response.function_call_arguments.delta") > 2  # the arguments streamed as they decoded
+    # the arguments streamed as they decoded: in more than one piece (how many depends on the decode speed, with
+    # a frame at most every 25 ms: the demo model's faster native step made it 2 in one run)
+    assert raw.count("response.function_call_arguments.delta") >= 2
     assert raw.index("response.output_item.added") < raw.index("response.function_call_arguments.delta")
     called(streamed)
 
