@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_matrix import SHAPES, make_checkpoint  # noqa: E402
+from bench.bench_peers import settled  # noqa: E402
 from bench.bench_serving import QUESTIONS, sse_chunks  # noqa: E402
 from bench.scratch import scratch_dir  # noqa: E402
 from core.bus import connect  # noqa: E402
@@ -156,7 +157,7 @@ def main() -> None:
         stack = Stack(tmp / args.shape, nats.url, tmp / "servables", SWARM_MODEL_IDLE_UNLOAD_S=0,
                       SWARM_SERVE_PREFIX_CACHE="off", **extra).start()
         try:
-            stack.load(args.shape)
+            settled(stack, args.shape, stack.load(args.shape))  # the default's background compile, done
             fellow = stack.fellows[0].proc.pid
             pids = {"leader": stack.leader.proc.pid, "nats-server": nats.process.pid, "fellow": fellow,
                     "stage": children(fellow)[0], "client": os.getpid()}

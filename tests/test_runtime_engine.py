@@ -90,6 +90,22 @@ def test_batched_sessions_get_what_they_get_alone(stage, sampled, max_batch):
     assert engine.stats()["reserved_tokens"] == 0 and engine.stats()["in_flight"] == 0
 
 
+def test_the_step_that_ends_a_prompt_hands_out_its_first_token_before_any_decode(stage):
+    """The first token goes out with the prompt's step: the session decodes from the next step on (as
+    vLLM and llama.cpp's server step), so its first token never waits for a decode pass. Sessions
+    already decoding keep decoding in that step."""
+    engine = local_engine(stage, kv_tokens=4096)
+    engine.add(Session("a", prompt(7, seed=1), 5, GREEDY))
+    first = engine.step()
+    assert {k: len(v) for k, v in first.tokens.items()} == {"a": 1}
+    engine.add(Session("b", prompt(9, seed=2), 5, GREEDY))
+    joined = engine.step()
+    assert {k: len(v) for k, v in joined.tokens.items()} == {"a": 1, "b": 1}
+    assert engine.last_batches == [1]  # a decoded; b's prompt ran and gave its first token
+    both = engine.step()
+    assert {k: len(v) for k, v in both.tokens.items()} == {"a": 1, "b": 1} and engine.last_batches == [2]
+
+
 def test_stop_id_ends_the_session_without_showing_it(stage):
     ids = prompt(9, seed=7)
     free_run = alone(stage, Session("s", ids, 12, GREEDY))

@@ -31,6 +31,8 @@ class LocalRunner:
     Each step runs prompt pieces of at most ``prefill_chunk`` tokens in all (at least one piece; 0 runs
     one whole prompt), so a long prompt does not hold up the others' decode for long, and then one
     decode position for every decoding session, in batches of at most ``max_batch`` (0: no cap, 1: off).
+    A session whose prompt ended in this step decodes from the next one: its first token goes out with
+    the step's result instead of waiting for a decode pass (one decode step of time to first token).
 
     With speculative decoding on (the scheduler's ``speculative`` k > 0), a batch in which any session
     drafted (``Scheduler.drafts``) runs as one verify pass (``StageModel.verify``: every session's last
@@ -135,7 +137,8 @@ class LocalRunner:
         return len(batch) * max(len(s.prompt_ids) for s in batch)
 
     def _decode(self, result: StepResult) -> None:
-        decoding = [s for s in self.sched.sessions.values() if not s.prefilling]
+        # what has a token in the result already got its first one from its prompt in this step
+        decoding = [s for s in self.sched.sessions.values() if not s.prefilling and s.session_id not in result.tokens]
         drafts = self.sched.drafts(decoding) if self.sched.speculative else {}
         batches = self._decode_batches(decoding)
         self.sched.last_batches = [len(batch) for batch in batches]
