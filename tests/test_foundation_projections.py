@@ -86,6 +86,41 @@ async def test_redelivered_events_are_no_ops(js, sessions):
         assert (await s.get(ProjectorCheckpoint, "requests")).seq == acks[-1].seq
 
 
+async def test_a_request_that_ends_within_the_linger_is_written_in_one_transaction(js, database_url):
+    """The requests projection gathers what comes within its linger: a request's accepted and finished
+    events, read in two batches, make one commit; other projections do not wait for it."""
+    from sqlalchemy import event
+
+    from leader.projectors.requests import RequestsProjector
+
+    class Lingering(RequestsProjector):
+        linger_s = 1.0  # long enough for a loaded machine; the served one lingers RequestsProjector's
+
+    assert RequestsProjector.linger_s > 0
+    await upgrade(database_url)
+    engine = make_engine(database_url)
+    commits = []
+    event.listen(engine.sync_engine, "commit", lambda conn: commits.append(conn))
+    runner = ProjectionRunner(js, session_factory(engine),
+                              [p for p in all_projectors() if p.name != "requests"] + [Lingering()])
+    await runner.start()
+    before = len(commits)
+    try:
+        accepted = await publish_event(js, RequestAccepted(request_id="r1", model_id="m", load_id="L1"))
+        await runner.wait_for(accepted.seq, ["loads"], timeout=5)  # the reader handed its batch on
+        assert runner.positions["requests"] < accepted.seq  # ... and the requests projection lingers
+        finished = await publish_event(js, RequestFinished(request_id="r1", model_id="m", load_id="L1",
+                                                           completion_tokens=3))
+        await runner.wait_for(finished.seq, ["requests"], timeout=5)
+        assert len(commits) - before == 1
+        async with session_factory(engine)() as s:
+            row = await s.get(Request, "r1")
+        assert (row.status, row.completion_tokens) == ("finished", 3)
+    finally:
+        await runner.stop()
+        await engine.dispose()
+
+
 async def test_wait_for_times_out_with_the_lag_named(js, sessions):
     from leader.projectors.runner import ProjectionLagging
 

@@ -20,6 +20,8 @@ class Projector:
     name: ClassVar[str]
     tables: ClassVar[tuple[type, ...]]
     handles: ClassVar[tuple[type, ...]] = (Event,)  # the event types `apply` acts on
+    # Seconds the runner gathers batches for one transaction once one has come (0: each at once).
+    linger_s: ClassVar[float] = 0.0
 
     def wants(self, evt: Event | None) -> bool:
         return evt is not None and isinstance(evt, self.handles)

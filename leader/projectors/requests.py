@@ -20,6 +20,11 @@ class RequestsProjector(Projector):
     name = "requests"
     tables = (Request,)
     handles = (RequestAccepted, RequestFinished, RequestFailed)
+    # A request's accepted event comes while its stage computes its first token beside the leader (on
+    # a small machine, on the same cores): written at once, its transaction slowed that first token by
+    # about as much CPU as it took (docs/benchmarks.md). Gathered, it is written after the first token
+    # of a short prompt, and a request that ends within the linger writes both events in one transaction.
+    linger_s = 0.1
 
     async def apply(self, session: AsyncSession, evt: Event, seq: int) -> None:
         match evt:

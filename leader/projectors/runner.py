@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 FETCH_BATCH = 256
 QUEUED_BATCHES = 8  # per projector: the reader waits when one is this far behind
+LINGER_MOST = 4 * FETCH_BATCH  # events one lingering transaction takes at most
 FAILURE_LOOP = 3  # consecutive failed tries of one batch: the projector is stuck
 STUCK_AFTER_S = 10.0  # holding one batch this long: the projector is stuck
 RETRY_S = 0.2
@@ -138,6 +139,8 @@ class ProjectionRunner:
         queue, state = self._queues[p.name], self.states[p.name]
         while True:
             batch = await queue.get()
+            if p.linger_s:
+                batch = await _gather(queue, batch, p.linger_s)
             state.busy_since = time.monotonic()
             while True:
                 try:
@@ -218,6 +221,20 @@ class ProjectionRunner:
                         await self._changed.wait()
                 except TimeoutError:
                     pass
+
+
+async def _gather(queue: asyncio.Queue, batch: list[Entry], linger_s: float) -> list[Entry]:
+    """``batch`` and what else comes within ``linger_s`` (up to LINGER_MOST events), in order: the queue
+    is emptied as batches come, so the reader never waits on it meanwhile."""
+    merged = list(batch)
+    deadline = time.monotonic() + linger_s
+    while len(merged) < LINGER_MOST and (left := deadline - time.monotonic()) > 0:
+        try:
+            async with asyncio.timeout(left):
+                merged += await queue.get()
+        except TimeoutError:
+            break
+    return merged
 
 
 async def _drop(sub) -> None:
