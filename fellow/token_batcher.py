@@ -59,6 +59,7 @@ class TokenBatcher:
         self._prompt: list = []  # the prompt's logprobs, sent before any token, PROMPT_FRAME_POSITIONS a frame
         self._final: Frame | None = None
         self._sender: asyncio.Task | None = None
+        self._claiming = False  # start() waits for JetStream's answer to the start frame
         self.closed = asyncio.Event()
 
     async def start(self, fellow_id: str, replica: int) -> bool:
@@ -75,8 +76,16 @@ class TokenBatcher:
         if self._claim is None:
             self._claim = StartFrame(request_id=self.request_id, seq=0, fellow_id=fellow_id, replica=replica)
             self._claim_id = claim_msg_id(self.request_id, fellow_id, replica, secrets.token_hex(8))
-        claimed = await self._claimed()
+        self._claiming = True  # what is added meanwhile waits for the answer
+        try:
+            claimed = await self._claimed()
+        finally:
+            self._claiming = False
         self.seq = 1
+        if not claimed:
+            self.closed.set()  # another replica's: nothing of ours goes out
+        elif self._prompt or self._texts or self._ids or self._final is not None:
+            self._kick()
         return claimed
 
     def add(self, texts: list[str], ids: list[int], logprobs: list | None = None, prompt: list | None = None) -> None:
@@ -129,7 +138,8 @@ class TokenBatcher:
 
     async def _send(self) -> None:
         try:
-            while self._prompt or self._texts or self._ids or (self._final is not None and not self.closed.is_set()):
+            while not self._claiming and not (self.seq and self.closed.is_set()) and (
+                    self._prompt or self._texts or self._ids or (self._final is not None and not self.closed.is_set())):
                 if self._prompt:  # a long prompt's logprobs in several frames, each well under NATS' 1 MB
                     piece, self._prompt = self._prompt[:PROMPT_FRAME_POSITIONS], self._prompt[PROMPT_FRAME_POSITIONS:]
                     await self._publish_unacked(TokenFrame(request_id=self.request_id, seq=self.seq, texts=[],

@@ -188,6 +188,39 @@ async def test_a_request_started_by_a_replica_that_died_is_not_served_again(stac
     await nc.close()
 
 
+async def test_a_request_whose_claim_is_refused_after_its_prompt_ran_sends_nothing_and_frees_its_room(stack):
+    """A stage runs a request's prompt while its start frame is acked; another's frame is there already
+    (on the first delivery, so the stage does not look first): refused, it drops the request, sends no
+    frame and no request event, and serves on with the room given back."""
+    s, _ = stack
+    load_id = status(s)["load_id"]
+    nc = await bus(s)
+    js = nc.jetstream()
+    start = StartFrame(request_id="rq-claimed-first", seq=0, fellow_id="ghost", replica=7)
+    await js.publish(subjects.tokens("rq-claimed-first"), msgspec.json.encode(start),
+                     headers={"Nats-Msg-Id": frame_msg_id("rq-claimed-first", 0)})
+    await publish_request(js, load_id, "rq-claimed-first", max_tokens=2)
+
+    async def acked():
+        while True:
+            info = await js.consumer_info(subjects.REQUESTS_STREAM, subjects.request_consumer(load_id))
+            if not info.num_pending and not info.num_ack_pending:
+                return
+            await asyncio.sleep(0.1)
+    await asyncio.wait_for(acked(), 30)
+    assert await frames_of(js, "rq-claimed-first") == [start]
+    assert "rq-claimed-first was started by another replica" in s.logs()
+    assert "rq-claimed-first" not in rows(s)
+    for i in range(3):  # more than either replica's room would hold if the dropped one kept its place
+        await publish_request(js, load_id, f"rq-after-drop-{i}", max_tokens=2)
+    for i in range(3):
+        async def done(rid=f"rq-after-drop-{i}"):
+            while not any(isinstance(f, DoneFrame) for f in await frames_of(js, rid)):
+                await asyncio.sleep(0.2)
+        await asyncio.wait_for(done(), 60)
+    await nc.close()
+
+
 async def test_a_lost_replica_fails_its_own_requests_and_the_load_serves_on(stack):
     s, _ = stack
     nc = await bus(s)

@@ -131,3 +131,28 @@ async def test_a_request_refused_before_its_start_ends_once_and_never_after_a_cl
     refuser.error("too long", "context_length_exceeded")
     await asyncio.wait_for(refuser.closed.wait(), 10)
     assert await frames(js, "rq-served") == [StartFrame(request_id="rq-served", seq=0, fellow_id="f0", replica=0)]
+
+
+async def test_what_comes_while_the_start_frame_is_acked_waits_for_it_and_goes_nowhere_if_refused(nc, js):
+    """Tokens and the end given while start() waits for JetStream's answer follow the stored start frame
+    in order; a claimant refused sends none of what it was given (the intake drops the request)."""
+    ours = TokenBatcher(nc, js, "rq-early")
+    claim = asyncio.create_task(ours.start("f0", 0))
+    await asyncio.sleep(0)  # start() is waiting for the answer
+    ours.add(["a", "b"], [5, 6])
+    ours.done(2, 3, "length", {})
+    assert await claim is True
+    await asyncio.wait_for(ours.closed.wait(), 10)
+    got = await frames(js, "rq-early")
+    assert [type(f).__name__ for f in got] == ["StartFrame", "TokenFrame", "DoneFrame"]
+    assert [f.seq for f in got] == [0, 1, 2] and got[1].token_ids == [5, 6]
+
+    assert await TokenBatcher(nc, js, "rq-taken").start("f1", 1) is True
+    refused = TokenBatcher(nc, js, "rq-taken")
+    claim = asyncio.create_task(refused.start("f0", 0))
+    await asyncio.sleep(0)
+    refused.add(["x"], [7])
+    refused.error("should not be sent", "internal_error")
+    assert await claim is False
+    await asyncio.wait_for(refused.closed.wait(), 10)
+    assert await frames(js, "rq-taken") == [StartFrame(request_id="rq-taken", seq=0, fellow_id="f1", replica=1)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from nats.aio.client import Client
@@ -61,6 +61,8 @@ class _Taken:
     batcher: TokenBatcher
     started: float
     bus_wait_s: float = 0.0  # from the gateway's accept to this stage taking it (wall clocks)
+    claimed: bool = False  # its start frame is stored: until then its outputs wait in `held`
+    held: list = field(default_factory=list)
 
 
 class Intake:
@@ -190,27 +192,37 @@ class Intake:
             return
         batcher = TokenBatcher(self.nc, self.js, req.request_id, req.frame_key,
                                self.cfg.options.stream_interval_ms / 1e3)
+        bus_wait = max(0.0, time.time() - req.created) if req.created else 0.0
+        taken = self.active[req.request_id] = _Taken(batcher, time.monotonic(), bus_wait)
+        # The prompt runs while the start frame is acked (its round trip is not in the time to first token);
+        # what it yields is held until the claim stands, and dropped with the request if it does not.
+        self.serving.submit(Job(req.request_id, prompt_ids, max_tokens, sampling, list(req.stop)))
         try:
             claimed = await batcher.start(self.fellow_id, self.cfg.replica)  # from here, our death fails it
         except Exception as exc:  # a bus timeout, say: the start frame may be stored or not
-            self.scheduler.withdraw(req.request_id)
+            self._drop(req.request_id)
             await _ack(msg)
             await self._refuse(req, len(prompt_ids), f"the start frame was not published: {exc}", "intake_failed",
                                batcher=batcher)
             return
         if not claimed:
-            self.scheduler.withdraw(req.request_id)
+            self._drop(req.request_id)
             log.warning("request %s was started by another replica; not serving it again", req.request_id,
                         extra=for_request(req.request_id))
             await _ack(msg)
             return
-        bus_wait = max(0.0, time.time() - req.created) if req.created else 0.0
-        self.active[req.request_id] = _Taken(batcher, time.monotonic(), bus_wait)
         self.metrics.requests += 1
-        self.serving.submit(Job(req.request_id, prompt_ids, max_tokens, sampling, list(req.stop)))
+        taken.claimed = True
         if self.early_cancels.pop(req.request_id, None) is not None:  # its client hung up while it waited
             self.serving.cancel(req.request_id)
+        held, taken.held = taken.held, []
+        self.deliver(held)  # what the prompt yielded while the start frame was acked
         await _ack(msg)  # served either way: a redelivery finds the start frame and leaves it
+
+    def _drop(self, request_id: str) -> None:
+        """A request taken but not claimed: its session ends, and nothing it yielded goes out."""
+        self.active.pop(request_id, None)
+        self.serving.cancel(request_id)
 
     async def _started_elsewhere(self, request_id: str) -> bool:
         """Whether SWARM_TOKENS holds a frame of this request already (a start frame at least): the
@@ -249,7 +261,12 @@ class Intake:
         """What the serving loop produced (called on this, the bus, thread)."""
         for out in outputs:
             taken = self.active.get(out.request_id)
-            if taken is None:
+            if taken is None:  # dropped (not claimed): its end frees room all the same
+                if out.finish_reason is not None or out.error is not None:
+                    self.room.set()
+                continue
+            if not taken.claimed:
+                taken.held.append(out)
                 continue
             if out.ids:
                 self.metrics.tokens(len(out.ids))
