@@ -9,8 +9,12 @@ and the client streams /v1/chat/completions over HTTP. A core NATS subscriber in
 when the request reaches ``swarm.req.<load>`` and when its start and token frames reach
 ``swarm.tok.<request>`` (each frame is then delivered twice, to the leader and to it). The stage's own
 figures (its prefill and decode step) come from the reply's ``swarm.timing``. CPU time is read from
-/proc before and after the timed requests (10 ms ticks: a figure is good to about 10 ms over the run).
-With ``--tokens 1`` the CPU a token is the CPU a whole one-token request costs.
+/proc before and after each timed request (10 ms ticks: a figure is good to about 10 ms over the run).
+With ``--tokens 1`` the CPU a token is the CPU a whole one-token request costs. Before each request the
+engine alone answers the same prompt's first token in this process (the stack idle, so both see the
+machine as it is then; its CPU counts in "client"): "added_ms" is the median of the pairs' differences,
+the stack's first text less the engine's first token, the time the stack adds to the first token (each
+of the two starts after a quiet 0.2 s).
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ def children(pid: int) -> list[int]:
     return out
 
 
-async def trace(stack: Stack, nats_url: str, pids: dict[str, int], model: str, tokens: int, requests: int) -> dict:
+async def trace(stack: Stack, nats_url: str, pids: dict[str, int], model: str, tokens: int, requests: int,
+                alone=None) -> dict:
     nc = await connect(nats_url, name="bench-trace")
     seen: dict = {}
 
@@ -78,15 +83,23 @@ async def trace(stack: Stack, nats_url: str, pids: dict[str, int], model: str, t
         for _ in range(2):  # warm
             async for _chunk in sse_chunks(client, url, model, "warm", 4):
                 pass
-        before = {k: cpu_ms(p) for k, p in pids.items()}
+        spent = dict.fromkeys(pids, 0.0)
         for _ in range(requests):
+            # the engine alone just before, a pair on the same machine state; each after a quiet 0.2 s (what the
+            # last request left, such as the requests projection's linger, done; torch's threads asleep)
+            time.sleep(0.2)
+            engine_ms = alone() if alone else None
+            time.sleep(0.2)
             seen.clear()
+            before = {k: cpu_ms(p) for k, p in pids.items()}  # around the request alone, not the pauses
             started = time.perf_counter()
             content = []
             async for chunk in sse_chunks(client, url, model, QUESTIONS[0], tokens):
                 if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
                     content.append(time.perf_counter())
             await nc.flush()
+            for k, p in pids.items():
+                spent[k] += cpu_ms(p) - before[k]
             frames = seen.get("frames", [])
             start = next(t for t, f in frames if isinstance(f, StartFrame))
             token_times = [t for t, f in frames if isinstance(f, TokenFrame)]
@@ -96,21 +109,24 @@ async def trace(stack: Stack, nats_url: str, pids: dict[str, int], model: str, t
                          "first_text": ms(content[0]) if content else None, "frames": len(token_times),
                          "prefill_ms": done.timing.get("prefill_ms"), "decode_ms": done.timing.get("decode_ms"),
                          "queue_ms": done.timing.get("queue_ms"), "stage_ttft_ms": done.timing.get("ttft_ms"),
+                         "engine_first_ms": engine_ms,
+                         "added_ms": ms(content[0]) - engine_ms if content and engine_ms is not None else None,
                          "frame_gap_ms": statistics.median([(b - a) * 1e3 for a, b in zip(token_times, token_times[1:])])
                          if len(token_times) > 2 else None})
-        after = {k: cpu_ms(p) for k, p in pids.items()}
     await nc.close()
     frames_total = sum(r["frames"] for r in rows)
     med = lambda k: statistics.median([r[k] for r in rows if r[k] is not None]) if any(r[k] is not None for r in rows) else None  # noqa: E731
     return {"tokens": tokens, "requests": requests,
             **{k: round(med(k), 2) for k in ("published", "started", "first_frame", "first_text", "queue_ms", "prefill_ms",
-                                             "stage_ttft_ms", "decode_ms", "frame_gap_ms") if med(k) is not None},
-            "cpu_ms_per_token": {k: round((after[k] - before[k]) / frames_total, 3) for k in pids}}
+                                             "stage_ttft_ms", "engine_first_ms", "added_ms", "decode_ms", "frame_gap_ms")
+               if med(k) is not None},
+            "cpu_ms_per_token": {k: round(spent[k] / frames_total, 3) for k in pids}}
 
 
 def engine_first_and_step(servable: Path, model_dir: Path, tokens: int = 32) -> dict:
     """The stage alone in this process, as bench_matrix times it: ms to the first token of the same
-    prompt (median of 12) and ms of a decode step (median over one reply)."""
+    prompt (median of 12) and ms of a decode step (median over one reply); and a callable that times
+    one more first token (``trace`` runs it before each request: "added_ms" is the pair's difference)."""
     from transformers import AutoTokenizer
 
     from bench.bench_matrix import prompts_for
@@ -134,7 +150,7 @@ def engine_first_and_step(servable: Path, model_dir: Path, tokens: int = 32) -> 
     run(2)
     firsts = [run(1).timing()["ttft_ms"] for _ in range(12)]
     return {"engine_first_ms": round(statistics.median(firsts), 2),
-            "engine_decode_ms": round(run(tokens).timing()["decode_ms"], 2)}
+            "engine_decode_ms": round(run(tokens).timing()["decode_ms"], 2)}, lambda: run(1).timing()["ttft_ms"]
 
 
 def main() -> None:
@@ -151,18 +167,21 @@ def main() -> None:
     tmp = scratch_dir("swarm-bench-trace-")
     ckpt = make_checkpoint(tmp / args.shape / "hf", SHAPES[args.shape])
     export(ckpt, tmp / "servables" / args.shape, stages=1, model_id=args.shape)
-    alone = engine_first_and_step(tmp / "servables" / args.shape, ckpt)
+    alone, first = engine_first_and_step(tmp / "servables" / args.shape, ckpt)
     print(json.dumps(alone), flush=True)
     with EmbeddedNats(tmp / "js") as nats:
+        # the fellow's defaults (the test fixture turns the background compile and quantized probes off)
         stack = Stack(tmp / args.shape, nats.url, tmp / "servables", SWARM_MODEL_IDLE_UNLOAD_S=0,
-                      SWARM_SERVE_PREFIX_CACHE="off", **extra).start()
+                      SWARM_SERVE_PREFIX_CACHE="off", SWARM_SERVE_QUANTIZED="auto", SWARM_SERVE_COMPILE="auto",
+                      **extra).start()
         try:
             settled(stack, args.shape, stack.load(args.shape))  # the default's background compile, done
             fellow = stack.fellows[0].proc.pid
             pids = {"leader": stack.leader.proc.pid, "nats-server": nats.process.pid, "fellow": fellow,
                     "stage": children(fellow)[0], "client": os.getpid()}
             for tokens in args.tokens:
-                print(json.dumps(asyncio.run(trace(stack, nats.url, pids, args.shape, tokens, args.requests))),
+                print(json.dumps(asyncio.run(trace(stack, nats.url, pids, args.shape, tokens, args.requests,
+                                                    first))),
                       flush=True)
         finally:
             stack.stop()
