@@ -21,6 +21,7 @@ from core.nats_server import EmbeddedNats
 from events.requests import RequestAccepted, RequestFailed, RequestFinished
 from events.subjects import EVENTS_STREAM
 from playwright.sync_api import expect, sync_playwright
+from tests.processes import wait_until
 from tests.serving_fixtures import Stack, make_servable
 from tests.tiny import R1_TEMPLATE
 
@@ -204,7 +205,8 @@ def test_load_chat_stop_and_see_it_in_the_dashboard(stack, browser):
     python = subprocess.run([sys.executable, "-c", page.locator("#snippet-python").inner_text()], env=env,
                             capture_output=True, text=True, timeout=60)
     assert python.returncode == 0, python.stderr
-    assert len(s.get("/api/v1/requests?model=tiny").json()["data"]) == 4  # both reached the model
+    # both reached the model (their rows come within the requests projection's 0.1 s linger)
+    wait_until(lambda: len(s.get("/api/v1/requests?model=tiny").json()["data"]) == 4, 30, "both snippets' rows")
 
     # Unload from the chat page.
     expect(page.locator("#unload-btn")).to_be_enabled()
