@@ -45,6 +45,8 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
 
 
 class TokenFrame(Frame, frozen=True, tag="tokens"):
+    # one text per token id ("" where a token completes no character yet), then at most one piece of
+    # no token (what the detokenizer still held when the reply ended)
     texts: list[str]
     text: str = ""  # the texts joined, for readers that want one string
     token_ids: list[int] = []

@@ -72,6 +72,14 @@ def split(raw: str, inside: bool) -> tuple[str | None, str]:
     return thought.strip() or None, answer.lstrip()
 
 
+def thinking_tokens(tokens: list[str], inside: bool) -> int:
+    """The tokens spent thinking, tags included, from a raw reply's token texts."""
+    if not inside and not "".join(tokens).lstrip().startswith("<think>"):
+        return 0
+    start = 0 if inside else tokens.index("<think>")
+    return (tokens.index("</think>", start) if "</think>" in tokens[start:] else len(tokens) - 1) - start + 1
+
+
 async def streamed(client, **request) -> tuple[str, str, object]:
     thought, text, usage = "", "", None
     stream = await client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **request)
@@ -88,9 +96,12 @@ async def streamed(client, **request) -> tuple[str, str, object]:
 async def test_chat_keeps_the_thinking_apart_whole_and_streamed(stack, client, model, inside, tags):
     sampling = dict(max_tokens=30, temperature=1.0, top_p=1.0, seed=3, logit_bias=bias(stack, model, **tags),
                     extra_body={"top_k": 0})
-    raws = (await client.completions.create(model=model, prompt=await prompt_ids(stack, model), n=8,
+    raws = (await client.completions.create(model=model, prompt=await prompt_ids(stack, model), n=8, logprobs=0,
                                             **sampling)).choices
     reply = await client.chat.completions.create(model=model, messages=PROMPT, n=8, **sampling)
+    counts = [thinking_tokens(raw.logprobs.tokens, inside) for raw in raws]
+    # every token counts, one that completes no character yet too (the byte-level model writes some)
+    assert reply.usage.completion_tokens_details.reasoning_tokens == sum(counts)
     thoughts = 0
     for raw, choice in zip(raws, reply.choices):
         thought, answer = split(raw.text, inside)
@@ -102,7 +113,7 @@ async def test_chat_keeps_the_thinking_apart_whole_and_streamed(stack, client, m
     assert alone.choices[0].message == first
     details = alone.usage.completion_tokens_details  # the thinking counts, tags included, within the reply's
     assert (details.reasoning_tokens > 0) == (first.model_extra["reasoning_content"] is not None)
-    assert details.reasoning_tokens < alone.usage.completion_tokens
+    assert details.reasoning_tokens == counts[0] < alone.usage.completion_tokens
     s_thought, s_text, usage = await streamed(client, model=model, messages=PROMPT, **sampling)
     assert (s_thought or None, s_text) == (first.model_extra["reasoning_content"], first.content)
     assert usage.completion_tokens == alone.usage.completion_tokens

@@ -6,7 +6,9 @@ import random
 
 import pytest
 
+from events.frames import TokenFrame
 from leader.openai.reasoning import Reasoning
+from leader.openai.replies import split_pieces
 
 
 def run(pieces: list[str], inside: bool = False) -> tuple[str, str, int]:
@@ -49,3 +51,15 @@ def test_a_reply_of_whitespace_streams_as_answer_instead_of_being_held_to_its_en
     settled = [split.feed("\n")[1] for _ in range(40)]
     assert settled[:8] == [""] * 8 and "".join(settled) == "\n" * 40 and settled[-1] == "\n"
     assert run(["\n", "\n", " <think>", "x</think>", "ans"])[:2] == ("x", "ans")  # a late block still opens
+
+
+def test_a_frame_counts_its_tokens_not_its_pieces():
+    """A stage sends one text per token id ("" for a token that completes no character yet), then at most
+    one piece of no token (the detokenizer's tail); a prompt-logprobs frame has neither."""
+    split = Reasoning(True)
+    assert split_pieces(split, TokenFrame(request_id="r", seq=1, texts=[], prompt_logprobs=[None])) == ("", "")
+    frame = TokenFrame(request_id="r", seq=2, texts=["a", "", "b</think>", "c", "\ufffd"], token_ids=[1, 2, 3, 4])
+    assert split_pieces(split, frame) == ("ab", "c\ufffd") and split.tokens == 3
+    old = Reasoning(True)  # a peer that sends text alone: each piece a token
+    split_pieces(old, TokenFrame(request_id="r", seq=1, texts=["a", "</think>"]))
+    assert old.tokens == 2

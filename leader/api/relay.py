@@ -81,7 +81,7 @@ class Relay:
                 if isinstance(frame, TokenFrame):
                     text, thought = frame.text or "".join(frame.texts), ""
                     if split is not None:
-                        thought, text = split_pieces(split, frame.texts or [text])
+                        thought, text = split_pieces(split, frame)
                     out = settled(enc, calls, thought, text, frame.logprobs)
                     if out:
                         yield event_id(rid, self.stream.next_seq) + out

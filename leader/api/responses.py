@@ -42,7 +42,7 @@ async def _events(relay: Relay, out: ResponseBuilder):
             frame = await relay.next_frame()
             if isinstance(frame, TokenFrame):
                 text = frame.text or "".join(frame.texts)
-                yield settled(*split_pieces(split, frame.texts or [text])) if split is not None else settled("", text)
+                yield settled(*split_pieces(split, frame)) if split is not None else settled("", text)
             elif isinstance(frame, DoneFrame):
                 tail = settled(*split.flush()) if split is not None else b""
                 tail += _pieces(out, calls.flush()) if calls is not None else b""

@@ -53,11 +53,12 @@ class Reasoning:
         self.thought = inside  # a think block was opened
         self._said = False  # some thinking was handed out (its leading whitespace is gone)
 
-    def feed(self, text: str) -> tuple[str, str]:
-        """One token's text; the (thinking, answer) text it settles."""
+    def feed(self, text: str, token: bool = True) -> tuple[str, str]:
+        """One token's text ("" for a token that completes no character yet), or with ``token`` False a
+        piece of no token; the (thinking, answer) text it settles."""
         was = self.state
         out = self._step(text)
-        if "thinking" in (was, self.state):
+        if token and "thinking" in (was, self.state):
             self.tokens += 1
         return out
 

@@ -118,7 +118,7 @@ class Answer:
         if self.split is None:
             self.last = ("", text)
         else:
-            self.last = split_pieces(self.split, frame.texts or [text])
+            self.last = split_pieces(self.split, frame)
         self.thoughts.append(self.last[0])
         self.texts.append(self.last[1])
 
@@ -143,11 +143,14 @@ class Answer:
         return 0 if self.split is None else self.split.tokens
 
 
-def split_pieces(split: Reasoning, texts: list[str]) -> tuple[str, str]:
-    """The (thinking, answer) text that a frame's token texts settle."""
+def split_pieces(split: Reasoning, frame: TokenFrame) -> tuple[str, str]:
+    """The (thinking, answer) text that a frame's token texts settle. Its texts are one per token id, then
+    at most one piece of no token; a frame without ids (a peer that sends text only) counts each a token."""
+    texts = frame.texts or ([frame.text] if frame.text else [])
+    tokens = len(frame.token_ids) if frame.token_ids else len(texts)
     thought, answer = [], []
-    for piece in texts:
-        t, a = split.feed(piece)
+    for i, piece in enumerate(texts):
+        t, a = split.feed(piece, token=i < tokens)
         thought.append(t)
         answer.append(a)
     return "".join(thought), "".join(answer)

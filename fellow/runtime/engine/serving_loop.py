@@ -245,8 +245,7 @@ class ServingLoop:
                 text, hit = reply.feed(reply.detok.add(token))
                 out.ids.append(token)
                 reply.ids_out += 1
-                if text:
-                    out.texts.append(text)
+                out.texts.append(text)  # one per token, "" included: the leader counts a reply's tokens by them
                 if hit:
                     reply.stopped = True
                     self.engine.cancel(sid, "stop")
@@ -260,8 +259,10 @@ class ServingLoop:
             if not reply.stopped:
                 tail, _ = reply.feed(reply.detok.flush())
                 tail += reply.pending
-                if tail:
-                    out.texts.append(tail)
+                if tail and out.texts:
+                    out.texts[-1] += tail  # the last token's text
+                elif tail:
+                    out.texts.append(tail)  # a piece of no token, after the ids
             out.finish_reason = session.finish_reason or "stop"
             out.completion_tokens = reply.ids_out if reply.stopped else len(session.output_ids)
             out.prompt_tokens = len(session.prompt_ids)
