@@ -9,6 +9,9 @@ Real tiny models, the kernel compiled with the host's C compiler (skipped where 
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -152,6 +155,29 @@ def test_an_int4_stage_computes_its_fused_steps_logits_within_the_quantized_tole
         want = stage.decode([fused], torch.tensor([token]))
         got = step.decode([native], torch.tensor([token]))
         assert float((got - want).abs().max()) <= QUANTIZED_LOGIT_TOLERANCE * (1 + float(want.abs().max()))
+
+
+@pytest.mark.parametrize("capability", ["avx512", "avx2", "default"])
+def test_torchs_int4_packing_is_read_back_under_each_cpu_capability(capability):
+    """torch packs int4 by the capability it dispatches to (blocks of 64 outputs with AVX-512, 32 with AVX2,
+    pairs of neighbours without vectors; a short last block in pairs); ``int4_values`` reads each back, on
+    output counts with and without a short block. ATEN_CPU_CAPABILITY picks one at or below this CPU's."""
+    check = """
+import sys, torch
+from fellow.runtime.model.native_step import int4_packing, int4_values
+for n in (32, 48, 96, 160, 192, 208):
+    q = torch.randint(0, 16, (n, 128), dtype=torch.int32, generator=torch.Generator().manual_seed(n))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2).view(torch.uint8)
+    assert torch.equal(int4_values(packed, n, 128).int(), q), n
+print(torch.backends.cpu.get_cpu_capability(), int4_packing())
+"""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    ran, packing = done.stdout.split(maxsplit=1)
+    if ran.lower() != capability:
+        pytest.skip(f"this CPU runs {ran}, not {capability}")
+    assert packing.strip() == {"avx512": "(64, True)", "avx2": "(32, True)", "default": "(32, False)"}[capability]
 
 
 def test_what_it_cannot_take_says_why_and_the_background_compile_builds_it_where_it_can(tmp_path):

@@ -56,6 +56,8 @@ def why_not(stage) -> str | None:
             return f"its {linear.kernel} weights of {linear.in_features} inputs (the kernel reads int8 or int4 in 32s)"
         elif linear.kernel == "int4" and linear.out_features % 32:
             return f"an int4 weight of {linear.out_features} outputs (torch packs them in 32s)"
+        elif linear.kernel == "int4" and int4_packing() is None:
+            return "torch's int4 packing on this CPU is not one the kernel reads"
     if type(stage.embed) is nn.Embedding and stage.embed.weight.dtype != torch.float32:
         return "its embeddings are not float32"
     cos, _ = RotaryRows(stage.rotary_emb, stage.dtype)([0])
@@ -182,11 +184,43 @@ class NativeStep(CompiledDecode):
 def int4_rows(linear) -> tuple[torch.Tensor, torch.Tensor]:
     """An int4 QuantLinear's weight as the step kernel reads it: uint8 [N, K / 2], each 32 inputs' 16 bytes
     holding input i low and input i + 16 high; and float32 [N, K / group, 2], each group's scale and offset
-    (a weight is q * scale + offset). From torch's CPU packing, which holds blocks of 32 outputs, one input
-    after another, 16 bytes an input: output o in the low nibble, o + 16 in the high one (a test checks it)."""
+    (a weight is q * scale + offset). From torch's CPU packing (``int4_values``)."""
     n, k = linear.out_features, linear.in_features
-    packed = linear.weight.view(torch.uint8).reshape(n // 32, k, 16)
-    values = torch.cat([packed & 15, packed >> 4], dim=2).permute(0, 2, 1).reshape(n, k // 32, 2, 16)
+    values = int4_values(linear.weight.view(torch.uint8), n, k).reshape(n, k // 32, 2, 16)
     rows = (values[:, :, 0] | (values[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
     scale, zero = linear.scales[:, :n].float().unbind(-1)  # [K / group, N] each: q * scale + zero - 8 * scale
     return rows, torch.stack([scale, zero - 8 * scale], dim=-1).transpose(0, 1).contiguous()
+
+
+def int4_values(packed: torch.Tensor, n: int, k: int, packing: tuple[int, bool] | None = None) -> torch.Tensor:
+    """The uint8 [N, K] values (0-15) that ``aten._convert_weight_to_int4pack_for_cpu`` packed. Its layout
+    follows the CPU capability torch dispatches to (``int4_packing``): blocks of ``block`` outputs, one input
+    after another, block / 2 bytes an input; a whole block's byte b holds output b low and b + block / 2
+    high where the capability vectorizes (``halves``), else outputs 2b and 2b + 1, as a last, short block
+    always does."""
+    block, halves = packing or int4_packing()
+    whole = n // block * block
+    out = torch.empty(n, k, dtype=torch.uint8)
+    if whole:
+        part = packed.reshape(-1)[:whole * k // 2].reshape(whole // block, k, block // 2)
+        nibbles = (torch.cat if halves else torch.stack)([part & 15, part >> 4], dim=-1)
+        out[:whole] = nibbles.reshape(whole // block, k, block).permute(0, 2, 1).reshape(whole, k)
+    if n > whole:
+        part = packed.reshape(-1)[whole * k // 2:].reshape(k, (n - whole) // 2)
+        out[whole:] = torch.stack([part & 15, part >> 4], dim=2).reshape(k, n - whole).t()
+    return out
+
+
+PACKINGS = ((64, True), (32, True), (32, False), (64, False))  # AVX-512, AVX2, no vectors; one more guess
+_packing: list = []
+
+
+def int4_packing() -> tuple[int, bool] | None:
+    """(block, halves) of torch's CPU int4 packing in this process, read once off a packed probe whose last
+    block is short; None where none of ``PACKINGS`` reads it back."""
+    if not _packing:
+        probe = torch.randint(0, 16, (176, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 2).view(torch.uint8)
+        _packing.append(next((p for p in PACKINGS if torch.equal(int4_values(packed, 176, 64, p).int(), probe)),
+                             None))
+    return _packing[0]
