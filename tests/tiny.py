@@ -70,12 +70,14 @@ def _config(family: str, layers: int, hidden: int, vocab: int, tie: bool, window
 
 
 def make_tiny_checkpoint(dir: str | Path, family: str = "qwen3", layers: int = 4, hidden: int = 64,
-                         seed: int = 0, *, tie_embeddings: bool | None = None, window: int | None = None) -> Path:
+                         seed: int = 0, *, tie_embeddings: bool | None = None, window: int | None = None,
+                         shape: dict | None = None) -> Path:
     """Write a random ``family`` causal LM and its chat tokenizer to ``dir``; returns ``dir``.
 
     Same seed and shape, same weights. Ties embeddings like the family's small models do
     (Qwen3 yes, the others no) unless ``tie_embeddings`` says otherwise. ``window``: a sliding window of
-    that many positions (qwen2, mistral). Takes well under 2 s.
+    that many positions (qwen2, mistral). ``shape``: config values set over the tiny ones (heads, widths).
+    Takes well under 2 s at the tiny shapes.
     """
     from transformers import AutoModelForCausalLM
 
@@ -86,6 +88,8 @@ def make_tiny_checkpoint(dir: str | Path, family: str = "qwen3", layers: int = 4
     tokenizer = _tokenizer()
     tie = family == "qwen3" if tie_embeddings is None else tie_embeddings
     config = _config(family, layers, hidden, len(tokenizer), tie, window)
+    for key, value in (shape or {}).items():
+        setattr(config, key, value)
     gen = generation_config_values(tokenizer)
     config.eos_token_id, config.pad_token_id = gen["eos_token_id"][0], gen["pad_token_id"]
     torch.manual_seed(seed)
