@@ -29,6 +29,7 @@ def run(pieces: list[str], inside: bool = False) -> tuple[str, str, int]:
     ("a b\n</think>\n\nans", True, "a b", "ans"),  # DeepSeek-R1 style: the prompt opened the block
     ("a b </th", True, "a b </th", ""),  # cut off while thinking: all thought, nothing held back
     ("<think>\nstill thinking\n", False, "still thinking", ""),
+    ("\n" * 12 + "<think>x</think>\n\nans", False, "x", "\n" * 12 + "ans"),  # a long lead is answer, the block opens
 ])
 def test_any_cut_of_a_reply_splits_alike(raw, inside, thought, answer):
     rng = random.Random(raw)

@@ -14,7 +14,7 @@ from leader.errors import ApiError
 from leader.openai.tokenizer import tokenizer_for
 
 OPEN, CLOSE = "<think>", "</think>"
-START_HOLD = 8  # leading whitespace held while a reply may still open its thinking; past it, the reply is answer
+START_HOLD = 8  # leading whitespace held while a reply may still open its thinking; past it, it is answer
 _PROBE = [{"role": "user", "content": "hi"}]
 
 
@@ -52,6 +52,7 @@ class Reasoning:
         self.tokens = 0
         self.thought = inside  # a think block was opened
         self._said = False  # some thinking was handed out (its leading whitespace is gone)
+        self._blank = False  # the reply's leading whitespace ran past START_HOLD and went out as answer
 
     def feed(self, text: str, token: bool = True) -> tuple[str, str]:
         """One token's text ("" for a token that completes no character yet), or with ``token`` False a
@@ -64,12 +65,15 @@ class Reasoning:
 
     def _step(self, text: str) -> tuple[str, str]:
         self.buf += text
+        blank = ""  # leading whitespace past START_HOLD: answer, out as it comes; a block may still open after it
         if self.state == "start":
             head = self.buf.lstrip()
-            if (not head and len(self.buf) <= START_HOLD) or (head and OPEN.startswith(head) and head != OPEN):
-                return "", ""  # not known yet
+            if self._blank or len(self.buf) - len(head) > START_HOLD:
+                self._blank, blank, self.buf = True, self.buf[:len(self.buf) - len(head)], head
+            if not head or (OPEN.startswith(head) and head != OPEN):
+                return "", blank  # not known yet
             if not head.startswith(OPEN):
-                self.state, out, self.buf = "answer", self.buf, ""
+                self.state, out, self.buf = "answer", blank + self.buf, ""
                 return "", out
             self.state, self.thought, self.buf = "thinking", True, head[len(OPEN):]
         thinking = ""
@@ -79,16 +83,16 @@ class Reasoning:
                 body = self.buf.rstrip()
                 settled = body[:len(body) - _held(body, CLOSE)].rstrip()
                 self.buf = self.buf[len(settled):]
-                return self._thinking(settled), ""
+                return self._thinking(settled), blank
             thinking = self._thinking(self.buf[:end].rstrip())
             self.state, self.buf = "lead", self.buf[end + len(CLOSE):]
         if self.state == "lead":
             self.buf = self.buf.lstrip()
             if not self.buf:
-                return thinking, ""
+                return thinking, blank
             self.state = "answer"
         out, self.buf = self.buf, ""
-        return thinking, out
+        return thinking, blank + out
 
     def _thinking(self, piece: str) -> str:
         if not self._said:
