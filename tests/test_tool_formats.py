@@ -34,8 +34,9 @@ def stack(tmp_path_factory):
     servables = {}
     for name, template in FORMATS.items():
         _, servables[name] = make_servable(root / "models", name, layers=2, hidden=64, chat_template=template)
-    yield from stack_serving(root, servables["llama3"].parent, *FORMATS, env={"SWARM_MAX_LOADED_MODELS": 2},
-                             num_stages=1)
+    # a frame a token: how many pieces a streamed call comes in does not follow the machine's decode speed
+    env = {"SWARM_MAX_LOADED_MODELS": 2, "SWARM_SERVE_STREAM_INTERVAL_MS": 0}
+    yield from stack_serving(root, servables["llama3"].parent, *FORMATS, env=env, num_stages=1)
 
 
 @pytest.fixture
