@@ -15,6 +15,7 @@ times it like them (``CompiledDecode.build``), and serves whichever is fastest.
 from __future__ import annotations
 
 import ctypes
+import functools
 import time
 import weakref
 
@@ -207,20 +208,17 @@ def int4_values(packed: torch.Tensor, n: int, k: int, packing: tuple[int, bool] 
         out[:whole] = nibbles.reshape(whole // block, k, block).permute(0, 2, 1).reshape(whole, k)
     if n > whole:
         part = packed.reshape(-1)[whole * k // 2:].reshape(k, (n - whole) // 2)
-        out[whole:] = torch.stack([part & 15, part >> 4], dim=2).reshape(k, n - whole).t()
+        out[whole:] = torch.stack([part & 15, part >> 4], dim=-1).reshape(k, n - whole).t()
     return out
 
 
-PACKINGS = ((64, True), (32, True), (32, False), (64, False))  # AVX-512, AVX2, no vectors; one more guess
-_packing: list = []
+PACKINGS = ((64, True), (32, True), (32, False))  # AVX-512, AVX2, no vectors
 
 
+@functools.cache
 def int4_packing() -> tuple[int, bool] | None:
     """(block, halves) of torch's CPU int4 packing in this process, read once off a packed probe whose last
     block is short; None where none of ``PACKINGS`` reads it back."""
-    if not _packing:
-        probe = torch.randint(0, 16, (176, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 2).view(torch.uint8)
-        _packing.append(next((p for p in PACKINGS if torch.equal(int4_values(packed, 176, 64, p).int(), probe)),
-                             None))
-    return _packing[0]
+    probe = torch.randint(0, 16, (176, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 2).view(torch.uint8)
+    return next((p for p in PACKINGS if torch.equal(int4_values(packed, 176, 64, p).int(), probe)), None)
