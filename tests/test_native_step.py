@@ -1,8 +1,8 @@
 """One session's decode step as one C call (fellow.runtime.model.native_step, the background compile's
 ``native`` form): on a tied Qwen3 with per-head norms and grouped attention, and on a Qwen2 with biases
 whose upper layers slide, it gives HF generate's greedy reply token for token; an int8 stage replies as
-its fused step does, an int4 one within the quantized tolerance; a stage it cannot take says why; the
-background compile builds it by default.
+its fused step does, an int4 one within the quantized tolerance; its AVX-512 and AVX2 builds each pass the
+check; a stage it cannot take says why; the background compile builds it by default.
 
 Real tiny models, the kernel compiled with the host's C compiler (skipped where none builds it)."""
 
@@ -173,6 +173,46 @@ def test_an_int4_stage_of_a_benchmark_shape_is_taken_at_one_and_eight_sessions(t
     for rows in (1, 8):
         found = step.build(rows, only_faster=False, compiled=True)
         assert found["serving"], found
+
+
+BUILDS = """
+import sys, torch
+from pathlib import Path
+from events.stage import StageOptions
+from fellow.runtime.model import native
+from fellow.runtime.model.loader import load_one_stage
+from fellow.runtime.model.native_step import NativeStep, why_not
+from fellow.runtime.tools.export import export
+from tests.tiny import make_tiny_checkpoint
+torch.set_num_threads(2)
+root = Path(sys.argv[1])
+for method, inter in (("none", 232), ("int8", 224), ("int4-fast", 224)):
+    hf = make_tiny_checkpoint(root / f"{method}-hf", layers=2, hidden=96, shape=dict(
+        intermediate_size=inter, num_attention_heads=4, num_key_value_heads=2, head_dim=24))
+    export(hf, root / method, stages=1, model_id=method)
+    stage = load_one_stage(root / method, "cpu", StageOptions(quantization=method, compile=None)).stage
+    assert why_not(stage) is None, (method, why_not(stage))
+    step = NativeStep(stage, stage.plain_weights)
+    for rows in (1, 3, 8):
+        found = step.build(rows, only_faster=False, compiled=True)
+        assert found["serving"], (method, rows, found)
+print(torch.backends.cpu.get_cpu_capability(), "-mavx512f" in native.flags())
+"""
+
+
+@pytest.mark.parametrize("capability", ["avx512", "avx2"])
+def test_each_build_of_the_kernel_agrees_with_the_fused_step(tmp_path, capability):
+    """The kernel is built for AVX-512 where torch dispatches AVX-512 (``step_avx512``), else for AVX2: under
+    each capability this CPU has, float32 (a down product of 232 inputs: a masked last eight), int8 and int4
+    (224: an odd count of 32-blocks) steps of 1, 3 and 8 sessions pass the background compile's check."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", BUILDS, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    ran, avx512 = done.stdout.split()[-2:]
+    if ran.lower() != capability:
+        pytest.skip(f"this CPU runs {ran}, not {capability}")
+    assert avx512 == str(capability == "avx512")
 
 
 @pytest.mark.parametrize("capability", ["avx512", "avx2", "default"])

@@ -20,6 +20,10 @@ from pathlib import Path
 import torch
 
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+# where torch dispatches its AVX-512 kernels the sources are built for AVX-512 too (their ``__AVX512F__``
+# paths: 16 floats a register, and VNNI's int8 products where the CPU has them); ATEN_CPU_CAPABILITY=avx2
+# therefore gives the AVX2 build on the same machine, as it gives torch's AVX2 kernels
+AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
 # C: the sum of an AVX register's eight floats (the kernels' sources start with it)
 HSUM = r"""
 #include <immintrin.h>
@@ -82,21 +86,35 @@ def cache_dir() -> Path:
     return Path(base) / "swarm-kernels"
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        line = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
 def cpu_has_avx2_fma() -> bool:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return False
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return " avx2" in flags and " fma" in flags
+    return {"avx2", "fma"} <= _cpu_flags()
+
+
+def flags() -> list[str]:
+    """The compiler's flags here: AVX2 and FMA, with AVX-512 (and VNNI) where torch dispatches AVX-512."""
+    have = _cpu_flags()
+    if torch.backends.cpu.get_cpu_capability() != "AVX512" or not {"avx512f", "avx512bw", "avx512vl",
+                                                                     "avx512dq"} <= have:
+        return FLAGS
+    return FLAGS + AVX512 + (["-mavx512vnni"] if "avx512_vnni" in have else [])
 
 
 def build(name: str, source: str, what: str) -> tuple[ctypes.CDLL | None, str]:
     """(the library ``name`` built from ``source``, "") or (None, why not: one line, naming ``what``)."""
     if not cpu_has_avx2_fma():
         return None, "this CPU lacks AVX2 or FMA"
-    digest = hashlib.sha256((source + " ".join(FLAGS)).encode()).hexdigest()[:16]
+    chosen = flags()
+    digest = hashlib.sha256((source + " ".join(chosen)).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{digest}.so"
     if not target.exists():
         try:
@@ -106,7 +124,7 @@ def build(name: str, source: str, what: str) -> tuple[ctypes.CDLL | None, str]:
                 src.write_text(source)
                 built = Path(tmp) / f"{name}.so"
                 compiler = os.environ.get("CC") or "cc"
-                subprocess.run([compiler, *FLAGS, str(src), "-o", str(built)], check=True, capture_output=True,
+                subprocess.run([compiler, *chosen, str(src), "-o", str(built)], check=True, capture_output=True,
                                timeout=120)
                 os.replace(built, target)  # atomic: another process building at once is harmless
         except (OSError, subprocess.SubprocessError) as exc:

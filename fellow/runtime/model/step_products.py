@@ -14,11 +14,13 @@ all the input rows. No barrier inside: the step puts its own where a result is r
   over the group. int8 inputs, as llama.cpp's q4_1 by q8_1 does, moved a 20-layer model's logits by 0.08
   from the fused step's (which reads them in bfloat16); int16 ones by 0.02.
 Each row's result has the bias added, and is written or added (``add``: the residual) to ``y``.
+Every form but float32's one-row one reads the weight rows after its own into the cache as it goes (``AHEAD``). Where the build has AVX-512
+(``native.flags``), ``step_avx512``'s forms serve the products of several rows and the quantized ones.
 """
 
 from __future__ import annotations
 
-from fellow.runtime.model import native
+from fellow.runtime.model import native, step_avx512
 
 STRUCTS = r"""
 typedef struct {
@@ -37,6 +39,12 @@ typedef struct { int64_t xs, ys, qs, ds; } Rows;
 """
 
 SOURCE = native.DOT + STRUCTS + r"""
+/* A quantized product reads the weight row AHEAD rows on into the cache as it goes, a float32 one the next
+   row (or pair): the hardware's prefetcher follows one or two rows at a time and leaves the memory mostly
+   idle; with eight input rows a step ran at half of one row's pace without (q46m-v4k, eight rows: int8 15.4
+   against 6.8 ms, float32 15.2 against 11.3, AVX2) */
+#define AHEAD 4
+
 /* this thread's share of n items, in units of align: [*a, *b) */
 static inline void span(int64_t n, int64_t align, int64_t *a, int64_t *b) {
     const int64_t t = omp_get_thread_num(), T = omp_get_num_threads(), units = (n + align - 1) / align;
@@ -102,6 +110,7 @@ static inline __attribute__((always_inline)) void f32_many(const Lin *l, const f
         for (int r = 0; r < R; r++) a[r] = _mm256_setzero_ps();
         for (int64_t i = 0; i < k; i += 8) {
             const __m256 wv = _mm256_loadu_ps(wr + i);
+            if (!(i & 15)) _mm_prefetch((const char *)(wr + k + i), _MM_HINT_T0);  /* the next row's line */
             for (int r = 0; r < R; r++) a[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * s.xs + i), a[r]);
         }
         for (int r = 0; r < R; r++) put(l, y + r * s.ys, j, hsum(a[r]), add);
@@ -123,6 +132,7 @@ static inline __attribute__((always_inline)) void int8_many(const Lin *l, const 
             const __m256i wv = _mm256_loadu_si256((const __m256i *)(wr + b * 32)), wa = _mm256_sign_epi8(wv, wv);
             const __m256i wv2 = _mm256_loadu_si256((const __m256i *)(wr + b * 32 + 32));
             const __m256i wa2 = _mm256_sign_epi8(wv2, wv2);
+            _mm_prefetch((const char *)(wr + AHEAD * k + b * 32), _MM_HINT_T0);
             for (int r = 0; r < R; r++) {
                 const int8_t *xr = xq + r * s.qs + b * 32;
                 const float *dr = xd + r * s.ds + b;
@@ -146,6 +156,23 @@ static inline __attribute__((always_inline)) void int8_many(const Lin *l, const 
     }
 }
 
+/* int4's vectors: AVX-512's where the build has it, else AVX2's */
+#ifdef __AVX512F__
+#define VEC __m512
+#define VZERO _mm512_setzero_ps
+#define VFMA _mm512_fmadd_ps
+#define VCVT _mm512_cvtepi32_ps
+#define VSET _mm512_set1_ps
+#define VSUM _mm512_reduce_add_ps
+#else
+#define VEC __m256
+#define VZERO _mm256_setzero_ps
+#define VFMA _mm256_fmadd_ps
+#define VCVT _mm256_cvtepi32_ps
+#define VSET _mm256_set1_ps
+#define VSUM hsum
+#endif
+
 static inline __attribute__((always_inline)) void int4_many(const Lin *l, const int8_t *xq, const float *xd,
                                                             float *y, int add, Rows s, int64_t j0, int64_t j1,
                                                             const int R) {
@@ -155,32 +182,42 @@ static inline __attribute__((always_inline)) void int4_many(const Lin *l, const 
     for (int64_t j = j0; j < j1; j++) {
         const uint8_t *wr = w + j * (k / 2);
         const float *sm = l->scale + j * groups * 2;
-        __m256 acc[8];
+        VEC acc[8];
         float offset[8];
-        for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); offset[r] = 0.f; }
+        for (int r = 0; r < R; r++) { acc[r] = VZERO(); offset[r] = 0.f; }
         for (int64_t g = 0; g < groups; g++) {
             const float scale = sm[2 * g];
             float sums[8];
             for (int r = 0; r < R; r++) sums[r] = 0.f;
             for (int64_t b = g * per; b < (g + 1) * per; b++) {
                 const __m128i bytes = _mm_loadu_si128((const __m128i *)(wr + b * 16));
-                const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, low));
-                const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+                if (!(b & 3)) _mm_prefetch((const char *)(wr + AHEAD * k / 2 + b * 16), _MM_HINT_T0);
+                const __m128i lo8 = _mm_and_si128(bytes, low), hi8 = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+#ifdef __AVX512F__  /* low and high nibbles side by side: the block's 32 weights in order, one product */
+                const __m512i q = _mm512_cvtepu8_epi16(_mm256_set_m128i(hi8, lo8));
+#else
+                const __m256i lo = _mm256_cvtepu8_epi16(lo8), hi = _mm256_cvtepu8_epi16(hi8);
+#endif
                 for (int r = 0; r < R; r++) {
                     const int16_t *xw = (const int16_t *)(xq + r * s.qs) + b * 32;
                     const float *d = xd + r * s.ds;
+#ifdef __AVX512F__
+                    const __m512i p = _mm512_madd_epi16(q, _mm512_loadu_si512((const void *)xw));
+#else
                     const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xw)),
                                                        _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xw + 16))));
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[b] * scale), acc[r]);
+#endif
+                    acc[r] = VFMA(VCVT(p), VSET(d[b] * scale), acc[r]);
                     sums[r] += d[nb + b];
                 }
             }
             for (int r = 0; r < R; r++) offset[r] += sm[2 * g + 1] * sums[r];
         }
-        for (int r = 0; r < R; r++) put(l, y + r * s.ys, j, hsum(acc[r]) + offset[r], add);
+        for (int r = 0; r < R; r++) put(l, y + r * s.ys, j, VSUM(acc[r]) + offset[r], add);
     }
 }
 
+""" + step_avx512.SOURCE + r"""
 #define EACH_ROWS(CALL) switch (rows) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; \
     case 4: CALL(4); break; case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); }
 
@@ -188,7 +225,7 @@ static inline __attribute__((always_inline)) void int4_many(const Lin *l, const 
 static void product(const Lin *l, const float *x, const int8_t *xq, const float *xd, float *y, int add,
                     int64_t rows, Rows s, int64_t j0, int64_t j1) {
     if (l->bits == 8) {
-        #define INT8(R) int8_many(l, xq, xd, y, add, s, j0, j1, R)
+        #define INT8(R) INT8_MANY(l, xq, xd, y, add, s, j0, j1, R)
         EACH_ROWS(INT8)
     } else if (l->bits == 4) {
         #define INT4(R) int4_many(l, xq, xd, y, add, s, j0, j1, R)
@@ -196,7 +233,7 @@ static void product(const Lin *l, const float *x, const int8_t *xq, const float 
     } else if (rows == 1) {
         f32_one(l, x, y, add, j0, j1);
     } else {
-        #define F32(R) f32_many(l, x, y, add, s, j0, j1, R)
+        #define F32(R) F32_MANY(l, x, y, add, s, j0, j1, R)
         EACH_ROWS(F32)
     }
 }
