@@ -9,10 +9,11 @@ all the input rows. No barrier inside: the step puts its own where a result is r
 - int8: each input row quantized to int8 in blocks of 32 (``prepare``, as ``quant.int8_gemv`` does), and
   each weight row's blocks multiplied by each input row's as ``int8_dot`` does (its two accumulators a row),
   exactly ``quant.int8_gemv``'s arithmetic.
-- int4 (``native_step.int4_rows``' layout): each input row quantized to int16 in blocks of 32, each
-  32-weight block's nibbles widened once for every input row, each group's offset times the input's sum
-  over the group. int8 inputs, as llama.cpp's q4_1 by q8_1 does, moved a 20-layer model's logits by 0.08
-  from the fused step's (which reads them in bfloat16); int16 ones by 0.02.
+- int4 (``native_step.int4_rows``' layout): each input row quantized to int16 under one scale (its largest
+  value is 32,767), each 32-weight block's nibbles widened once for every input row, a group's products
+  summed in integers and scaled once, each group's offset times the input's sum over the group. int8
+  inputs, as llama.cpp's q4_1 by q8_1 does, moved a 20-layer model's logits by 0.08 from the fused step's
+  (which reads them in bfloat16); int16 ones by 0.02 (a scale a block of 32) or 0.02-0.03 (a scale a row).
 Each row's result has the bias added, and is written or added (``add``: the residual) to ``y``.
 Every form but float32's one-row one reads the weight rows after its own into the cache as it goes (``AHEAD``). Where the build has AVX-512
 (``native.flags``), ``step_avx512``'s forms serve the products of several rows and the quantized ones.
@@ -58,22 +59,33 @@ static inline void span(int64_t n, int64_t align, int64_t *a, int64_t *b) {
    own buffers (nothing for a float32 product): a few microseconds, where a split would cost a barrier */
 static void prepare(const Lin *l, const float *x, int8_t *xq, float *xd, int64_t rows, Rows s) {
     if (l->bits == 32) return;
-    const float top = l->bits == 4 ? 32767.f : 127.f;
     const int64_t nb = l->k / 32;
+    if (l->bits == 4) {  /* int16 under one scale a row (xd[0]), each group's sum at xd[1 + g] */
+        for (int64_t r = 0; r < rows; r++) {
+            const float *xr = x + r * s.xs;
+            float *d = xd + r * s.ds, amax = 0.f;
+            for (int64_t i = 0; i < l->k; i++) { const float a = fabsf(xr[i]); if (a > amax) amax = a; }
+            const float scale = amax / 32767.f, inv = scale ? 1.f / scale : 0.f;
+            d[0] = scale;
+            for (int64_t g = 0; g < l->k / l->group; g++) {
+                float sum = 0.f;
+                for (int64_t i = g * l->group; i < (g + 1) * l->group; i++) {
+                    sum += xr[i];
+                    ((int16_t *)(xq + r * s.qs))[i] = (int16_t)lrintf(xr[i] * inv);
+                }
+                d[1 + g] = sum;
+            }
+        }
+        return;
+    }
     for (int64_t t = 0; t < rows * nb; t++) {
         const int64_t r = t / nb, b = t % nb;
         const float *xb = x + r * s.xs + b * 32;
-        float *d = xd + r * s.ds;
-        float amax = 0.f, sum = 0.f;
-        for (int i = 0; i < 32; i++) { float a = fabsf(xb[i]); if (a > amax) amax = a; sum += xb[i]; }
-        const float scale = amax / top, inv = scale ? 1.f / scale : 0.f;
-        d[b] = scale;
-        if (l->bits == 4) {
-            d[nb + b] = sum;
-            for (int i = 0; i < 32; i++) ((int16_t *)(xq + r * s.qs))[b * 32 + i] = (int16_t)lrintf(xb[i] * inv);
-        } else {
-            for (int i = 0; i < 32; i++) xq[r * s.qs + b * 32 + i] = (int8_t)lrintf(xb[i] * inv);
-        }
+        float amax = 0.f;
+        for (int i = 0; i < 32; i++) { float a = fabsf(xb[i]); if (a > amax) amax = a; }
+        const float scale = amax / 127.f, inv = scale ? 1.f / scale : 0.f;
+        xd[r * s.ds + b] = scale;
+        for (int i = 0; i < 32; i++) xq[r * s.qs + b * 32 + i] = (int8_t)lrintf(xb[i] * inv);
     }
 }
 
@@ -159,6 +171,8 @@ static inline __attribute__((always_inline)) void int8_many(const Lin *l, const 
 /* int4's vectors: AVX-512's where the build has it, else AVX2's */
 #ifdef __AVX512F__
 #define VEC __m512
+#define IVEC __m512i
+#define IZERO _mm512_setzero_si512
 #define VZERO _mm512_setzero_ps
 #define VFMA _mm512_fmadd_ps
 #define VCVT _mm512_cvtepi32_ps
@@ -166,6 +180,8 @@ static inline __attribute__((always_inline)) void int8_many(const Lin *l, const 
 #define VSUM _mm512_reduce_add_ps
 #else
 #define VEC __m256
+#define IVEC __m256i
+#define IZERO _mm256_setzero_si256
 #define VZERO _mm256_setzero_ps
 #define VFMA _mm256_fmadd_ps
 #define VCVT _mm256_cvtepi32_ps
@@ -177,7 +193,7 @@ static inline __attribute__((always_inline)) void int4_many(const Lin *l, const 
                                                             float *y, int add, Rows s, int64_t j0, int64_t j1,
                                                             const int R) {
     const uint8_t *w = (const uint8_t *)l->w;
-    const int64_t k = l->k, nb = k / 32, per = l->group / 32, groups = k / l->group;
+    const int64_t k = l->k, per = l->group / 32, groups = k / l->group;
     const __m128i low = _mm_set1_epi8(15);
     for (int64_t j = j0; j < j1; j++) {
         const uint8_t *wr = w + j * (k / 2);
@@ -186,9 +202,8 @@ static inline __attribute__((always_inline)) void int4_many(const Lin *l, const 
         float offset[8];
         for (int r = 0; r < R; r++) { acc[r] = VZERO(); offset[r] = 0.f; }
         for (int64_t g = 0; g < groups; g++) {
-            const float scale = sm[2 * g];
-            float sums[8];
-            for (int r = 0; r < R; r++) sums[r] = 0.f;
+            IVEC p[8];  /* the group's products in integers (at most 4 x 15 x 32767 a lane) */
+            for (int r = 0; r < R; r++) p[r] = IZERO();
             for (int64_t b = g * per; b < (g + 1) * per; b++) {
                 const __m128i bytes = _mm_loadu_si128((const __m128i *)(wr + b * 16));
                 if (!(b & 3)) _mm_prefetch((const char *)(wr + AHEAD * k / 2 + b * 16), _MM_HINT_T0);
@@ -200,20 +215,22 @@ static inline __attribute__((always_inline)) void int4_many(const Lin *l, const 
 #endif
                 for (int r = 0; r < R; r++) {
                     const int16_t *xw = (const int16_t *)(xq + r * s.qs) + b * 32;
-                    const float *d = xd + r * s.ds;
 #ifdef __AVX512F__
-                    const __m512i p = _mm512_madd_epi16(q, _mm512_loadu_si512((const void *)xw));
+                    p[r] = _mm512_add_epi32(p[r], _mm512_madd_epi16(q, _mm512_loadu_si512((const void *)xw)));
 #else
-                    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xw)),
-                                                       _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xw + 16))));
+                    p[r] = _mm256_add_epi32(p[r], _mm256_add_epi32(
+                        _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xw)),
+                        _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xw + 16)))));
 #endif
-                    acc[r] = VFMA(VCVT(p), VSET(d[b] * scale), acc[r]);
-                    sums[r] += d[nb + b];
                 }
             }
-            for (int r = 0; r < R; r++) offset[r] += sm[2 * g + 1] * sums[r];
+            const VEC scale = VSET(sm[2 * g]);
+            for (int r = 0; r < R; r++) {
+                acc[r] = VFMA(VCVT(p[r]), scale, acc[r]);
+                offset[r] += sm[2 * g + 1] * xd[r * s.ds + 1 + g];
+            }
         }
-        for (int r = 0; r < R; r++) put(l, y + r * s.ys, j, VSUM(acc[r]) + offset[r], add);
+        for (int r = 0; r < R; r++) put(l, y + r * s.ys, j, VSUM(acc[r]) * xd[r * s.ds] + offset[r], add);
     }
 }
 
