@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import threading
+from functools import cached_property
 
 import torch
 
@@ -75,9 +76,7 @@ class BackgroundCompile:
         many = LINEAR if LINEAR in forms else forms[0]
         self.plan = [(form, 1) for form in forms if 1 in rows] + [
             (form, r) for r in rows if r != 1 for form in dict.fromkeys((many, *(f for f in forms if f == NATIVE)))]
-        self.candidates = {form: NativeStep(stage, plain) if form == NATIVE else
-                           CompiledDecode(stage, plain, GEMV_FORMS[form], form)
-                           for form in dict.fromkeys(form for form, _ in self.plan)}
+        self._plain = plain
         self.compiled: CompiledSteps | None = None  # what serves, once chosen
         self.only_faster = only_faster
         self.rows = tuple(sorted(set(rows)))
@@ -88,6 +87,14 @@ class BackgroundCompile:
         self._resident = _resident_bytes()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._compile, name="compile", daemon=True)
+
+    @cached_property
+    def candidates(self) -> dict:
+        """Each planned form's step, made on first use: on the compile thread, since the first
+        ``torch.compile`` imports dynamo (0.44 s, which the load's ready waited for when they were made here)."""
+        return {form: NativeStep(self.stage, self._plain) if form == NATIVE else
+                CompiledDecode(self.stage, self._plain, GEMV_FORMS[form], form)
+                for form in dict.fromkeys(form for form, _ in self.plan)}
 
     def start(self) -> None:
         self._switch = sys.getswitchinterval()
@@ -106,6 +113,8 @@ class BackgroundCompile:
                 self._seconds[form, rows] = self.candidates[form].warm(rows)
         except Exception as exc:  # inductor could not build it here: what did build still may serve
             self._error = _one_line(exc)
+            if "candidates" not in vars(self):  # none could be made: poll finds nothing to try
+                self.candidates = {}
         finally:
             self._done.set()
 
@@ -144,7 +153,7 @@ class BackgroundCompile:
             native.serving.update(by_rows)
         for form, candidate in self.candidates.items():  # what does not serve is dropped
             candidate.serving.intersection_update(r for r, c in by_rows.items() if c is candidate)
-        self.candidates = {}
+        self.candidates, self._plain = {}, None
         self.compiled = CompiledSteps(by_rows) if by_rows else None
         self.stage.compiled = self.compiled
         self.report.update(batches=found, serving=sorted(by_rows))
