@@ -202,7 +202,7 @@ static inline __attribute__((always_inline)) void int4_many(const Lin *l, const 
         float offset[8];
         for (int r = 0; r < R; r++) { acc[r] = VZERO(); offset[r] = 0.f; }
         for (int64_t g = 0; g < groups; g++) {
-            IVEC p[8];  /* the group's products in integers (at most 4 x 15 x 32767 a lane) */
+            IVEC p[8];  /* the group's products in integers (a lane sums at most 8 x 15 x 32767) */
             for (int r = 0; r < R; r++) p[r] = IZERO();
             for (int64_t b = g * per; b < (g + 1) * per; b++) {
                 const __m128i bytes = _mm_loadu_si128((const __m128i *)(wr + b * 16));
