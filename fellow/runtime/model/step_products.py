@@ -15,8 +15,9 @@ all the input rows. No barrier inside: the step puts its own where a result is r
   inputs, as llama.cpp's q4_1 by q8_1 does, moved a 20-layer model's logits by 0.08 from the fused step's
   (which reads them in bfloat16); int16 ones by 0.02 (a scale a block of 32) or 0.02-0.03 (a scale a row).
 Each row's result has the bias added, and is written or added (``add``: the residual) to ``y``.
-Every form but float32's one-row one reads the weight rows after its own into the cache as it goes (``AHEAD``). Where the build has AVX-512
-(``native.flags``), ``step_avx512``'s forms serve the products of several rows and the quantized ones.
+Every form but float32's one-row one reads the weight rows after its own into the cache as it goes
+(``AHEAD``). Where the build has AVX-512 (``native.flags``), ``step_avx512``'s forms serve the products of
+several rows and the quantized ones.
 """
 
 from __future__ import annotations
