@@ -70,9 +70,10 @@ def body_read_timeout(timeout_s: float) -> Callable[[ASGIApp], ASGIApp]:
                 nonlocal body_in
                 if body_in:
                     return await receive()
-                try:
-                    message = await asyncio.wait_for(receive(), timeout_s)
-                except asyncio.TimeoutError:
+                try:  # a timeout scope, not wait_for's task a call (on the way to a first token)
+                    async with asyncio.timeout(timeout_s):
+                        message = await receive()
+                except TimeoutError:
                     raise ApiError(408, f"The request body did not arrive within {timeout_s:g}s",
                                    code="request_timeout") from None
                 body_in = message["type"] != "http.request" or not message.get("more_body", False)

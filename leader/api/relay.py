@@ -172,8 +172,8 @@ async def submit(leader: LeaderServices, chat: ChatRequest, stream: bool, token_
                                load_id=chat.load_id, stream=stream, max_tokens=chat.max_tokens,
                                token_id=token_id)
     try:
-        await asyncio.gather(leader.publish(accepted),
-                             publish_struct(leader.js, subjects.request(chat.load_id), chat, msg_id=chat.request_id))
+        await asyncio.gather(publish_struct(leader.js, subjects.request(chat.load_id), chat, msg_id=chat.request_id),
+                             leader.publish(accepted))  # the request first: its stage waits for it
     except (NatsError, asyncio.TimeoutError) as exc:
         raise ApiError(503, f"The message bus did not take the request: {exc or type(exc).__name__}",
                        code="bus_unavailable") from None
