@@ -14,7 +14,9 @@ With ``--tokens 1`` the CPU a token is the CPU a whole one-token request costs. 
 engine alone answers the same prompt's first token in this process (the stack idle, so both see the
 machine as it is then; its CPU counts in "client"): "added_ms" is the median of the pairs' differences,
 the stack's first text less the engine's first token, the time the stack adds to the first token (each
-of the two starts after a quiet 0.2 s).
+of the two starts after a quiet 0.2 s). "around_stage_ms" is the median of the stack's first text less the
+stage's own time to that request's first token (from its session's start in the engine, the reply's timing):
+what the HTTP call, the gateway and the bus add around the stage, without the noise of a second engine.
 """
 
 from __future__ import annotations
@@ -111,6 +113,8 @@ async def trace(stack: Stack, nats_url: str, pids: dict[str, int], model: str, t
                          "queue_ms": done.timing.get("queue_ms"), "stage_ttft_ms": done.timing.get("ttft_ms"),
                          "engine_first_ms": engine_ms,
                          "added_ms": ms(content[0]) - engine_ms if content and engine_ms is not None else None,
+                         "around_stage_ms": ms(content[0]) - done.timing["ttft_ms"]
+                         if content and "ttft_ms" in done.timing else None,
                          "frame_gap_ms": statistics.median([(b - a) * 1e3 for a, b in zip(token_times, token_times[1:])])
                          if len(token_times) > 2 else None})
     await nc.close()
@@ -118,7 +122,8 @@ async def trace(stack: Stack, nats_url: str, pids: dict[str, int], model: str, t
     med = lambda k: statistics.median([r[k] for r in rows if r[k] is not None]) if any(r[k] is not None for r in rows) else None  # noqa: E731
     return {"tokens": tokens, "requests": requests,
             **{k: round(med(k), 2) for k in ("published", "started", "first_frame", "first_text", "queue_ms", "prefill_ms",
-                                             "stage_ttft_ms", "engine_first_ms", "added_ms", "decode_ms", "frame_gap_ms")
+                                             "stage_ttft_ms", "engine_first_ms", "added_ms", "around_stage_ms",
+                                             "decode_ms", "frame_gap_ms")
                if med(k) is not None},
             "cpu_ms_per_token": {k: round(spent[k] / frames_total, 3) for k in pids}}
 
