@@ -132,6 +132,18 @@ class TokenBatcher:
             self._timer = loop.call_later(wait, self._fire)
         return True
 
+    def _pending(self) -> tuple[list[str], list[int], list]:
+        """The tokens of the next frame: all those waiting, or with no interval one token (the last one with
+        a closing piece of no token after it): a frame a token, however many the serving loop handed over
+        before the sender's turn. A token's text and logprob are the first of those waiting."""
+        if self.interval > 0 or len(self._ids) <= 1:
+            out = self._texts, self._ids, self._logprobs
+            self._texts, self._ids, self._logprobs = [], [], []
+            return out
+        out = self._texts[:1], self._ids[:1], self._logprobs[:1]
+        del self._texts[:1], self._ids[:1], self._logprobs[:1]
+        return out
+
     def _fire(self) -> None:
         self._timer = None
         self._kick()
@@ -148,8 +160,7 @@ class TokenBatcher:
                 if self._texts or self._ids:
                     if self._holds():
                         break
-                    texts, ids, logprobs = self._texts, self._ids, self._logprobs
-                    self._texts, self._ids, self._logprobs = [], [], []
+                    texts, ids, logprobs = self._pending()
                     # Token frames go out without waiting for JetStream's ack: the stream still keeps
                     # them (same subject, same msg id) for a gap fill or a replay, and the done or
                     # error frame, which is acked, follows them on the same connection in order.

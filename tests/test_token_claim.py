@@ -144,8 +144,8 @@ async def test_what_comes_while_the_start_frame_is_acked_waits_for_it_and_goes_n
     assert await claim is True
     await asyncio.wait_for(ours.closed.wait(), 10)
     got = await frames(js, "rq-early")
-    assert [type(f).__name__ for f in got] == ["StartFrame", "TokenFrame", "DoneFrame"]
-    assert [f.seq for f in got] == [0, 1, 2] and got[1].token_ids == [5, 6]
+    assert [type(f).__name__ for f in got] == ["StartFrame", "TokenFrame", "TokenFrame", "DoneFrame"]  # a frame a token
+    assert [f.seq for f in got] == [0, 1, 2, 3] and (got[1].token_ids, got[2].token_ids) == ([5], [6])
 
     assert await TokenBatcher(nc, js, "rq-taken").start("f1", 1) is True
     refused = TokenBatcher(nc, js, "rq-taken")

@@ -67,3 +67,21 @@ async def test_no_interval_sends_each_token_as_it_comes(nc, js):
     for i in range(3):
         batcher.add([str(i)], [i])
         assert frame_decoder.decode((await sub.next_msg(timeout=5)).data).texts == [str(i)]
+
+
+async def test_no_interval_sends_a_frame_a_token_even_when_they_wait_together(nc, js):
+    """SWARM_SERVE_STREAM_INTERVAL_MS=0 is a frame a token also when several steps' tokens reach the bus
+    thread before the sender's turn (a busy machine); a closing piece of no token rides with the last."""
+    rid = "rq-interval-waiting"
+    batcher = TokenBatcher(nc, js, rid)
+    assert await batcher.start("f-1", 0)
+    sub = await nc.subscribe(subjects.tokens(rid))
+    batcher.add(["a"], [1], [TokenLogprob("a", -1.0, [97])])
+    batcher.add(["b", ""], [2, 3], [TokenLogprob("b", -2.0, [98]), TokenLogprob("", -3.0, [])])
+    batcher.add(["!"], [], [])  # the detokenizer's tail at the end: a piece of no token
+    batcher.done(3, 2, "stop", {})
+    await asyncio.wait_for(batcher.closed.wait(), 5)
+    frames = [frame_decoder.decode((await sub.next_msg(timeout=5)).data) for _ in range(4)]
+    assert [(f.texts, f.token_ids) for f in frames[:3]] == [(["a"], [1]), (["b"], [2]), (["", "!"], [3])]
+    assert [[p.logprob for p in f.logprobs] for f in frames[:3]] == [[-1.0], [-2.0], [-3.0]]
+    assert [f.seq for f in frames] == [1, 2, 3, 4] and isinstance(frames[3], DoneFrame)
