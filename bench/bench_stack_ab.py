@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from bench.bench_matrix import SHAPES, make_checkpoint  # noqa: E402
 from bench.bench_peers import settled  # noqa: E402
 from bench.bench_serving import QUESTIONS, sse_chunks  # noqa: E402
-from bench.bench_stack_trace import engine_first_and_step  # noqa: E402
+from bench.bench_stack_trace import default_stack, engine_first_and_step  # noqa: E402
 from bench.scratch import scratch_dir  # noqa: E402
 from core.nats_server import EmbeddedNats  # noqa: E402
 from tests.serving_fixtures import Stack  # noqa: E402
@@ -86,10 +86,7 @@ def main() -> None:
         for i, env in enumerate(configs):
             servers.append(EmbeddedNats(tmp / f"js{i}").__enter__())
             (tmp / f"stack{i}").mkdir()
-            # the fellow's defaults (the test fixture turns the background compile and quantized probes off)
-            stacks.append(Stack(tmp / f"stack{i}", servers[-1].url, tmp / "servables", SWARM_MODEL_IDLE_UNLOAD_S=0,
-                                SWARM_SERVE_PREFIX_CACHE="off", SWARM_SERVE_QUANTIZED="auto",
-                                SWARM_SERVE_COMPILE="auto", **env).start())
+            stacks.append(default_stack(tmp / f"stack{i}", servers[-1].url, tmp / "servables", **env).start())
             settled(stacks[-1], args.shape, stacks[-1].load(args.shape))  # its background compile, done
         pairs = asyncio.run(alternate(stacks, args.shape, args.tokens, args.rounds, first))
         for (i, t), rows in pairs.items():

@@ -45,6 +45,13 @@ from events.frames import DoneFrame, StartFrame, TokenFrame, frame_decoder  # no
 from tests.serving_fixtures import Stack  # noqa: E402
 
 
+def default_stack(root: Path, nats_url: str, servables: Path, **env) -> Stack:
+    """A stack with the fellow's defaults (the test fixture turns the background compile and quantized probes
+    off), prompts not reused; ``env`` adds settings."""
+    return Stack(root, nats_url, servables, SWARM_MODEL_IDLE_UNLOAD_S=0, SWARM_SERVE_PREFIX_CACHE="off",
+                 SWARM_SERVE_QUANTIZED="auto", SWARM_SERVE_COMPILE="auto", **env)
+
+
 def cpu_ms(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) * 1000.0 / os.sysconf("SC_CLK_TCK")
@@ -175,10 +182,7 @@ def main() -> None:
     alone, first = engine_first_and_step(tmp / "servables" / args.shape, ckpt)
     print(json.dumps(alone), flush=True)
     with EmbeddedNats(tmp / "js") as nats:
-        # the fellow's defaults (the test fixture turns the background compile and quantized probes off)
-        stack = Stack(tmp / args.shape, nats.url, tmp / "servables", SWARM_MODEL_IDLE_UNLOAD_S=0,
-                      SWARM_SERVE_PREFIX_CACHE="off", SWARM_SERVE_QUANTIZED="auto", SWARM_SERVE_COMPILE="auto",
-                      **extra).start()
+        stack = default_stack(tmp / args.shape, nats.url, tmp / "servables", **extra).start()
         try:
             settled(stack, args.shape, stack.load(args.shape))  # the default's background compile, done
             fellow = stack.fellows[0].proc.pid
