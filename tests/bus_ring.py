@@ -16,6 +16,7 @@ from fellow.runtime.model.kernels import step_costs
 from fellow.runtime.ring.loader import load_ring_stage
 from fellow.runtime.ring.sizing import RingSizing, size_ring
 from fellow.runtime.ring.worker import RingWorker
+from tests.delay_proxy import DelayProxy
 
 GREEDY = Sampling(temperature=0.0)
 
@@ -23,11 +24,11 @@ GREEDY = Sampling(temperature=0.0)
 class BusRing:
     """Stage 0's head on a thread of its own, later stages' workers on theirs; frames over RingLinks."""
 
-    def __init__(self, model_dir, num_stages: int, links: str, listen: dict[int, tuple[int, str]] | None = None,
+    def __init__(self, model_dir, num_stages: int, links: str, listen: dict[int, DelayProxy] | None = None,
                  prefill_chunk: int = 8, kv_tokens: int = 4096):
         self.model_dir, self.num_stages, self.links = model_dir, num_stages, links
         self.prefill_chunk, self.kv_tokens = prefill_chunk, kv_tokens
-        self.listen = listen or {}  # stage -> (the port it listens on, the address it gives its predecessor)
+        self.listen = listen or {}  # stage -> the proxy its predecessor dials, aimed at the port the stage binds
         self.load_id = "ld-" + uuid.uuid4().hex[:8]
         self.stages = [load_ring_stage(model_dir, i, num_stages, device="cpu") for i in range(num_stages)]
 
@@ -37,10 +38,12 @@ class BusRing:
         for i in range(self.num_stages):
             nc = await connect((urls or {}).get(i, url), name=f"stage{i}")
             inbox = Inbox()
-            port, advertise = self.listen.get(i, (0, ""))
-            link = RingLink(nc, self.load_id, i, self.num_stages, inbox, links=self.links, port=port,
-                            advertise=advertise)
+            proxy = self.listen.get(i)
+            link = RingLink(nc, self.load_id, i, self.num_stages, inbox, links=self.links,
+                            advertise=proxy.address if proxy else "")
             await link.start()
+            if proxy:  # a port of the stage's own, never one picked free before and taken since
+                proxy.aim(link.address)
             self.ncs.append(nc)
             self.inboxes.append(inbox)
             self.links_.append(link)

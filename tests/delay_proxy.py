@@ -23,7 +23,7 @@ import threading
 
 
 class DelayProxy:
-    def __init__(self, target: tuple[str, int], delay_s: float = 0.0, jitter_s: float = 0.0, bandwidth: float = 0.0,
+    def __init__(self, target: tuple[str, int] | None, delay_s: float = 0.0, jitter_s: float = 0.0, bandwidth: float = 0.0,
                  host: str = "127.0.0.1", port: int = 0, seed: int = 0):
         if delay_s < 0 or jitter_s < 0 or bandwidth < 0:
             raise ValueError("delay, jitter and bandwidth must be >= 0")
@@ -35,6 +35,9 @@ class DelayProxy:
         self._thread = threading.Thread(target=self._loop.run_forever, name="delay-proxy", daemon=True)
         self._server = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._aimed = asyncio.Event()  # a connection waits for a target given later (``aim``)
+        if target is not None:
+            self._aimed.set()
 
     def start(self) -> "DelayProxy":
         self._thread.start()
@@ -42,6 +45,11 @@ class DelayProxy:
             asyncio.start_server(self._accept, self.host, self.port), self._loop).result(10)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
+
+    def aim(self, target: tuple[str, int]) -> None:
+        """Forward to ``target`` from now on: a proxy started before what it fronts has bound its port."""
+        self.target = target
+        self._loop.call_soon_threadsafe(self._aimed.set)
 
     @property
     def address(self) -> str:
@@ -75,8 +83,9 @@ class DelayProxy:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
+            await asyncio.wait_for(self._aimed.wait(), 10)
             up_reader, up_writer = await asyncio.open_connection(*self.target)
-        except OSError:
+        except (OSError, TimeoutError):
             writer.transport.abort()
             return
         self._writers |= {writer, up_writer}
@@ -133,7 +142,7 @@ class DelayProxy:
 class SpawnedProxy:
     """A DelayProxy in a child process: ``address`` once started; ``stop()`` ends it."""
 
-    def __init__(self, target: tuple[str, int], delay_s: float = 0.0, jitter_s: float = 0.0, bandwidth: float = 0.0):
+    def __init__(self, target: tuple[str, int] | None, delay_s: float = 0.0, jitter_s: float = 0.0, bandwidth: float = 0.0):
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.delay_proxy", f"{target[0]}:{target[1]}",
                                       "--delay-s", str(delay_s), "--jitter-s", str(jitter_s),
                                       "--bandwidth", str(bandwidth)], stdout=subprocess.PIPE, text=True)

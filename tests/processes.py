@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -14,7 +15,21 @@ import httpx
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port free now, for a process to bind later: drawn below the kernel's ephemeral range, so
+    that no outgoing connection or port-0 listener (other tests', in parallel) is handed it meanwhile."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    for _ in range(100 if low > 11000 else 0):
+        port = random.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no range to keep out of: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -5,16 +5,11 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.processes import free_port
 
 
 def postgres_bin() -> Path | None:
@@ -30,7 +25,7 @@ class Postgres:
         if self.bin is None:
             raise RuntimeError("PostgreSQL server binaries not found (apt-get install postgresql)")
         self.dir = Path(tempfile.mkdtemp(prefix="swarm-pg-"))
-        self.port = _free_port()
+        self.port = free_port()
         self.user = "postgres" if os.geteuid() == 0 else None
 
     def _run(self, *args: str) -> None:

@@ -11,7 +11,6 @@ import torch
 
 from tests.bus_ring import BusRing
 from tests.delay_proxy import DelayProxy
-from tests.processes import free_port
 from tests.serving_fixtures import make_servable
 from tests.test_ring_runtime import PROMPTS, one_stage
 
@@ -73,9 +72,8 @@ async def test_a_hop_whose_direct_link_is_slower_than_the_relay_stays_on_the_rel
     """Stage 1 is reached through a delay proxy (20 ms each way) while the relay is on loopback: that hop's
     probe finds the relay faster and keeps it; the other hops go direct, and the replies are the same."""
     expected = one_stage(model, PROMPTS[:3], 10)
-    port = free_port()
-    with DelayProxy(("127.0.0.1", port), delay_s=0.02) as proxy:
-        ring = await BusRing(model, 3, "direct", listen={1: (port, proxy.address)}).start(nats_server.url)
+    with DelayProxy(None, delay_s=0.02) as proxy:
+        ring = await BusRing(model, 3, "direct", listen={1: proxy}).start(nats_server.url)
         try:
             replies, timings = await asyncio.to_thread(ring.generate, PROMPTS[:3], 10)
         finally:
@@ -91,11 +89,10 @@ async def test_a_ring_over_slow_links_keeps_more_decode_groups_in_flight_and_rep
     stage says its step on the probe, and stage 0 sizes more decode groups than stages to fill the pipe
     (fellow.runtime.ring.sizing). With twelve sessions in those groups, replies equal the model alone."""
     host, port = nats_server.url.split("://", 1)[1].rsplit(":", 1)
-    ports = {i: free_port() for i in range(3)}
-    proxies = {i: DelayProxy(("127.0.0.1", p), delay_s=0.01).start() for i, p in ports.items()}
+    proxies = {i: DelayProxy(None, delay_s=0.01).start() for i in range(3)}
     proxies["nats"] = DelayProxy((host, int(port)), delay_s=0.01).start()
     try:
-        ring = BusRing(model, 3, "direct", listen={i: (p, proxies[i].address) for i, p in ports.items()})
+        ring = BusRing(model, 3, "direct", listen={i: proxies[i] for i in range(3)})
         await ring.start(nats_server.url, urls={i: f"nats://{proxies['nats'].address}" for i in (1, 2)})
         try:
             sizing = await ring.size(per_group=2, ceiling=24)
