@@ -8,8 +8,10 @@ defaults). Each round, for each token count, each stack in turn (the order rever
 answers the same chat prompt, streamed; before each request the engine alone answers its first token in this
 process, each of the two after a quiet 0.2 s, as bench/bench_stack_trace.py does. Per configuration and token
 count it prints the median time to the first text (from the HTTP call), the engine's, and the median of the
-pairs' differences. Compare configurations by their first text: the engine's first token after a pause
-swings by several ms from one pair to the next, so a run's "added" is noisier than its first text.
+pairs' differences, and "around_stage_ms": the first text less the stage's own time to that request's first
+token (its reply's ``swarm.timing``). Compare configurations by their first text or around the stage: the
+engine's first token after a pause swings by several ms from one pair to the next, so a run's "added" is
+noisier than either.
 """
 
 from __future__ import annotations
@@ -36,12 +38,15 @@ from core.nats_server import EmbeddedNats  # noqa: E402
 from tests.serving_fixtures import Stack  # noqa: E402
 
 
-async def first_text(client: httpx.AsyncClient, url: str, model: str, tokens: int) -> float:
-    started, first = time.perf_counter(), None
+async def first_text(client: httpx.AsyncClient, url: str, model: str, tokens: int) -> tuple[float, float]:
+    """The first text's time from the HTTP call, and that less the stage's own time to the first token
+    (the last chunk's ``swarm.timing``): what the stack adds around the stage."""
+    started, first, stage = time.perf_counter(), None, None
     async for chunk in sse_chunks(client, url, model, QUESTIONS[0], tokens):
         if first is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
             first = (time.perf_counter() - started) * 1e3
-    return first
+        stage = ((chunk.get("swarm") or {}).get("timing") or {}).get("ttft_ms", stage)
+    return first, first - stage
 
 
 async def alternate(stacks: list[Stack], model: str, tokens: list[int], rounds: int, alone) -> dict:
@@ -58,8 +63,8 @@ async def alternate(stacks: list[Stack], model: str, tokens: list[int], rounds: 
                     time.sleep(0.2)
                     engine = alone()
                     time.sleep(0.2)
-                    pairs[(i, t)].append((await first_text(clients[i], stacks[i].url + "/v1/chat/completions",
-                                                           model, t), engine))
+                    pairs[(i, t)].append((*await first_text(clients[i], stacks[i].url + "/v1/chat/completions",
+                                                            model, t), engine))
     finally:
         for client in clients:
             await client.aclose()
@@ -91,9 +96,10 @@ def main() -> None:
         pairs = asyncio.run(alternate(stacks, args.shape, args.tokens, args.rounds, first))
         for (i, t), rows in pairs.items():
             print(json.dumps({"config": args.configs[i], "tokens": t, "requests": len(rows),
-                              "first_text_ms": round(statistics.median([f for f, _ in rows]), 2),
-                              "engine_first_ms": round(statistics.median([e for _, e in rows]), 2),
-                              "added_ms": round(statistics.median([f - e for f, e in rows]), 2)}), flush=True)
+                              "first_text_ms": round(statistics.median([f for f, _, _ in rows]), 2),
+                              "around_stage_ms": round(statistics.median([a for _, a, _ in rows]), 2),
+                              "engine_first_ms": round(statistics.median([e for _, _, e in rows]), 2),
+                              "added_ms": round(statistics.median([f - e for f, _, e in rows]), 2)}), flush=True)
     finally:
         for stack in stacks:
             stack.stop()
