@@ -14,7 +14,7 @@ import hashlib
 import os
 import subprocess
 import tempfile
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 
 import torch
@@ -87,12 +87,14 @@ def cache_dir() -> Path:
     return Path(base) / "swarm-kernels"
 
 
-def _cpu_flags() -> set[str]:
+@cache
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's flags, read once a process (each build and each capability check asks)."""
     try:
         line = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
-        return set()
-    return set(line.partition(":")[2].split())
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
 
 
 def cpu_has_avx2_fma() -> bool:
