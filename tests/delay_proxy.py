@@ -23,8 +23,9 @@ import threading
 
 
 class DelayProxy:
-    def __init__(self, target: tuple[str, int] | None, delay_s: float = 0.0, jitter_s: float = 0.0, bandwidth: float = 0.0,
-                 host: str = "127.0.0.1", port: int = 0, seed: int = 0):
+    def __init__(self, target: tuple[str, int] | None, delay_s: float = 0.0, jitter_s: float = 0.0,
+                 bandwidth: float = 0.0, host: str = "127.0.0.1", port: int = 0, seed: int = 0):
+        """``target`` None: connections wait until ``aim`` gives one."""
         if delay_s < 0 or jitter_s < 0 or bandwidth < 0:
             raise ValueError("delay, jitter and bandwidth must be >= 0")
         self.target, self.delay_s, self.jitter_s, self.bandwidth = target, delay_s, jitter_s, bandwidth
@@ -142,7 +143,7 @@ class DelayProxy:
 class SpawnedProxy:
     """A DelayProxy in a child process: ``address`` once started; ``stop()`` ends it."""
 
-    def __init__(self, target: tuple[str, int] | None, delay_s: float = 0.0, jitter_s: float = 0.0, bandwidth: float = 0.0):
+    def __init__(self, target: tuple[str, int], delay_s: float = 0.0, jitter_s: float = 0.0, bandwidth: float = 0.0):
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.delay_proxy", f"{target[0]}:{target[1]}",
                                       "--delay-s", str(delay_s), "--jitter-s", str(jitter_s),
                                       "--bandwidth", str(bandwidth)], stdout=subprocess.PIPE, text=True)
