@@ -14,6 +14,11 @@ from pathlib import Path
 import httpx
 
 
+# not the module's generator: any code that seeds it (transformers' set_seed, say) would have the test
+# workers draw the same ports
+_draw = random.SystemRandom()
+
+
 def free_port() -> int:
     """A loopback port free now, for a process to bind later: drawn below the kernel's ephemeral range, so
     that no outgoing connection or port-0 listener (other tests', in parallel) is handed it meanwhile."""
@@ -22,7 +27,7 @@ def free_port() -> int:
     except (OSError, ValueError, IndexError):
         low = 0
     for _ in range(100 if low > 11000 else 0):
-        port = random.randrange(10000, low)
+        port = _draw.randrange(10000, low)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+from typing import Callable
 
 import httpx
 import pytest
@@ -68,10 +69,11 @@ def kill_stage_and_wait_restart(stack: Stack, load_id: str, pid: int) -> int:
                       "the stage restarted")
 
 
-async def read_events(response: httpx.Response, until: str | None = None,
-                      out: list | None = None) -> list[tuple[str | None, dict | str]]:
+async def read_events(response: httpx.Response, until: str | None = None, out: list | None = None,
+                      on_first_text: Callable[[], object] | None = None) -> list[tuple[str | None, dict | str]]:
     """(id, data) of each SSE event, appended to `out` as they come; stops after [DONE], or after the
-    chunk whose content is `until`."""
+    chunk whose content is `until`. ``on_first_text`` is called as the first chunk with content comes in,
+    before the next is read (a fault injected while the reply is surely under way)."""
     out, event_id = [] if out is None else out, None
     async for line in response.aiter_lines():
         if line.startswith("id: "):
@@ -79,6 +81,9 @@ async def read_events(response: httpx.Response, until: str | None = None,
         elif line.startswith("data: "):
             data = line[6:] if line == "data: [DONE]" else json.loads(line[6:])
             out.append((event_id, data))
+            if on_first_text is not None and content([out[-1]]):
+                on_first_text()
+                on_first_text = None
             if data == "[DONE]" or (until is not None and content([out[-1]]) == until):
                 return out
     return out

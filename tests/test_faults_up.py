@@ -63,6 +63,12 @@ def healthy(up: SwarmProcess) -> bool:
     return r.status_code == 200 and r.json()["nats"]
 
 
+def settled(up: SwarmProcess) -> None:
+    """The leader answers and the fellow is online: each test starts from a whole stack, whatever the one
+    before it left (a failure midway through a restart, say)."""
+    wait_until(lambda: healthy(up) and (f := fellow_row(up)) and f["status"] == "online", 90, "the stack whole")
+
+
 @pytest.fixture(scope="module")
 def up(tmp_path_factory, servables):  # noqa: F811
     tmp = tmp_path_factory.mktemp("up")
@@ -105,18 +111,17 @@ async def test_its_nats_server_refuses_anonymous_clients_and_each_part_has_its_u
 
 
 async def test_a_killed_leader_is_restarted_and_its_streaming_client_resumes(up):
+    await asyncio.to_thread(settled, up)
     leader, body = child_pid(up, "leader"), chat("story", max_tokens=300, temperature=0, stream=True)
     got: list = []
     async with httpx.AsyncClient(base_url=up.base_url, timeout=120) as http:
-        async def read() -> None:
+        async def read() -> None:  # the leader killed as the first token comes: the reply surely under way
             async with http.stream("POST", "/v1/chat/completions", json=body) as r:
-                await read_events(r, out=got)
+                await read_events(r, out=got, on_first_text=lambda: os.kill(leader, signal.SIGKILL))
 
-        stream = asyncio.ensure_future(read())
-        await asyncio.to_thread(wait_until, lambda: content(got), 60, "the first token")
-        os.kill(leader, signal.SIGKILL)
         with pytest.raises(httpx.HTTPError):  # the connection breaks at once
-            await asyncio.wait_for(stream, 10)
+            await asyncio.wait_for(read(), 60)
+        assert content(got) and got[-1][1] != "[DONE]"
         await asyncio.to_thread(wait_until, lambda: healthy(up), 60, "the leader back")
         assert child_pid(up, "leader") not in (None, leader)
         async with http.stream("POST", "/v1/chat/completions", json=body, headers={"Last-Event-ID": got[-1][0]}) as r:
@@ -130,6 +135,7 @@ async def test_a_killed_leader_is_restarted_and_its_streaming_client_resumes(up)
 
 
 def test_a_killed_nats_server_is_restarted_on_its_store_and_port(up):
+    settled(up)
     nats, served_before = child_pid(up, "nats-server"), up.get("/api/v1/models/tiny-a").json()["load_id"]
     assert served_before is not None
     os.kill(nats, signal.SIGKILL)
@@ -143,6 +149,7 @@ def test_a_killed_nats_server_is_restarted_on_its_store_and_port(up):
 
 
 async def test_a_paused_fellow_rejoins_without_serving_as_a_zombie(up):
+    await asyncio.to_thread(settled, up)
     fellow = child_pid(up, "fellow")
     async with httpx.AsyncClient(base_url=up.base_url, timeout=120) as http:
         stream = await start_stream(http, chat("story", max_tokens=4000, stream=True))
@@ -165,6 +172,7 @@ async def test_a_paused_fellow_rejoins_without_serving_as_a_zombie(up):
 
 
 async def test_a_killed_fellow_is_restarted_while_the_leader_answers(up):
+    await asyncio.to_thread(settled, up)
     fellow, joined = child_pid(up, "fellow"), fellow_row(up)["joined_at"]
     async with httpx.AsyncClient(base_url=up.base_url, timeout=120) as http:
         stream = await start_stream(http, chat("story", max_tokens=4000, stream=True))
