@@ -3,10 +3,12 @@
     .venv/bin/python bench/bench_ttft_peers.py --llama-cpp DIR [--shape q46m-v4k] [--rounds 24] [--tokens 1 64]
 
 The whole stack with the fellow's defaults (as bench/bench_stack_trace.py builds it, the background compile
-done) and `llama-server` on the checkpoint converted to GGUF float32 (bench/peers_llama.py; one slot, as many
-threads as torch has here). Each round, for each token count, each answers the same chat prompt streamed
-(the stack's /v1/chat/completions; llama-server's /completion, the same chat-templated prompt as token ids),
-in turn (the order reversed every other round), each after a quiet 0.4 s (bench_stack_trace's two pauses).
+done; its prefix cache off, so that each request computes its whole prompt) and `llama-server` on the
+checkpoint converted to GGUF float32 (bench/peers_llama.py; one slot, as many threads as torch has here;
+``cache_prompt`` off, checked by the prompt tokens it says it evaluated). Each round, for each token count,
+each answers the same chat prompt streamed (the stack's /v1/chat/completions; llama-server's /completion, the
+same chat-templated prompt as token ids), in turn (the order reversed every other round), each after a quiet
+0.4 s (bench_stack_trace's two pauses).
 Both sides open a fresh connection a request: llama-server closes kept-alive ones (bench/peers_llama.py).
 
 Per side and token count: the median time to the first text from the HTTP call, its engine's own time to
@@ -54,8 +56,10 @@ async def stack_first(url: str, model: str, tokens: int) -> tuple[float, float]:
 
 
 async def llama_first(url: str, prompt: list[int], tokens: int) -> tuple[float, float]:
-    """(ms to the first text, llama-server's own ms for the prompt)."""
-    body = {"prompt": prompt, "n_predict": tokens, "ignore_eos": True, "temperature": 0, "stream": True}
+    """(ms to the first text, llama-server's own ms for the prompt). The whole prompt is evaluated each time
+    (``cache_prompt`` off, as the stack's prefix cache is here): asserted by the prompt tokens it reports."""
+    body = {"prompt": prompt, "n_predict": tokens, "ignore_eos": True, "temperature": 0, "stream": True,
+            "cache_prompt": False}
     async with httpx.AsyncClient(timeout=600, limits=FRESH) as client:
         started, first, own = time.perf_counter(), None, None
         async with client.stream("POST", url + "/completion", json=body) as resp:
@@ -66,7 +70,9 @@ async def llama_first(url: str, prompt: list[int], tokens: int) -> tuple[float, 
                 data = json.loads(line[6:])
                 if first is None and data.get("content"):
                     first = (time.perf_counter() - started) * 1e3
-                own = (data.get("timings") or {}).get("prompt_ms", own)
+                if data.get("timings"):
+                    own, evaluated = data["timings"]["prompt_ms"], data["timings"]["prompt_n"]
+                    assert evaluated == len(prompt), f"llama-server evaluated {evaluated} of {len(prompt)} tokens"
     return first, own
 
 
