@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.scratch import scratch_dir  # noqa: E402
 from core.nats_server import EmbeddedNats  # noqa: E402
+from tests.processes import free_port, wait_until  # noqa: E402
 
 STREAM, WORK, CORE, BACK = "FLOOR", "floor.work", "floor.core", "floor.back"
 
@@ -120,19 +120,11 @@ async def bus_floor(url: str, trips: int, pauses: list[float]) -> dict:
 async def http_floor(trips: int, pauses: list[float]) -> dict:
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     child = subprocess.Popen([sys.executable, __file__, "--serve-http", str(port)])
     try:
+        wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/", timeout=2), 30, "the null app listening")
         async with httpx.AsyncClient(timeout=30) as client:
-            for _ in range(100):  # until it listens
-                try:
-                    await client.get(f"http://127.0.0.1:{port}/")
-                    break
-                except httpx.TransportError:
-                    await asyncio.sleep(0.1)
-
             async def once():
                 t0 = time.perf_counter()
                 async with client.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json={"a": 1}) as r:

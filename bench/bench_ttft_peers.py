@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_matrix import SHAPES, prepare, prompts_for  # noqa: E402
 from bench.bench_peers import settled  # noqa: E402
-from bench.bench_serving import QUESTIONS, sse_chunks  # noqa: E402
+from bench.bench_stack_ab import first_text  # noqa: E402
 from bench.bench_stack_trace import default_stack  # noqa: E402
 from bench.peers_llama import LlamaServer, gguf_files, llama_tree  # noqa: E402
 from bench.scratch import scratch_dir  # noqa: E402
@@ -47,12 +47,8 @@ FRESH = httpx.Limits(max_keepalive_connections=0)
 async def stack_first(url: str, model: str, tokens: int) -> tuple[float, float]:
     """(ms to the first text, the stage's own ms to the first token)."""
     async with httpx.AsyncClient(timeout=600, limits=FRESH) as client:
-        started, first, own = time.perf_counter(), None, None
-        async for chunk in sse_chunks(client, url + "/v1/chat/completions", model, QUESTIONS[0], tokens):
-            if first is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
-                first = (time.perf_counter() - started) * 1e3
-            own = ((chunk.get("swarm") or {}).get("timing") or {}).get("ttft_ms", own)
-    return first, own
+        first, around = await first_text(client, url + "/v1/chat/completions", model, tokens)
+    return first, first - around
 
 
 async def llama_first(url: str, prompt: list[int], tokens: int) -> tuple[float, float]:
