@@ -175,6 +175,34 @@ def test_an_int4_stage_of_a_benchmark_shape_is_taken_at_one_and_eight_sessions(t
         assert found["serving"], found
 
 
+
+@pytest.mark.parametrize("method", ["int8", "int4-fast"])
+def test_quantized_inputs_past_a_multiple_of_32_are_read_as_zeros(tmp_path, method):
+    """A down product of 208 inputs (six 32-blocks and 16) is taken, read as 224 with zero columns: the step's
+    logits do not change with what its work buffer held past the 208 (the kernel quantizes them as zeros),
+    and stay within the background compile's tolerance of the fused step's."""
+    from fellow.runtime.tools.export import export
+
+    hf = make_tiny_checkpoint(tmp_path / "hf", layers=2, hidden=64, shape=dict(intermediate_size=208))
+    export(hf, tmp_path / "servable", stages=1, model_id="tail")
+    stage = load_one_stage(tmp_path / "servable", "cpu", StageOptions(quantization=method, compile=None)).stage
+    assert why_not(stage) is None
+    step = NativeStep(stage, stage.plain_weights)
+    assert (step.layers[0].down.k, step.layers[0].down.kin) == (224, 208)
+    assert step.build(1, only_faster=False, compiled=True)["serving"]
+    ids = torch.arange(5, 30)
+    logits = []
+    for fill in (0.0, 1e4):
+        cache = stage.new_cache()
+        stage.prefill(cache, ids)
+        step._work.fill_(fill)
+        logits.append(step.decode([cache], torch.tensor([7])))
+    assert torch.equal(logits[0], logits[1])
+    fused = stage.new_cache()
+    stage.prefill(fused, ids)
+    want = stage.decode([fused], torch.tensor([7]))
+    assert float((logits[0] - want).abs().max()) <= QUANTIZED_LOGIT_TOLERANCE * (1 + float(want.abs().max()))
+
 BUILDS = """
 import sys, torch
 from pathlib import Path
@@ -186,11 +214,11 @@ from fellow.runtime.tools.export import export
 from tests.tiny import make_tiny_checkpoint
 torch.set_num_threads(2)
 root = Path(sys.argv[1])
-for method, inter in (("none", 232), ("int8", 224), ("int4-fast", 224)):
-    hf = make_tiny_checkpoint(root / f"{method}-hf", layers=2, hidden=96, shape=dict(
+for method, inter in (("none", 232), ("int8", 224), ("int4-fast", 224), ("int8", 208), ("int4-fast", 208)):
+    hf = make_tiny_checkpoint(root / f"{method}-{inter}-hf", layers=2, hidden=96, shape=dict(
         intermediate_size=inter, num_attention_heads=4, num_key_value_heads=2, head_dim=24))
-    export(hf, root / method, stages=1, model_id=method)
-    stage = load_one_stage(root / method, "cpu", StageOptions(quantization=method, compile=None)).stage
+    export(hf, root / f"{method}-{inter}", stages=1, model_id=method)
+    stage = load_one_stage(root / f"{method}-{inter}", "cpu", StageOptions(quantization=method, compile=None)).stage
     assert why_not(stage) is None, (method, why_not(stage))
     step = NativeStep(stage, stage.plain_weights)
     for rows in (1, 3, 8):
@@ -204,7 +232,8 @@ print(torch.backends.cpu.get_cpu_capability(), "-mavx512f" in native.flags())
 def test_each_build_of_the_kernel_agrees_with_the_fused_step(tmp_path, capability):
     """The kernel is built for AVX-512 where torch dispatches AVX-512 (``step_avx512``), else for AVX2: under
     each capability this CPU has, float32 (a down product of 232 inputs: a masked last eight), int8 and int4
-    (224: an odd count of 32-blocks) steps of 1, 3 and 8 sessions pass the background compile's check."""
+    (224: an odd count of 32-blocks; 208: a last block of 16 inputs, the kernel's zero padding) steps of 1, 3
+    and 8 sessions pass the background compile's check."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
     done = subprocess.run([sys.executable, "-c", BUILDS, str(tmp_path)], env=env, capture_output=True, text=True,
                           timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -21,6 +21,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from fellow.runtime.model import native, step_kernel
 from fellow.runtime.model.attend_one import _addresses_of
@@ -53,8 +54,8 @@ def why_not(stage) -> str | None:
         if type(linear) is Linear:
             if linear.in_features % 8:
                 return f"a float32 weight of {linear.in_features} inputs (the kernel reads eights)"
-        elif linear.kernel not in ("int8", "int4") or linear.in_features % 32 or linear.pad:
-            return f"its {linear.kernel} weights of {linear.in_features} inputs (the kernel reads int8 or int4 in 32s)"
+        elif linear.kernel not in ("int8", "int4"):
+            return f"its {linear.kernel} weights (the kernel reads float32, int8 or int4)"
         elif linear.kernel == "int4" and linear.out_features % 32:
             return f"an int4 weight of {linear.out_features} outputs (torch packs them in 32s)"
         elif linear.kernel == "int4" and int4_packing() is None:
@@ -85,7 +86,7 @@ class NativeStep(CompiledDecode):
             for name in NAMES:
                 linear = getattr(layer, name)
                 setattr(spec, name, self._lin(linear, plain))
-                widths.append(linear.in_features)
+                widths.append(getattr(spec, name).k)
                 floats &= type(linear) is Linear
             outs += [layer.qkv.out_features, layer.gate_up.out_features]
             spec.in_norm, spec.in_eps = self._ptr(layer.input_norm[0]), layer.input_norm[1]
@@ -99,7 +100,8 @@ class NativeStep(CompiledDecode):
         self.vocab = head.out_features
         self.tolerance = LOGIT_TOLERANCE if floats else QUANTIZED_LOGIT_TOLERANCE
         norm_weight, norm_eps = _norm(stage.norm)
-        width = max(widths + [head.in_features])
+        head_lin = self._lin(head, plain)
+        width = max(widths + [head_lin.k])
         if type(stage.embed) is nn.Embedding:
             embed, embed_scale = self._ptr(stage.embed.weight.detach()), None
         else:  # QuantEmbedding: int8 rows and a scale a row
@@ -108,7 +110,7 @@ class NativeStep(CompiledDecode):
         self.model = step_kernel.Model(
             layers=len(fused.layers), hidden=hidden, heads=fused.num_heads, kv_heads=fused.num_kv_heads,
             dim=fused.head_dim, embed=embed, embed_scale=embed_scale, norm=self._ptr(norm_weight),
-            norm_eps=norm_eps, head=self._lin(head, plain), width=width,
+            norm_eps=norm_eps, head=head_lin, width=width,
             parallel=int(self._weight_bytes >= step_kernel.PARALLEL_BYTES))
         self.model.most = max(outs)
         self._work = torch.empty(step_kernel.MAX_ROWS * (hidden + width + fused.num_heads * fused.head_dim
@@ -123,18 +125,24 @@ class NativeStep(CompiledDecode):
         return tensor.data_ptr()
 
     def _lin(self, linear, plain: PlainWeights) -> step_kernel.Lin:
-        n, k = linear.out_features, linear.in_features
+        """A quantized weight whose inputs are not a multiple of 32 is read as one padded with zero columns
+        (int4: QuantLinear's own padding; int8: a padded copy): its ``k`` the padded count, ``kin`` the real
+        one, past which the kernel quantizes the inputs as zeros."""
+        n, kin = linear.out_features, linear.in_features
         bits = 32 if type(linear) is Linear else 8 if linear.kernel == "int8" else 4
+        k = kin if bits == 32 else kin + -kin % 32
         self._weight_bytes += n * k * bits // 8
         if bits == 32:
             return step_kernel.Lin(w=self._ptr(plain.of(linear)), scale=None, bias=self._ptr(linear.bias), n=n, k=k,
-                                   bits=32)
+                                   bits=32, kin=kin)
         if bits == 8:
-            return step_kernel.Lin(w=self._ptr(linear.weight, torch.int8), scale=self._ptr(linear.scales_f32),
-                                   bias=self._ptr(linear.bias), n=n, k=k, bits=8)
+            weight = F.pad(linear.weight, (0, k - kin)) if k > kin else linear.weight  # padded: a copy
+            return step_kernel.Lin(w=self._ptr(weight, torch.int8),
+                                   scale=self._ptr(linear.scales_f32), bias=self._ptr(linear.bias), n=n, k=k, bits=8,
+                                   kin=kin)
         weight, scales = int4_rows(linear)
         return step_kernel.Lin(w=self._ptr(weight, torch.uint8), scale=self._ptr(scales), bias=self._ptr(linear.bias),
-                               n=n, k=k, bits=4, group=linear.group)
+                               n=n, k=k, bits=4, group=linear.group, kin=kin)
 
     def warm(self, rows: int) -> float:
         """No graph to compile: the kernel's library built, where it was not yet (on the compile thread); the
@@ -186,7 +194,7 @@ def int4_rows(linear) -> tuple[torch.Tensor, torch.Tensor]:
     """An int4 QuantLinear's weight as the step kernel reads it: uint8 [N, K / 2], each 32 inputs' 16 bytes
     holding input i low and input i + 16 high; and float32 [N, K / group, 2], each group's scale and offset
     (a weight is q * scale + offset). From torch's CPU packing (``int4_values``)."""
-    n, k = linear.out_features, linear.in_features
+    n, k = linear.out_features, linear.in_features + linear.pad  # as packed: the inputs padded to 32s
     values = int4_values(linear.weight.view(torch.uint8), n, k).reshape(n, k // 32, 2, 16)
     rows = (values[:, :, 0] | (values[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
     scale, zero = linear.scales[:, :n].float().unbind(-1)  # [K / group, N] each: q * scale + zero - 8 * scale

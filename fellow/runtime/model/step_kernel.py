@@ -218,7 +218,8 @@ void swarm_step(const Model *m, const Layer *layers, int64_t rows, const int64_t
 
 class Lin(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("bits", ctypes.c_int64), ("group", ctypes.c_int64)]
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("bits", ctypes.c_int64), ("group", ctypes.c_int64),
+                ("kin", ctypes.c_int64)]
 
 
 class Layer(ctypes.Structure):

@@ -31,9 +31,10 @@ typedef struct {
     const float *scale;   /* int8: each row's scale [n]; int4: [n, k / group, 2], each group's scale and
                              offset (a weight is q * scale + offset, q in 0..15); NULL: float32 */
     const float *bias;    /* [n] or NULL */
-    int64_t n, k;
+    int64_t n, k;         /* quantized: k a multiple of 32, the weight's columns past kin zero */
     int64_t bits;         /* 32, 8 or 4 */
     int64_t group;        /* int4: inputs a scale */
+    int64_t kin;          /* the inputs x holds (quantized: up to k; those past it read as 0) */
 } Lin;
 
 /* where the step's rows sit: x and y rows by their strides (floats), xq rows (bytes) and xd rows (floats) */
@@ -60,19 +61,20 @@ static inline void span(int64_t n, int64_t align, int64_t *a, int64_t *b) {
    own buffers (nothing for a float32 product): a few microseconds, where a split would cost a barrier */
 static void prepare(const Lin *l, const float *x, int8_t *xq, float *xd, int64_t rows, Rows s) {
     if (l->bits == 32) return;
-    const int64_t nb = l->k / 32;
+    const int64_t nb = l->k / 32, kin = l->kin;
     if (l->bits == 4) {  /* int16 under one scale a row (xd[0]), each group's sum at xd[1 + g] */
         for (int64_t r = 0; r < rows; r++) {
             const float *xr = x + r * s.xs;
             float *d = xd + r * s.ds, amax = 0.f;
-            for (int64_t i = 0; i < l->k; i++) { const float a = fabsf(xr[i]); if (a > amax) amax = a; }
+            for (int64_t i = 0; i < kin; i++) { const float a = fabsf(xr[i]); if (a > amax) amax = a; }
             const float scale = amax / 32767.f, inv = scale ? 1.f / scale : 0.f;
             d[0] = scale;
             for (int64_t g = 0; g < l->k / l->group; g++) {
                 float sum = 0.f;
                 for (int64_t i = g * l->group; i < (g + 1) * l->group; i++) {
-                    sum += xr[i];
-                    ((int16_t *)(xq + r * s.qs))[i] = (int16_t)lrintf(xr[i] * inv);
+                    const float v = i < kin ? xr[i] : 0.f;
+                    sum += v;
+                    ((int16_t *)(xq + r * s.qs))[i] = (int16_t)lrintf(v * inv);
                 }
                 d[1 + g] = sum;
             }
@@ -80,13 +82,14 @@ static void prepare(const Lin *l, const float *x, int8_t *xq, float *xd, int64_t
         return;
     }
     for (int64_t t = 0; t < rows * nb; t++) {
-        const int64_t r = t / nb, b = t % nb;
+        const int64_t r = t / nb, b = t % nb, left = kin - b * 32;
+        const int live = left < 32 ? (int)left : 32;  /* a last block past kin: its tail zero */
         const float *xb = x + r * s.xs + b * 32;
         float amax = 0.f;
-        for (int i = 0; i < 32; i++) { float a = fabsf(xb[i]); if (a > amax) amax = a; }
+        for (int i = 0; i < live; i++) { float a = fabsf(xb[i]); if (a > amax) amax = a; }
         const float scale = amax / 127.f, inv = scale ? 1.f / scale : 0.f;
         xd[r * s.ds + b] = scale;
-        for (int i = 0; i < 32; i++) xq[r * s.qs + b * 32 + i] = (int8_t)lrintf(xb[i] * inv);
+        for (int i = 0; i < 32; i++) xq[r * s.qs + b * 32 + i] = i < live ? (int8_t)lrintf(xb[i] * inv) : 0;
     }
 }
 
