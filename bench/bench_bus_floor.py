@@ -11,7 +11,9 @@ nats-server -> gateway). Each is timed here alone, between real processes doing 
 - ``core``: a core NATS message to a child process that sends one back at once (two crossings of
   nats-server, a round trip);
 - ``jetstream``: a JetStream publish to a work-queue stream, taken by the child's ``fetch(1)`` (as
-  fellow.runtime.server.intake takes requests), answered on core NATS (the stage's path and the frame's).
+  fellow.runtime.server.intake takes requests), answered on core NATS (the stage's path and the frame's);
+- ``jetstream-push``: the same publish (another subject of the stream) to a push consumer's callback, which
+  the stage does not use: what a pushed intake would cost instead.
 
 Each is timed hot (back to back) and after each pause (seconds; bench_stack_trace waits 0.2 s twice before a
 request): medians over ``--trips`` of the way there (the receiver's clock reading on arrival, CLOCK_MONOTONIC
@@ -38,7 +40,7 @@ from bench.scratch import scratch_dir  # noqa: E402
 from core.nats_server import EmbeddedNats  # noqa: E402
 from tests.processes import free_port, wait_until  # noqa: E402
 
-STREAM, WORK, CORE, BACK = "FLOOR", "floor.work", "floor.core", "floor.back"
+STREAM, WORK, PUSHED, CORE, BACK = "FLOOR", "floor.work", "floor.pushed", "floor.core", "floor.back"
 
 
 async def null_app(scope, receive, send):
@@ -61,7 +63,12 @@ async def answer(url: str) -> None:
     async def on_core(msg):
         await nc.publish(BACK, repr(time.perf_counter()).encode())
 
+    async def on_pushed(msg):
+        await nc.publish(BACK, repr(time.perf_counter()).encode())
+        await msg.ack()
+
     await nc.subscribe(CORE, cb=on_core)
+    await js.subscribe(PUSHED, durable="floor-push", stream=STREAM, cb=on_pushed, manual_ack=True)
     sub = await js.pull_subscribe(WORK, durable="floor", stream=STREAM)
     while True:
         try:
@@ -93,7 +100,7 @@ async def bus_floor(url: str, trips: int, pauses: list[float]) -> dict:
 
     nc = await nats.connect(url)
     js = nc.jetstream()
-    await js.add_stream(StreamConfig(name=STREAM, subjects=[WORK], retention=RetentionPolicy.WORK_QUEUE))
+    await js.add_stream(StreamConfig(name=STREAM, subjects=[WORK, PUSHED], retention=RetentionPolicy.WORK_QUEUE))
     back: asyncio.Queue = asyncio.Queue()
 
     async def on_back(msg):
@@ -104,7 +111,8 @@ async def bus_floor(url: str, trips: int, pauses: list[float]) -> dict:
     try:
         await asyncio.sleep(1.5)  # its subscription and pull are in place
         out = {}
-        for name, send in (("core", lambda: nc.publish(CORE, b"x")), ("jetstream", lambda: js.publish(WORK, b"x"))):
+        for name, send in (("core", lambda: nc.publish(CORE, b"x")), ("jetstream", lambda: js.publish(WORK, b"x")),
+                           ("jetstream-push", lambda: js.publish(PUSHED, b"x"))):
             async def once():
                 t0 = time.perf_counter()
                 await send()
