@@ -1,8 +1,9 @@
 """One session's decode step as one C call (fellow.runtime.model.native_step, the background compile's
 ``native`` form): on a tied Qwen3 with per-head norms and grouped attention, and on a Qwen2 with biases
 whose upper layers slide, it gives HF generate's greedy reply token for token; an int8 stage replies as
-its fused step does, an int4 one within the quantized tolerance; its AVX-512 and AVX2 builds each pass the
-check; a stage it cannot take says why; the background compile builds it by default.
+its fused step does, an int4 one within the quantized tolerance; quantized inputs past a multiple of 32 are
+read as zeros; its AVX-512 and AVX2 builds each pass the check; a stage it cannot take says why; the
+background compile builds it by default.
 
 Real tiny models, the kernel compiled with the host's C compiler (skipped where none builds it)."""
 
@@ -173,7 +174,6 @@ def test_an_int4_stage_of_a_benchmark_shape_is_taken_at_one_and_eight_sessions(t
     for rows in (1, 8):
         found = step.build(rows, only_faster=False, compiled=True)
         assert found["serving"], found
-
 
 
 @pytest.mark.parametrize("method", ["int8", "int4-fast"])
