@@ -122,8 +122,15 @@ async def test_follow_a_request_then_cancel_one(stack, nc):
     assert isinstance(frames[-1], DoneFrame) and tokens  # chat_over_bus follows swarm.tok.<rid>, as `nats sub`
     stored = [frame_decoder.decode(m.data) for m in await view(nc, "SWARM_TOKENS", f"swarm.tok.{rid}")]
     assert [f.seq for f in stored] == [f.seq for f in frames]  # the same frames, kept in the stream
-    finished = [json.loads(m.data) for m in await view(nc, "SWARM_EVENTS", "swarm.evt.request.>")]
-    assert any(e["type"] == "request.finished" and e["request_id"] == rid for e in finished)
+    deadline = time.monotonic() + 30  # the fellow reports the request once its done frame is out
+
+    async def finished() -> bool:
+        events = [json.loads(m.data) for m in await view(nc, "SWARM_EVENTS", "swarm.evt.request.>")]
+        return any(e["type"] == "request.finished" and e["request_id"] == rid for e in events)
+
+    while not await finished():
+        assert time.monotonic() < deadline, f"no request.finished for {rid} in SWARM_EVENTS"
+        await asyncio.sleep(0.05)
 
     rid = "rq-" + uuid.uuid4().hex[:12]
     first, done = asyncio.Event(), asyncio.get_running_loop().create_future()
