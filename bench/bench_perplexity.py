@@ -11,6 +11,7 @@ on the demo model's shape with random weights (``swarm demo-model DIR --steps 1`
 its loss still ln(vocab)), whose logits are nearly flat, so any rounding flips the argmax.
 
     .venv/bin/python bench/bench_perplexity.py [--model DIR] [--random DIR] [--ctx 192] [--chunks 48]
+        [--decode [--native]] [--intermediate N]
 
 ``--model``: a demo servable already built (``swarm demo-model DIR``); default: trained here (about two
 minutes on two cores). Held-out text: the standard library's module docstrings (never in the demo
@@ -199,6 +200,9 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=48)
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--intermediate", type=int, default=None,
+                        help="the MLP width of the demo models trained here (default the demo's, 512); one not a "
+                             "multiple of 32 scores the quantized kernels' padded inputs")
     parser.add_argument("--decode", action="store_true",
                         help="score through one decode step a token (the kernels a reply runs) instead of one "
                              "verify pass a chunk")
@@ -216,8 +220,11 @@ def main() -> None:
     from fellow.runtime.tools.demo_model import make_demo_model
 
     tmp = scratch_dir("swarm-bench-ppl-")
-    trained = args.model or (make_demo_model(tmp / "trained"), tmp / "trained")[1]
-    random = args.random or (make_demo_model(tmp / "random", steps=1), tmp / "random")[1]
+    if args.intermediate and (args.model or args.random):
+        parser.error("--intermediate shapes the models trained here: leave out --model and --random")
+    shape = {"intermediate": args.intermediate} if args.intermediate else {}
+    trained = args.model or (make_demo_model(tmp / "trained", **shape), tmp / "trained")[1]
+    random = args.random or (make_demo_model(tmp / "random", steps=1, **shape), tmp / "random")[1]
     results = {"trained": measure(trained, texts(("held-out", "training")), args.ctx, args.chunks, args.tokens,
                                   args.decode, args.native, tuple(args.methods)),
                "random": measure(random, texts(("held-out",)), args.ctx, args.chunks, args.tokens, args.decode,

@@ -48,11 +48,12 @@ def demo_examples(chunk_chars: int = 600) -> list[str]:
             for i, (name, answer) in enumerate(_topic_chunks(chunk_chars))]
 
 
-def _config(vocab: int, hidden: int, layers: int):
+def _config(vocab: int, hidden: int, layers: int, intermediate: int | None = None):
     from transformers import Qwen3Config
 
     heads = hidden // 32
-    return Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 32 * 32,
+    return Qwen3Config(vocab_size=vocab, hidden_size=hidden,
+                       intermediate_size=intermediate or hidden * 8 // 3 // 32 * 32,
                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 3),
                        head_dim=32, max_position_embeddings=1024, tie_word_embeddings=True)
 
@@ -70,8 +71,9 @@ def _batches(rows: list[list[int]], pad: int, batch: int, seed: int):
 
 def train_demo(seed: int = 0, steps: int = DEFAULT_STEPS, progress: Progress | None = None, *,
                vocab: int = 3072, hidden: int = 192, layers: int = 4, seq_len: int = 192, batch: int = 16,
-               lr: float = 3e-3, threads: int = 2):
-    """Train and return (model, tokenizer). Same seed, steps and threads: identical weights."""
+               lr: float = 3e-3, threads: int = 2, intermediate: int | None = None):
+    """Train and return (model, tokenizer). Same seed, steps and threads: identical weights.
+    ``intermediate``: the MLP's width (default 8/3 of ``hidden``, down to a multiple of 32)."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)  # the CPU kernels split work by thread count; fix it for repeatability
@@ -81,7 +83,7 @@ def train_demo(seed: int = 0, steps: int = DEFAULT_STEPS, progress: Progress | N
     rows = [ids if len(ids) <= seq_len else ids[: seq_len - 1] + [end]
             for ids in tokenizer(examples, add_special_tokens=False)["input_ids"]]
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(len(tokenizer), hidden, layers), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(_config(len(tokenizer), hidden, layers, intermediate), dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
