@@ -24,7 +24,7 @@ from fellow.runtime.model.background_compile import BackgroundCompile
 from fellow.runtime.model.graph_linear import REDUCE
 from fellow.runtime.model.kernels import prepare_stage
 from fellow.runtime.model.loader import load_one_stage
-from fellow.runtime.model.compiled import QUANTIZED_LOGIT_TOLERANCE
+from fellow.runtime.model.checked_step import QUANTIZED_LOGIT_TOLERANCE
 from fellow.runtime.model.native_step import NATIVE, NativeStep, int4_rows, why_not
 from fellow.runtime.model.stage import StageModel
 from tests.serving_fixtures import make_servable

@@ -27,8 +27,8 @@ from functools import cached_property
 
 import torch
 
-from fellow.runtime.model.compiled import (CHECK_CONTEXT, CompiledDecode, PlainWeights, _best_ms, _one_line,
-                                           _resident_bytes, why_not)
+from fellow.runtime.model.checked_step import CHECK_CONTEXT, best_ms, one_line
+from fellow.runtime.model.compiled import CompiledDecode, PlainWeights, _resident_bytes, why_not
 from fellow.runtime.model.fused import Linear
 from fellow.runtime.model.graph_linear import GEMV_FORMS, LINEAR, REDUCE, gemv_forms
 from fellow.runtime.model.kv_budget import cpu_free_bytes
@@ -112,7 +112,7 @@ class BackgroundCompile:
             for form, rows in self.plan:
                 self._seconds[form, rows] = self.candidates[form].warm(rows)
         except Exception as exc:  # inductor could not build it here: what did build still may serve
-            self._error = _one_line(exc)
+            self._error = one_line(exc)
             if "candidates" not in vars(self):  # none could be made: poll finds nothing to try
                 self.candidates = {}
         finally:
@@ -140,7 +140,7 @@ class BackgroundCompile:
                 try:
                     entry.update(self.candidates[form].build(rows, self.only_faster, compiled=True))
                 except Exception as exc:
-                    entry.update(serving=False, why=_one_line(exc))
+                    entry.update(serving=False, why=one_line(exc))
                 tried[form] = entry
             self._retime(rows, tried)
             found[str(rows)] = _choose(tried, self._error)
@@ -166,7 +166,7 @@ class BackgroundCompile:
     @torch.inference_mode()
     def _retime(self, rows: int, tried: dict[str, dict]) -> None:
         """Where several forms serve ``rows`` sessions, time them and the fused step again in turn (RETIME_ROUNDS
-        rounds of each's best of compiled.TIMING_REPEATS) and keep each one's median: each ``build`` timed its
+        rounds of each's best of checked_step.TIMING_REPEATS) and keep each one's median: each ``build`` timed its
         form alone, once, and two runs of the same stage chose differently (a busy machine moves a step by a
         third)."""
         forms = [form for form, entry in tried.items() if entry.get("serving")]
@@ -179,7 +179,7 @@ class BackgroundCompile:
         try:
             for _ in range(RETIME_ROUNDS):
                 for form, step in steps.items():
-                    times[form].append(_best_ms(lambda: step(caches, ids), caches))
+                    times[form].append(best_ms(lambda: step(caches, ids), caches))
         finally:
             for cache in caches:
                 cache.release()

@@ -37,23 +37,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fellow.runtime.model.checked_step import CHECK_CONTEXT, CheckedStep, one_line
 from fellow.runtime.model.fused import Linear, _norm
 from fellow.runtime.model.graph_linear import (LINEAR, GraphLinear, call, embedding, keep, keep_embedding,
                                                why_not_embedding, why_not_graph)
-from fellow.runtime.model.kv_cache import random_caches
-from fellow.runtime.model.rotary_rows import RotaryRows
 
 log = logging.getLogger(__name__)
 
 COMPILE_MODE = "max-autotune-no-cudagraphs"
-TIMING_REPEATS = 5  # timed steps per path and batch size; the fastest counts
-CHECK_CONTEXT = 64  # positions in each cache when the compiled step's logits are checked and timed
-LOGIT_TOLERANCE = 1e-3  # the compiled step's logits may differ from the fused step's by this, relative
-# where the stage's kernels round their rows (int8 and int4: to bfloat16 in torch's kernels, to int8 blocks in
-# quant.int8_gemv), inductor's norms, summing in another order, can round an activation the other way: on a
-# 20-layer h384 model graphs differed from the fused step by 7.8e-3 to 0.056, about what the fused step differs
-# by between a batch of 8 and each session alone (0.016-0.018 of logits up to 2: its slab sums in another order)
-QUANTIZED_LOGIT_TOLERANCE = 3e-2
 # graphs dynamo keeps for DecodeGraph.forward: one per stage and batch size. Every stage's step is one code
 # object, so a process that loads several stages (a benchmark, the tests) passed dynamo's default of 8 and
 # got an error where a compile was due
@@ -177,28 +168,16 @@ class DecodeGraph(nn.Module):
         return linear("head", last)
 
 
-class CompiledDecode:
+class CompiledDecode(CheckedStep):
     """The stage's decode step at the batch sizes it compiled and measured faster than the fused step."""
 
+    name = "compiled"
+
     def __init__(self, stage, plain: PlainWeights, mode: str | None = COMPILE_MODE, gemv: str = LINEAR) -> None:
-        self.stage = stage
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.graph = DecodeGraph(stage, plain, gemv)
+        super().__init__(stage, self.graph.embed.shape[0], self.graph.reads_float32)
         self.fn = torch.compile(self.graph, dynamic=False, mode=mode, fullgraph=True)
-        self.serving: set[int] = set()
-        self.steps = 0  # decode steps it served
-        self.rotary = RotaryRows(stage.rotary_emb, stage.dtype)
-        self.vocab = self.graph.embed.shape[0]  # ids drawn below it when it is checked
-        self.tolerance = LOGIT_TOLERANCE if self.graph.reads_float32 else QUANTIZED_LOGIT_TOLERANCE
-
-    def serves(self, rows: int) -> bool:
-        return rows in self.serving
-
-    def give_up(self, rows: int, exc: Exception) -> None:
-        """The compiled step failed at ``rows`` (nothing of it stands: no cache advanced); the fused step
-        serves that batch size from now on."""
-        self.serving.discard(rows)
-        log.warning("compiled decode step at batch %d given up, the fused step serves: %s", rows, _one_line(exc))
 
     def decode(self, caches: Sequence, ids: torch.Tensor, stance: str = "fail_on_recompile") -> torch.Tensor:
         """One new position per session, as ``StageModel.decode``: logits [B, V]. ``stance``: never a
@@ -221,17 +200,10 @@ class CompiledDecode:
         self.steps += 1
         return logits
 
-    @torch.inference_mode()
-    def build(self, rows: int, only_faster: bool = True, compiled: bool = False) -> dict:
-        """Compile the step for ``rows`` sessions (``compiled``: ``warm`` did), check its logits against the
-        fused step's, time both; serve it where it is faster (``only_faster=False``: wherever it agrees).
-        What it found, for the status."""
-        caches = random_caches(self.stage.new_cache, rows, CHECK_CONTEXT, 1, torch.Generator().manual_seed(rows))
-        try:
-            return self._build(rows, caches, only_faster, compiled)
-        finally:  # released, so the stage's decode slab (where they were its rows) holds none of them
-            for cache in caches:
-                cache.release()
+    def first_decode(self, caches, ids: torch.Tensor, compiled: bool) -> torch.Tensor:
+        """Compiles the step here (inductor's settings, its prints off stdout) unless ``warm`` did."""
+        with _quiet_compile():
+            return self.decode(caches, ids, stance="fail_on_recompile" if compiled else "default")
 
     @torch.inference_mode()
     def warm(self, rows: int) -> float:
@@ -250,31 +222,6 @@ class CompiledDecode:
         finally:
             _current.attend = _current.layers = None
         return time.perf_counter() - started
-
-    def _build(self, rows: int, caches: list, only_faster: bool, compiled: bool) -> dict:
-        ids = torch.randint(0, self.vocab, (rows,))
-        started = time.perf_counter()
-        with _quiet_compile():
-            got = self.decode(caches, ids, stance="fail_on_recompile" if compiled else "default")
-        compile_s = time.perf_counter() - started
-        _crop(caches)
-        want = self.stage.decode(caches, ids)
-        _crop(caches)
-        diff = float((got - want).abs().max())
-        entry = {"max_logit_diff": float(f"{diff:.2e}"), **({} if compiled else {"compile_s": round(compile_s, 1)})}
-        if not diff <= self.tolerance * (1.0 + float(want.abs().max())):
-            entry.update(serving=False, why=f"its logits differ from the fused step's by {diff:.3g}")
-            return entry
-        fused_ms = _best_ms(lambda: self.stage.decode(caches, ids), caches)
-        compiled_ms = _best_ms(lambda: self.decode(caches, ids), caches)
-        entry.update(fused_ms=round(fused_ms, 3), compiled_ms=round(compiled_ms, 3),
-                     serving=compiled_ms < fused_ms or not only_faster)
-        if entry["serving"]:
-            self.serving.add(rows)
-        else:
-            entry["why"] = "not faster than the fused step here"
-        return entry
-
 
 def compile_decode(stage, batches: Iterable[int], plain: PlainWeights | None, only_faster: bool = True,
                    mode: str | None = COMPILE_MODE) -> dict:
@@ -295,7 +242,7 @@ def compile_decode(stage, batches: Iterable[int], plain: PlainWeights | None, on
             found[str(rows)] = compiled.build(rows, only_faster)
         except Exception as exc:  # inductor could not build it here: the fused step serves
             log.warning("decode step at batch %d not compiled: %s", rows, exc)
-            found[str(rows)] = {"serving": False, "why": _one_line(exc)}
+            found[str(rows)] = {"serving": False, "why": one_line(exc)}
             break
     stage.compiled = compiled if compiled.serving else None
     log.info("[compiled] decode step %s", "; ".join(
@@ -310,11 +257,6 @@ def compile_decode(stage, batches: Iterable[int], plain: PlainWeights | None, on
     return report
 
 
-def _one_line(exc: Exception) -> str:
-    lines = str(exc).splitlines()
-    return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
-
-
 def _resident_bytes() -> int | None:
     """The process's resident memory (Linux), or None."""
     try:
@@ -322,21 +264,6 @@ def _resident_bytes() -> int | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
-
-
-def _crop(caches) -> None:
-    for cache in caches:
-        cache.crop_to(CHECK_CONTEXT)
-
-
-def _best_ms(step, caches) -> float:
-    best = float("inf")
-    for _ in range(TIMING_REPEATS):
-        started = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - started)
-        _crop(caches)
-    return best * 1e3
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ byte a weight more held beside torch's packing), writing each session's new key 
 ``KVCache`` as ``attend_one`` does. It takes the same stages as the compiled step (``compiled.why_not``)
 whose shapes the kernel's loops take; ``why_not`` says otherwise. Nothing is compiled: the background
 compile builds it beside its graphs at each batch size, checks its logits against the fused step's and
-times it like them (``CompiledDecode.build``), and serves whichever is fastest.
+times it like them (``checked_step.CheckedStep.build``), and serves whichever is fastest.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from torch.nn import functional as F
 
 from fellow.runtime.model import native, step_kernel
 from fellow.runtime.model.attend_one import _addresses_of
-from fellow.runtime.model.compiled import (LOGIT_TOLERANCE, QUANTIZED_LOGIT_TOLERANCE, CompiledDecode,
-                                           PlainWeights, why_not as why_not_compiled)
+from fellow.runtime.model.checked_step import CheckedStep
+from fellow.runtime.model.compiled import PlainWeights, why_not as why_not_compiled
 from fellow.runtime.model.fused import Linear, _norm
 from fellow.runtime.model.rotary_rows import RotaryRows
 
@@ -68,26 +68,24 @@ def why_not(stage) -> str | None:
     return None
 
 
-class NativeStep(CompiledDecode):
-    """The protocol of ``CompiledDecode`` (build, decode, serves, give_up) over one C call a step of 1 to
+class NativeStep(CheckedStep):
+    """The step's protocol (``checked_step``: build, decode, serves, give_up) over one C call a step of 1 to
     ``step_kernel.MAX_ROWS`` sessions."""
 
+    name = "native"
+
     def __init__(self, stage, plain: PlainWeights) -> None:
-        self.stage = stage
-        self.serving: set[int] = set()
-        self.steps = 0
-        self.rotary = RotaryRows(stage.rotary_emb, stage.dtype)
+        fused, head = stage.fused, stage.head.linear
+        linears = [getattr(layer, name) for layer in fused.layers for name in NAMES] + [head]
+        super().__init__(stage, head.out_features, all(type(linear) is Linear for linear in linears))
         self._kept: list[torch.Tensor] = []  # every tensor whose address the structs hold
         self._weight_bytes = 0
-        fused = stage.fused
         self.layers = (step_kernel.Layer * len(fused.layers))()
-        widths, outs, floats = [fused.num_heads * fused.head_dim], [], True
+        widths, outs = [fused.num_heads * fused.head_dim], []
         for layer, spec in zip(fused.layers, self.layers):
             for name in NAMES:
-                linear = getattr(layer, name)
-                setattr(spec, name, self._lin(linear, plain))
+                setattr(spec, name, self._lin(getattr(layer, name), plain))
                 widths.append(getattr(spec, name).k)
-                floats &= type(linear) is Linear
             outs += [layer.qkv.out_features, layer.gate_up.out_features]
             spec.in_norm, spec.in_eps = self._ptr(layer.input_norm[0]), layer.input_norm[1]
             spec.post_norm, spec.post_eps = self._ptr(layer.post_norm[0]), layer.post_norm[1]
@@ -95,10 +93,6 @@ class NativeStep(CompiledDecode):
                 spec.qk_norm, spec.qk_eps = self._ptr(layer.qk_norm[0]), layer.qk_norm[1]
             spec.scaling = layer.scaling
             spec.window = fused.windows.get(layer.layer_idx) or 0
-        head = stage.head.linear
-        floats &= type(head) is Linear
-        self.vocab = head.out_features
-        self.tolerance = LOGIT_TOLERANCE if floats else QUANTIZED_LOGIT_TOLERANCE
         norm_weight, norm_eps = _norm(stage.norm)
         head_lin = self._lin(head, plain)
         width = max(widths + [head_lin.k])
@@ -158,7 +152,7 @@ class NativeStep(CompiledDecode):
             raise RuntimeError(f"the native step takes 1 to {step_kernel.MAX_ROWS} sessions")
         return super().build(rows, only_faster, compiled)
 
-    def decode(self, caches, ids: torch.Tensor, stance: str = "") -> torch.Tensor:
+    def decode(self, caches, ids: torch.Tensor) -> torch.Tensor:
         """One new position per session, as ``StageModel.decode``: logits [B, V]."""
         rows = len(caches)
         pointers = (ctypes.c_void_p * rows)()
