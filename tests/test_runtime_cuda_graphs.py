@@ -165,7 +165,7 @@ def test_a_replay_that_does_not_step_fails_the_check_and_the_stage_stays_eager()
 def test_the_load_replays_only_where_the_replayed_step_measured_faster():
     def slow(step):
         def replay():
-            time.sleep(0.02)  # a replay slower than any eager step of this tiny model
+            time.sleep(0.2)  # a replay far slower than an eager step of this tiny model, even on a loaded machine
             step()
         return replay
 
@@ -174,7 +174,8 @@ def test_the_load_replays_only_where_the_replayed_step_measured_faster():
     assert status["path"] == "eager" and status["why"].startswith("replayed steps measured no faster at batch 1")
     assert set(status["step_ms"]) == {"1", "3"}
     for ms in status["step_ms"].values():
-        assert ms["graph_ms"] > 20 > ms["eager_ms"] > 0
+        assert ms["graph_ms"] >= 200 and ms["graph_ms"] > ms["eager_ms"] > 0  # (an eager step took 41 ms on a
+        # loaded clean-clone run: the time is the sleep's floor, not a bound on the machine's speed)
     assert stage.graphed is None
 
     stage = _stage("fused")
