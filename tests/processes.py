@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -67,6 +68,17 @@ def wait_until(check, timeout: float = 30.0, what: str = "condition", interval: 
             last_exc = exc
         time.sleep(interval)
     raise AssertionError(f"timed out waiting for {what} (last error: {last_exc})")
+
+
+async def eventually(check, timeout: float, what: str):
+    """Poll the async `check` (an observation of real state) until it returns a truthy value."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        got = await check()
+        if got:
+            return got
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 class SwarmProcess:

@@ -23,7 +23,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from core.nats_auth import LEADER_USER, AuthDir, fellow_user
 from core.nats_server import local_cluster
-from tests.processes import SwarmProcess, swarm_env, wait_until
+from tests.processes import SwarmProcess, eventually, swarm_env, wait_until
 from tests.request_helpers import FINAL, chat
 from tests.request_helpers import servables  # noqa: F401 (a fixture)
 
@@ -52,17 +52,6 @@ async def rows(database_url: str, query: str) -> list[tuple]:
             return [tuple(r) for r in await conn.execute(text(query))]
     finally:
         await engine.dispose()
-
-
-async def eventually(check, timeout: float, what: str):
-    """Poll the async `check` (an observation of real state) until it returns a truthy value."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while asyncio.get_running_loop().time() < deadline:
-        got = await check()
-        if got:
-            return got
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def post(http: httpx.AsyncClient, url: str, headers: dict) -> int | str:

@@ -21,7 +21,7 @@ from events import subjects
 from events.frames import DoneFrame, TokenFrame, frame_decoder
 from events.logs import LogsReply
 from events.requests import ChatMessage, ChatRequest, Sampling
-from tests.processes import wait_until
+from tests.processes import eventually, wait_until
 from tests.serving_fixtures import Stack, chat_over_bus, make_servable
 
 pytestmark = pytest.mark.slow
@@ -122,15 +122,11 @@ async def test_follow_a_request_then_cancel_one(stack, nc):
     assert isinstance(frames[-1], DoneFrame) and tokens  # chat_over_bus follows swarm.tok.<rid>, as `nats sub`
     stored = [frame_decoder.decode(m.data) for m in await view(nc, "SWARM_TOKENS", f"swarm.tok.{rid}")]
     assert [f.seq for f in stored] == [f.seq for f in frames]  # the same frames, kept in the stream
-    deadline = time.monotonic() + 30  # the fellow reports the request once its done frame is out
-
-    async def finished() -> bool:
+    async def finished() -> bool:  # the fellow reports the request once its done frame is out
         events = [json.loads(m.data) for m in await view(nc, "SWARM_EVENTS", "swarm.evt.request.>")]
         return any(e["type"] == "request.finished" and e["request_id"] == rid for e in events)
 
-    while not await finished():
-        assert time.monotonic() < deadline, f"no request.finished for {rid} in SWARM_EVENTS"
-        await asyncio.sleep(0.05)
+    await eventually(finished, 30, f"request.finished for {rid} in SWARM_EVENTS")
 
     rid = "rq-" + uuid.uuid4().hex[:12]
     first, done = asyncio.Event(), asyncio.get_running_loop().create_future()
