@@ -10,11 +10,14 @@ from pathlib import Path
 
 import msgspec
 from sqlalchemy import select
+from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from core.servable import MANIFEST_NAME, ServableError, load_manifest, param_count
+from core.settings import Settings
 from events.catalog import CatalogEntry, ModelCataloged, ModelUncataloged
 from leader.db.tables import Model
-from leader.services import LeaderServices
+from leader.projectors.runner import ProjectionRunner
+from leader.services import Publish
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +68,12 @@ def _row_entry(row: Model) -> CatalogEntry:
 class Catalog:
     """Rescans on demand (at most every `min_interval_s`) and publishes only differences."""
 
-    def __init__(self, leader: LeaderServices, min_interval_s: float = 2.0):
-        self.leader = leader
+    def __init__(self, settings: Settings, sessions: async_sessionmaker, publish: Publish,
+                 projections: ProjectionRunner, min_interval_s: float = 2.0):
+        self.settings = settings
+        self.sessions = sessions
+        self.publish = publish
+        self.projections = projections  # the catalog projection, waited for after a change
         self.min_interval_s = min_interval_s
         self._scanned_at = 0.0
         self._lock = asyncio.Lock()
@@ -75,27 +82,27 @@ class Catalog:
         async with self._lock:
             if not force and time.monotonic() - self._scanned_at < self.min_interval_s:
                 return
-            s = self.leader.settings
+            s = self.settings
             found = await asyncio.to_thread(scan, s.leader.servable_models_root, s.fellow.model_cache)
-            async with self.leader.sessions() as session:
+            async with self.sessions() as session:
                 known = {r.model_id: _row_entry(r) for r in await session.scalars(select(Model))}
             events = [ModelCataloged(entry=e) for mid, e in found.items()
                       if msgspec.to_builtins(known.get(mid)) != msgspec.to_builtins(e)]
             events += [ModelUncataloged(model_id=mid) for mid in known if mid not in found]
             last = None
             for evt in events:
-                last = await self.leader.publish(evt)
+                last = await self.publish(evt)
             if last is not None:
-                await self.leader.projections.wait_for(last.seq, ["catalog"], timeout=10)
+                await self.projections.wait_for(last.seq, ["catalog"], timeout=10)
                 log.info("catalog: %d change(s)", len(events))
             self._scanned_at = time.monotonic()
 
     async def get(self, model_id: str) -> Model | None:
         await self.refresh()
-        async with self.leader.sessions() as session:
+        async with self.sessions() as session:
             return await session.get(Model, model_id)
 
     async def all(self) -> list[Model]:
         await self.refresh()
-        async with self.leader.sessions() as session:
+        async with self.sessions() as session:
             return list(await session.scalars(select(Model).order_by(Model.model_id)))

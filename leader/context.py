@@ -22,7 +22,7 @@ from leader.fellow_monitor import FellowMonitor
 from leader.metrics import Metrics
 from leader.projectors.all import all_projectors
 from leader.projectors.runner import ProjectionRunner
-from leader.serving import Serving
+from leader.serving import Serving, ServingDeps
 from leader.token_stream import TokenStreams
 
 log = logging.getLogger(__name__)
@@ -31,11 +31,12 @@ log = logging.getLogger(__name__)
 class Leader:
     """Started by the app's lifespan; handlers get its services injected (leader.api.deps).
 
-    Tests replace a service here: `serving` builds the serving (a subclass of Serving), `clock` and
-    `prune_interval_s` drive the token authority.
+    Each service is built in `start` with the few parts it uses passed in (none gets the Leader itself).
+    Tests replace a service here: `serving` builds the serving (a subclass of Serving) from its
+    `ServingDeps`, `clock` and `prune_interval_s` drive the token authority.
     """
 
-    def __init__(self, settings: Settings, serving: Callable[["Leader"], Serving] = Serving,
+    def __init__(self, settings: Settings, serving: Callable[[ServingDeps], Serving] = Serving,
                  clock: Callable[[], float] = time.time, prune_interval_s: float = 600.0):
         self.settings = settings
         self._make_serving = serving
@@ -70,15 +71,18 @@ class Leader:
         await self.projections.start()
         self.fellows = FellowMonitor(self.js, self.sessions, timeout_s=s.leader.fellow_timeout_s)
         await self.fellows.start()
-        self.auth = AuthService(self, s, clock=self._clock, prune_interval_s=self._prune_interval_s)
+        self.auth = AuthService(s, self.sessions, self.projections, self.publish, clock=self._clock,
+                                prune_interval_s=self._prune_interval_s)
         self.auth.start()
         await self.auth.sync_file()
-        self.serving = self._make_serving(self)
+        self.serving = self._make_serving(ServingDeps(
+            settings=s, nc=self.nc, js=self.js, sessions=self.sessions, projections=self.projections,
+            fellows=self.fellows, publish=self.publish, frame_secret=self.frame_secret, on_stop=self.on_stop))
         await self.serving.start()
         self.token_streams = await TokenStreams(self.nc, self.js, secret=self.frame_secret,
                                                 authority=self.projections.authority).start()
         self.token_streams.on_ended.append(self.serving.view.drop)  # a failed load takes no new request
-        self.metrics = Metrics(self)
+        self.metrics = Metrics(self.js, self.sessions, self.fellows, relay=getattr(self.serving, "relay", None))
         await self.metrics.start()
         self.on_stop.append(self.metrics.stop)
         log.info("leader started (database %s)", s.leader.database_url.split("://", 1)[0])

@@ -13,16 +13,19 @@ import itertools
 import logging
 from collections import OrderedDict
 
+from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from core.bus import unsubscribe_quietly
 from events import subjects
 from events.loads import LoadPlaced, LoadRequested
 from events.requests import RequestAccepted, RequestFailed, RequestFinished
 from events.union import PoisonEvent, decode_event
+from leader.fellow_monitor import FellowMonitor
 from leader.projectors.authority import Authority
-from leader.services import LeaderServices
+from leader.relay_stats import RelayStats
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +66,11 @@ class WeightedHistogram:
 class Metrics:
     """The leader's registry: event-fed counters and histograms, plus a collector of live gauges."""
 
-    def __init__(self, leader: LeaderServices):
-        self.leader = leader
+    def __init__(self, js: JetStreamContext, sessions: async_sessionmaker, fellows: FellowMonitor | None,
+                 relay: RelayStats | None = None):
+        self.js = js
+        self.fellows = fellows  # the latest heartbeats, for the live gauges
+        self.relay = relay  # the ring's lane counts (the serving's), if any
         self.registry = CollectorRegistry(auto_describe=False)
         r, m = self.registry, ["model_name"]
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of the requests that ended", m, registry=r)
@@ -87,12 +93,12 @@ class Metrics:
         self.models: dict[str, str] = {}  # load_id -> model_id
         self._accepted: dict[str, float] = {}  # request_id -> when it was accepted, until it ends
         self._ended: OrderedDict[str, None] = OrderedDict()  # the latest requests ended: a second end is not counted
-        self.authority = Authority(leader.sessions)  # what a fellow may not report is not counted
+        self.authority = Authority(sessions)  # what a fellow may not report is not counted
         self._sub = None
 
     async def start(self) -> None:
-        self._sub = await self.leader.js.subscribe(subjects.EVENTS_ALL, stream=subjects.EVENTS_STREAM,
-                                                   cb=self._on_msg, ordered_consumer=True)
+        self._sub = await self.js.subscribe(subjects.EVENTS_ALL, stream=subjects.EVENTS_STREAM,
+                                            cb=self._on_msg, ordered_consumer=True)
 
     async def stop(self) -> None:
         await unsubscribe_quietly(self._sub)
@@ -160,8 +166,7 @@ class _LiveGauges:
         self.metrics = metrics
 
     def collect(self):
-        leader = self.metrics.leader
-        monitor = leader.fellows
+        monitor = self.metrics.fellows
         beats = [hb for fid, hb in (monitor.latest.items() if monitor else [])
                  if monitor.online.get(fid) == hb.started_at]
         stage_labels = ["model_name", "fellow", "stage", "replica"]
@@ -189,13 +194,13 @@ class _LiveGauges:
                 if lm.kv_tokens:
                     kv.add_metric(labels, lm.kv_tokens_used / lm.kv_tokens)
         yield from (running, waiting, kv, online, mem_total, mem_free, self.metrics.itl.family())
-        yield from self._lanes(leader)
+        yield from self._lanes()
 
-    def _lanes(self, leader):
+    def _lanes(self):
         labels = ["model_name", "load", "stage", "lane"]
         sent = CounterMetricFamily(P + "ring_link_bytes", "Bytes a ring stage sent, per lane", labels=labels)
         frames = CounterMetricFamily(P + "ring_link_frames", "Frames a ring stage sent, per lane", labels=labels)
-        relay = getattr(leader.serving, "relay", None)
+        relay = self.metrics.relay
         for load_id, stages in (list(relay.loads.items()) if relay is not None else []):
             model = self.metrics.models.get(load_id, "")
             for (_, stage), stats in sorted(stages.items()):  # a ring replica's lanes carry its prefix (r1-act)

@@ -8,22 +8,32 @@ anything else is a 404, so a request id alone reveals nothing.
 from __future__ import annotations
 
 import asyncio
+from typing import Protocol
 
 from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from events import subjects
 from events.frames import ErrorFrame
 from events.requests import ChatRequest
 from leader.db.tables import Request
 from leader.errors import ApiError
-from leader.projectors.runner import ProjectionLagging
-from leader.services import LeaderServices
+from leader.projectors.runner import ProjectionLagging, ProjectionRunner
 from leader.token_stream import TokenStream, TokenStreams, parse_event_id
 
 ROW_WAIT_S = 5.0  # a request accepted a moment ago may not be projected yet
 
 
-async def _row(leader: LeaderServices, request_id: str) -> Request | None:
+class Records(Protocol):
+    """Where a resumed request's row is read (leader.context.Leader, as the handlers get it)."""
+
+    sessions: async_sessionmaker
+    js: JetStreamContext
+    projections: ProjectionRunner  # the requests projection, waited for when the row is not there yet
+
+
+async def _row(leader: Records, request_id: str) -> Request | None:
     async with leader.sessions() as session:
         row = await session.get(Request, request_id)
     if row is not None:
@@ -37,7 +47,7 @@ async def _row(leader: LeaderServices, request_id: str) -> Request | None:
         return await session.get(Request, request_id)
 
 
-async def resume(leader: LeaderServices, streams: TokenStreams, caller, last_event_id: str, model: str) -> tuple[TokenStream,
+async def resume(leader: Records, streams: TokenStreams, caller, last_event_id: str, model: str) -> tuple[TokenStream,
                                                                                                 ChatRequest]:
     """The stream of the reply `last_event_id` names, from the frame after it, and the request it
     belongs to (enough of it for the relay). The stream is `ended` when the reply's last frame came

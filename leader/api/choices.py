@@ -17,29 +17,28 @@ from nats.errors import Error as NatsError
 from events.base import new_id
 from events.frames import DoneFrame, TokenFrame
 from events.requests import ChatMessage, ChatRequest
-from leader.api.relay import SSE_HEADERS, Relay, disconnected, submit
+from leader.api.relay import SSE_HEADERS, Gateway, Relay, disconnected, submit
 from leader.errors import ApiError
 from leader.openai.reasoning import reasoning_for
 from leader.openai.replies import DONE, Answer, ChunkEncoder, completion, error_event, frame_error, total_usage
 from leader.openai.schema import ChatBody
 from leader.openai.tool_formats import ToolSpec, request_format
 from leader.openai.validate import chat_request, unsupported
-from leader.services import LeaderServices
 from leader.serving import ReadyLoad
 from leader.serving.limits import check_payload
+from leader.token_stream import TokenStreams
 
 
 class Choices:
     """The relays of one reply's choices, index i for ``chats[i]``."""
 
-    def __init__(self, leader: LeaderServices, relays: list[Relay], prefixes: list[str] | None = None, reasoning: bool | None = None):
-        self.leader = leader
+    def __init__(self, relays: list[Relay], prefixes: list[str] | None = None, reasoning: bool | None = None):
         self.relays = relays
         logprobs = [r.chat.sampling.logprobs is not None for r in relays]
         self.answers = [Answer(i, lp, (prefixes or [""] * len(relays))[i], reasoning) for i, lp in enumerate(logprobs)]
 
     @classmethod
-    async def open(cls, leader, streams, chats: list[ChatRequest], stream: bool, token_id: str, timeout: float,
+    async def open(cls, leader: Gateway, streams: TokenStreams, chats: list[ChatRequest], stream: bool, token_id: str, timeout: float,
                    prefixes: list[str] | None = None, reasoning: bool | None = None) -> "Choices":
         """Subscribe to every choice's frames, then submit them all (nothing is recorded on a bad payload)."""
         for chat in chats:
@@ -59,7 +58,7 @@ class Choices:
             for s in opened:
                 s.close(cancel=True)
             raise
-        return cls(leader, [Relay(leader, s, chat, timeout) for s, chat in zip(opened, chats)], prefixes, reasoning)
+        return cls([Relay(leader, s, chat, timeout) for s, chat in zip(opened, chats)], prefixes, reasoning)
 
     def close(self) -> None:
         for relay in self.relays:
@@ -148,7 +147,7 @@ def text_of(frame: TokenFrame) -> str:
     return frame.text or "".join(frame.texts)
 
 
-async def chat_choices(request: Request, leader, streams, caller, timeout: float, body: ChatBody,
+async def chat_choices(request: Request, leader: Gateway, streams: TokenStreams, caller, timeout: float, body: ChatBody,
                        messages: list[ChatMessage], ready: ReadyLoad) -> Response:
     """A chat reply of ``n`` choices, whole or streamed."""
     fmt = request_format(body, ready.model_dir)

@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Protocol
 
 from litestar import Request, Response
+from nats.aio.client import Client
 from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
 
 from core.bus import publish_struct
+from core.settings import Settings
 from events import subjects
-from events.base import new_id
+from events.base import Event, new_id
 from events.frames import DoneFrame, ErrorFrame, TokenFrame
 from events.requests import ChatRequest, RequestAccepted, RequestFailed, request_failed_id
 from leader.errors import ApiError
@@ -26,19 +31,29 @@ from leader.openai.call_readers import LeadingCalls
 from leader.openai.tool_formats import ToolSpec, request_format
 from leader.openai.tools import CallStream
 from leader.openai.validate import chat_request
-from leader.services import LeaderServices
 from leader.serving.limits import check_payload
-from leader.token_stream import FrameTimeout, TokenStream, event_id
+from leader.token_stream import FrameTimeout, TokenStream, TokenStreams, event_id
 
 log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+class Gateway(Protocol):
+    """What a relay uses of the started leader (leader.context.Leader, as the handlers get it)."""
+
+    settings: Settings
+    nc: Client  # its payload limit
+    js: JetStreamContext
+    token_streams: TokenStreams  # keys each request's frames
+
+    async def publish(self, evt: Event, wait: list[str] | None = None, timeout: float = 5.0) -> PubAck: ...
+
+
 class Relay:
     """One accepted request: its frames become a chat.completion or a stream of chunks."""
 
-    def __init__(self, leader: LeaderServices, stream: TokenStream, chat: ChatRequest, timeout: float):
+    def __init__(self, leader: Gateway, stream: TokenStream, chat: ChatRequest, timeout: float):
         self.leader = leader
         self.stream = stream
         self.chat = chat
@@ -166,7 +181,7 @@ async def disconnected(request: Request) -> None:
         pass
 
 
-async def submit(leader: LeaderServices, chat: ChatRequest, stream: bool, token_id: str) -> None:
+async def submit(leader: Gateway, chat: ChatRequest, stream: bool, token_id: str) -> None:
     chat = leader.token_streams.keyed(chat)  # only the stage that takes it can sign its frames
     accepted = RequestAccepted(id=f"acc-{chat.request_id}", request_id=chat.request_id, model_id=chat.model_id,
                                load_id=chat.load_id, stream=stream, max_tokens=chat.max_tokens,
@@ -184,7 +199,8 @@ def chunk_encoder(relay: Relay, body: ChatBody) -> ChunkEncoder:
     return ChunkEncoder(relay.completion_id, relay.created, relay.chat.model_id, include_usage)
 
 
-async def open_relay(leader: LeaderServices, streams, caller, timeout: float, body: ChatBody, messages: list, ready) -> Relay:
+async def open_relay(leader: Gateway, streams: TokenStreams, caller, timeout: float, body: ChatBody, messages: list,
+                     ready) -> Relay:
     """One checked chat body as an accepted request on ``ready``'s load, its frames subscribed first."""
     chat = chat_request(body, messages, new_id(), ready.load_id, ready.generation, ready.context_tokens,
                         tool_format=request_format(body, ready.model_dir))

@@ -11,7 +11,7 @@ from leader.api.deps import LeaderDep, ServingDep
 from leader.openai.schema import Message, decode_struct, empty_body
 from leader.openai.tokenizer import ModelTokenizer, tokenizer_for
 from leader.openai.validate import bad, chat_messages, enable_thinking, unsupported
-from leader.services import LeaderServices
+from leader.serving import Serving
 
 
 class TokenizeBody(msgspec.Struct, kw_only=True):
@@ -63,11 +63,11 @@ class DetokenizeDTO(StructBody[DetokenizeBody]):
     decode = _decoder(DetokenizeBody)
 
 
-async def model_tokenizer(leader: LeaderServices, serving, model_id: str) -> tuple[ModelTokenizer, int]:
+async def model_tokenizer(serving: Serving, model_id: str, autoload: bool) -> tuple[ModelTokenizer, int]:
     """The tokenizer of a served model, and its context length; the same 404/409s as chat."""
     if not model_id:
         raise bad("model", "'model' must name a model (see GET /v1/models)")
-    ready = await serving.ready_load(model_id, leader.settings.leader.autoload)
+    ready = await serving.ready_load(model_id, autoload)
     return tokenizer_for(ready.model_dir), ready.context_tokens
 
 
@@ -93,7 +93,7 @@ async def tokenize(leader: LeaderDep, serving: ServingDep,
                    data: JSONBody[TokenizeBody | None] = None) -> TokenizeReply:
     if data is None:
         raise empty_body()
-    tok, context = await model_tokenizer(leader, serving, data.model)
+    tok, context = await model_tokenizer(serving, data.model, leader.settings.leader.autoload)
     ids = tokenize_ids(tok, data)
     return TokenizeReply(count=len(ids), max_model_len=context, tokens=ids,
                          token_strs=tok.token_strs(ids) if data.return_token_strs else None)
@@ -105,6 +105,6 @@ async def detokenize(leader: LeaderDep, serving: ServingDep,
                      data: JSONBody[DetokenizeBody | None] = None) -> DetokenizeReply:
     if data is None:
         raise empty_body()
-    tok, _ = await model_tokenizer(leader, serving, data.model)
+    tok, _ = await model_tokenizer(serving, data.model, leader.settings.leader.autoload)
     tok.check_ids("tokens", data.tokens)
     return DetokenizeReply(prompt=tok.decode(data.tokens))

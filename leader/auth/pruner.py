@@ -55,6 +55,6 @@ class TokenPruner:
         for record in due:
             evt = ApiTokenPruned(id=f"pruned-{record.token_id}", token_id=record.token_id,
                                  expired_at=record.expires_at, at=now)
-            await self.service.leader.publish(evt, wait=[PROJECTION])
+            await self.service.publish(evt, wait=[PROJECTION])
             log.info("pruned API token %s (%s), expired 31+ days ago", record.token_id, record.prefix)
         return [r.token_id for r in due]

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Callable
 
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
 from events.api_tokens import ApiTokenMinted, ApiTokenRevoked
 from leader.auth import token_format
 from leader.auth.pruner import TokenPruner
@@ -17,7 +19,8 @@ from leader.auth.registry import PROJECTION, TokenRecord, TokenRegistry, TokenTa
 from leader.auth.scopes import canonical, effective, grants
 from leader.auth.token_file import imports, read_tokens, write_tokens
 from leader.errors import ApiError
-from leader.services import LeaderServices
+from leader.projectors.runner import ProjectionRunner
+from leader.services import Publish
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +66,12 @@ class AuthService:
     `clock` is injectable so tests can move time past an expiry or the prune horizon.
     """
 
-    def __init__(self, leader: LeaderServices, settings, clock: Callable[[], float] = time.time, prune_interval_s: float = 600.0):
-        self.leader = leader
+    def __init__(self, settings, sessions: async_sessionmaker, projections: ProjectionRunner, publish: Publish,
+                 clock: Callable[[], float] = time.time, prune_interval_s: float = 600.0):
         self.settings = settings
+        self.sessions = sessions
+        self.projections = projections
+        self.publish = publish
         self.clock = clock
         self.registry: TokenRegistry | None = None
         self.pruner = TokenPruner(self, prune_interval_s)
@@ -73,7 +79,7 @@ class AuthService:
 
     def start(self) -> None:
         """Called by Leader.start once the projections run: the registry and the prune sweep."""
-        self.registry = TokenRegistry(self.leader.sessions, self.leader.projections)
+        self.registry = TokenRegistry(self.sessions, self.projections)
         self.pruner.start()
 
     async def sync_file(self) -> None:
@@ -85,7 +91,7 @@ class AuthService:
         entries = read_tokens(path)
         added = imports(entries, await self.table())
         for evt in added:
-            await self.leader.publish(evt, wait=[PROJECTION])
+            await self.publish(evt, wait=[PROJECTION])
         if added:
             log.info("added %d API token event(s) from %s", len(added), path)
         self.registry.on_reload = lambda table: write_tokens(path, table)
@@ -137,7 +143,7 @@ class AuthService:
                                  token_hash=token_format.hash_secret(secret),
                                  prefix=token_format.display_prefix(secret),
                                  expires_at=None if expires_in is None else now + expires_in, at=now)
-            await self.leader.publish(evt, wait=[PROJECTION])
+            await self.publish(evt, wait=[PROJECTION])
             record = (await self.table()).by_id[evt.token_id]
         log.info("minted API token %s (%s, scopes %s)", record.token_id, record.prefix, ",".join(wanted))
         return record, secret
@@ -147,7 +153,7 @@ class AuthService:
         if record is None:
             raise ApiError(404, f"No API token with id '{token_id}'.", code="token_not_found", param="id")
         if record.revoked_at is None:
-            await self.leader.publish(ApiTokenRevoked(token_id=token_id, at=self.clock()), wait=[PROJECTION])
+            await self.publish(ApiTokenRevoked(token_id=token_id, at=self.clock()), wait=[PROJECTION])
             record = (await self.table()).by_id[token_id]
             log.info("revoked API token %s (%s)", token_id, record.prefix)
         return record

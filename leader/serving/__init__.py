@@ -10,12 +10,20 @@ finish), `reconcile` (stops the stages a returning fellow still runs for loads t
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
+from core.settings import Settings
 from leader.catalog import Catalog
 from leader.db.tables import Load, LoadStage
 from leader.errors import ApiError
+from leader.fellow_monitor import FellowMonitor
+from leader.projectors.runner import ProjectionRunner
 from leader.relay_stats import RelayStats
-from leader.services import LeaderServices
+from leader.services import Publish
 from leader.serving.commands import LoadCommands
 from leader.serving.grants import RequestGrants
 from leader.serving.reactions import Reactions
@@ -24,22 +32,39 @@ from leader.serving.reconcile import Reconciler
 from leader.serving.rows import ACTIVE, active_load, get_load, load_stages, model_not_found
 from leader.serving.sweeper import RequestSweeper
 
-__all__ = ["ACTIVE", "AUTOLOAD_WAIT_S", "ReadyLoad", "Serving", "model_not_found"]
+__all__ = ["ACTIVE", "AUTOLOAD_WAIT_S", "ReadyLoad", "Serving", "ServingDeps", "model_not_found"]
 
 AUTOLOAD_WAIT_S = 600.0
 
 
+@dataclass(frozen=True)
+class ServingDeps:
+    """What the serving's parts use of the started leader (leader.context.Leader passes them at start)."""
+
+    settings: Settings
+    nc: Client
+    js: JetStreamContext
+    sessions: async_sessionmaker
+    projections: ProjectionRunner
+    fellows: FellowMonitor
+    publish: Publish
+    frame_secret: bytes  # signs requests' frame keys (events.frames.frame_key)
+    on_stop: list  # the leader's stop hooks: the serving adds its own stop
+
+
 class Serving:
-    def __init__(self, leader: LeaderServices):
-        self.leader = leader
-        self.catalog = Catalog(leader)
-        self.view = ReadyView(leader)
+    def __init__(self, deps: ServingDeps):
+        d = self.deps = deps
+        self.settings, self.sessions = d.settings, d.sessions
+        self.catalog = Catalog(d.settings, d.sessions, d.publish, d.projections)
+        self.view = ReadyView(d.settings, d.sessions)
         self.relay = RelayStats()  # bytes and frames per lane of every ring, for the performance view
-        self.grants = RequestGrants(leader)  # which fellow may pull which load's requests
-        self.commands = LoadCommands(leader, self.catalog, self.grants)
-        self.sweeper = RequestSweeper(leader)
-        self.reactions = Reactions(leader, self.commands, self.view, self.relay, on_ended=self.sweeper.poke)
-        self.reconciler = Reconciler(leader)
+        self.grants = RequestGrants(d.settings, d.sessions)  # which fellow may pull which load's requests
+        self.commands = LoadCommands(d.settings, d.sessions, d.js, d.publish, d.fellows, self.catalog, self.grants)
+        self.sweeper = RequestSweeper(d.js, d.sessions, d.projections, d.publish, d.frame_secret)
+        self.reactions = Reactions(d.js, d.sessions, d.projections, d.fellows, d.publish, self.commands, self.view,
+                                   self.relay, on_ended=self.sweeper.poke)
+        self.reconciler = Reconciler(d.js, d.sessions, d.projections, d.fellows)
 
     @property
     def registry(self) -> Catalog:
@@ -53,11 +78,11 @@ class Serving:
 
     async def start(self) -> None:
         await self.grants.sync(force=True)  # what the rows say, whatever the server has from before
-        await self.relay.start(self.leader.nc)
+        await self.relay.start(self.deps.nc)
         await self.reactions.start()
         await self.sweeper.start()
         await self.reconciler.start()
-        self.leader.on_stop.append(self.stop)
+        self.deps.on_stop.append(self.stop)
 
     async def stop(self) -> None:
         await self.reconciler.stop()
@@ -68,13 +93,13 @@ class Serving:
     # --- API ---------------------------------------------------------------------------------
 
     async def active_load(self, model_id: str) -> Load | None:
-        return await active_load(self.leader.sessions, model_id)
+        return await active_load(self.sessions, model_id)
 
     async def get_load(self, load_id: str) -> Load | None:
-        return await get_load(self.leader.sessions, load_id)
+        return await get_load(self.sessions, load_id)
 
     async def stages(self, load_id: str) -> list[LoadStage]:
-        return await load_stages(self.leader.sessions, load_id)
+        return await load_stages(self.sessions, load_id)
 
     async def load(self, model_id: str, num_stages: int | None = None, fellow_id: str | None = None,
                    quantization: dict | None = None, requested_by: str = "",
@@ -115,7 +140,7 @@ class Serving:
             return ready
         if await self.catalog.get(model_id) is None:
             raise model_not_found(model_id)
-        autoload = self.leader.settings.leader.autoload if autoload is None else autoload
+        autoload = self.settings.leader.autoload if autoload is None else autoload
         if not autoload:
             raise ApiError(409, f"The model '{model_id}' is not loaded. Load it with `swarm model-load {model_id} "
                                 f"--wait` or POST /api/v1/models/{model_id}/load", code="model_not_loaded")

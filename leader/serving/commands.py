@@ -13,12 +13,15 @@ from dataclasses import dataclass
 from typing import Callable
 
 import msgspec
+from nats.js import JetStreamContext
 from sqlalchemy import text
+from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from core.bus import publish_struct
 from core.quantization import INT4_FAST, NF4, NONE, QuantizationError, as_request, manifest_method, method_of
 from core.servable import ServableError, is_servable_dir, load_manifest
 from core.servable_plan import plan_stage, serving_ranges
+from core.settings import Settings
 from events import subjects
 from events.commands import LoadStage, UnloadStage
 from events.loads import (LoadFailed, LoadPlaced, LoadRequested, StageAssignment, StageReplaced, TransportPlan,
@@ -26,9 +29,10 @@ from events.loads import (LoadFailed, LoadPlaced, LoadRequested, StageAssignment
 from leader.catalog import Catalog
 from leader.db.tables import Load, LoadStage as LoadStageRow, Model
 from leader.errors import ApiError
+from leader.fellow_monitor import FellowMonitor
 from leader.placement import (PlacementError, fewer_stages_note, for_old_fellows, place_replacement, place_replicas,
                               place_ring_replicas, pre_ampere_batch_cap, ring_needs, ring_stage_count, transport_plan)
-from leader.services import LeaderServices
+from leader.services import Publish
 from leader.serving.drafts import choose_draft
 from leader.serving.grants import RequestGrants
 from leader.serving.rows import active_load, get_load, load_stages, model_not_found
@@ -99,8 +103,13 @@ LOAD_LOCK_NS = 0x4C4F4144  # "LOAD": the advisory lock namespace of model loads
 
 
 class LoadCommands:
-    def __init__(self, leader: LeaderServices, catalog: Catalog, grants: RequestGrants):
-        self.leader = leader
+    def __init__(self, settings: Settings, sessions: async_sessionmaker, js: JetStreamContext, publish: Publish,
+                 fellows: FellowMonitor, catalog: Catalog, grants: RequestGrants):
+        self.settings = settings
+        self.sessions = sessions
+        self.js = js
+        self.publish = publish
+        self.fellows = fellows  # where a load may be placed
         self.catalog = catalog
         self.grants = grants
         self._loading: dict[str, asyncio.Lock] = {}
@@ -111,14 +120,14 @@ class LoadCommands:
                    speculative: int | None = None) -> Load:
         # One load at a time per model: concurrent first requests (autoload) share the load the
         # first one placed instead of each placing its own; across leaders on one PostgreSQL too.
-        async with self._loading.setdefault(model_id, asyncio.Lock()), model_lock(self.leader.sessions, model_id):
+        async with self._loading.setdefault(model_id, asyncio.Lock()), model_lock(self.sessions, model_id):
             model = await self.catalog.get(model_id)
             if model is None:
                 raise model_not_found(model_id)
             if not model.available:
                 raise ApiError(409, f"The model '{model_id}' is not servable: {model.reason}",
                                code="model_unavailable")
-            existing = await active_load(self.leader.sessions, model_id)
+            existing = await active_load(self.sessions, model_id)
             if existing is not None:
                 return existing
             plan = self._plan(model, num_stages, fellow_id, fellow_ids, replicas, speculative)
@@ -130,7 +139,7 @@ class LoadCommands:
 
     def _plan(self, model: Model, num_stages: int | None, fellow_id: str | None, fellow_ids: list[str] | None,
               replicas: int, speculative: int | None = None) -> LoadPlan:
-        monitor = self.leader.fellows
+        monitor = self.fellows
         if replicas > 1 and num_stages is None:
             num_stages = 1  # replicas are one-stage copies unless num_stages asks for rings
         note = ""
@@ -139,7 +148,7 @@ class LoadCommands:
                           ring_stage_count(model.num_stages, monitor.latest, set(monitor.online)))
             if num_stages < model.num_stages and not fellow_id and not fellow_ids:
                 note = fewer_stages_note(model.num_stages, monitor.latest, set(monitor.online))
-        transport = transport_plan(self.leader.settings, num_stages)
+        transport = transport_plan(self.settings, num_stages)
         if speculative is not None:
             transport = msgspec.structs.replace(transport, speculative=speculative)
         if num_stages == 1:
@@ -166,27 +175,27 @@ class LoadCommands:
         """Request, place, record the placement, and send each stage's fellow its load command."""
         model_id = model.model_id
         load_id = "ld-" + uuid.uuid4().hex[:16]
-        await self.leader.publish(LoadRequested(load_id=load_id, model_id=model_id, num_stages=plan.num_stages,
+        await self.publish(LoadRequested(load_id=load_id, model_id=model_id, num_stages=plan.num_stages,
                                                 fellow_ids=plan.pinned, quantization=as_request(asked),
                                                 requested_by=requested_by, replicas=plan.replicas),
                                   wait=["loads"])
         try:
             assignments, served, reason = place_keeping_price(plan.place, asked)
         except PlacementError as exc:
-            await self.leader.publish(LoadFailed(id=load_failed_id(load_id), load_id=load_id, model_id=model_id,
+            await self.publish(LoadFailed(id=load_failed_id(load_id), load_id=load_id, model_id=model_id,
                                                  reason=str(exc), code="placement_failed"), wait=["loads"])
             raise ApiError(409, f"Cannot load '{model_id}': {exc}", code="placement_failed") from None
         quantization = as_request(served)
         transport, drafting = await self._with_draft(model, plan.transport)
-        transport, capped = pre_ampere_batch_cap(transport, assignments, self.leader.fellows.latest, served,
-                                                 explicit=self.leader.settings.serving.max_batch is not None)
-        transport, older = for_old_fellows(transport, assignments, self.leader.fellows.latest, self.leader.settings,
+        transport, capped = pre_ampere_batch_cap(transport, assignments, self.fellows.latest, served,
+                                                 explicit=self.settings.serving.max_batch is not None)
+        transport, older = for_old_fellows(transport, assignments, self.fellows.latest, self.settings,
                                            plan.num_stages)
         notes = [why for why in (plan.note, capped, drafting, *older) if why]
         draft = await self._draft_files(transport)
         for why in notes:
             log.info("load %s of %s: %s", load_id, model_id, why)
-        await self.leader.publish(LoadPlaced(load_id=load_id, model_id=model_id, stages=assignments,
+        await self.publish(LoadPlaced(load_id=load_id, model_id=model_id, stages=assignments,
                                              transport=transport, quantization=quantization,
                                              quantization_reason=reason, reason="; ".join(notes)), wait=["loads"])
         await self.grants.sync()  # stage 0's fellows may pull the load's requests before they are told to
@@ -195,15 +204,15 @@ class LoadCommands:
                             stage_fellows=[x.fellow_id for x in assignments if x.replica == a.replica],
                             transport=transport, quantization=quantization, model_path=model.path,
                             manifest_sha256=model.manifest_sha256, replicas=plan.replicas, **draft)
-            await publish_struct(self.leader.js, subjects.command(a.fellow_id, "load"), cmd,
+            await publish_struct(self.js, subjects.command(a.fellow_id, "load"), cmd,
                                  msg_id=load_msg_id(load_id, a))
-        return await get_load(self.leader.sessions, load_id)
+        return await get_load(self.sessions, load_id)
 
     async def _with_draft(self, model: Model, transport: TransportPlan) -> tuple[TransportPlan, str]:
         """The transport with the draft model SWARM_SERVE_DRAFT_MODEL chooses for a drafting load
         (leader.serving.drafts), and why there is none where it chooses none. A servable's folder there is
         the fellows' own setting (each last stage loads it), not the leader's."""
-        setting = self.leader.settings.serving.draft_model
+        setting = self.settings.serving.draft_model
         if not setting or not transport.speculative or is_servable_dir(setting):
             return transport, ""
         draft, why = choose_draft(setting, model, await self.catalog.all())
@@ -218,15 +227,15 @@ class LoadCommands:
         return {"draft_path": draft.path, "draft_sha256": draft.manifest_sha256} if draft is not None else {}
 
     async def unload(self, model_id: str, requested_by: str = "") -> Load:
-        load = await active_load(self.leader.sessions, model_id)
+        load = await active_load(self.sessions, model_id)
         if load is None:
             if await self.catalog.get(model_id) is None:
                 raise model_not_found(model_id)
             raise ApiError(409, f"The model '{model_id}' is not loaded", code="model_not_loaded")
-        await self.leader.publish(UnloadRequested(load_id=load.load_id, model_id=model_id,
+        await self.publish(UnloadRequested(load_id=load.load_id, model_id=model_id,
                                                   requested_by=requested_by), wait=["loads"])
-        await self.unload_stages(await load_stages(self.leader.sessions, load.load_id))
-        return await get_load(self.leader.sessions, load.load_id)
+        await self.unload_stages(await load_stages(self.sessions, load.load_id))
+        return await get_load(self.sessions, load.load_id)
 
     async def replace_stage(self, load: Load, lost: LoadStageRow, stages: list[LoadStageRow], why: str) -> bool:
         """Place a later ring stage whose fellow was lost on another fellow (StageReplaced, then its
@@ -235,7 +244,7 @@ class LoadCommands:
         if model is None or not model.available or lost.stage == 0:
             return False
         transport = msgspec.convert(load.transport or {}, TransportPlan)
-        monitor = self.leader.fellows
+        monitor = self.fellows
         try:
             manifest = load_manifest(model.path)
             shards = plan_stage(manifest, lost.stage, load.num_stages).shards
@@ -245,7 +254,7 @@ class LoadCommands:
         except (PlacementError, ServableError) as exc:
             log.warning("load %s: stage %d cannot be re-placed: %s", load.load_id, lost.stage, exc)
             return False
-        await self.leader.publish(StageReplaced(
+        await self.publish(StageReplaced(
             id=stage_replaced_id(load.load_id, lost.stage, lost.replica, lost.fellow_id), load_id=load.load_id,
             model_id=load.model_id, stage=lost.stage, replica=lost.replica, fellow_id=fellow,
             lost_fellow_id=lost.fellow_id, reason=why), wait=["loads"])
@@ -259,7 +268,7 @@ class LoadCommands:
                         transport=transport, quantization=load.quantization, model_path=model.path,
                         manifest_sha256=model.manifest_sha256, replicas=len({s.replica for s in stages}),
                         **await self._draft_files(transport))
-        await publish_struct(self.leader.js, subjects.command(fellow, "load"), cmd,
+        await publish_struct(self.js, subjects.command(fellow, "load"), cmd,
                              msg_id=f"{load_msg_id(load.load_id, assignment)}-on-{fellow}")
         log.info("load %s: stage %d re-placed from %s on %s (%s)", load.load_id, lost.stage, lost.fellow_id, fellow,
                  why)
@@ -268,5 +277,5 @@ class LoadCommands:
     async def unload_stages(self, stages: list[LoadStageRow], reason: str = "requested") -> None:
         """Tell each of these stages' fellows to stop it and free its memory."""
         for stage in stages:
-            await publish_struct(self.leader.js, subjects.command(stage.fellow_id, "unload"),
+            await publish_struct(self.js, subjects.command(stage.fellow_id, "unload"),
                                  UnloadStage(load_id=stage.load_id, reason=reason), msg_id=unload_msg_id(stage))

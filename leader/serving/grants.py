@@ -21,11 +21,12 @@ import asyncio
 import logging
 
 from sqlalchemy import select
+from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from core.nats_auth import AuthDir
 from core.nats_server import reload_server
+from core.settings import Settings
 from leader.db.tables import Load, LoadStage
-from leader.services import LeaderServices
 from leader.serving.rows import ACTIVE, SERVING
 
 log = logging.getLogger(__name__)
@@ -34,15 +35,15 @@ GRANTED = (*ACTIVE, "unloading")  # an unloading load's stage still acks what it
 
 
 class RequestGrants:
-    def __init__(self, leader: LeaderServices):
-        self.leader = leader
-        folder = leader.settings.nats.auth_dir
+    def __init__(self, settings: Settings, sessions: async_sessionmaker):
+        self.sessions = sessions
+        folder = settings.nats.auth_dir
         self.auth = AuthDir(folder) if folder else None
         self._lock = asyncio.Lock()
 
     async def placed(self) -> dict[str, list[str]]:
         """fellow id -> the loads whose stage 0 it runs (loading or ready), from the loads' rows."""
-        async with self.leader.sessions() as session:
+        async with self.sessions() as session:
             rows = await session.execute(
                 select(LoadStage.fellow_id, LoadStage.load_id).join(Load, Load.load_id == LoadStage.load_id)
                 .where(LoadStage.stage == 0, LoadStage.state.in_(SERVING), Load.state.in_(GRANTED)))

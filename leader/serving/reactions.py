@@ -11,8 +11,10 @@ import asyncio
 import logging
 
 from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from sqlalchemy import select
+from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from core.tasks import cancel_and_wait
 from events import subjects
@@ -22,7 +24,9 @@ from events.loads import (STAGE_RESTARTING, LoadFailed, LoadPlaced, ModelLoaded,
                           StageReady, StageReplaced, load_failed_id, replica_lost_id)
 from leader.db.tables import Load, LoadStage
 from leader.relay_stats import RelayStats
-from leader.services import LeaderServices
+from leader.fellow_monitor import FellowMonitor
+from leader.projectors.runner import ProjectionRunner
+from leader.services import Publish
 from leader.serving.commands import LoadCommands
 from leader.serving.ready import ReadyView
 from leader.serving.rows import ACTIVE, SERVING, UNLOADED_CODES, get_load, load_stages
@@ -52,8 +56,14 @@ async def purge_queue(js, load_id: str) -> None:
 
 
 class Reactions:
-    def __init__(self, leader: LeaderServices, commands: LoadCommands, view: ReadyView, relay: RelayStats, on_ended=None):
-        self.leader = leader
+    def __init__(self, js: JetStreamContext, sessions: async_sessionmaker, projections: ProjectionRunner,
+                 fellows: FellowMonitor, publish: Publish, commands: LoadCommands, view: ReadyView, relay: RelayStats,
+                 on_ended=None):
+        self.js = js
+        self.sessions = sessions
+        self.projections = projections  # the loads projection's listeners
+        self.fellows = fellows  # fellows lost
+        self.publish = publish
         self.on_ended = on_ended  # called when a load ended (the request sweeper's poke)
         self.commands = commands
         self.view = view
@@ -63,8 +73,8 @@ class Reactions:
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self.leader.projections.listeners.setdefault("loads", []).append(self._queue_loads)
-        self.leader.fellows.listeners.append(self._queue_fellow)
+        self.projections.listeners.setdefault("loads", []).append(self._queue_loads)
+        self.fellows.listeners.append(self._queue_fellow)
         self._task = asyncio.create_task(self._serve(), name="serving-reactions")
         await self._sweep()
 
@@ -91,7 +101,7 @@ class Reactions:
 
     async def _sweep(self) -> None:
         """After a restart: finish what a crash interrupted, and rebuild the ready view."""
-        async with self.leader.sessions() as session:
+        async with self.sessions() as session:
             loads = list(await session.scalars(select(Load).where(Load.state.in_(ACTIVE))))
         for load in loads:
             await self._check_loaded(load.load_id)
@@ -104,7 +114,7 @@ class Reactions:
             elif isinstance(evt, ReplicaLost):
                 await self._replica_lost(evt)
             elif isinstance(evt, (LoadFailed, ModelUnloaded)):
-                await purge_queue(self.leader.js, evt.load_id)
+                await purge_queue(self.js, evt.load_id)
                 if self.on_ended is not None:
                     self.on_ended()
                 await self._release_stages(evt.load_id, "failed" if isinstance(evt, LoadFailed) else evt.reason)
@@ -118,7 +128,7 @@ class Reactions:
             self.changed.notify_all()
 
     async def _fellow_lost(self, evt: FellowLost) -> None:
-        async with self.leader.sessions() as session:
+        async with self.sessions() as session:
             rows = await session.execute(
                 select(Load.load_id, Load.model_id, LoadStage.replica)
                 .join(LoadStage, LoadStage.load_id == Load.load_id)
@@ -128,19 +138,19 @@ class Reactions:
             reason = f"fellow {evt.fellow_id} was lost ({evt.reason})"
             if await self._replace(load_id, evt.fellow_id, reason):
                 continue
-            if len({s.replica for s in await load_stages(self.leader.sessions, load_id)}) > 1:  # the others serve on
-                await self.leader.publish(ReplicaLost(
+            if len({s.replica for s in await load_stages(self.sessions, load_id)}) > 1:  # the others serve on
+                await self.publish(ReplicaLost(
                     id=replica_lost_id(load_id, replica), load_id=load_id, model_id=model_id, replica=replica,
                     fellow_id=evt.fellow_id, code="fellow_lost", reason=reason))
                 continue
-            await self.leader.publish(LoadFailed(id=load_failed_id(load_id), load_id=load_id, model_id=model_id,
+            await self.publish(LoadFailed(id=load_failed_id(load_id), load_id=load_id, model_id=model_id,
                                                  code="fellow_lost", fellow_id=evt.fellow_id, reason=reason))
 
     async def _replace(self, load_id: str, fellow_id: str, reason: str) -> bool:
         """A ring that lost a later stage goes on: that stage moves to another fellow, and stage 0 replays
         its sessions once it is ready. False where it cannot (stage 0 lost, no fellow can take it)."""
-        load = await get_load(self.leader.sessions, load_id)
-        stages = await load_stages(self.leader.sessions, load_id)
+        load = await get_load(self.sessions, load_id)
+        stages = await load_stages(self.sessions, load_id)
         lost = [s for s in stages if s.fellow_id == fellow_id and s.state in SERVING]
         if load is None or load.state != "ready" or (load.num_stages or 1) < 2 or len(lost) != 1:
             return False
@@ -149,7 +159,7 @@ class Reactions:
     async def _release_stages(self, load_id: str, reason: str) -> None:
         """A load that ended on one stage or replica cannot serve: every other one is told to stop and
         free its memory."""
-        stages = await load_stages(self.leader.sessions, load_id)
+        stages = await load_stages(self.sessions, load_id)
         if len(stages) < 2:
             return
         await self.commands.unload_stages(stages, reason)
@@ -157,26 +167,26 @@ class Reactions:
 
     async def _replica_lost(self, evt: ReplicaLost) -> None:
         """One replica went away: the load serves on with the others, or ends with the last one."""
-        load = await get_load(self.leader.sessions, evt.load_id)
+        load = await get_load(self.sessions, evt.load_id)
         if load is None or load.state not in ACTIVE:
             return
         if evt.code != STAGE_RESTARTING and (load.num_stages or 1) > 1:  # a ring replica: its other stages go too
-            rest = [s for s in await load_stages(self.leader.sessions, evt.load_id)
+            rest = [s for s in await load_stages(self.sessions, evt.load_id)
                     if s.replica == evt.replica and s.fellow_id != evt.fellow_id]
             await self.commands.unload_stages(rest, "failed")  # quietly: the replica is lost already
-        if any(s.state in SERVING for s in await load_stages(self.leader.sessions, evt.load_id)):
+        if any(s.state in SERVING for s in await load_stages(self.sessions, evt.load_id)):
             await self._check_loaded(evt.load_id)  # the replicas still loading may be all it waits for
             return
         if evt.code in UNLOADED_CODES:
-            await self.leader.publish(ModelUnloaded(id=f"unloaded-{evt.load_id}", load_id=evt.load_id,
+            await self.publish(ModelUnloaded(id=f"unloaded-{evt.load_id}", load_id=evt.load_id,
                                                     model_id=evt.model_id, reason=evt.code, fellow_id=evt.fellow_id))
         else:
-            await self.leader.publish(LoadFailed(
+            await self.publish(LoadFailed(
                 id=load_failed_id(evt.load_id), load_id=evt.load_id, model_id=evt.model_id, code=evt.code,
                 fellow_id=evt.fellow_id, reason=f"no replica is left; the last: {evt.reason}"))
 
     async def _check_loaded(self, load_id: str) -> None:
-        async with self.leader.sessions() as session:  # one read of the load and its stages
+        async with self.sessions() as session:  # one read of the load and its stages
             load = await session.get(Load, load_id)
             stages = list(await session.scalars(select(LoadStage).where(LoadStage.load_id == load_id)))
         if load is None or load.state != "loading" or not stages:
@@ -185,4 +195,4 @@ class Reactions:
         replicas = {s.replica for s in live}
         whole = all(sum(s.replica == r for s in live) == load.num_stages for r in replicas)
         if live and whole and all(s.state == "ready" for s in live):
-            await self.leader.publish(ModelLoaded(id=f"loaded-{load_id}", load_id=load_id, model_id=load.model_id))
+            await self.publish(ModelLoaded(id=f"loaded-{load_id}", load_id=load_id, model_id=load.model_id))

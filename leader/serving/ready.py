@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import msgspec
 from sqlalchemy import select
+from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from core.servable import ServableError, load_manifest
+from core.settings import Settings
 from leader.db.tables import Load, LoadStage, Model
-from leader.services import LeaderServices
 
 
 class ReadyLoad(msgspec.Struct, frozen=True, kw_only=True):
@@ -24,12 +25,13 @@ class ReadyLoad(msgspec.Struct, frozen=True, kw_only=True):
 class ReadyView:
     """model_id -> its ready load, rebuilt from SQL whenever a load becomes ready or ends."""
 
-    def __init__(self, leader: LeaderServices) -> None:
-        self.leader = leader
+    def __init__(self, settings: Settings, sessions: async_sessionmaker) -> None:
+        self.settings = settings
+        self.sessions = sessions
         self.loads: dict[str, ReadyLoad] = {}
 
     async def refresh(self) -> None:
-        async with self.leader.sessions() as session:
+        async with self.sessions() as session:
             rows = await session.execute(select(Load, Model).join(Model, Model.model_id == Load.model_id)
                                          .where(Load.state == "ready"))
             pairs = rows.all()
@@ -48,7 +50,7 @@ class ReadyView:
             kv = stages[load.load_id].kv_tokens if load.load_id in stages else 0
             ready[model.model_id] = ReadyLoad(
                 load_id=load.load_id, model_id=model.model_id, generation=msgspec.to_builtins(gen),
-                context_tokens=kv or self.leader.settings.serving.context_tokens, kv_tokens=kv,
+                context_tokens=kv or self.settings.serving.context_tokens, kv_tokens=kv,
                 model_dir=str(model.path))
         self.loads = ready
 

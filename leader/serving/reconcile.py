@@ -12,8 +12,10 @@ import asyncio
 import logging
 import time
 
+from nats.js import JetStreamContext
 from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from core.bus import publish_struct
 from core.tasks import cancel_and_wait
@@ -21,7 +23,8 @@ from events import subjects
 from events.commands import UnloadStage
 from events.fellow import Heartbeat
 from leader.db.tables import Load, LoadStage
-from leader.services import LeaderServices
+from leader.fellow_monitor import FellowMonitor
+from leader.projectors.runner import ProjectionRunner
 from leader.serving.rows import ACTIVE, SERVING
 
 log = logging.getLogger(__name__)
@@ -34,15 +37,19 @@ def orphan_unload_id(load_id: str, fellow_id: str) -> str:
 
 
 class Reconciler:
-    def __init__(self, leader: LeaderServices):
-        self.leader = leader
+    def __init__(self, js: JetStreamContext, sessions: async_sessionmaker, projections: ProjectionRunner,
+                 fellows: FellowMonitor):
+        self.js = js
+        self.sessions = sessions
+        self.projections = projections
+        self.fellows = fellows  # the heartbeats of fellows that come back
         self._beats: dict[str, Heartbeat] = {}  # fellow_id -> its latest live heartbeat not yet checked
         self._wake = asyncio.Event()
         self._sent: dict[tuple[str, str], float] = {}  # (load_id, fellow_id) -> when its unload was sent
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self.leader.fellows.beat_listeners.append(self._on_beat)
+        self.fellows.beat_listeners.append(self._on_beat)
         self._task = asyncio.create_task(self._run(), name="serving-reconcile")
 
     async def stop(self) -> None:
@@ -73,7 +80,7 @@ class Reconciler:
         load_ids = {m.load_id for m in hb.loaded_models}
         if not load_ids:
             return {}
-        async with self.leader.sessions() as session:
+        async with self.sessions() as session:
             states = dict((await session.execute(select(Load.load_id, Load.state)
                                                  .where(Load.load_id.in_(load_ids)))).all())
             mine = set(await session.scalars(select(LoadStage.load_id).where(
@@ -88,8 +95,8 @@ class Reconciler:
             return
         # The SQL may only lag the log (a leader catching up after a restart): ask again once the
         # loads projection has applied everything published so far.
-        info = await self.leader.js.stream_info(subjects.EVENTS_STREAM)
-        await self.leader.projections.wait_for(info.state.last_seq, ["loads"], timeout=30.0)
+        info = await self.js.stream_info(subjects.EVENTS_STREAM)
+        await self.projections.wait_for(info.state.last_seq, ["loads"], timeout=30.0)
         now = time.monotonic()
         self._sent = {k: t for k, t in self._sent.items() if now - t < RESEND_S}
         for load_id, state in (await self.orphans(hb)).items():
@@ -98,6 +105,6 @@ class Reconciler:
             self._sent[load_id, hb.fellow_id] = now
             log.warning("fellow %s still serves load %s, which is %s here: telling it to stop", hb.fellow_id,
                         load_id, state)
-            await publish_struct(self.leader.js, subjects.command(hb.fellow_id, "unload"),
+            await publish_struct(self.js, subjects.command(hb.fellow_id, "unload"),
                                  UnloadStage(load_id=load_id, reason="orphaned"),
                                  msg_id=orphan_unload_id(load_id, hb.fellow_id))

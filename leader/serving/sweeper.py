@@ -24,8 +24,10 @@ import time
 
 import msgspec
 from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from sqlalchemy import select
+from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from core.logs import for_request
 from core.tasks import cancel_and_wait
@@ -33,7 +35,8 @@ from events import subjects
 from events.frames import AnyFrame, DoneFrame, ErrorFrame, frame_decoder, frame_key, frame_signed
 from events.requests import RequestFailed, RequestFinished, request_failed_id, request_finished_id
 from leader.db.tables import Load, Request
-from leader.services import LeaderServices
+from leader.projectors.runner import ProjectionRunner
+from leader.services import Publish
 from leader.serving.reactions import purge_queue
 from leader.serving.rows import ACTIVE
 
@@ -44,8 +47,14 @@ EVERY_S = 30.0
 
 
 class RequestSweeper:
-    def __init__(self, leader: LeaderServices, quiet_s: float = QUIET_S, every_s: float = EVERY_S, clock=time.time):
-        self.leader = leader
+    def __init__(self, js: JetStreamContext, sessions: async_sessionmaker, projections: ProjectionRunner,
+                 publish: Publish, frame_secret: bytes, quiet_s: float = QUIET_S, every_s: float = EVERY_S,
+                 clock=time.time):
+        self.js = js
+        self.sessions = sessions
+        self.projections = projections
+        self.publish = publish
+        self.frame_secret = frame_secret  # checks the last frame's signature (events.frames.frame_key)
         self.quiet_s = quiet_s
         self.every_s = every_s
         self.clock = clock
@@ -82,13 +91,13 @@ class RequestSweeper:
     async def _caught_up(self) -> None:
         """Wait until the projections have applied the log as it is now: an outcome already published
         is not a row to end."""
-        info = await self.leader.js.stream_info(subjects.EVENTS_STREAM)
-        await self.leader.projections.wait_for(info.state.last_seq, ["loads", "requests"], timeout=60.0)
+        info = await self.js.stream_info(subjects.EVENTS_STREAM)
+        await self.projections.wait_for(info.state.last_seq, ["loads", "requests"], timeout=60.0)
 
     async def sweep(self) -> int:
         """End what can no longer finish; returns how many rows it ended."""
         now = self.clock()
-        async with self.leader.sessions() as session:
+        async with self.sessions() as session:
             rows = (await session.execute(
                 select(Request.request_id, Request.model_id, Request.load_id, Request.accepted_at, Load.state)
                 .outerjoin(Load, Load.load_id == Request.load_id)
@@ -108,8 +117,8 @@ class RequestSweeper:
                 continue
             if isinstance(evt, RequestFailed) and load_state not in ACTIVE and load_id not in purged:
                 purged.add(load_id)
-                await purge_queue(self.leader.js, load_id)  # a late request still queued for it
-            await self.leader.publish(evt)
+                await purge_queue(self.js, load_id)  # a late request still queued for it
+            await self.publish(evt)
             log.info("request sweeper: ended %s as %s", rid, getattr(evt, "code", "finished"), extra=for_request(rid))
             ended += 1
         return ended
@@ -149,11 +158,11 @@ class RequestSweeper:
     async def _last_frame(self, rid: str) -> tuple[AnyFrame | None, float | None]:
         """The request's last frame in SWARM_TOKENS and when it was stored; (None, None) if it has none."""
         try:
-            msg = await self.leader.js.get_last_msg(subjects.TOKENS_STREAM, subjects.tokens(rid))
+            msg = await self.js.get_last_msg(subjects.TOKENS_STREAM, subjects.tokens(rid))
         except NotFoundError:
             return None, None
         try:  # a frame another fellow forged is no frame of this request's
-            key = frame_key(self.leader.frame_secret, rid)
+            key = frame_key(self.frame_secret, rid)
             frame = frame_decoder.decode(msg.data) if frame_signed(key, msg.data, msg.headers) else None
         except msgspec.DecodeError:
             frame = None
