@@ -304,7 +304,8 @@ def test_its_library_builds_on_the_compile_thread_and_a_failed_build_says_why(tm
     thread, builds; where that fails, the step's check says why and ``why_not`` from then on too."""
     from fellow.runtime.model import native
 
-    broken = native.Kernel("swarm_step_broken", "this is not C", "the native step kernel", "swarm_step", [])
+    (tmp_path / "broken.c").write_text("this is not C")
+    broken = native.Kernel("swarm_step_broken", tmp_path / "broken.c", "the native step kernel", "swarm_step", [])
     monkeypatch.setattr(step_kernel, "STEP", broken)
     monkeypatch.setattr(step_kernel, "available", broken.available)
     monkeypatch.setattr(step_kernel, "unavailable_reason", broken.unavailable_reason)

@@ -14,7 +14,7 @@ rows in bfloat16; perplexity through decode steps is in docs/benchmarks.md. The 
 over the OpenMP threads torch runs (the library links the ``libgomp`` torch loaded, so the two share one
 pool and its thread count), each read from memory once for all the rows of the call.
 
-The library is compiled on first use from the source below (``native.build``: the host's C compiler,
+The library is compiled on first use from ``kernels/csrc/int8_gemv.c`` (``native.build``: the host's C compiler,
 cached beside inductor's cache); where there is no compiler, no AVX2 or FMA, or the build fails,
 ``available()`` is False, says why (``unavailable_reason``), and the stage multiplies with torch's kernel,
 as it does calls of more than MAX_ROWS rows (prompt pieces) and weights whose inputs are not a multiple
@@ -37,35 +37,7 @@ MAX_ROWS = 8  # calls of more rows (prompt pieces) go to torch's kernel
 _scratch = threading.local()  # per thread (the serving one, the compile one): int8_gemv's working buffers
 BLOCK = 32  # inputs per activation scale
 
-SOURCE = native.HSUM + native.INT8_DOT + r"""
-#include <math.h>
-
-/* x [rows, k] float -> xq [rows, k] int8 and d [rows, k/32] float (k % 32 == 0) */
-static void quantize_rows(const float *x, int8_t *xq, float *d, int64_t rows, int64_t k) {
-    for (int64_t m = 0; m < rows; m++)
-        for (int64_t b = 0; b < k / 32; b++) {
-            const float *xb = x + m * k + b * 32;
-            float amax = 0.f;
-            for (int i = 0; i < 32; i++) { float a = fabsf(xb[i]); if (a > amax) amax = a; }
-            float dd = amax / 127.f, inv = dd ? 1.f / dd : 0.f;
-            d[m * (k / 32) + b] = dd;
-            for (int i = 0; i < 32; i++) xq[m * k + b * 32 + i] = (int8_t)lrintf(xb[i] * inv);
-        }
-}
-
-/* y[m * n + j] = scale[j] * sum_b d[m, b] * sum_{i in block b} xq[m, i] * w[j, i]: each row quantized to
-   int8 in blocks of 32 (xq, d: the caller's scratch), then multiplied with AVX2's int8 products */
-void swarm_int8_gemv(const float *x, const int8_t *w, const float *scale, float *y, int64_t rows, int64_t n, int64_t k,
-             int8_t *xq, float *d) {
-    quantize_rows(x, xq, d, rows, k);
-    int64_t nb = k / 32;
-    #pragma omp parallel for schedule(static)
-    for (int64_t j = 0; j < n; j++)
-        for (int64_t m = 0; m < rows; m++)
-            y[m * n + j] = int8_dot(w + j * k, xq + m * k, d + m * nb, nb) * scale[j];
-}
-"""
-KERNEL = native.Kernel("int8_gemv", SOURCE, "the int8 kernel", "swarm_int8_gemv",
+KERNEL = native.Kernel("int8_gemv", "int8_gemv.c", "the int8 kernel", "swarm_int8_gemv",
                        [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2)
 available, unavailable_reason = KERNEL.available, KERNEL.unavailable_reason
 

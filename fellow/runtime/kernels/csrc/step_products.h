@@ -1,47 +1,31 @@
-"""The products of the native decode step (``step_kernel``), as C: a weight times the step's rows.
+#ifndef SWARM_STEP_PRODUCTS_H
+#define SWARM_STEP_PRODUCTS_H
+/* The products of the native decode step (step_kernel), as C: a weight times the step's rows.
+   
+   product multiplies the weight rows j0..j1 of one of the step's weights (Lin: float32, int8 or
+   int4) by its rows input rows (one per session, up to eight): inside the step's OpenMP parallel region each
+   thread takes its own span of the weight's rows (span), and each weight row is read from memory once for
+   all the input rows. No barrier inside: the step puts its own where a result is read.
+   - float32: for one input row, eight weight rows a block (f32_gemv's loop); for more, one weight row
+     against every input row, an accumulator each.
+   - int8: each input row quantized to int8 in blocks of 32 (prepare, as quant.int8_gemv does), and
+     each weight row's blocks multiplied by each input row's as int8_dot does (its two accumulators a row),
+     exactly quant.int8_gemv's arithmetic.
+   - int4 (native_step.int4_rows' layout): each input row quantized to int16 under one scale (its largest
+     value is 32,767), each 32-weight block's nibbles widened once for every input row, a group's products
+     summed in integers and scaled once, each group's offset times the input's sum over the group. int8
+     inputs, as llama.cpp's q4_1 by q8_1 does, moved a 20-layer model's logits by 0.08 from the fused step's
+     (which reads them in bfloat16); int16 ones by 0.02 (a scale a block of 32) or 0.02-0.03 (a scale a row).
+   Each row's result has the bias added, and is written or added (add: the residual) to y.
+   Every form but float32's one-row one reads the weight rows after its own into the cache as it goes
+   (AHEAD). Where the build has AVX-512 (native.flags), step_avx512's forms serve the products of
+   several rows and the quantized ones.
+*/
+#include <math.h>
+#include <omp.h>
+#include "dot.h"
+#include "step_structs.h"
 
-``product`` multiplies the weight rows ``j0..j1`` of one of the step's weights (``Lin``: float32, int8 or
-int4) by its ``rows`` input rows (one per session, up to eight): inside the step's OpenMP parallel region each
-thread takes its own span of the weight's rows (``span``), and each weight row is read from memory once for
-all the input rows. No barrier inside: the step puts its own where a result is read.
-- float32: for one input row, eight weight rows a block (``f32_gemv``'s loop); for more, one weight row
-  against every input row, an accumulator each.
-- int8: each input row quantized to int8 in blocks of 32 (``prepare``, as ``quant.int8_gemv`` does), and
-  each weight row's blocks multiplied by each input row's as ``int8_dot`` does (its two accumulators a row),
-  exactly ``quant.int8_gemv``'s arithmetic.
-- int4 (``native_step.int4_rows``' layout): each input row quantized to int16 under one scale (its largest
-  value is 32,767), each 32-weight block's nibbles widened once for every input row, a group's products
-  summed in integers and scaled once, each group's offset times the input's sum over the group. int8
-  inputs, as llama.cpp's q4_1 by q8_1 does, moved a 20-layer model's logits by 0.08 from the fused step's
-  (which reads them in bfloat16); int16 ones by 0.02 (a scale a block of 32) or 0.02-0.03 (a scale a row).
-Each row's result has the bias added, and is written or added (``add``: the residual) to ``y``.
-Every form but float32's one-row one reads the weight rows after its own into the cache as it goes
-(``AHEAD``). Where the build has AVX-512 (``native.flags``), ``step_avx512``'s forms serve the products of
-several rows and the quantized ones.
-"""
-
-from __future__ import annotations
-
-from fellow.runtime.model import native, step_avx512
-
-STRUCTS = r"""
-typedef struct {
-    const void *w;        /* float32 [n, k]; int8 [n, k]; or int4 [n, k / 2], each 32 inputs' 16 bytes
-                             holding input i in the low nibble and input i + 16 in the high one */
-    const float *scale;   /* int8: each row's scale [n]; int4: [n, k / group, 2], each group's scale and
-                             offset (a weight is q * scale + offset, q in 0..15); NULL: float32 */
-    const float *bias;    /* [n] or NULL */
-    int64_t n, k;         /* quantized: k a multiple of 32, the weight's columns past kin zero */
-    int64_t bits;         /* 32, 8 or 4 */
-    int64_t group;        /* int4: inputs a scale */
-    int64_t kin;          /* the inputs x holds (quantized: up to k; those past it read as 0) */
-} Lin;
-
-/* where the step's rows sit: x and y rows by their strides (floats), xq rows (bytes) and xd rows (floats) */
-typedef struct { int64_t xs, ys, qs, ds; } Rows;
-"""
-
-SOURCE = native.DOT + STRUCTS + r"""
 /* A quantized product reads the weight row AHEAD rows on into the cache as it goes, a float32 one the next
    row (or pair): the hardware's prefetcher follows one or two rows at a time and leaves the memory mostly
    idle; with eight input rows a step ran at half of one row's pace without (q46m-v4k, eight rows: int8 15.4
@@ -238,7 +222,9 @@ static inline __attribute__((always_inline)) void int4_many(const Lin *l, const 
     }
 }
 
-""" + step_avx512.SOURCE + r"""
+
+#include "step_avx512.h"
+
 #define EACH_ROWS(CALL) switch (rows) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; \
     case 4: CALL(4); break; case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); }
 
@@ -267,4 +253,5 @@ static void product_all(const Lin *l, const float *x, const int8_t *xq, const fl
     product(l, x, xq, xd, y, add, rows, s, j0, j1);
     #pragma omp barrier
 }
-"""
+
+#endif

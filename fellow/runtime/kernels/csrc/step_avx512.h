@@ -1,19 +1,20 @@
-"""The step's products built for AVX-512 (``step_products``' source includes this; ``native.flags`` builds
-with AVX-512 where torch dispatches it, so ``__AVX512F__`` is defined there and nowhere else).
+#ifndef SWARM_STEP_AVX512_H
+#define SWARM_STEP_AVX512_H
+/* The step's products built for AVX-512 (step_products.h includes this; native.flags builds
+   with AVX-512 where torch dispatches it, so __AVX512F__ is defined there and nowhere else).
+   
+   Each takes the AVX2 form's arguments and gives its results, summed in another order:
+   - float32: two weight rows against every input row (2 R accumulators of 16 floats), the next pair's lines
+     read ahead, the last eight inputs under a mask;
+   - int8: a pair of 32-blocks a register, each weight's sign moved onto its input under a mask (AVX-512 has no
+     sign), then VNNI's dpbusd where the CPU has it (else maddubs and madd), the pair's two
+     input scales as one vector;
+   (int4's product has its AVX-512 arithmetic inside step_products.h int4_many: a block's low and high
+   nibbles side by side widen to its 32 weights in order, one int16 product with the input's block where AVX2
+   takes two.)
+   Measured by bench/bench_native_step.py against the AVX2 build (ATEN_CPU_CAPABILITY=avx2).
+*/
 
-Each takes the AVX2 form's arguments and gives its results, summed in another order:
-- float32: two weight rows against every input row (2 R accumulators of 16 floats), the next pair's lines
-  read ahead, the last eight inputs under a mask;
-- int8: a pair of 32-blocks a register, each weight's sign moved onto its input under a mask (AVX-512 has no
-  ``sign``), then VNNI's ``dpbusd`` where the CPU has it (else ``maddubs`` and ``madd``), the pair's two
-  input scales as one vector;
-(int4's product has its AVX-512 arithmetic inside ``step_products.int4_many``: a block's low and high
-nibbles side by side widen to its 32 weights in order, one int16 product with the input's block where AVX2
-takes two.)
-Measured by ``bench/bench_native_step.py`` against the AVX2 build (``ATEN_CPU_CAPABILITY=avx2``).
-"""
-
-SOURCE = r"""
 #ifdef __AVX512F__
 /* AVX-512 (built where torch dispatches it): 16 floats a register. float32: two weight rows against every
    input row, 2 R accumulators, the last eight inputs under a mask */
@@ -107,4 +108,5 @@ static inline __attribute__((always_inline)) void int8_many512(const Lin *l, con
 #define INT8_MANY int8_many
 #endif
 
-"""
+
+#endif
