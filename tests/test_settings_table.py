@@ -1,5 +1,5 @@
-"""core/settings.py is the one reader of SWARM_* variables, and the README's settings table lists exactly
-the variables it knows, each with the default it applies."""
+"""core/settings.py is the one reader of SWARM_* variables, and the settings table (docs/settings.md) lists
+exactly the variables it knows, each with the default it applies."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ READ = re.compile(r"""(?:\.get|getenv|\.pop)\(\s*["']SWARM_|environ\[\s*["']SWAR
 
 
 def readme_table() -> dict[str, str]:
-    """Variable -> its default cell, from the README's "## Settings" section."""
-    text = (ROOT / "README.md").read_text()
+    """Variable -> its default cell, from docs/settings.md's "## Settings" section."""
+    text = (ROOT / "docs" / "settings.md").read_text()
     section = text.split("\n## Settings\n", 1)[1].split("\n## ", 1)[0]
     rows = [ROW.match(line) for line in section.splitlines()]
     names = [m.group(1) for m in rows if m]
@@ -30,8 +30,8 @@ def test_the_readme_table_names_every_variable_settings_knows_and_nothing_else()
     table = readme_table()
     known = {v.name for v in variables()}
     assert known.isdisjoint(NOT_IMPLEMENTED)
-    assert set(table) - known - set(NOT_IMPLEMENTED) == set(), "in the README, unknown to core/settings.py"
-    assert (known | set(NOT_IMPLEMENTED)) - set(table) == set(), "known to core/settings.py, missing from the README"
+    assert set(table) - known - set(NOT_IMPLEMENTED) == set(), "in docs/settings.md, unknown to core/settings.py"
+    assert (known | set(NOT_IMPLEMENTED)) - set(table) == set(), "known to core/settings.py, missing from docs/settings.md"
     for v in variables():
         assert table[v.name] == (f"`{v.default}`" if v.default else "unset"), v.name
     for name in NOT_IMPLEMENTED:
@@ -57,7 +57,7 @@ def test_every_variable_is_read_and_its_default_is_the_value_it_has_unset():
     for v in variables():
         group = getattr(unset, v.group) if v.group else unset
         assert hasattr(group, v.field), v
-        if v.default and "$" not in v.default:  # as the README shows it, set by hand: the same settings
+        if v.default and "$" not in v.default:  # as docs/settings.md shows it, set by hand: the same settings
             assert Settings.from_env({v.name: v.default}) == unset, v.name
     derived = Settings.from_env({"SWARM_DATA_DIR": "/srv/x", "SWARM_LEADER_PORT": "8100"})
     assert derived.leader.url == "http://127.0.0.1:8100" and str(derived.fellow.model_cache) == "/srv/x/models"
