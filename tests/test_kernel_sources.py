@@ -113,3 +113,48 @@ def test_make_kernels_uses_the_flags_native_builds_with():
     values = dict(line.split(" := ", 1) for line in (ROOT / "Makefile").read_text().splitlines() if " := " in line)
     assert values["KERNEL_FLAGS"].split() == native.FLAGS
     assert values["KERNEL_AVX512"].split() == native.AVX512
+
+
+def libraries():
+    from fellow.runtime.model import attend_kernel, f32_gemv, step_kernel
+    from fellow.runtime.model.quant import int8_gemv
+
+    return [step_kernel.STEP, f32_gemv.KERNEL, attend_kernel.KERNEL, int8_gemv.KERNEL]
+
+
+@needs_cc
+@pytest.mark.parametrize("index", range(4))
+def test_every_kernel_builds_where_a_compiler_and_avx2_are(index):
+    """Fails, not skips, where the build fails: a kernel's own tests skip only without compiler or AVX2."""
+    from fellow.runtime.model import native
+
+    if not native.cpu_has_avx2_fma():
+        pytest.skip("this CPU lacks AVX2 or FMA")
+    kernel = libraries()[index]
+    assert kernel.available(), kernel.unavailable_reason()
+
+
+@needs_cc
+def test_a_failed_build_logs_the_compilers_whole_stderr_and_returns_one_line(tmp_path, monkeypatch, caplog):
+    from fellow.runtime.model import native
+
+    if not native.cpu_has_avx2_fma():
+        pytest.skip("this CPU lacks AVX2 or FMA")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "bad.c").write_text("void f(void) { undeclared_a = 1; }\nvoid g(void) { undeclared_b = 2; }\n")
+    with caplog.at_level("WARNING", logger=native.__name__):
+        lib, why = native.build("bad", tmp_path / "bad.c", "the bad kernel")
+    assert lib is None and why.startswith("the bad kernel did not build: ") and "\n" not in why
+    assert "undeclared_a" in caplog.text and "undeclared_b" in caplog.text  # every error, not the first alone
+    assert "undeclared_a" in why and "error" in why
+
+
+def test_the_cache_key_holds_the_compiler_flags_and_sources(monkeypatch):
+    from fellow.runtime.model import native
+
+    key = native.cache_key("f32_gemv.c", native.FLAGS, "cc")
+    assert key == native.cache_key("f32_gemv.c", native.FLAGS, "cc")
+    assert key != native.cache_key("f32_gemv.c", native.FLAGS + ["-mavx512f"], "cc")
+    assert key != native.cache_key("int8_gemv.c", native.FLAGS, "cc")
+    monkeypatch.setattr(native, "compiler_identity", lambda cc: "cc: another compiler 1.0")
+    assert key != native.cache_key("f32_gemv.c", native.FLAGS, "cc")

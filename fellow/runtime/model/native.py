@@ -117,7 +117,7 @@ def build(name: str, source: str | Path, what: str) -> tuple[ctypes.CDLL | None,
         except (OSError, subprocess.SubprocessError) as exc:
             stderr = (getattr(exc, "stderr", b"") or b"").decode(errors="replace").strip()
             log.warning("%s did not build (%s): %s\n%s", what, exc, " ".join([cc, *chosen]), stderr)
-            why = stderr.splitlines()[:1] or [str(exc)]
+            why = [line for line in stderr.splitlines() if "error" in line][:1] or stderr.splitlines()[:1] or [str(exc)]
             return None, f"{what} did not build: {why[0][:200]}"
     try:
         return ctypes.CDLL(str(target)), ""
