@@ -29,12 +29,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from events.requests import Sampling  # noqa: E402
+from events.stage import StageOptions  # noqa: E402
 from fellow.runtime.engine.draft_model import load_draft_model  # noqa: E402
 from fellow.runtime.engine.engine import local_engine  # noqa: E402
 from fellow.runtime.engine.prefix_cache import PrefixCache  # noqa: E402
-from events.requests import Sampling  # noqa: E402
 from fellow.runtime.engine.session import Session  # noqa: E402
-from events.stage import StageOptions  # noqa: E402
 from fellow.runtime.model.loader import load_one_stage  # noqa: E402
 
 SEEN = ["What is {}?", "Tell me about {}."]

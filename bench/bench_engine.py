@@ -9,10 +9,10 @@ import time
 import torch
 import transformers
 
-from fellow.runtime.engine.engine import local_engine
-from fellow.runtime.model.kernels import prepare_stage
 from events.requests import Sampling
+from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.session import Session
+from fellow.runtime.model.kernels import prepare_stage
 from fellow.runtime.model.stage import StageModel
 
 GREEDY = Sampling(temperature=0.0)

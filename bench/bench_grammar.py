@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from bench.bench_engine import build_model, shape_arguments
+from events.requests import Sampling
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.processors import constraint_for
-from events.requests import Sampling
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.kernels import prepare_stage
 from fellow.runtime.model.stage import StageModel

@@ -25,16 +25,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.scratch import scratch_dir  # noqa: E402
 import torch  # noqa: E402
 
+from bench.scratch import scratch_dir  # noqa: E402
 from core.nats_server import EmbeddedNats  # noqa: E402
 from fellow.runtime.tools.export import export  # noqa: E402
 from tests.bus_ring import BusRing  # noqa: E402

@@ -44,8 +44,8 @@ WAYS = {
 
 
 def measure(servable: Path, way: str, cap: int) -> dict:
-    from fellow.runtime.model import kernels
     from events.stage import StageOptions
+    from fellow.runtime.model import kernels
     from fellow.runtime.model.loader import load_one_stage
 
     changes = {name: getattr(kernels, value) if isinstance(value, str) else value

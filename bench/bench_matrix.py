@@ -116,8 +116,8 @@ def hf_generate(model, tok, batch: int, tokens: int) -> float:
 
 def engine_alone(stage, tok, batch: int, tokens: int) -> tuple[float, float]:
     """(decode tokens/s, ms to the first token of one short prompt) of the stage as a fellow serves it."""
-    from fellow.runtime.engine.engine import local_engine
     from events.requests import Sampling
+    from fellow.runtime.engine.engine import local_engine
     from fellow.runtime.engine.session import Session
 
     prompts = prompts_for(tok, batch)

@@ -20,8 +20,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_matrix import SHAPES, make_checkpoint  # noqa: E402
 from bench.scratch import scratch_dir  # noqa: E402
-from fellow.runtime.engine.engine import local_engine  # noqa: E402
 from events.requests import Sampling  # noqa: E402
+from fellow.runtime.engine.engine import local_engine  # noqa: E402
 from fellow.runtime.engine.session import Session  # noqa: E402
 
 GREEDY = Sampling(temperature=0.0)
@@ -62,9 +62,10 @@ def main() -> None:
     ap.add_argument("--message", type=int, default=150, help="tokens of each new user message")
     ap.add_argument("--reply", type=int, default=50, help="tokens of each reply")
     args = ap.parse_args()
+    from transformers import AutoModelForCausalLM
+
     from fellow.runtime.model.kernels import prepare_stage
     from fellow.runtime.model.stage import StageModel
-    from transformers import AutoModelForCausalLM
 
     ckpt = make_checkpoint(scratch_dir("swarm-bench-prefix-"), SHAPES[args.shape])
     model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()

@@ -54,8 +54,8 @@ def time_steps(stage, caches, ids, lengths, steps: int = 40, widths: list[int] |
 
 @torch.inference_mode()
 def run_shape(name: str, tmp: Path, rows: int, pasts: list[int], widths: list[int] | None = None) -> list[dict]:
-    from fellow.runtime.model.kv_cache import random_caches
     from events.stage import StageOptions
+    from fellow.runtime.model.kv_cache import random_caches
     from fellow.runtime.model.loader import load_one_stage
     from fellow.runtime.tools.export import export
 

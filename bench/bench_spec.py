@@ -102,8 +102,8 @@ def decode_rate(stage, prompts: list[list[int]], streams: int, tokens: int, k: i
 
     ``prefix`` is a PrefixCache kept over the runs of one stage, so a prompt is computed once, not
     once per run (prompts are not timed)."""
-    from fellow.runtime.engine.engine import local_engine
     from events.requests import Sampling
+    from fellow.runtime.engine.engine import local_engine
     from fellow.runtime.engine.session import Session
 
     engine = local_engine(stage, kv_tokens=1 << 20, speculative=k)

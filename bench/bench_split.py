@@ -32,8 +32,8 @@ WAYS = (("now", 8), ("before", 8), ("one batch", 16))
 
 def run(stage, prompts: list[list[int]], tokens: int, cap: int, prefix) -> tuple[float, int]:
     """(decode tokens/s, slab rebuilds while decoding)."""
-    from fellow.runtime.engine.engine import local_engine
     from events.requests import Sampling
+    from fellow.runtime.engine.engine import local_engine
     from fellow.runtime.engine.session import Session
 
     engine = local_engine(stage, kv_tokens=1 << 22, max_batch=cap)

@@ -142,10 +142,10 @@ def engine_first_and_step(servable: Path, model_dir: Path, tokens: int = 32) -> 
     from transformers import AutoTokenizer
 
     from bench.bench_matrix import prompts_for
-    from fellow.runtime.engine.engine import local_engine
     from events.requests import Sampling
-    from fellow.runtime.engine.session import Session
     from events.stage import StageOptions
+    from fellow.runtime.engine.engine import local_engine
+    from fellow.runtime.engine.session import Session
     from fellow.runtime.model.loader import load_one_stage
 
     stage = load_one_stage(servable, "cpu", StageOptions(max_batch=8)).stage

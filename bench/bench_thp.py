@@ -32,8 +32,8 @@ from bench.scratch import scratch_dir  # noqa: E402
 def child(servable: Path, ckpt: Path, tokens: int, streams: list[int]) -> dict:
     from transformers import AutoTokenizer
 
-    from fellow.runtime.model.kernels import step_costs
     from events.stage import StageOptions
+    from fellow.runtime.model.kernels import step_costs
     from fellow.runtime.model.loader import load_one_stage
 
     tok = AutoTokenizer.from_pretrained(str(ckpt))

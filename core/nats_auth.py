@@ -29,8 +29,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from events.subjects import (COMMANDS_STREAM, EVENTS_STREAM, HEARTBEATS_STREAM, REQUESTS_STREAM, commands_for, event,
-                             event_watch, heartbeat, request, request_consumer)
+from events.subjects import (
+    COMMANDS_STREAM,
+    EVENTS_STREAM,
+    HEARTBEATS_STREAM,
+    REQUESTS_STREAM,
+    commands_for,
+    event,
+    event_watch,
+    heartbeat,
+    request,
+    request_consumer,
+)
 
 LEADER_USER = "leader"
 OPS_USER = "ops"

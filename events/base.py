@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+
 import msgspec
 
 

@@ -6,7 +6,6 @@ import msgspec
 
 from events.base import Event, now
 
-
 # What a fellow can do, declared in its heartbeats; placement asks for them by these names.
 CAP_ONE_STAGE = "serve-one-stage"
 CAP_N_STAGE = "serve-n-stage"

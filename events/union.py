@@ -14,8 +14,17 @@ from events.api_tokens import ApiTokenMinted, ApiTokenPruned, ApiTokenRevoked
 from events.base import Event
 from events.catalog import ModelCataloged, ModelUncataloged
 from events.fellow import FellowJoined, FellowLost
-from events.loads import (LoadFailed, LoadPlaced, LoadRequested, ModelLoaded, ModelUnloaded, ReplicaLost,
-                          StageReady, StageReplaced, UnloadRequested)
+from events.loads import (
+    LoadFailed,
+    LoadPlaced,
+    LoadRequested,
+    ModelLoaded,
+    ModelUnloaded,
+    ReplicaLost,
+    StageReady,
+    StageReplaced,
+    UnloadRequested,
+)
 from events.requests import RequestAccepted, RequestFailed, RequestFinished
 
 EVENT_TYPES: tuple[type[Event], ...] = (

@@ -11,8 +11,7 @@ import sys
 
 from core.settings import Settings
 from core.tasks import cancel_and_wait
-from events.fellow import (CAP_CONCURRENT, CAP_DRAFT_MODEL, CAP_KV_BUDGET, CAP_N_STAGE, CAP_ONE_STAGE,
-                           CAP_SPECULATIVE)
+from events.fellow import CAP_CONCURRENT, CAP_DRAFT_MODEL, CAP_KV_BUDGET, CAP_N_STAGE, CAP_ONE_STAGE, CAP_SPECULATIVE
 from fellow.agent import FellowAgent
 from fellow.manager import ModelManager
 

@@ -16,8 +16,17 @@ from core.servable import ServableError
 from core.settings import Settings
 from events.commands import LoadStage, StopFellow, UnloadStage, UpdateFellow
 from events.fellow import LoadedModel
-from events.loads import (STAGE_RESTARTING, LoadFailed, ModelUnloaded, ReplicaLost, StageReady, load_failed_id,
-                          replica_lost_id, replica_part, stage_restart_id)
+from events.loads import (
+    STAGE_RESTARTING,
+    LoadFailed,
+    ModelUnloaded,
+    ReplicaLost,
+    StageReady,
+    load_failed_id,
+    replica_lost_id,
+    replica_part,
+    stage_restart_id,
+)
 from events.stage import FailedReport, MetricsReport, ReadyReport, StageConfig, StageOptions, StageReport
 from fellow.fetch import FetchError, draft_model_dir, ensure_base, fetch_model, local_model_dir
 from fellow.stage_process import StageProcess

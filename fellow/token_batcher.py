@@ -11,10 +11,19 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
 from core.bus import publish_with_id
-from events.base import encode
 from events import subjects
-from events.frames import (FRAME_TAG_HEADER, DoneFrame, ErrorFrame, Frame, StartFrame, TokenFrame, claim_msg_id,
-                           frame_msg_id, frame_tag)
+from events.base import encode
+from events.frames import (
+    FRAME_TAG_HEADER,
+    DoneFrame,
+    ErrorFrame,
+    Frame,
+    StartFrame,
+    TokenFrame,
+    claim_msg_id,
+    frame_msg_id,
+    frame_tag,
+)
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,16 @@ from dataclasses import dataclass
 from msgspec import structs
 
 from core.quantization import NONE, bytes_per_param, capability_for
-from events.fellow import (CAP_4BIT_ROWS, CAP_CONCURRENT, CAP_DRAFT_MODEL, CAP_KV_BUDGET, CAP_N_STAGE, CAP_ONE_STAGE, CAP_SPECULATIVE,
-                           Heartbeat)
+from events.fellow import (
+    CAP_4BIT_ROWS,
+    CAP_CONCURRENT,
+    CAP_DRAFT_MODEL,
+    CAP_KV_BUDGET,
+    CAP_N_STAGE,
+    CAP_ONE_STAGE,
+    CAP_SPECULATIVE,
+    Heartbeat,
+)
 from events.loads import PREFILL_CHUNK, StageAssignment, TransportPlan
 
 HEADROOM = 1.2  # activations, allocator slack

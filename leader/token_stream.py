@@ -29,11 +29,19 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from events import subjects
 from events.base import new_id
-from events.frames import (AnyFrame, DoneFrame, ErrorFrame, StartFrame, TokenFrame, frame_decoder, frame_key,
-                           frame_signed)
-from events.union import decode_event
+from events.frames import (
+    AnyFrame,
+    DoneFrame,
+    ErrorFrame,
+    StartFrame,
+    TokenFrame,
+    frame_decoder,
+    frame_key,
+    frame_signed,
+)
 from events.loads import LoadFailed, ModelUnloaded, ReplicaLost
 from events.requests import ChatRequest
+from events.union import decode_event
 from leader.projectors.authority import Authority
 from leader.verdicts import ended, load_failed, not_loaded, replica_lost
 

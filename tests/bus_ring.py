@@ -9,10 +9,10 @@ import uuid
 from core.bus import connect
 from events.requests import Sampling
 from fellow.runtime.engine.session import Session
+from fellow.runtime.model.kernels import step_costs
 from fellow.runtime.ring.head import ring_engine
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.link import RingLink
-from fellow.runtime.model.kernels import step_costs
 from fellow.runtime.ring.loader import load_ring_stage
 from fellow.runtime.ring.sizing import RingSizing, size_ring
 from fellow.runtime.ring.worker import RingWorker

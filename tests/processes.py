@@ -14,7 +14,6 @@ from pathlib import Path
 
 import httpx
 
-
 # not the module's generator: any code that seeds it (transformers' set_seed, say) would have the test
 # workers draw the same ports
 _draw = random.SystemRandom()

@@ -9,9 +9,9 @@ import msgspec
 import pytest
 from nats.js.errors import NotFoundError
 
-from events.union import decode_event
 from events.loads import LoadRequested, UnloadRequested
 from events.subjects import EVENTS_STREAM, event
+from events.union import decode_event
 from leader.api.deps import OPEN_CALLER
 from tests.chat_fixtures import cataloged_servable
 from tests.serving_fixtures import Stack, make_servable

@@ -15,13 +15,13 @@ import torch
 import transformers
 
 from events.requests import Sampling
+from events.stage import StageOptions
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.session import Session
-from events.stage import StageOptions
 from fellow.runtime.model.background_compile import COMPILING, BackgroundCompile, _choose
 from fellow.runtime.model.graph_linear import REDUCE
-from fellow.runtime.model.loader import load_one_stage
 from fellow.runtime.model.kernels import prepare_stage
+from fellow.runtime.model.loader import load_one_stage
 from fellow.runtime.model.stage import StageModel
 from tests.processes import wait_until
 from tests.serving_fixtures import Stack, make_servable

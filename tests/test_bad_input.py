@@ -34,6 +34,7 @@ from tests.conftest import make_settings
 from tests.processes import wait_until
 from tests.tokens_app import TOKENS, leader_client
 
+
 @contextmanager
 def logged(name: str):
     """The messages logged on logger `name` (a handler of its own: the app's logging setup replaces root's)."""

@@ -20,8 +20,16 @@ from events.loads import LoadFailed
 from leader.app import create_app
 from leader.context import Leader
 from leader.db.tables import Request as RequestRow
-from tests.chat_fixtures import (GENERATION, READY, Gateway, ServingPeer, StandInServing, cataloged_servable, served,
-                                 wait_cancel)
+from tests.chat_fixtures import (
+    GENERATION,
+    READY,
+    Gateway,
+    ServingPeer,
+    StandInServing,
+    cataloged_servable,
+    served,
+    wait_cancel,
+)
 from tests.conftest import make_settings
 
 TIMING = {"stage0_ms": 1.5, "link_ms": 0.0, "stage1_ms": 0.0, "prefill_ms": 3.0, "bytes_per_token": 0,

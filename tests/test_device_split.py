@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from core.servable import ServableError, load_manifest
-from fellow.runtime.model.device_split import GB, SplitError, plan_split
 from events.stage import StageOptions
+from fellow.runtime.model.device_split import SplitError, plan_split
 from fellow.runtime.model.loader import load_one_stage
 from fellow.runtime.model.weights import stage_sizes
 from tests.serving_fixtures import make_servable

@@ -24,8 +24,11 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from core.nats_auth import LEADER_USER, AuthDir, fellow_user
 from core.nats_server import local_cluster
 from tests.processes import SwarmProcess, eventually, swarm_env, wait_until
-from tests.request_helpers import FINAL, chat
-from tests.request_helpers import servables  # noqa: F401 (a fixture)
+from tests.request_helpers import (
+    FINAL,
+    chat,
+    servables,  # noqa: F401 (a fixture)
+)
 
 pytestmark = pytest.mark.slow
 BODY = chat("hello", max_tokens=4, temperature=0)

@@ -4,7 +4,6 @@ request accepted during the outage has its final row, and /healthz is `ok` again
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import httpx
@@ -14,8 +13,10 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from core.nats_server import EmbeddedNats
 from tests.processes import SwarmProcess, swarm_env, wait_until
-from tests.request_helpers import chat
-from tests.request_helpers import servables  # noqa: F401 (a fixture)
+from tests.request_helpers import (
+    chat,
+    servables,  # noqa: F401 (a fixture)
+)
 from tests.services import Postgres, postgres_bin
 
 pytestmark = pytest.mark.slow

@@ -15,8 +15,12 @@ import httpx
 import pytest
 
 from tests.processes import wait_until
-from tests.request_helpers import all_final, chat, start_stream
-from tests.request_helpers import servables  # noqa: F401 (a fixture)
+from tests.request_helpers import (
+    all_final,
+    chat,
+    servables,  # noqa: F401 (a fixture)
+    start_stream,
+)
 from tests.serving_fixtures import Stack
 
 pytestmark = pytest.mark.slow

@@ -28,8 +28,14 @@ import httpx
 import pytest
 
 from tests.processes import SwarmProcess, children_of, pid_alive, swarm_env, wait_until
-from tests.request_helpers import FINAL, chat, content, read_events, start_stream
-from tests.request_helpers import servables  # noqa: F401 (a fixture)
+from tests.request_helpers import (
+    FINAL,
+    chat,
+    content,
+    read_events,
+    servables,  # noqa: F401 (a fixture)
+    start_stream,
+)
 
 pytestmark = pytest.mark.slow
 BODY = chat("hello", max_tokens=4, temperature=0)

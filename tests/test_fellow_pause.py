@@ -14,8 +14,12 @@ import signal
 import httpx
 
 from tests.processes import pid_alive, wait_until
-from tests.request_helpers import all_final, chat, start_stream
-from tests.request_helpers import servables  # noqa: F401 (a fixture)
+from tests.request_helpers import (
+    all_final,
+    chat,
+    servables,  # noqa: F401 (a fixture)
+    start_stream,
+)
 from tests.serving_fixtures import Stack
 
 

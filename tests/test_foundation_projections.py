@@ -11,8 +11,8 @@ from events.requests import RequestAccepted, RequestFailed, RequestFinished
 from leader.db.engine import make_engine, session_factory, upgrade
 from leader.db.tables import Fellow, Load, LoadStage, ProjectorCheckpoint, Request
 from leader.projectors.all import all_projectors
-from leader.projectors.replay import replay
 from leader.projectors.batch import apply_batch, decode_batch
+from leader.projectors.replay import replay
 from leader.projectors.runner import ProjectionRunner
 from tests.dbutil import dump
 

@@ -20,8 +20,14 @@ from core.settings import Settings, SettingsError
 from events.fellow import CAP_4BIT_ROWS
 from events.stage import StageOptions
 from fellow.runtime.model import fourbit_rows
-from fellow.runtime.model.fourbit_rows import (FLOAT32_SAVING, capabilities, choose_row_limit, describe_float32,
-                                               plan_4bit_rows, stage_blocks)
+from fellow.runtime.model.fourbit_rows import (
+    FLOAT32_SAVING,
+    capabilities,
+    choose_row_limit,
+    describe_float32,
+    plan_4bit_rows,
+    stage_blocks,
+)
 from fellow.runtime.model.loader import build_stage
 from fellow.runtime.model.quant.linear import QuantLinear
 from tests.serving_fixtures import make_servable

@@ -56,7 +56,7 @@ def test_a_card_computing_prompt_pieces_in_float32_keeps_their_weight_free():
     """The spec's TS12: Qwen3-14B's MLP weight dequantized in float32 (5120 x 17408 x 4 bytes, about
     356 MB) replaces the 300 MiB kept for passing buffers; a smaller one leaves the 300 MiB."""
     from fellow.runtime.model.device_split import CUDA_KEEP_BYTES
-    from fellow.runtime.model.kv_budget import card_keep_bytes, float32_piece_bytes
+    from fellow.runtime.model.kv_budget import card_keep_bytes
 
     assert card_keep_bytes(5120 * 17408 * 4) == 356_515_840 > CUDA_KEEP_BYTES
     assert card_keep_bytes(64 * 128 * 4) == card_keep_bytes(0) == CUDA_KEEP_BYTES

@@ -251,9 +251,9 @@ def test_hybrid_sessions_interleaved_in_decode_steps_get_what_each_gets_alone(ch
 
 
 def test_a_hybrid_stage_cannot_roll_back_and_its_engine_turns_drafts_and_prefix_reuse_off(checkpoints, servables):
+    from events.requests import Sampling
     from fellow.runtime.engine.draft_model import DraftModel, DraftModelMismatch
     from fellow.runtime.engine.engine import local_engine
-    from events.requests import Sampling
     from fellow.runtime.engine.session import Session
     from fellow.runtime.model.loader import load_one_stage
     from fellow.runtime.model.recurrent import RollbackRefused

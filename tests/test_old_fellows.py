@@ -3,10 +3,10 @@ plans the load as the spec says for old fellows (leader.placement.for_old_fellow
 
 from __future__ import annotations
 
+from core.settings import Settings
 from events.fellow import CAP_CONCURRENT, CAP_KV_BUDGET, CAP_N_STAGE, CAP_ONE_STAGE, CAP_SPECULATIVE, Heartbeat
 from events.loads import StageAssignment
 from leader.placement import for_old_fellows, transport_plan
-from core.settings import Settings
 
 NEW = (CAP_ONE_STAGE, CAP_N_STAGE, CAP_CONCURRENT, CAP_KV_BUDGET, CAP_SPECULATIVE)
 

@@ -9,13 +9,19 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import pytest
 from sqlalchemy import text
 
 from core.bus import publish_event
 from events.api_tokens import ApiTokenMinted, ApiTokenRevoked
-from events.loads import (LoadFailed, LoadPlaced, LoadRequested, ModelLoaded, ModelUnloaded, StageAssignment,
-                          UnloadRequested)
+from events.loads import (
+    LoadFailed,
+    LoadPlaced,
+    LoadRequested,
+    ModelLoaded,
+    ModelUnloaded,
+    StageAssignment,
+    UnloadRequested,
+)
 from events.requests import RequestAccepted, RequestFailed, RequestFinished
 from tests.dbutil import projecting
 

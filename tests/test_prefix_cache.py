@@ -5,10 +5,10 @@ import pytest
 import torch
 import transformers
 
-from fellow.runtime.engine.engine import local_engine
-from fellow.runtime.engine.scheduler import Scheduler
-from fellow.runtime.engine.prefix_cache import BLOCK, PrefixCache
 from events.requests import Sampling
+from fellow.runtime.engine.engine import local_engine
+from fellow.runtime.engine.prefix_cache import BLOCK, PrefixCache
+from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.kernels import prepare_stage
 from fellow.runtime.model.kv_cache import KVCache

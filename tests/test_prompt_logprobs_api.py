@@ -5,7 +5,6 @@ tests/test_prompt_logprobs.py; lm-evaluation-harness on the demo model: tests/te
 
 from __future__ import annotations
 
-
 import openai
 import pytest
 import torch

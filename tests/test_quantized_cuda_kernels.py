@@ -15,13 +15,19 @@ import torch
 
 from core.quantization import INT4_FAST, INT8, NF4, NONE
 from core.servable import load_manifest
-from fellow.runtime.model.quant.linear import (CUDA_KERNELS, QUANT_KERNELS, TINYGEMM_FLOOR, Int4Unavailable,
-                                               QuantLinear, quant_kernel)
-from fellow.runtime.model.quant import linear
-from fellow.runtime.model.quant.probe import _kernel_runs, probe
-from fellow.runtime.model.quant.quantizer import FUSED_GROUPS, QuantEmbedding, QuantModule
 from events.stage import StageOptions
 from fellow.runtime.model.loader import build_stage
+from fellow.runtime.model.quant import linear
+from fellow.runtime.model.quant.linear import (
+    CUDA_KERNELS,
+    QUANT_KERNELS,
+    TINYGEMM_FLOOR,
+    Int4Unavailable,
+    QuantLinear,
+    quant_kernel,
+)
+from fellow.runtime.model.quant.probe import _kernel_runs, probe
+from fellow.runtime.model.quant.quantizer import FUSED_GROUPS, QuantEmbedding, QuantModule
 from tests.serving_fixtures import make_servable
 
 SHAPE = dict(layers=4, hidden=128)

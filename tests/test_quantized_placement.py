@@ -5,10 +5,28 @@ from __future__ import annotations
 
 import pytest
 
-from core.quantization import (INT4_FAST, INT8, NF4, NONE, QuantizationError, as_request, bytes_per_param,
-                               manifest_method, method_of)
-from events.fellow import (CAP_CONCURRENT, CAP_CPU_INT4, CAP_CPU_INT8, CAP_INT4_FAST, CAP_N_STAGE, CAP_ONE_STAGE,
-                           CAP_QUANTIZED, Gpu, Heartbeat)
+from core.quantization import (
+    INT4_FAST,
+    INT8,
+    NF4,
+    NONE,
+    QuantizationError,
+    as_request,
+    bytes_per_param,
+    manifest_method,
+    method_of,
+)
+from events.fellow import (
+    CAP_CONCURRENT,
+    CAP_CPU_INT4,
+    CAP_CPU_INT8,
+    CAP_INT4_FAST,
+    CAP_N_STAGE,
+    CAP_ONE_STAGE,
+    CAP_QUANTIZED,
+    Gpu,
+    Heartbeat,
+)
 from leader.placement import PlacementError, place_replicas, place_ring
 from leader.serving.commands import place_keeping_price
 

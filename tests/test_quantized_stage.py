@@ -17,14 +17,14 @@ import torch
 
 from core.quantization import INT4_FAST, INT8, NF4, NONE
 from core.servable import load_manifest
+from events.stage import StageOptions
+from fellow.runtime.model.kernels import quant_chooser
+from fellow.runtime.model.loader import build_stage
 from fellow.runtime.model.quant.linear import NF4_BLOCK, QUANT_KERNELS, QuantLinear, int4_layout
 from fellow.runtime.model.quant.lora import LeanLoRA
 from fellow.runtime.model.quant.probe import probe
 from fellow.runtime.model.quant.quantizer import QuantEmbedding, QuantModule, StageQuantizer, quantize_children
 from fellow.runtime.model.quant.report import stage_weights
-from fellow.runtime.model.kernels import quant_chooser
-from events.stage import StageOptions
-from fellow.runtime.model.loader import build_stage
 from fellow.runtime.model.weights import build_stage_modules, hf_config
 from tests.serving_fixtures import make_servable
 

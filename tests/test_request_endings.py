@@ -16,8 +16,14 @@ import pytest
 
 from events import subjects
 from tests.processes import wait_until
-from tests.request_helpers import all_final, chat, kill_stage_and_wait_restart, rows, start_stream
-from tests.request_helpers import servables  # noqa: F401 (a fixture)
+from tests.request_helpers import (
+    all_final,
+    chat,
+    kill_stage_and_wait_restart,
+    rows,
+    servables,  # noqa: F401 (a fixture)
+    start_stream,
+)
 from tests.serving_fixtures import Stack
 
 

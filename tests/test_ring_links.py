@@ -14,6 +14,7 @@ from tests.delay_proxy import DelayProxy
 from tests.serving_fixtures import make_servable
 from tests.test_ring_runtime import PROMPTS, one_stage
 
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     torch.set_num_threads(1)

@@ -11,19 +11,19 @@ import pytest
 import torch
 
 from core.servable import ServableError, load_manifest
+from events.requests import Sampling
 from events.ring import Hidden, Token, decode_frame, encode_frame
 from fellow.runtime.engine.engine import local_engine
-from fellow.runtime.tools.export import export
+from fellow.runtime.engine.session import Session
+from fellow.runtime.model.loader import load_one_stage
 from fellow.runtime.ring.head import ring_engine
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.loader import load_ring_stage
 from fellow.runtime.ring.worker import RingWorker
-from events.requests import Sampling
-from fellow.runtime.engine.session import Session
-from fellow.runtime.model.loader import load_one_stage
-from tests.tiny import make_tiny_checkpoint
+from fellow.runtime.tools.export import export
 from tests.processes import wait_until
 from tests.serving_fixtures import make_servable
+from tests.tiny import make_tiny_checkpoint
 
 GREEDY = Sampling(temperature=0.0)
 PROMPTS = [list(range(5, 40)), [7, 8, 9], list(range(100, 117)), [3] * 21, list(range(200, 260))]

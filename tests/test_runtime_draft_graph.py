@@ -12,9 +12,9 @@ import logging
 import pytest
 import torch
 
-from fellow.runtime.model.draft_graph import CUDA_GRAPH, EAGER, FixedDecoder, SlotCache, fixed_decoder
 from fellow.runtime.engine.draft_model import DraftModel, load_draft_model
 from fellow.runtime.engine.engine import local_engine
+from fellow.runtime.model.draft_graph import CUDA_GRAPH, EAGER, FixedDecoder, SlotCache, fixed_decoder
 from fellow.runtime.model.kernels import prepare_stage
 from fellow.runtime.model.stage import StageModel
 from tests.test_runtime_draft_model import _planted
@@ -78,9 +78,8 @@ def test_the_fixed_shape_step_checks_against_eager_and_keeps_greedy_replies(path
 
 
 def test_on_a_cpu_the_draft_model_steps_eagerly_and_the_load_says_so(tmp_path, caplog):
-    from tests.serving_fixtures import make_servable
-
     from fellow.runtime.model.loader import load_one_stage
+    from tests.serving_fixtures import make_servable
 
     _, served = make_servable(tmp_path, "big", layers=2, hidden=64, stages=1)
     _, small = make_servable(tmp_path, "small", layers=1, hidden=32, stages=1, seed=3)

@@ -9,9 +9,9 @@ import pytest
 import torch
 import transformers
 
+from events.requests import Sampling
 from fellow.runtime.engine.draft_model import DraftModel, DraftModelMismatch, check_same_vocabulary, load_draft_model
 from fellow.runtime.engine.engine import local_engine
-from events.requests import Sampling
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.kernels import prepare_stage
 from fellow.runtime.model.loader import load_one_stage

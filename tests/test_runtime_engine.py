@@ -6,14 +6,14 @@ import pytest
 import torch
 import transformers
 
+from events.requests import Sampling
 from fellow.runtime.engine.budget import AdmissionFailed, ContextTooLong
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.scheduler import Scheduler
-from fellow.runtime.model.kernels import prepare_stage
-from fellow.runtime.model.packed_linear import pack_stage
-from events.requests import Sampling
 from fellow.runtime.engine.serving_loop import Job, ServingLoop
 from fellow.runtime.engine.session import Session
+from fellow.runtime.model.kernels import prepare_stage
+from fellow.runtime.model.packed_linear import pack_stage
 from fellow.runtime.model.stage import StageModel
 
 VOCAB = 512

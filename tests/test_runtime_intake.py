@@ -10,10 +10,10 @@ import pytest
 
 from core.bus import settle
 from events import subjects
-from events.union import decode_event
 from events.frames import DoneFrame, ErrorFrame
 from events.requests import RequestFinished
 from events.stage import ReadyReport, StageConfig, StageOptions
+from events.union import decode_event
 from fellow.stage_process import StageProcess
 from tests.processes import free_port, pid_alive
 from tests.serving_fixtures import chat_over_bus, make_servable

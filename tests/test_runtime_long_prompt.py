@@ -3,8 +3,8 @@
 import torch
 import transformers
 
-from fellow.runtime.engine.engine import local_engine
 from events.requests import Sampling
+from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.stage import StageModel
 

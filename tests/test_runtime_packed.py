@@ -8,11 +8,11 @@ import torch
 import transformers
 from torch import nn
 
-from fellow.runtime.tools.export import export
-from fellow.runtime.model.packed_linear import PackedLinear, can_pack, pack_stage
-from fellow.runtime.model.stage import StageModel
 from events.stage import StageOptions
 from fellow.runtime.model.loader import load_one_stage
+from fellow.runtime.model.packed_linear import PackedLinear, can_pack, pack_stage
+from fellow.runtime.model.stage import StageModel
+from fellow.runtime.tools.export import export
 from tests.tiny import FAMILIES, make_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32),

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from events.requests import Sampling
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.processors import MIN_LOGPROB, logprob_of, processed, sample_next
-from events.requests import Sampling
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.loader import load_one_stage
 from tests.serving_fixtures import make_servable

@@ -9,10 +9,10 @@ import pytest
 import torch
 import transformers
 
+from events.requests import Sampling
 from fellow.runtime.engine.drafting import FAILED_PASSES, PAUSE_PASSES, DraftGuard, PromptLookup, check_speculative
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.scheduler import Scheduler
-from events.requests import Sampling
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.kernels import prepare_stage
 from fellow.runtime.model.stage import StageModel

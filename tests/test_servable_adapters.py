@@ -11,9 +11,9 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from core.servable import ServableError, load_manifest, param_count
-from fellow.runtime.tools.export import export
 from fellow.runtime.model.lora_merge import MAGNITUDE, merge_lora
 from fellow.runtime.model.weights import build_stage_modules, load_stage_state
+from fellow.runtime.tools.export import export
 from tests.tiny import make_tiny_checkpoint
 
 IDS = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 64]])

@@ -7,9 +7,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core.servable import BottleneckCompressor, NoCompressor, load_manifest
 from core.servable_plan import plan_stage
+from fellow.runtime.model.weights import build_stage_modules
 from fellow.runtime.tools.calibration import default_texts
 from fellow.runtime.tools.export import export
-from fellow.runtime.model.weights import build_stage_modules
 from tests.tiny import make_tiny_checkpoint
 
 TEXTS = default_texts()[10:18]  # 8 texts: the export holds out the last 2

@@ -11,8 +11,8 @@ import torch
 from transformers import AutoTokenizer
 
 from core.servable import load_manifest
-from fellow.runtime.tools.demo_model import demo_examples, make_demo_model
 from fellow.runtime.model.weights import build_stage_modules
+from fellow.runtime.tools.demo_model import demo_examples, make_demo_model
 
 ROOT = Path(__file__).resolve().parents[1]
 # A shrunken shape so the test trains in seconds; the real demo uses the defaults.
@@ -67,9 +67,9 @@ def test_demo_servable_chats_in_chatml_with_think(tmp_path):
 def test_the_demo_draft_shares_the_demo_models_tokenizer_and_drafts_for_it(tmp_path):
     """`swarm demo-model --draft`: a smaller model trained on the same text, with the same tokenizer,
     exported in one stage; it loads as the demo model's draft model, and greedy replies stay the same."""
+    from events.requests import Sampling
     from fellow.runtime.engine.draft_model import load_draft_model
     from fellow.runtime.engine.engine import local_engine
-    from events.requests import Sampling
     from fellow.runtime.engine.session import Session
     from fellow.runtime.model.loader import load_one_stage
     from fellow.runtime.tools.demo_model import DRAFT_SHAPE, make_demo_draft

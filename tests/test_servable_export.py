@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from core.servable import ServableError, load_manifest
-from fellow.runtime.tools.export import export
 from fellow.runtime.model.weights import build_stage_modules, load_stage_state
+from fellow.runtime.tools.export import export
 from tests.tiny import make_tiny_checkpoint
 
 IDS = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 64, 12, 300]])

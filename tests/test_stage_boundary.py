@@ -5,8 +5,16 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from events.stage import (FailedReport, MetricsReport, ReadyReport, StageConfig, StageOptions, decode_config,
-                          decode_report, encode)
+from events.stage import (
+    FailedReport,
+    MetricsReport,
+    ReadyReport,
+    StageConfig,
+    StageOptions,
+    decode_config,
+    decode_report,
+    encode,
+)
 
 
 def test_a_stage_config_round_trips_with_every_field():

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from events.requests import Sampling
 from fellow.runtime.engine.budget import ContextTooLong
 from fellow.runtime.engine.engine import local_engine
-from events.requests import Sampling
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.loader import load_one_stage
 from fellow.runtime.ring.session import RingFailure

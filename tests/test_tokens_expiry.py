@@ -8,8 +8,8 @@ import time
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from events.api_tokens import ApiTokenPruned
-from events.union import decode_event
 from events.subjects import EVENTS_ALL, EVENTS_STREAM, event
+from events.union import decode_event
 from leader.auth.pruner import PRUNE_AFTER_S
 from leader.auth.token_format import TOKEN_PREFIX, hash_secret
 from tests.tokens_app import READ_ROUTE, TOKENS, Clock, bearer, leader_client, mint, on_app

@@ -15,12 +15,12 @@ import msgspec
 import pytest
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from playwright.sync_api import expect, sync_playwright
 
 from core.bus import connect
 from core.nats_server import EmbeddedNats
 from events.requests import RequestAccepted, RequestFailed, RequestFinished
 from events.subjects import EVENTS_STREAM
-from playwright.sync_api import expect, sync_playwright
 from tests.processes import wait_until
 from tests.serving_fixtures import Stack, make_servable
 from tests.tiny import R1_TEMPLATE

@@ -13,9 +13,17 @@ from events.base import new_id
 from leader.api.body import StructBody
 from leader.api.choices import Choices, text_of
 from leader.api.deps import Caller, ChatTimeout, LeaderDep, ServingDep, StreamsDep
-from leader.openai.completions import (CompletionBody, CompletionChunks, TextCompletion, check_body,
-                                      completion_requests, decode_body, prompts, whole)
 from leader.openai import prompt_logprobs as scores
+from leader.openai.completions import (
+    CompletionBody,
+    CompletionChunks,
+    TextCompletion,
+    check_body,
+    completion_requests,
+    decode_body,
+    prompts,
+    whole,
+)
 from leader.openai.schema import empty_body
 from leader.openai.tokenizer import check_bias_ids, tokenizer_for
 

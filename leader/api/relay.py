@@ -23,11 +23,19 @@ from events.base import Event, new_id
 from events.frames import DoneFrame, ErrorFrame, TokenFrame
 from events.requests import ChatRequest, RequestAccepted, RequestFailed, request_failed_id
 from leader.errors import ApiError
-from leader.openai.reasoning import Reasoning, reasoning_for
-from leader.openai.replies import (DONE, Answer, ChunkEncoder, calls_reason, completion, error_event, frame_error,
-                                   split_pieces)
-from leader.openai.schema import ChatBody
 from leader.openai.call_readers import LeadingCalls
+from leader.openai.reasoning import Reasoning, reasoning_for
+from leader.openai.replies import (
+    DONE,
+    Answer,
+    ChunkEncoder,
+    calls_reason,
+    completion,
+    error_event,
+    frame_error,
+    split_pieces,
+)
+from leader.openai.schema import ChatBody
 from leader.openai.tool_formats import ToolSpec, request_format
 from leader.openai.tools import CallStream
 from leader.openai.validate import chat_request

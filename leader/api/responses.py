@@ -12,8 +12,8 @@ from litestar.response import Stream
 
 from events.frames import DoneFrame, TokenFrame
 from leader.api.body import StructBody
-from leader.api.relay import SSE_HEADERS, Relay, open_relay
 from leader.api.deps import Caller, ChatTimeout, LeaderDep, ServingDep, StreamsDep
+from leader.api.relay import SSE_HEADERS, Relay, open_relay
 from leader.errors import ApiError
 from leader.openai.reasoning import Reasoning
 from leader.openai.replies import error_event, frame_error, split_pieces

@@ -11,9 +11,8 @@ import time
 from events.requests import ChatMessage, ChatRequest, Sampling
 from leader.errors import ApiError
 from leader.openai.grammar import call_or_answer_grammar, response_format_grammar, response_format_schema
+from leader.openai.schema import MAX_LOGPROBS, ChatBody, Message
 from leader.openai.tools import call_arguments, check_tools, choice_of, grammar_for
-from leader.openai.schema import MAX_LOGPROBS
-from leader.openai.schema import ChatBody, Message
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # OpenAI's seed: a signed 64-bit integer
 MAX_N = 128  # choices per request (OpenAI's bound)

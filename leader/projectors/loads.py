@@ -8,8 +8,18 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from core.quantization import method_of
 from events.base import Event
-from events.loads import (STAGE_RESTARTING, LoadFailed, LoadPlaced, LoadRequested, ModelLoaded, ModelUnloaded,
-                          ReplicaLost, StageReady, StageReplaced, UnloadRequested)
+from events.loads import (
+    STAGE_RESTARTING,
+    LoadFailed,
+    LoadPlaced,
+    LoadRequested,
+    ModelLoaded,
+    ModelUnloaded,
+    ReplicaLost,
+    StageReady,
+    StageReplaced,
+    UnloadRequested,
+)
 from leader.db.tables import Load, LoadStage
 from leader.projectors.projector import Projector
 

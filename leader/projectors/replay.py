@@ -12,8 +12,8 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 from events.subjects import EVENTS_ALL, EVENTS_STREAM
 from leader.db.tables import ProjectorCheckpoint
 from leader.projectors.authority import Authority
-from leader.projectors.projector import Projector
 from leader.projectors.batch import apply_batch, decode_batch
+from leader.projectors.projector import Projector
 
 
 async def replay(js: JetStreamContext, sessions: async_sessionmaker, projector: Projector) -> int:

@@ -24,19 +24,39 @@ from core.servable_plan import plan_stage, serving_ranges
 from core.settings import Settings
 from events import subjects
 from events.commands import LoadStage, UnloadStage
-from events.loads import (LoadFailed, LoadPlaced, LoadRequested, StageAssignment, StageReplaced, TransportPlan,
-                          UnloadRequested, load_failed_id, replica_part, stage_replaced_id)
+from events.loads import (
+    LoadFailed,
+    LoadPlaced,
+    LoadRequested,
+    StageAssignment,
+    StageReplaced,
+    TransportPlan,
+    UnloadRequested,
+    load_failed_id,
+    replica_part,
+    stage_replaced_id,
+)
 from leader.catalog import Catalog
-from leader.db.tables import Load, LoadStage as LoadStageRow, Model
+from leader.db.tables import Load, Model
+from leader.db.tables import LoadStage as LoadStageRow
 from leader.errors import ApiError
 from leader.fellow_monitor import FellowMonitor
-from leader.placement import (PlacementError, fewer_stages_note, for_old_fellows, place_replacement, place_replicas,
-                              place_ring_replicas, pre_ampere_batch_cap, ring_needs, ring_stage_count, transport_plan)
+from leader.placement import (
+    PlacementError,
+    fewer_stages_note,
+    for_old_fellows,
+    place_replacement,
+    place_replicas,
+    place_ring_replicas,
+    pre_ampere_batch_cap,
+    ring_needs,
+    ring_stage_count,
+    transport_plan,
+)
 from leader.services import Publish
 from leader.serving.drafts import choose_draft
 from leader.serving.grants import RequestGrants
 from leader.serving.rows import active_load, get_load, load_stages, model_not_found
-
 
 log = logging.getLogger(__name__)
 

@@ -20,12 +20,22 @@ from core.tasks import cancel_and_wait
 from events import subjects
 from events.base import Event
 from events.fellow import FellowLost
-from events.loads import (STAGE_RESTARTING, LoadFailed, LoadPlaced, ModelLoaded, ModelUnloaded, ReplicaLost,
-                          StageReady, StageReplaced, load_failed_id, replica_lost_id)
+from events.loads import (
+    STAGE_RESTARTING,
+    LoadFailed,
+    LoadPlaced,
+    ModelLoaded,
+    ModelUnloaded,
+    ReplicaLost,
+    StageReady,
+    StageReplaced,
+    load_failed_id,
+    replica_lost_id,
+)
 from leader.db.tables import Load, LoadStage
-from leader.relay_stats import RelayStats
 from leader.fellow_monitor import FellowMonitor
 from leader.projectors.runner import ProjectionRunner
+from leader.relay_stats import RelayStats
 from leader.services import Publish
 from leader.serving.commands import LoadCommands
 from leader.serving.ready import ReadyView

@@ -8,9 +8,8 @@ load_stages gains `replica` in its primary key. A projection is the log's to reb
 made anew and the loads projector's checkpoint is dropped with its rows: on start it replays
 SWARM_EVENTS into the new shape. requests gains `fellow_id` ('' for rows recorded before it).
 """
-from alembic import op
 import sqlalchemy as sa
-
+from alembic import op
 
 revision = '0002'
 down_revision = '0001'

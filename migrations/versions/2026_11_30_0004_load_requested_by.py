@@ -8,9 +8,8 @@ Both hold the calling API token's id ("open" when the API had no token, "autoloa
 own load; '' before this revision). The loads projection is the log's to rebuild, so its rows and
 checkpoint are dropped: on start it replays SWARM_EVENTS and fills both columns for every load.
 """
-from alembic import op
 import sqlalchemy as sa
-
+from alembic import op
 
 revision = '0004'
 down_revision = '0003'

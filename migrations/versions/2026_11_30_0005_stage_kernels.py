@@ -7,9 +7,8 @@ Create Date: 2026-11-30 20:30:00
 Filled from StageReady.kernels. The loads projection is the log's to rebuild, so its rows and
 checkpoint are dropped: on start it replays SWARM_EVENTS (events before this revision have none).
 """
-from alembic import op
 import sqlalchemy as sa
-
+from alembic import op
 
 revision = '0005'
 down_revision = '0004'

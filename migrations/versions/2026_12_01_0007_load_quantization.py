@@ -8,9 +8,8 @@ Create Date: 2026-12-01 04:00:00
 Filled from LoadRequested, LoadPlaced and StageReady. The loads projection is the log's to rebuild, so
 its rows and checkpoint are dropped: on start it replays SWARM_EVENTS.
 """
-from alembic import op
 import sqlalchemy as sa
-
+from alembic import op
 
 revision = '0007'
 down_revision = '0006'

@@ -13,6 +13,7 @@ import torch
 
 from events.requests import Sampling  # the one declaration of a request's sampling
 
+
 def make_generator(params: Sampling, device: torch.device | str = "cpu") -> torch.Generator | None:
     """A generator of the request's own, so one request's draws never shift another's; None when greedy."""
     if params.greedy:

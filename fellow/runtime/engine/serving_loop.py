@@ -11,9 +11,9 @@ from typing import Callable
 
 from core.logs import stage_stats_s
 from events.frames import TokenLogprob
+from events.requests import Sampling
 from fellow.runtime.engine.detokenizer import Detokenizer, TokenTexts
 from fellow.runtime.engine.processors import constraint_for
-from events.requests import Sampling
 from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.engine.session import Session
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fellow.runtime.engine.drafting import DraftGuard, PromptLookup
 from events.requests import Sampling
+from fellow.runtime.engine.drafting import DraftGuard, PromptLookup
 from fellow.runtime.model.kv_cache import KVCache
 
 

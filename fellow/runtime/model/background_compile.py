@@ -33,7 +33,8 @@ from fellow.runtime.model.fused import Linear
 from fellow.runtime.model.graph_linear import GEMV_FORMS, LINEAR, REDUCE, gemv_forms
 from fellow.runtime.model.kv_budget import cpu_free_bytes
 from fellow.runtime.model.kv_cache import random_caches
-from fellow.runtime.model.native_step import NATIVE, NativeStep, why_not as native_why_not
+from fellow.runtime.model.native_step import NATIVE, NativeStep
+from fellow.runtime.model.native_step import why_not as native_why_not
 
 log = logging.getLogger(__name__)
 

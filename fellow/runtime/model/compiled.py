@@ -39,8 +39,16 @@ from torch import nn
 
 from fellow.runtime.model.checked_step import CHECK_CONTEXT, CheckedStep, one_line
 from fellow.runtime.model.fused import Linear, _norm
-from fellow.runtime.model.graph_linear import (LINEAR, GraphLinear, call, embedding, keep, keep_embedding,
-                                               why_not_embedding, why_not_graph)
+from fellow.runtime.model.graph_linear import (
+    LINEAR,
+    GraphLinear,
+    call,
+    embedding,
+    keep,
+    keep_embedding,
+    why_not_embedding,
+    why_not_graph,
+)
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,6 @@ import torch
 
 from fellow.runtime.model import native
 
-
 KERNEL = native.Kernel("f32_gemv", "f32_gemv.c", "the float32 row kernel", "swarm_f32_gemv",
                        [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2)
 available, unavailable_reason = KERNEL.available, KERNEL.unavailable_reason

@@ -12,20 +12,23 @@ import torch
 from core.quantization import INT4_FAST, INT8, NF4, NONE
 from core.servable import TOKENIZER_DIR, Manifest, ServableError, load_manifest
 from events.stage import StageOptions
-from fellow.runtime.model.boundary import apply_inner
-from fellow.runtime.model.device_split import (Card, DeviceSplit, SplitError, by_free_memory, half_dtype,
-                                               plan_devices)
-from fellow.runtime.model.grouped_attention import GROUPED, choose_attention
-from fellow.runtime.model.half_storage import apply_half_storage
 from fellow.runtime.model.background_compile import why_not_here
+from fellow.runtime.model.boundary import apply_inner
 from fellow.runtime.model.compiled import PlainWeights, compile_decode, why_not
 from fellow.runtime.model.cuda_graphs import graph_decode
+from fellow.runtime.model.device_split import Card, DeviceSplit, SplitError, by_free_memory, half_dtype, plan_devices
 from fellow.runtime.model.fourbit_rows import plan_4bit_rows
+from fellow.runtime.model.grouped_attention import GROUPED, choose_attention
+from fellow.runtime.model.half_storage import apply_half_storage
 from fellow.runtime.model.kernels import prepare_stage, quant_chooser
 from fellow.runtime.model.kv_budget import cpu_free_bytes, cuda_free_bytes
 from fellow.runtime.model.lora_merge import lora_scale
-from fellow.runtime.model.quant.linear import (QUANT_KERNELS, Int4Unavailable, bitsandbytes_functional,
-                                               tinygemm_check_device)
+from fellow.runtime.model.quant.linear import (
+    QUANT_KERNELS,
+    Int4Unavailable,
+    bitsandbytes_functional,
+    tinygemm_check_device,
+)
 from fellow.runtime.model.quant.quantizer import StageQuantizer
 from fellow.runtime.model.quant.report import stage_weights, weights_report
 from fellow.runtime.model.stage import StageModel

@@ -14,13 +14,28 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fellow.runtime.model.fused import (FusedLayer, FusedStack, Linear, MakeLinear, bias_of, layer_windows,
-                                        recurrent_layers, rotary_tables, strip_linears)
+from fellow.runtime.model.fused import (
+    FusedLayer,
+    FusedStack,
+    Linear,
+    MakeLinear,
+    bias_of,
+    layer_windows,
+    recurrent_layers,
+    rotary_tables,
+    strip_linears,
+)
 from fellow.runtime.model.grouped_attention import GROUPED
 from fellow.runtime.model.kv_cache import BatchedView, FreshBatchView, KVCache, SessionView
 from fellow.runtime.model.masks import fresh_masks, piece_mask
-from fellow.runtime.model.recurrent import (RecurrentBatchedView, RecurrentCache, RecurrentView, RollbackRefused,
-                                            recurrent_reason, state_shapes)
+from fellow.runtime.model.recurrent import (
+    RecurrentBatchedView,
+    RecurrentCache,
+    RecurrentView,
+    RollbackRefused,
+    recurrent_reason,
+    state_shapes,
+)
 
 BATCHABLE_ATTENTION = ("sdpa", "eager", GROUPED)  # implementations that take an explicit additive 4D mask
 # cuDNN attention rebuilt its plan for every new key length: 52 ms a decode step on an H200 where

@@ -23,7 +23,6 @@ import logging
 import time
 
 import torch
-
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fellow.runtime.model.grouped_attention import grouped_attention_forward

@@ -14,8 +14,7 @@ from nats.aio.client import Client
 
 from core.tasks import cancel_and_wait
 from events import subjects
-from events.ring import (STATS_LANE, Ack, Hop, LaneStats, Ping, Probe, decode_frame, encode_frame, recv_lane,
-                         send_lane)
+from events.ring import STATS_LANE, Ack, Hop, LaneStats, Ping, Probe, decode_frame, encode_frame, recv_lane, send_lane
 from fellow.runtime.ring.direct import PROBE_ROUNDS, DirectIn, DirectOut, Sequencer, dial
 from fellow.runtime.ring.inbox import Inbox
 

@@ -9,10 +9,10 @@ import torch
 
 from core.servable import Manifest, load_manifest
 from core.servable_plan import StagePlan
-from fellow.runtime.ring.codec import WireCodec
-from fellow.runtime.model.stage import StageModel
 from events.stage import StageOptions
 from fellow.runtime.model.loader import OPTIONS, build_stage, load_tokenizer, stage_device, stop_ids_for
+from fellow.runtime.model.stage import StageModel
+from fellow.runtime.ring.codec import WireCodec
 
 
 @dataclass

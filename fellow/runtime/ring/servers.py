@@ -7,17 +7,17 @@ import logging
 import time
 
 from events import subjects
-from events.union import decode_event
 from events.loads import LoadFailed, StageReady, StageReplaced
 from events.stage import FailedReport, MetricsReport
+from events.union import decode_event
 from fellow.runtime.engine.serving_loop import ServingLoop
-from fellow.runtime.ring.head import WAKE, RingRunner, ring_engine
 from fellow.runtime.ring.drafts import LastStageDrafter
+from fellow.runtime.ring.head import WAKE, RingRunner, ring_engine
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.link import RingLink
+from fellow.runtime.ring.loader import load_ring_stage
 from fellow.runtime.ring.session import route_name
 from fellow.runtime.ring.sizing import RingSizing, groups_for, size_ring
-from fellow.runtime.ring.loader import load_ring_stage
 from fellow.runtime.ring.worker import RingWorker
 from fellow.runtime.server.base import StageFailed, StageServerBase, report
 from fellow.runtime.server.stage import StageServer

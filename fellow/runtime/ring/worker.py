@@ -9,21 +9,21 @@ from typing import Callable
 import torch
 
 from core.logs import stage_stats_s
+from events.requests import Sampling
 from events.ring import DECODE, LAST_PIECE, NO_TOKEN, PREFIX_MISSING, VERIFY, End, Hidden, Probe, Token
 from fellow.runtime.engine.drafting import until_stop
-from fellow.runtime.engine.speculative import verify_drafts
 from fellow.runtime.engine.prefix_cache import PrefixCache
+from fellow.runtime.engine.processors import constraint_for, sample_next
+from fellow.runtime.engine.prompt_scores import scored_piece
+from fellow.runtime.engine.sampling import make_generator
 from fellow.runtime.engine.scheduler import Follower
 from fellow.runtime.engine.serving_loop import StepStats
+from fellow.runtime.engine.speculative import verify_drafts
 from fellow.runtime.model.recurrent import off_note
 from fellow.runtime.ring.drafts import LastStageDrafter
 from fellow.runtime.ring.held import Held
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.loader import RingStage
-from fellow.runtime.engine.processors import constraint_for, sample_next
-from fellow.runtime.engine.prompt_scores import scored_piece
-from events.requests import Sampling
-from fellow.runtime.engine.sampling import make_generator
 
 log = logging.getLogger(__name__)
 

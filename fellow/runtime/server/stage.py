@@ -15,7 +15,6 @@ from fellow.runtime.model.loader import load_one_stage
 from fellow.runtime.server.base import StageServerBase
 from fellow.runtime.server.intake import Intake
 
-
 PREFIX_METRICS = ("prefix_cached_tokens", "prefix_hit_rate")
 
 

@@ -9,13 +9,25 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from core.servable import (BottleneckCompressor, Compressor, Generation, Manifest, NoCompressor, SHARD_FILE,
-                           ServableError, Shard, ShardFile, TOKENIZER_DIR, even_boundaries, save_manifest,
-                           sha256_file)
-from fellow.runtime.tools.bottleneck import codec_error, codec_tensors, fit_pca
-from fellow.runtime.tools.calibration import boundary_activations, calibration_sequences
+from core.servable import (
+    SHARD_FILE,
+    TOKENIZER_DIR,
+    BottleneckCompressor,
+    Compressor,
+    Generation,
+    Manifest,
+    NoCompressor,
+    ServableError,
+    Shard,
+    ShardFile,
+    even_boundaries,
+    save_manifest,
+    sha256_file,
+)
 from fellow.runtime.model.checkpoint import Checkpoint, read_config
 from fellow.runtime.model.fused import unserved_kinds
+from fellow.runtime.tools.bottleneck import codec_error, codec_tensors, fit_pca
+from fellow.runtime.tools.calibration import boundary_activations, calibration_sequences
 
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>")
 
