@@ -46,12 +46,16 @@ class StaticStep(nn.Module):
         self.rope_scale = float(model.model.rotary_emb.attention_scaling)
         self.n = len(model.model.layers)
         self.scaling = [layer.self_attn.scaling for layer in model.model.layers]
-        keep = lambda name, t: self.register_buffer(name, None if t is None else t.detach().clone().contiguous())
+
+        def keep(name: str, t: torch.Tensor | None) -> None:
+            self.register_buffer(name, None if t is None else t.detach().clone().contiguous())
+
         for i, layer in enumerate(model.model.layers):
             a, mlp = layer.self_attn, layer.mlp
             keep(f"in{i}", layer.input_layernorm.weight)
             keep(f"qkv{i}", torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
-            keep(f"qkvb{i}", None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]))
+            keep(f"qkvb{i}", None if a.q_proj.bias is None
+                 else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]))
             keep(f"qkn{i}", None if getattr(a, "q_norm", None) is None else torch.cat(
                 [a.q_norm.weight.expand(self.heads, -1), a.k_norm.weight.expand(self.kv, -1)]))
             keep(f"o{i}", a.o_proj.weight)
@@ -66,7 +70,10 @@ class StaticStep(nn.Module):
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, *kv: torch.Tensor) -> torch.Tensor:
         """ids, pos [B]; kv: per layer keys, values [B, kv_heads, MAX, D]. The logits [B, vocab]."""
         batch, size, d, qk_heads = ids.shape[0], kv[0].shape[2], self.dim, self.heads + self.kv
-        w = lambda name, i: getattr(self, f"{name}{i}")
+
+        def w(name: str, i: int) -> torch.Tensor:
+            return getattr(self, f"{name}{i}")
+
         hidden = F.embedding(ids, self.embed)[:, None]
         freqs = pos[:, None].float() * self.inv_freq[None]
         angles = torch.cat((freqs, freqs), dim=-1)
@@ -176,7 +183,8 @@ def main() -> None:
     for name in args.shapes:
         rows.append(run_shape(name, tmp, args.batch, args.max, args.context, args.rounds, args.steps))
         print(json.dumps(rows[-1]), flush=True)
-    print("\n| shape | batch | eager stage ms/step | compiled static step ms/step | speed-up | compile s | max logit diff |")
+    print("\n| shape | batch | eager stage ms/step | compiled static step ms/step | speed-up | compile s "
+          "| max logit diff |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['name']} | {r['batch']} | {r['eager_ms']:.2f} | {r['compiled_ms']:.2f} | {r['speedup']:.2f}x | "

@@ -85,7 +85,8 @@ def main() -> None:
                 rows.setdefault((name, setting), []).append(row)
                 print(name, setting, rnd, {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()},
                       flush=True)
-    print("\n| shape | ready s off / auto (row) | auto/off (row) | ready s off / auto (load --wait) | auto/off | compiled after s | 1 stream tok/s off / auto | auto/off "
+    print("\n| shape | ready s off / auto (row) | auto/off (row) | ready s off / auto (load --wait) | auto/off "
+          "| compiled after s | 1 stream tok/s off / auto | auto/off "
           "| 8 streams off / auto | auto/off | auto's state |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     ready_ratios, speed_ratios = [], []
@@ -98,7 +99,8 @@ def main() -> None:
         speed_ratios.append(speed)
         print(f"| {name} | {med(off, 'sql_ready_s'):.2f} / {med(auto, 'sql_ready_s'):.2f} | {ready:.3f}x | "
               f"{med(off, 'ready_s'):.2f} / {med(auto, 'ready_s'):.2f} | {waited:.3f}x | "
-              f"{med(auto, 'compiled_s'):.0f} | {med(off, 'tok_s_1'):.1f} / {med(auto, 'tok_s_1'):.1f} | {speed:.2f}x | "
+              f"{med(auto, 'compiled_s'):.0f} | {med(off, 'tok_s_1'):.1f} / {med(auto, 'tok_s_1'):.1f} | "
+              f"{speed:.2f}x | "
               f"{med(off, 'tok_s_8'):.1f} / {med(auto, 'tok_s_8'):.1f} | {eight:.2f}x | {auto[-1]['state']} |")
     print(f"\nready auto/off: max {max(ready_ratios):.3f}x; 1-stream tok/s auto/off: min {min(speed_ratios):.2f}x, "
           f"median {statistics.median(speed_ratios):.2f}x")

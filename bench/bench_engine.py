@@ -87,7 +87,8 @@ def main() -> None:
     stage = StageModel.from_causal_lm(copy.deepcopy(model))  # generate keeps the model's own modules
     path = prepare_stage(stage, packed=not args.plain, batch_cap=max(args.batches))["path"]
     params = sum(p.numel() for p in model.parameters())
-    print(f"Qwen3 {params / 1e6:.1f}M params, {args.dtype} on {args.device}, {args.threads} threads, prompt {args.prompt}, "
+    print(f"Qwen3 {params / 1e6:.1f}M params, {args.dtype} on {args.device}, {args.threads} threads, "
+          f"prompt {args.prompt}, "
           f"{args.new_tokens} new tokens, {'sampled' if args.sampled else 'greedy'}, stage path {path}")
     for batch in args.batches:
         prompts = torch.randint(1, args.vocab, (batch, args.prompt),

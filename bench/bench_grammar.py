@@ -150,7 +150,8 @@ def main() -> None:
         for streams in args.streams:
             costs: dict[str, list[float]] = {}
             for r in range(args.repeats):
-                for name, ms in mask_costs(tokenizer, streams, args.new_tokens, seed=r, xgrammar_first=r % 2 == 1).items():
+                costs_of_round = mask_costs(tokenizer, streams, args.new_tokens, seed=r, xgrammar_first=r % 2 == 1)
+                for name, ms in costs_of_round.items():
                     costs.setdefault(name, []).append(ms)
             print(f"{streams} streams: " + ", ".join(f"{name} {min(v):.3f} / {statistics.median(v):.3f} ms"
                                                      for name, v in costs.items()))

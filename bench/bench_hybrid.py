@@ -2,7 +2,7 @@
 
 For each shape, in one run: transformers' ``generate`` (greedy, one stream and a batch of 8 equal-length
 prompts), the stage one stream, and the stage at 8 sessions two ways: each session alone through the
-layers (``StageModel._each_alone``, how decode steps ran before RecurrentBatchedView) and batched (the
+layers (``StageModel.each_alone``, how decode steps ran before RecurrentBatchedView) and batched (the
 states stacked). Tokens/s of decode after the prompt; ratios against the same run's baselines, with the
 min and median over the shapes.
 
@@ -62,7 +62,7 @@ def generate_tps(model, rows: int, tokens: int) -> float:
 def stage_tps(stage: StageModel, rows: int, tokens: int, alone: bool) -> float:
     caches = [stage.new_cache() for _ in range(rows)]
     last = torch.stack([stage.prefill(c, p) for c, p in zip(caches, prompts(rows))]).argmax(-1)
-    step = (lambda ids: stage._each_alone(caches, [ids[r : r + 1] for r in range(rows)])) if alone else \
+    step = (lambda ids: stage.each_alone(caches, [ids[r : r + 1] for r in range(rows)])) if alone else \
         (lambda ids: stage.decode(caches, ids))
     last = step(last).argmax(-1)  # warm
     started = time.perf_counter()

@@ -45,7 +45,8 @@ PROMPTS = [list(range(5, 40)), list(range(100, 130)), list(range(200, 232)), [3,
 
 def prompts(n: int) -> list[list[int]]:
     """``n`` different prompts of 30 ids: PROMPTS first."""
-    return [*PROMPTS, *([(5 + 13 * i + 7 * j) % 247 + 3 for j in range(30)] for i in range(max(0, n - len(PROMPTS))))][:n]
+    more = ([(5 + 13 * i + 7 * j) % 247 + 3 for j in range(30)] for i in range(max(0, n - len(PROMPTS))))
+    return [*PROMPTS, *more][:n]
 
 
 def host_port(url: str) -> tuple[str, int]:
@@ -108,7 +109,8 @@ async def measure_sized(model: Path, nats: EmbeddedNats, rtt_ms: float, tokens: 
         sizing = await ring.size(per_group, ceiling_per_stage * stages)
         out = {"sized": True, "stages": stages, "rtt_ms": rtt_ms, "routes": ring.routes, **sizing.as_dict()}
         fixed = per_group * stages
-        for label, n, groups in (("1", 1, stages), ("fixed", fixed, stages), ("sized", sizing.in_flight, sizing.groups)):
+        for label, n, groups in (("1", 1, stages), ("fixed", fixed, stages),
+                                 ("sized", sizing.in_flight, sizing.groups)):
             ring.head.runner.units.groups = groups
             replies, timings = await asyncio.to_thread(ring.generate, prompts(n), tokens)
             assert all(len(r) == tokens for r in replies.values()), replies
@@ -186,9 +188,11 @@ def main() -> None:
         if "bottleneck" in r:
             continue
         c = sum(r["c_ms"])
-        print(f"| {r['stages']} | {r['rtt_ms']:g} | {r['route']} | {c:.2f} | {r['tok_s_1']:.2f} | {r['bound_tok_s']:.2f} | "
+        print(f"| {r['stages']} | {r['rtt_ms']:g} | {r['route']} | {c:.2f} | {r['tok_s_1']:.2f} | "
+              f"{r['bound_tok_s']:.2f} | "
               f"{r['tok_s_1'] / r['bound_tok_s']:.2f}x | {r['issue_bound_tok_s']:.2f} | "
-              f"{r['tok_s_1'] / r['issue_bound_tok_s']:.2f}x | {r['tok_s_4']:.2f} | {r['tok_s_4'] / r['tok_s_1']:.2f}x | "
+              f"{r['tok_s_1'] / r['issue_bound_tok_s']:.2f}x | {r['tok_s_4']:.2f} | "
+              f"{r['tok_s_4'] / r['tok_s_1']:.2f}x | "
               f"{r['bytes_per_token']:g} |")
     for n, rtt in sorted({(r["stages"], r["rtt_ms"]) for r in rows if "bottleneck" not in r}):
         by = {r["links"]: r for r in rows if (r.get("stages"), r.get("rtt_ms")) == (n, rtt) and "bottleneck" not in r}

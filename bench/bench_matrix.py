@@ -179,7 +179,8 @@ def run_shape(name: str, shape: tuple, tmp: Path, tokens: int, streams: list[int
         with EmbeddedNats(tmp / name / "js") as nats:
             stack = Stack(tmp / name, nats.url, tmp / "servables", SWARM_MODEL_IDLE_UNLOAD_S=0,
                           SWARM_SERVE_MAX_IN_FLIGHT=max(streams), SWARM_SERVE_THREADS=stage_threads,
-                          SWARM_SERVE_PREFIX_CACHE="off", SWARM_SERVE_COMPILE=compile).start()  # the engine alone keeps none either
+                          # the engine alone keeps no prefix cache either
+                          SWARM_SERVE_PREFIX_CACHE="off", SWARM_SERVE_COMPILE=compile).start()
             try:
                 r = stack.post(f"/api/v1/models/{name}/load", {"wait": True, "timeout_s": 1800}, timeout=1900)
                 assert r.status_code == 200 and r.json()["state"] == "ready", r.text
@@ -235,7 +236,8 @@ def summary(rows: list[dict], streams: list[int], with_stack: bool) -> str:
     for b in streams:
         for what in (["stack"] if with_stack else []) + ["engine"]:
             ratios = sorted(r[what][b] / r["generate"][b] for r in rows)
-            out.append(f"{what} / generate at {b} stream(s): min {ratios[0]:.2f}x, median {statistics.median(ratios):.2f}x")
+            out.append(f"{what} / generate at {b} stream(s): min {ratios[0]:.2f}x, "
+                       f"median {statistics.median(ratios):.2f}x")
     return "\n".join(out)
 
 

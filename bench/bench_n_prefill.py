@@ -58,7 +58,8 @@ def main() -> None:
     from fellow.runtime.model.stage import StageModel
 
     print(f"{args.prompt}-token prompt, {args.rounds} interleaved rounds (median), {torch.get_num_threads()} threads")
-    print("\n| shape | n=1 ms | n=4 forked ms | n=4 unforked ms | forked / n=1 | unforked / n=1 |\n|---|---|---|---|---|---|")
+    print("\n| shape | n=1 ms | n=4 forked ms | n=4 unforked ms | forked / n=1 | unforked / n=1 |"
+          "\n|---|---|---|---|---|---|")
     ratios = []
     for name in args.shapes:
         ckpt = make_checkpoint(scratch_dir("swarm-bench-n-"), SHAPES[name])
@@ -77,7 +78,8 @@ def main() -> None:
         ratios.append(med["forked"] / med["one"])
         print(f"| {name} | {med['one']:.0f} | {med['forked']:.0f} | {med['unforked']:.0f} | "
               f"{med['forked'] / med['one']:.2f}x | {med['unforked'] / med['one']:.2f}x |")
-    print(f"\nn=4 forked / n=1: min {min(ratios):.2f}x, median {statistics.median(ratios):.2f}x, max {max(ratios):.2f}x")
+    print(f"\nn=4 forked / n=1: min {min(ratios):.2f}x, median {statistics.median(ratios):.2f}x, "
+          f"max {max(ratios):.2f}x")
 
 
 if __name__ == "__main__":

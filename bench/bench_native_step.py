@@ -7,9 +7,9 @@ reduce for quantized weights), per shape, float32, int8 and int4, at each batch 
 
 Each stage is loaded as a fellow loads it (``load_one_stage``: the load's kernel choices, its plain weights
 kept for the compiled forms); the graphs are compiled in inductor's default mode (the reduce and kernel
-forms' own; the background compile builds the linear form under max-autotune). Every step runs on a cache of ``--context`` random positions, cropped back after each; the
-paths take turns, and each figure is the median of the rounds' best-of-5, in ms, with its ratio to the
-fused step's.
+forms' own; the background compile builds the linear form under max-autotune). Every step runs on a
+cache of ``--context`` random positions, cropped back after each; the paths take turns, and each
+figure is the median of the rounds' best-of-5, in ms, with its ratio to the fused step's.
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def native(stage) -> str:
         entry = step.build(1, only_faster=False, compiled=True)
         if not entry["serving"]:
             return f"the native step was not taken: {entry}"
-        stage.compiled = step
+        stage.steps.put("compiled", step)
     return why or ""
 
 

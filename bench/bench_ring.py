@@ -107,7 +107,8 @@ def main() -> None:
               f"{r['link_share']:.0%} | {r['bytes_per_token']:.0f} |")
     if 4 in ring and 1 in ring:
         ratio = ring[4]["tok_s"] / ring[1]["tok_s"]
-        print(f"\ntarget: ring at 4 in flight >= 1.8x ring at 1: {ratio:.2f}x -> {'met' if ratio >= 1.8 else 'NOT met'}")
+        print(f"\ntarget: ring at 4 in flight >= 1.8x ring at 1: {ratio:.2f}x -> "
+              f"{'met' if ratio >= 1.8 else 'NOT met'}")
 
 
 if __name__ == "__main__":

@@ -119,7 +119,8 @@ async def stream_one(client: httpx.AsyncClient, url: str, model: str, question: 
                 first = first or now
                 last = now
     n = usage["completion_tokens"] if usage else chunks
-    return {"ttft": (first or t0) - t0, "tokens": n, "decode_s": (last or t0) - (first or t0), "end": time.perf_counter()}
+    return {"ttft": (first or t0) - t0, "tokens": n, "decode_s": (last or t0) - (first or t0),
+            "end": time.perf_counter()}
 
 
 async def load_test(base: str, model: str, concurrency: int, tokens: int) -> dict:

@@ -122,15 +122,20 @@ async def trace(stack: Stack, nats_url: str, pids: dict[str, int], model: str, t
                          "added_ms": ms(content[0]) - engine_ms if content and engine_ms is not None else None,
                          "around_stage_ms": ms(content[0]) - done.timing["ttft_ms"]
                          if content and "ttft_ms" in done.timing else None,
-                         "frame_gap_ms": statistics.median([(b - a) * 1e3 for a, b in zip(token_times, token_times[1:])])
+                         "frame_gap_ms": statistics.median(
+                             [(b - a) * 1e3 for a, b in zip(token_times, token_times[1:])])
                          if len(token_times) > 2 else None})
     await nc.close()
     frames_total = sum(r["frames"] for r in rows)
-    med = lambda k: statistics.median([r[k] for r in rows if r[k] is not None]) if any(r[k] is not None for r in rows) else None  # noqa: E731
+
+    def med(k: str) -> float | None:
+        values = [r[k] for r in rows if r[k] is not None]
+        return statistics.median(values) if values else None
+
     return {"tokens": tokens, "requests": requests,
-            **{k: round(med(k), 2) for k in ("published", "started", "first_frame", "first_text", "queue_ms", "prefill_ms",
-                                             "stage_ttft_ms", "engine_first_ms", "added_ms", "around_stage_ms",
-                                             "decode_ms", "frame_gap_ms")
+            **{k: round(med(k), 2) for k in ("published", "started", "first_frame", "first_text", "queue_ms",
+                                             "prefill_ms", "stage_ttft_ms", "engine_first_ms", "added_ms",
+                                             "around_stage_ms", "decode_ms", "frame_gap_ms")
                if med(k) is not None},
             "cpu_ms_per_token": {k: round(spent[k] / frames_total, 3) for k in pids}}
 

@@ -76,7 +76,8 @@ def main() -> None:
                 row = {"shape": name, "round": r, "thp": thp == "1", **json.loads(out.stdout.strip().splitlines()[-1])}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-    print("\n| shape | " + " | ".join(f"{b} stream(s) tok/s: off / on (on/off, median over rounds)" for b in args.streams)
+    print("\n| shape | "
+          + " | ".join(f"{b} stream(s) tok/s: off / on (on/off, median over rounds)" for b in args.streams)
           + " | first token ms: off / on | kernel choice + step costs s: off / on |")
     print("|---|" + "---|" * (len(args.streams) + 2))
     gains = {b: [] for b in args.streams}
@@ -94,7 +95,8 @@ def main() -> None:
         firsts = [pair("first_ms", r) for r in range(args.rounds)]
         cells.append(f"{statistics.median(f[0] for f in firsts):.1f} / {statistics.median(f[1] for f in firsts):.1f}")
         measured = [[a + b for a, b in zip(pair("choose_s", r), pair("step_costs_s", r))] for r in range(args.rounds)]
-        cells.append(f"{statistics.median(m[0] for m in measured):.2f} / {statistics.median(m[1] for m in measured):.2f}")
+        cells.append(f"{statistics.median(m[0] for m in measured):.2f} / "
+                     f"{statistics.median(m[1] for m in measured):.2f}")
         print(f"| {name} | " + " | ".join(cells) + " |")
     for b in args.streams:
         print(f"on / off at {b} stream(s): min {min(gains[b]):.2f}x, median {statistics.median(gains[b]):.2f}x")

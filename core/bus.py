@@ -46,7 +46,8 @@ async def connect(url: str, name: str, timeout: float = 5.0, credentials: Creden
     try:
         return await asyncio.wait_for(nats.connect(servers, **opts), timeout)
     except (asyncio.TimeoutError, OSError, nats.errors.NoServersError) as exc:
-        raise BusUnavailable(f"cannot reach NATS at {url}: {errors[-1] if errors else exc or type(exc).__name__}") from None
+        reason = errors[-1] if errors else exc or type(exc).__name__
+        raise BusUnavailable(f"cannot reach NATS at {url}: {reason}") from None
     except nats.errors.Error as exc:  # refused: an authorization violation, a bad server answer
         raise BusUnavailable(f"NATS at {url} refused {name}: {errors[-1] if errors else exc}") from None
 

@@ -139,7 +139,8 @@ def fellow_permissions(fellow_id: str, js_domain: str | None = None, loads: list
         "allow_responses": True,  # the answer to a logs request
     }
     if js_domain:
-        perms["publish"]["allow"] = [s.replace("$JS.API.", f"$JS.{js_domain}.API.", 1) for s in perms["publish"]["allow"]]
+        perms["publish"]["allow"] = [s.replace("$JS.API.", f"$JS.{js_domain}.API.", 1)
+                                     for s in perms["publish"]["allow"]]
     return perms
 
 

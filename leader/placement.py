@@ -167,7 +167,8 @@ def place_one_stage(parameters: int, num_layers: int, fellows: dict[str, Heartbe
         pool = {fid: hb for fid, hb in fellows.items() if fid in online}
     if not pool:
         raise PlacementError("no fellow is online")
-    lacking = {fid: _lacks(hb, (CAP_ONE_STAGE,), method) for fid, hb in pool.items() if _lacks(hb, (CAP_ONE_STAGE,), method)}
+    lacking = {fid: _lacks(hb, (CAP_ONE_STAGE,), method) for fid, hb in pool.items()
+               if _lacks(hb, (CAP_ONE_STAGE,), method)}
     able = [candidate(hb) for fid, hb in pool.items() if fid not in lacking]
     if not able:
         raise PlacementError("; ".join(f"fellow {fid} does not declare {', '.join(caps)}"
@@ -302,7 +303,8 @@ def place_ring_replicas(parameters: int, ranges: list[tuple[int, int]], shards: 
             ring = place_ring(parameters, ranges, shards, {f: hb for f, hb in fellows.items() if f not in used},
                               online, pinned[replica * n:(replica + 1) * n] if pinned else None, method, needs)
         except PlacementError as exc:
-            raise PlacementError(f"{replicas} rings of {n} stages: ring {replica} could not be placed ({exc})") from None
+            raise PlacementError(f"{replicas} rings of {n} stages: ring {replica} could not be placed "
+                                 f"({exc})") from None
         out += [structs.replace(a, replica=replica) for a in ring]
     return out
 

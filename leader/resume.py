@@ -66,7 +66,8 @@ async def resume(leader: Records, streams: TokenStreams, caller, last_event_id: 
     except NatsError as exc:
         raise ApiError(503, f"The message bus is unavailable: {exc or type(exc).__name__}",
                        code="bus_unavailable") from None
-    if row.status == "failed" and not stream.ended:  # after the frames the stream holds, if they do not end it themselves
+    # after the frames the stream holds, if they do not end it themselves
+    if row.status == "failed" and not stream.ended:
         stream.fail(ErrorFrame(request_id=rid, seq=-1, code=row.error_code or "load_failed",
                                message=row.error_message or "the request failed"))
     chat = ChatRequest(request_id=rid, load_id=row.load_id, model_id=row.model_id, messages=[],

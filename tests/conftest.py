@@ -15,6 +15,10 @@ from core.nats_server import EmbeddedNats
 from core.settings import Settings
 from tests.services import Postgres, postgres_bin
 
+# tests/request_helpers.py's fixtures (``servables``: a one-stage tiny-a, for the request-ending and fault
+# tests) for every module that asks for them; a module with a ``servables`` of its own uses its own
+pytest_plugins = ["tests.request_helpers"]
+
 
 def _threads_each() -> int:
     """Under xdist, each worker's share of the cores (0: not under xdist)."""

@@ -18,7 +18,6 @@ from tests.processes import wait_until
 from tests.request_helpers import (
     all_final,
     chat,
-    servables,  # noqa: F401 (a fixture)
     start_stream,
 )
 from tests.serving_fixtures import Stack

@@ -17,7 +17,6 @@ from tests.processes import pid_alive, wait_until
 from tests.request_helpers import (
     all_final,
     chat,
-    servables,  # noqa: F401 (a fixture)
     start_stream,
 )
 from tests.serving_fixtures import Stack

@@ -21,7 +21,6 @@ from tests.request_helpers import (
     chat,
     kill_stage_and_wait_restart,
     rows,
-    servables,  # noqa: F401 (a fixture)
     start_stream,
 )
 from tests.serving_fixtures import Stack

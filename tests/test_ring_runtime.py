@@ -141,12 +141,11 @@ def cache_free_greedy(ring: LocalRing, prompt: list[int], max_new_tokens: int) -
     ids, out = list(prompt), []
     for _ in range(max_new_tokens):
         x = torch.tensor(ids)
-        for i, loaded in enumerate(ring.stages):
-            if i:
+        for before, loaded in zip([None, *ring.stages], ring.stages):
+            if before is not None:  # the previous stage's output as its sender puts it on the wire
+                rows = before.sender.encode(x)
                 x = loaded.receiver.decode(rows, len(ids), loaded.stage.dtype, loaded.stage.input_device)
             x = loaded.stage.forward_piece(loaded.stage.new_cache(), x)
-            if loaded.sender is not None:
-                rows = loaded.sender.encode(x)
         token = int(x.argmax())
         if token in ring.stages[0].stop_ids:
             break

@@ -4,8 +4,8 @@ NATS permissions let a fellow publish events only on ``swarm.evt.<type>.<its id>
 the subject says who sent one; the leader's go on ``swarm.evt.<type>``. An event from a fellow must name
 that fellow, be about a load the leader placed on it (LoadPlaced, StageReplaced), about a stage or
 replica of it placed there (a ring's later stage cannot report for stage 0), and, for a request's end,
-about a request of that load (RequestAccepted) reported by a fellow of its stage 0, which takes them. Anything else becomes a dead letter with the reason,
-and no projection, reaction or metric sees it.
+about a request of that load (RequestAccepted) reported by a fellow of its stage 0, which takes them.
+Anything else becomes a dead letter with the reason, and no projection, reaction or metric sees it.
 """
 
 from __future__ import annotations

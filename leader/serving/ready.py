@@ -37,7 +37,7 @@ class ReadyView:
             pairs = rows.all()
             stages: dict[str, LoadStage] = {}  # stage 0 admits; of several replicas the smallest budget
             for s in await session.scalars(
-                    select(LoadStage).where(LoadStage.load_id.in_([l.load_id for l, _ in pairs]),
+                    select(LoadStage).where(LoadStage.load_id.in_([load.load_id for load, _ in pairs]),
                                             LoadStage.stage == 0, LoadStage.state == "ready")):
                 if s.load_id not in stages or s.kv_tokens < stages[s.load_id].kv_tokens:
                     stages[s.load_id] = s

@@ -172,7 +172,8 @@ def topology(load: Load | None, stages: list[LoadStage], latest: dict, split_ms:
         live = next((lm for lm in (hb.loaded_models if hb else []) if lm.load_id == load.load_id
                      and lm.stage == s.stage and lm.replica == (s.replica or 0)), None)
         out_stages.append({
-            "stage": s.stage, "replica": s.replica or 0, "fellow_id": s.fellow_id, "hostname": hb.hostname if hb else "",
+            "stage": s.stage, "replica": s.replica or 0, "fellow_id": s.fellow_id,
+            "hostname": hb.hostname if hb else "",
             "layers": [s.layer_first, s.layer_last], "state": s.state, "kv_tokens": s.kv_tokens,
             "max_in_flight": s.max_in_flight, "vram_bytes": s.vram_bytes,
             "gpus": msgspec.to_builtins(hb.gpus) if hb else [],

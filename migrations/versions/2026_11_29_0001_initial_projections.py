@@ -1,7 +1,7 @@
 """initial projections
 
 Revision ID: 0001
-Revises: 
+Revises:
 Create Date: 2026-11-29 21:32:36.828914
 """
 import sqlalchemy as sa

@@ -166,7 +166,8 @@ class DraftModel:
         return drafts
 
     def _new_cache(self, needed: int) -> KVCache:
-        """A slot of the fixed-shape decoder when one is free and holds ``needed`` positions, else a cache of its own."""
+        """A slot of the fixed-shape decoder when one is free and holds ``needed`` positions, else a cache of
+        its own."""
         slot = self.decoder.take(needed) if self.decoder is not None else None
         return slot if slot is not None else self.stage.new_cache()
 

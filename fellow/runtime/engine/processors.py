@@ -146,7 +146,8 @@ def ll_tokenizer(tokenizer, stop_ids: frozenset[int]):
         return found
 
 
-def constraint_for(tokenizer, grammar: str, stop_ids: frozenset[int], output_ids: Sequence[int] = ()) -> Constraint | None:
+def constraint_for(tokenizer, grammar: str, stop_ids: frozenset[int],
+                   output_ids: Sequence[int] = ()) -> Constraint | None:
     """A row constraint for an llguidance grammar (None for no grammar), advanced past ``output_ids`` (a
     replayed reply so far); ValueError if it does not compile or the ids do not follow it."""
     if not grammar:

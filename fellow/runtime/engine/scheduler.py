@@ -41,7 +41,7 @@ class Runner(Protocol):
     def adopt(self, session: Session) -> Session: ...  # the session as this runner keeps it; raising refuses it
     def start(self, session: Session) -> None: ...  # an admitted session, its cache opened; raising fails it
     def run(self, result: StepResult) -> None: ...  # one step's compute over the scheduler's sessions
-    def ended(self, session: Session, kept: bool) -> None: ...  # it leaves (kept: its positions went to the prefix cache)
+    def ended(self, session: Session, kept: bool) -> None: ...  # it leaves (kept: positions went to the prefix cache)
     def stats(self) -> dict: ...
 
 

@@ -121,11 +121,13 @@ class RingHeadServer(StageServer):
         if sizing is not None:
             self.runner.units.groups = groups_for(self.in_flight, sizing.per_group, self.cfg.num_stages)
             self.stage.kernels = {**self.stage.kernels,
-                                  "ring": {**sizing.as_dict(), "in_flight": self.in_flight, "groups": self.runner.units.groups}}
+                                  "ring": {**sizing.as_dict(), "in_flight": self.in_flight,
+                                           "groups": self.runner.units.groups}}
             log.info("[stage0 in-flight] steps %s ms at %d rows, links %.2f ms round the ring: %d in flight in %d "
                      "groups%s", " ".join(f"{ms:.2f}" for ms in sizing.step_ms), sizing.per_group,
                      sizing.transit_ms, self.in_flight, self.runner.units.groups,
-                     f" (KV room for {self.in_flight} of {sizing.in_flight})" if self.in_flight < sizing.in_flight else "")
+                     f" (KV room for {self.in_flight} of {sizing.in_flight})"
+                     if self.in_flight < sizing.in_flight else "")
 
     async def _on_load_failed(self, msg) -> None:
         try:
