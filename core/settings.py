@@ -9,8 +9,7 @@ it), and the parser turns the text into the field's value or raises a one-line S
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
-from dataclasses import replace as _replace
+from dataclasses import dataclass, field, fields, replace as _replace
 from pathlib import Path
 from string import Template
 from typing import Any, Callable, Mapping, NamedTuple

@@ -1,18 +1,17 @@
 """One request's token frames, in order: live from core NATS, gaps filled from SWARM_TOKENS.
 
-The gateway subscribes to ``swarm.tok.<rid>`` before it publishes the request, so normally
-every frame arrives live and in order. A frame the subscription missed (slow consumer,
-reconnect) shows as a gap in ``seq``, or, when it was the last frame, as silence; either way
-the missing frames are read back from the stream with a short-lived consumer. One shared
-subscription on ``load.failed`` ends every request of a load whose fellow was lost; one on
-``load.replica_lost`` ends the requests that replica had started (its start frame said so), while
-those it had not started stay queued for the replicas left. One on ``load.unloaded`` ends the
-requests of that load no stage had started: their queued messages are purged (leader.serving.reactions),
-so no frame would ever come. A request opened on a load that already ended fails at once.
+The gateway subscribes to ``swarm.tok.<rid>`` before it publishes the request, so normally every frame arrives live
+and in order. A frame the subscription missed (slow consumer, reconnect) shows as a gap in ``seq``, or, when it was
+the last frame, as silence; either way the missing frames are read back from the stream with a short-lived consumer.
+One shared subscription on ``load.failed`` ends every request of a load whose fellow was lost; one on
+``load.replica_lost`` ends the requests that replica had started (its start frame said so), while those it had not
+started stay queued for the replicas left. One on ``load.unloaded`` ends the requests of that load no stage had
+started: their queued messages are purged (leader.serving.reactions), so no frame would ever come. A request opened
+on a load that already ended fails at once.
 
-A streaming client that hangs up before the end cancels its request only after a grace
-(SWARM_STREAM_RESUME_S); reconnecting with the Last-Event-ID of its last chunk (`event_id`) resumes
-the frames after it, read back from SWARM_TOKENS (`TokenStreams.resume`, leader.resume).
+A streaming client that hangs up before the end cancels its request only after a grace (SWARM_STREAM_RESUME_S);
+reconnecting with the Last-Event-ID of its last chunk (`event_id`) resumes the frames after it, read back from
+SWARM_TOKENS (`TokenStreams.resume`, leader.resume).
 """
 
 from __future__ import annotations
@@ -124,8 +123,7 @@ class TokenStream:
                 continue
             except asyncio.QueueEmpty:
                 pass
-            left = deadline - loop.time()
-            if left <= 0:
+            if (left := deadline - loop.time()) <= 0:
                 raise FrameTimeout(f"no frame for {timeout:g}s")
             wait = min(left, gap_wait if self._held else self.hub.probe_s)
             try:
@@ -165,12 +163,9 @@ class TokenStream:
             log.warning("reading %s back from the stream failed: %s", self.subject, exc)
 
     def close(self, cancel: bool, grace_s: float = 0.0) -> None:
-        """Stop receiving; with `cancel` (client gone before the end) tell the serving stage to stop,
-        after `grace_s` seconds unless the client resumed the stream by then (TokenStreams.resume).
-
-        Runs in a task of its own: the caller may be a cancelled task, where an await would
-        be cancelled again before the cancel reaches NATS.
-        """
+        """Stop receiving; with `cancel` (client gone before the end) tell the serving stage to stop, after
+        `grace_s` seconds unless the client resumed the stream by then (TokenStreams.resume). In a task of its
+        own: the caller may be a cancelled task, where an await would be cancelled before the cancel is sent."""
         self.hub.unwatch(self)
         self.hub.spawn(self._close(cancel and not self.ended, grace_s))
 
