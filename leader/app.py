@@ -9,6 +9,7 @@ from litestar.logging.config import LoggingConfig
 from litestar.openapi import OpenAPIConfig
 
 from core.settings import Settings
+from leader.api.anthropic import ANTHROPIC
 from leader.api.body import body_read_timeout, json_bodies_only
 from leader.api.chat import FRAME_TIMEOUT_S, chat_completions
 from leader.api.completions import completions
@@ -16,6 +17,7 @@ from leader.api.deps import dependencies
 from leader.api.fellows import list_fellows
 from leader.api.health import healthz
 from leader.api.models import ROUTES as MODEL_ROUTES
+from leader.api.ollama_models import OLLAMA
 from leader.api.operations import ROUTES as OPERATION_ROUTES
 from leader.api.responses import responses
 from leader.api.tokenize import detokenize, tokenize
@@ -28,7 +30,7 @@ from leader.web import ROUTES as WEB_ROUTES
 
 BODY_TIMEOUT_S = 30.0
 ROUTES = [healthz, list_fellows, *MODEL_ROUTES, *TOKEN_ROUTES, chat_completions, completions, responses, tokenize,
-          detokenize, *WEB_ROUTES, *OPERATION_ROUTES]
+          detokenize, *WEB_ROUTES, *OPERATION_ROUTES, ANTHROPIC, OLLAMA]
 
 
 def json_logging(settings: Settings) -> dict:
