@@ -4,8 +4,9 @@
 Served: ``messages`` (system, user, assistant with ``tool_calls``, tool with ``tool_name``), ``prompt`` and
 ``system`` (generate), ``options`` (temperature, top_p, top_k, min_p, seed, num_predict, stop,
 repeat_penalty, presence_penalty, frequency_penalty), ``format`` ("json" or a JSON schema), ``tools``,
-``think`` (the model's ``enable_thinking``) and ``stream`` (true by default). Images, raw prompts,
-``suffix``, ``template``, ``context`` and ``keep_alive`` (the idle unload is the server's
+``think`` (the model's ``enable_thinking``) and ``stream`` (true by default). Images (and image
+generation's ``width``, ``height``, ``steps``), raw prompts, ``suffix``, ``template``, ``context``,
+``logprobs`` (served on /v1/chat/completions) and ``keep_alive`` (the idle unload is the server's
 SWARM_MODEL_IDLE_UNLOAD_S) are refused with a 400; so is an option this server does not apply.
 """
 
@@ -40,6 +41,11 @@ class OllamaBody(msgspec.Struct, kw_only=True):
     stream: bool = True
     think: bool | str | None = None
     keep_alive: str | int | float | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    width: int | None = None
+    height: int | None = None
+    steps: int | None = None
 
 
 _decoder = msgspec.json.Decoder(OllamaBody)
@@ -56,7 +62,7 @@ def bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
 
 
 def _refuse(body: OllamaBody) -> None:
-    for name in ("suffix", "template", "context", "images"):
+    for name in ("suffix", "template", "context", "images", "logprobs", "top_logprobs", "width", "height", "steps"):
         if getattr(body, name):
             raise bad(name, f"'{name}' is not served by this server", code="unsupported_parameter")
     if body.raw:

@@ -1,0 +1,132 @@
+"""Ollama's API through the `ollama` Python client, unchanged, against `swarm leader` and `swarm fellow`
+processes serving a tiny random model with Qwen3's template: chat (streamed and whole), generate, list,
+show, ps, version, a tool round trip, ``format`` with a schema and "json", ``think``; pull and delete
+refused naming the catalog's way; bad bodies answered as ``{"error": ...}`` (never a 5xx) while the stack
+keeps serving; the SQL audit and /metrics count the requests."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import ollama
+import pytest
+
+from tests.processes import wait_until
+from tests.serving_fixtures import one_model_stack
+
+pytestmark = pytest.mark.slow
+MODEL = "tiny"
+HELLO = [{"role": "user", "content": "Say hello."}]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "count": {"type": "integer", "minimum": 1, "maximum": 9}},
+          "required": ["name", "count"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "required": ["city"],
+                                                           "properties": {"city": {"type": "string"}}}}}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    for stack, _, _ in one_model_stack(tmp_path_factory.mktemp("ollama"), layers=2, stages=1,
+                                       env={"OMP_NUM_THREADS": 1}):
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return ollama.Client(host=stack.url, timeout=120)
+
+
+def test_chat_whole_and_streamed(client, stack):
+    reply = client.chat(model=MODEL, messages=HELLO, options={"num_predict": 5, "temperature": 0, "seed": 3})
+    assert reply.done and reply.done_reason == "length" and reply.eval_count == 5 and reply.prompt_eval_count > 0
+    assert reply.message.role == "assistant" and reply.message.content and reply.model == MODEL
+    parts = list(client.chat(model=MODEL, messages=HELLO, stream=True, options={"num_predict": 5, "temperature": 0}))
+    assert all(not p.done for p in parts[:-1]) and parts[-1].done and parts[-1].eval_count == 5
+    assert "".join(p.message.content for p in parts) == reply.message.content  # greedy: the same reply
+    stopped = client.chat(model=MODEL, messages=HELLO, options={"num_predict": 5, "temperature": 0,
+                                                                "stop": [reply.message.content[0]]})
+    assert stopped.done_reason == "stop" and stopped.message.content == ""
+    wait_until(lambda: stack.sql("SELECT count(*) FROM requests WHERE status = 'finished'")[0][0] >= 3, 30,
+               "the requests' audit rows")
+    assert f'model_name="{MODEL}"' in httpx.get(stack.url + "/metrics").text
+
+
+def test_generate_whole_and_streamed(client):
+    reply = client.generate(model=MODEL, prompt="Once", system="Be brief.", options={"num_predict": 4})
+    assert reply.done and reply.response and reply.eval_count == 4
+    parts = list(client.generate(model=MODEL, prompt="Once", stream=True, options={"num_predict": 4}))
+    assert parts[-1].done and parts[-1].done_reason == "length" and isinstance(parts[0].response, str)
+    assert client.generate(model=MODEL, prompt="").done_reason == "load"  # Ollama's way to load a model
+
+
+def test_list_show_ps_version(client, stack):
+    models = client.list().models
+    assert [m.model for m in models] == [MODEL] and models[0].size > 0 and models[0].details.family
+    shown = client.show(MODEL)
+    assert "tools" in shown.capabilities and "thinking" in shown.capabilities and "<tool_call>" in shown.template
+    assert shown.modelinfo["general.parameter_count"] > 0
+    assert [m.model for m in client.ps().models] == [MODEL]
+    assert httpx.get(stack.url + "/api/version").json()["version"]
+    with pytest.raises(ollama.ResponseError) as missing:
+        client.show("nope")
+    assert missing.value.status_code == 404
+
+
+def test_format_schema_and_json(client):
+    reply = client.chat(model=MODEL, messages=HELLO, format=SCHEMA, options={"num_predict": 60})
+    jsonschema.validate(json.loads(reply.message.content), SCHEMA)
+    reply = client.generate(model=MODEL, prompt="JSON please", format="json", options={"num_predict": 40})
+    if reply.done_reason == "stop":
+        assert isinstance(json.loads(reply.response), dict)
+
+
+def test_tool_round_trip_and_think(client):
+    call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather",
+                                                                             "arguments": {"city": "Oslo"}}}]}
+    reply = client.chat(model=MODEL, tools=[WEATHER], options={"num_predict": 6}, messages=[
+        {"role": "user", "content": "Weather in Oslo?"}, call,
+        {"role": "tool", "content": "Sunny", "tool_name": "get_weather"}])
+    assert reply.done and reply.eval_count >= 1
+    for part in client.chat(model=MODEL, tools=[WEATHER], messages=HELLO, stream=True, options={"num_predict": 40}):
+        for c in part.message.tool_calls or []:  # a random model calls now and then: a call is whole, its args a dict
+            assert c.function.name == "get_weather" and isinstance(c.function.arguments, dict)
+    thought = client.chat(model=MODEL, messages=HELLO, think=False, options={"num_predict": 4})
+    assert thought.message.thinking is None
+
+
+def test_pull_and_delete_name_the_catalog_way(client):
+    for call in (lambda: client.pull("llama3"), lambda: client.delete(MODEL)):
+        with pytest.raises(ollama.ResponseError) as refused:
+            call()
+        assert refused.value.status_code == 400 and "swarm export" in refused.value.error
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/api/chat", {"model": MODEL}),
+    ("/api/chat", {"model": MODEL, "messages": "hi"}),
+    ("/api/chat", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}),
+    ("/api/chat", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}),
+    ("/api/chat", {"model": MODEL, "messages": HELLO, "options": {"num_predict": 10**9}}),
+    ("/api/chat", {"model": MODEL, "messages": HELLO, "options": {"num_ctx": 4096}}),
+    ("/api/chat", {"model": MODEL, "messages": HELLO, "options": {"temperature": "hot"}}),
+    ("/api/chat", {"model": MODEL, "messages": HELLO, "format": 5}),
+    ("/api/chat", {"model": MODEL, "messages": HELLO, "keep_alive": "5m"}),
+    ("/api/chat", {"model": MODEL, "messages": HELLO, "think": "high"}),
+    ("/api/chat", {"model": MODEL, "messages": [{"role": "user", "content": "x", "images": ["AA=="]}]}),
+    ("/api/chat", {"model": "nope", "messages": HELLO}),
+    ("/api/generate", {"model": MODEL, "prompt": "x", "raw": True}),
+    ("/api/generate", {"model": MODEL, "prompt": 5}),
+    ("/api/generate", {"model": MODEL, "prompt": "x", "suffix": "y"}),
+    ("/api/show", {"verbose": True}),
+    ("/api/chat", "[" * 2000 + "]" * 2000),
+    ("/api/generate", "[1, 2]"),
+])
+def test_bad_bodies_get_ollamas_error_shape(stack, path, body):
+    raw = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(stack.url + path, content=raw, headers={"content-type": "application/json"}, timeout=60)
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    assert list(r.json()) == ["error"] and isinstance(r.json()["error"], str) and r.json()["error"], r.text
+    assert httpx.get(stack.url + "/api/tags").status_code == 200
