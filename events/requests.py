@@ -98,6 +98,7 @@ class RequestAccepted(Event, frozen=True, tag="request.accepted"):
     stream: bool = False
     max_tokens: int = 0
     token_id: str = ""  # the API token's id (never its secret)
+    api: str = "openai"  # the HTTP API it came through: openai, anthropic or ollama
 
 
 class RequestFinished(Event, frozen=True, tag="request.finished"):

@@ -49,8 +49,13 @@ def test_create_text_max_tokens_and_usage(client, stack):
     assert reply.type == "message" and reply.role == "assistant" and reply.model == MODEL
     assert reply.stop_reason == "max_tokens" and reply.usage.output_tokens == 5 and reply.usage.input_tokens > 0
     assert [b.type for b in reply.content] == ["text"] and reply.content[0].text
-    wait_until(lambda: stack.sql("SELECT count(*) FROM requests WHERE status = 'finished' AND completion_tokens = 5"
-                                 " AND max_tokens = 5")[0][0] >= 1, 30, "the request's audit row")
+    chat = httpx.post(stack.url + "/v1/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 7},
+                      timeout=60)
+    assert chat.status_code == 200, chat.text
+    wait_until(lambda: stack.sql("SELECT count(*) FROM requests WHERE status = 'finished' AND max_tokens IN (5, 7)"
+                                 )[0][0] >= 2, 30, "the requests' audit rows")
+    assert stack.sql("SELECT api FROM requests WHERE max_tokens = 5") == [("anthropic",)]  # the API it came through
+    assert stack.sql("SELECT api FROM requests WHERE max_tokens = 7") == [("openai",)]
 
 
 def test_stop_sequence_whole_and_streamed(client):

@@ -51,6 +51,7 @@ def test_chat_whole_and_streamed(client, stack):
     assert stopped.done_reason == "stop" and stopped.message.content == ""
     wait_until(lambda: stack.sql("SELECT count(*) FROM requests WHERE status = 'finished'")[0][0] >= 3, 30,
                "the requests' audit rows")
+    assert set(stack.sql("SELECT api FROM requests")) == {("ollama",)}  # the API they came through
     assert f'model_name="{MODEL}"' in httpx.get(stack.url + "/metrics").text
 
 

@@ -93,7 +93,8 @@ async def messages(request: Request, leader: LeaderDep, serving: ServingDep, str
     ready = await serving.ready_load(body.model, leader.settings.leader.autoload)
     if request_tools(body)[0]:
         check_template(tokenizer_for(ready.model_dir).chat_template)
-    relay = await open_relay(leader, streams, caller, chat_timeout_s, body, chat_messages_, ready)
+    relay = await open_relay(leader, streams, caller, chat_timeout_s, body, chat_messages_, ready,
+                             api="anthropic")
     out = MessageBuilder(body.model)
     if body.stream:
         return Stream(_events(relay, out, ready.model_dir), media_type="text/event-stream", headers=SSE_HEADERS)

@@ -62,7 +62,7 @@ async def _serve(request: Request, leader, serving, streams, caller, chat_timeou
     ready = await serving.ready_load(body.model, leader.settings.leader.autoload)
     if request_tools(body)[0]:
         check_template(tokenizer_for(ready.model_dir).chat_template)
-    relay = await open_relay(leader, streams, caller, chat_timeout_s, body, messages, ready)
+    relay = await open_relay(leader, streams, caller, chat_timeout_s, body, messages, ready, api="ollama")
     out = OllamaReply(body.model, generate)
     if body.stream:
         return Stream(_lines(relay, out, ready.model_dir), media_type=NDJSON)

@@ -85,8 +85,9 @@ class Relay:
         """Record a failure only the gateway saw; the id matches the serving stage's, so one wins."""
         rid = self.chat.request_id
         try:
-            await self.leader.publish(RequestFailed(id=request_failed_id(rid), request_id=rid, model_id=self.chat.model_id,
-                                                    load_id=self.chat.load_id, code=code, message=message))
+            await self.leader.publish(RequestFailed(id=request_failed_id(rid), request_id=rid,
+                                                    model_id=self.chat.model_id, load_id=self.chat.load_id,
+                                                    code=code, message=message))
         except (NatsError, asyncio.TimeoutError) as exc:
             log.warning("recording request %s as failed did not reach the bus: %s", rid, exc)
 
@@ -160,7 +161,8 @@ class Relay:
         return Response(b"", status_code=499)  # nobody is listening any more
 
 
-def settled(enc: ChunkEncoder, calls: CallStream | LeadingCalls | None, thought: str, text: str, logprobs=None) -> bytes:
+def settled(enc: ChunkEncoder, calls: CallStream | LeadingCalls | None, thought: str, text: str,
+            logprobs=None) -> bytes:
     """The chunks of text that settled: thinking, then answer text or (with tools) text and whole calls."""
     if calls is None:
         return enc.pieces(thought, text, logprobs=logprobs)
@@ -189,11 +191,11 @@ async def disconnected(request: Request) -> None:
         pass
 
 
-async def submit(leader: Gateway, chat: ChatRequest, stream: bool, token_id: str) -> None:
+async def submit(leader: Gateway, chat: ChatRequest, stream: bool, token_id: str, api: str = "openai") -> None:
     chat = leader.token_streams.keyed(chat)  # only the stage that takes it can sign its frames
     accepted = RequestAccepted(id=f"acc-{chat.request_id}", request_id=chat.request_id, model_id=chat.model_id,
                                load_id=chat.load_id, stream=stream, max_tokens=chat.max_tokens,
-                               token_id=token_id)
+                               token_id=token_id, api=api)
     try:
         await asyncio.gather(publish_struct(leader.js, subjects.request(chat.load_id), chat, msg_id=chat.request_id),
                              leader.publish(accepted))  # the request first: its stage waits for it
@@ -208,8 +210,9 @@ def chunk_encoder(relay: Relay, body: ChatBody) -> ChunkEncoder:
 
 
 async def open_relay(leader: Gateway, streams: TokenStreams, caller, timeout: float, body: ChatBody, messages: list,
-                     ready) -> Relay:
-    """One checked chat body as an accepted request on ``ready``'s load, its frames subscribed first."""
+                     ready, api: str = "openai") -> Relay:
+    """One checked chat body as an accepted request on ``ready``'s load, its frames subscribed first;
+    ``api`` names the HTTP API it came through (the audit's ``requests.api``)."""
     chat = chat_request(body, messages, new_id(), ready.load_id, ready.generation, ready.context_tokens,
                         tool_format=request_format(body, ready.model_dir))
     check_payload(leader.nc, chat)  # a 413 before anything is recorded
@@ -219,7 +222,7 @@ async def open_relay(leader: Gateway, streams: TokenStreams, caller, timeout: fl
         raise ApiError(503, f"The message bus is unavailable: {exc or type(exc).__name__}",
                        code="bus_unavailable") from None
     try:
-        await submit(leader, chat, bool(body.stream), caller.token_id if caller else "")
+        await submit(leader, chat, bool(body.stream), caller.token_id if caller else "", api)
     except BaseException:
         stream.close(cancel=True)
         raise

@@ -101,6 +101,7 @@ class Request(Base):
     stream: Mapped[bool] = mapped_column(Boolean, default=False)
     max_tokens: Mapped[int] = mapped_column(Integer, default=0)
     token_id: Mapped[str] = mapped_column(String(64), default="")
+    api: Mapped[str] = mapped_column(String(16), default="")  # openai, anthropic, ollama ("" before 0008)
     accepted_at: Mapped[float] = mapped_column(Float, default=0.0, index=True)
     ended_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)

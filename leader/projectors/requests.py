@@ -33,7 +33,7 @@ class RequestsProjector(Projector):
                     session.add(Request(
                         request_id=evt.request_id, model_id=evt.model_id, load_id=evt.load_id,
                         status="accepted", stream=evt.stream, max_tokens=evt.max_tokens,
-                        token_id=evt.token_id, accepted_at=evt.at, prompt_tokens=0,
+                        token_id=evt.token_id, api=evt.api, accepted_at=evt.at, prompt_tokens=0,
                         completion_tokens=0, finish_reason="", duration_s=0.0, tokens_per_s=0.0,
                         error_code="", error_message="", fellow_id=""))
             case RequestFinished():
