@@ -116,7 +116,8 @@ class DelayProxy:
                     sent = wire_free
                 else:
                     sent = now
-                due = max(last_due, sent + self.delay_s + (self.random.uniform(0, self.jitter_s) if self.jitter_s else 0))
+                jitter = self.random.uniform(0, self.jitter_s) if self.jitter_s else 0
+                due = max(last_due, sent + self.delay_s + jitter)
                 last_due = due
                 queue.put_nowait((due, data))
         finally:

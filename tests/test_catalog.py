@@ -106,7 +106,8 @@ def test_demo_model_command_writes_a_two_stage_servable(tmp_path):
 
 
 @pytest.mark.parametrize("args", [["models"], ["infer", "nope", "hi"], ["model-load", "nope", "--wait"],
-                                  ["model-load", "good", "--replicas", "0"], ["model-load", "good", "--speculative", "9"],
+                                  ["model-load", "good", "--replicas", "0"],
+                                  ["model-load", "good", "--speculative", "9"],
                                   ["model-unload", "good"]])
 def test_model_commands_fail_with_one_line(leader, args):
     import os

@@ -121,7 +121,8 @@ async def test_tools_beside_a_response_format_give_a_call_or_the_answer_in_it(cl
         reply = await client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Describe one item."}], max_tokens=100, seed=seed,
             temperature=1.0, tools=[openai.pydantic_function_tool(GetWeather)],
-            response_format={"type": "json_schema", "json_schema": {"name": "item", "schema": Item.model_json_schema()}})
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "item", "schema": Item.model_json_schema()}})
         choice = reply.choices[0]
         if choice.message.tool_calls:
             assert choice.finish_reason == "tool_calls"
@@ -219,7 +220,8 @@ def test_lm_evaluation_harness_scores_a_task_file(stack, demo_servables, tmp_pat
     url = stack.url + "/v1/completions"
     tokenizer = demo_servables / MODEL / TOKENIZER_DIR
     results = lm_eval.simple_evaluate(
-        model="local-completions", tasks=["swarm_ll", "swarm_gen"], task_manager=TaskManager(include_path=str(tmp_path)),
+        model="local-completions", tasks=["swarm_ll", "swarm_gen"],
+        task_manager=TaskManager(include_path=str(tmp_path)),
         model_args=f"model={MODEL},base_url={url},tokenizer_backend=huggingface,tokenizer={tokenizer},"
                    "num_concurrent=1,max_retries=1,tokenized_requests=True")
     ll = results["results"]["swarm_ll"]

@@ -154,7 +154,8 @@ async def test_migration_0002_rebuilds_load_stages_from_the_log(js, database_url
             await session.execute(sa.text("INSERT INTO requests (request_id, model_id, load_id, status, stream, "
                                           "max_tokens, token_id, accepted_at, prompt_tokens, completion_tokens, "
                                           "finish_reason, duration_s, tokens_per_s, error_code, error_message) "
-                                          "VALUES ('old', 'm', 'L1', 'finished', false, 0, '', 0, 0, 0, '', 0, 0, '', '')"))
+                                          "VALUES ('old', 'm', 'L1', 'finished', false, 0, '', 0, 0, 0, '', 0, 0, "
+                                          "'', '')"))
             await session.execute(sa.text("INSERT INTO projector_checkpoints (name, seq) VALUES ('loads', :s), "
                                           "('requests', :s)"), {"s": last.seq})
             await session.commit()

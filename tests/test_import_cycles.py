@@ -23,7 +23,8 @@ def module_name(path: Path) -> str:
 
 def import_graph() -> dict[str, dict[str, int]]:
     """module -> {imported module of ours: line}, every import statement wherever it stands."""
-    paths = {module_name(p): p for layer in ("events", "core", "leader", "fellow") for p in (ROOT / layer).rglob("*.py")}
+    paths = {module_name(p): p for layer in ("events", "core", "leader", "fellow")
+             for p in (ROOT / layer).rglob("*.py")}
     graph: dict[str, dict[str, int]] = {}
     for name, path in paths.items():
         edges = graph.setdefault(name, {})

@@ -101,8 +101,8 @@ def test_the_probe_sees_a_field_moved_in_the_header(tmp_path):
 def test_make_kernels_compiles_every_source_warning_free(tmp_path):
     if shutil.which("make") is None:
         pytest.skip("no make")
-    done = subprocess.run(["make", "-s", "kernels", f"CC={CC}", f"KERNELS_OUT={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(["make", "-s", "kernels", f"CC={CC}", f"KERNELS_OUT={tmp_path}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert len(list(tmp_path.glob("*.so"))) == 3 * len([p for p in kernels.sources() if p.suffix == ".c"])
 

@@ -143,7 +143,8 @@ def test_the_tree_keeps_its_layers():
 
 
 def test_no_module_is_over_350_lines_without_saying_why():
-    assert not oversized(ROOT), "split these by concern, or say why not in their docstring:\n" + "\n".join(oversized(ROOT))
+    assert not oversized(ROOT), ("split these by concern, or say why not in their docstring:\n"
+                                 + "\n".join(oversized(ROOT)))
 
 
 def test_the_checker_sees_each_kind_of_violation(tmp_path):
@@ -160,7 +161,8 @@ def test_the_checker_sees_each_kind_of_violation(tmp_path):
         "fellow/runtime/fine.py": "import torch\nfrom transformers import AutoConfig\n",
         "fellow/runtime/model/up.py": "from fellow.runtime.engine.session import Session\n",
         "fellow/runtime/engine/up.py": "import os\nfrom fellow.runtime.ring import head\n",
-        "fellow/runtime/ring/down.py": "from fellow.runtime.server.base import report\nfrom fellow.runtime.model import stage\n",
+        "fellow/runtime/ring/down.py": ("from fellow.runtime.server.base import report\n"
+                                        "from fellow.runtime.model import stage\n"),
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)

@@ -130,7 +130,8 @@ def test_no_import_circle_in_the_leader():
     circles = strongly_connected(graph)
     for c in circles:
         print(describe(graph, c))
-    assert not circles, f"{len(circles)} import circle(s) in leader/:\n" + "\n".join(describe(graph, c) for c in circles)
+    assert not circles, (f"{len(circles)} import circle(s) in leader/:\n"
+                         + "\n".join(describe(graph, c) for c in circles))
 
 
 def test_the_graph_counts_type_checking_lazy_and_relative_imports():

@@ -72,7 +72,7 @@ def test_the_native_step_gives_generates_greedy_reply(tmp_path, name, parallel, 
     assert step.model.parallel == int(parallel)
     entry = step.build(1, only_faster=False, compiled=True)
     assert entry["serving"] and entry["max_logit_diff"] < 1e-4 and entry["compiled_ms"] > 0, entry
-    stage.compiled = step
+    stage.steps.put("compiled", step)
     ids = torch.randint(0, model.config.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(5)).tolist()
     with torch.inference_mode():
         inputs = torch.tensor([ids])
@@ -89,7 +89,7 @@ def test_the_native_step_gives_generates_greedy_reply(tmp_path, name, parallel, 
     for _ in range(70):  # past the caches' first 64 positions of room
         for cache, out in zip((first, second), outs):
             out.append(int(stage.decode([cache], torch.tensor([out[-1]]))[0].argmax()))
-    stage.compiled = None
+    stage.steps.put("compiled", None)
     assert outs[0] == greedy(stage, ids, 71) and outs[1] == greedy(stage, ids[:9], 71)
 
 
@@ -108,7 +108,7 @@ def test_a_native_batch_equals_each_session_alone(tmp_path, parallel, monkeypatc
     step = NativeStep(stage, stage.plain_weights)
     for rows in (1, 2, 3):
         assert step.build(rows, only_faster=False, compiled=True)["serving"]
-    stage.compiled = step
+    stage.steps.put("compiled", step)
     caches = [stage.new_cache() for _ in prompts]
     outs = [[int(stage.prefill(cache, torch.tensor(ids)).argmax())] for cache, ids in zip(caches, prompts)]
     steps = step.steps
@@ -131,7 +131,7 @@ def test_an_int8_stage_replies_as_its_fused_step(tmp_path):
     step = NativeStep(stage, stage.plain_weights)
     entry = step.build(1, only_faster=False, compiled=True)
     assert entry["serving"], entry
-    stage.compiled = step
+    stage.steps.put("compiled", step)
     assert greedy(stage, ids, 24) == expected and step.steps >= 23
 
 
@@ -210,7 +210,8 @@ def test_quantized_inputs_past_a_multiple_of_32_are_read_as_zeros(tmp_path, meth
 # What each forced capability needs of the CPU. torch takes ATEN_CPU_CAPABILITY=avx512 at its word and runs its
 # AVX-512 kernels on a CPU without them (SIGILL, seen on an AVX2-only AMD EPYC), so a test that forces one asks
 # /proc/cpuinfo first and skips where the CPU lacks it.
-CAPABILITY_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx2": {"avx2", "fma"}, "default": set()}
+CAPABILITY_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx2": {"avx2", "fma"},
+                    "default": set()}
 
 
 def skip_unless_cpu_has(capability: str) -> None:

@@ -44,7 +44,8 @@ def test_swarm_up_killed_takes_leader_fellow_and_nats_server_with_it(tmp_path):
             (second.stdout, second.stderr[-2000:])
         os.kill(up.proc.pid, signal.SIGKILL)  # the parent alone: no group kill, no clean stop
         up.proc.wait(10)
-        wait_until(lambda: not any(pid_alive(c) for c in parts), 30, "leader, fellow and nats-server gone with swarm up")
+        wait_until(lambda: not any(pid_alive(c) for c in parts), 30,
+                   "leader, fellow and nats-server gone with swarm up")
     finally:
         up.kill()
         for c in children:  # whatever a failure left

@@ -100,7 +100,10 @@ def test_a_ring_needs_every_fellow_capable_and_prices_each_stage_by_its_share():
 
 def test_too_few_capable_fellows_serve_full_precision_and_say_why_never_priced_4bit():
     fellows = {"plain": cpu("plain", 64)}
-    place = lambda method: place_replicas(PARAMS, 8, 1, fellows, set(fellows), method=method)
+
+    def place(method):
+        return place_replicas(PARAMS, 8, 1, fellows, set(fellows), method=method)
+
     assignments, served, why = place_keeping_price(place, INT4_FAST)
     assert served == NONE and assignments[0].weights_estimate == 4 * PARAMS  # priced as it is served
     assert why.startswith("int4-fast asked, served in full precision: ") and "serve-cpu-int4" in why

@@ -54,7 +54,8 @@ def stages(servable):
 
 def prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(3)
-    return [torch.randint(3, 380, (int(n),), generator=g).tolist() for n in torch.randint(5, 30, (PROMPTS,), generator=g)]
+    return [torch.randint(3, 380, (int(n),), generator=g).tolist()
+            for n in torch.randint(5, 30, (PROMPTS,), generator=g)]
 
 
 def greedy(stage, ids: list[int], forced: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
@@ -85,7 +86,7 @@ def test_quantized_stage_agrees_with_float32(stages, reference, method):
         forced_same += int((logits.argmax(-1) == want_logits.argmax(-1)).sum())
         error = max(error, float((logits - want_logits).abs().max()))
     total = PROMPTS * NEW_TOKENS
-    scale = max(float(l.abs().max()) for _, l in reference)
+    scale = max(float(logits.abs().max()) for _, logits in reference)
     print(f"\n{method}: greedy tokens equal to float32's {same}/{total} = {same / total:.3f}; teacher-forced "
           f"top-1 {forced_same / total:.3f}; max logit error {error:.4f} (largest float32 logit {scale:.3f})")
     assert same / total >= GREEDY[method]
@@ -211,7 +212,8 @@ def test_lean_lora_computes_what_peft_does_on_a_fused_weight(tmp_path):
     x = torch.randn(3, 5, attn.q_proj.in_features)
     with torch.no_grad():
         want = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
-    base = [m.base_layer.weight if hasattr(m, "base_layer") else m.weight for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    base = [m.base_layer.weight if hasattr(m, "base_layer") else m.weight
+            for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
     q_rows, k_rows = base[0].shape[0], base[1].shape[0]
     parts = [(0, attn.q_proj.lora_A["default"].weight, attn.q_proj.lora_B["default"].weight),
              (q_rows + k_rows, attn.v_proj.lora_A["default"].weight, attn.v_proj.lora_B["default"].weight)]
@@ -239,7 +241,8 @@ def test_qlora_a_quantized_base_plus_adapters_serves_the_tuned_model(tmp_path, m
     with torch.no_grad():
         base = AutoModelForCausalLM.from_pretrained(str(hf)).eval()(input_ids=IDS).logits[0, -1]
     error, effect = float((got - tuned[0, -1]).abs().max()), float((base - tuned[0, -1]).abs().max())
-    print(f"\n{method} + LoRA: max logit error against the tuned model {error:.4f}; the adapters move logits {effect:.4f}")
+    print(f"\n{method} + LoRA: max logit error against the tuned model {error:.4f}; "
+          f"the adapters move logits {effect:.4f}")
     assert error < effect / 4
 
 

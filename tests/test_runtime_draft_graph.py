@@ -72,8 +72,12 @@ def test_the_fixed_shape_step_checks_against_eager_and_keeps_greedy_replies(path
     assert {"r0", "r1"} <= moved  # they outgrew their slots and went on eagerly
     assert sum(s.spec_model_drafted for s in ends.values()) > 0
     assert decoder.free == {0, 1} and not draft.states
-    _, eager_ends = run(local_engine(target, kv_tokens=8192, speculative=4, draft=DraftModel(small, target)), _sessions())
-    counts = lambda ends: {k: (s.spec_model_drafted, s.spec_model_accepted) for k, s in ends.items()}  # noqa: E731
+    eager = local_engine(target, kv_tokens=8192, speculative=4, draft=DraftModel(small, target))
+    _, eager_ends = run(eager, _sessions())
+
+    def counts(ends):
+        return {k: (s.spec_model_drafted, s.spec_model_accepted) for k, s in ends.items()}
+
     assert counts(ends) == counts(eager_ends)  # the same drafts as the eager steps'
 
 

@@ -16,7 +16,8 @@ def cache(layers: int = 2, first: int = 5) -> KVCache:
 
 
 def positions(n: int, start: float = 0.0) -> torch.Tensor:
-    return torch.arange(float(start), float(start) + n).repeat_interleave(HEADS * DIM).view(n, HEADS, DIM).permute(1, 0, 2)[None]
+    values = torch.arange(float(start), float(start) + n).repeat_interleave(HEADS * DIM)
+    return values.view(n, HEADS, DIM).permute(1, 0, 2)[None]
 
 
 def append(kv: KVCache, n: int, start: float) -> None:
@@ -104,6 +105,7 @@ def test_random_caches_draw_their_positions_or_repeat_a_drawn_tile():
     assert not torch.equal(drawn[0].keys[0][:, :, :4], drawn[0].keys[0][:, :, 4:8])  # every position drawn
     for cache in tiled:
         for buffer in (cache.keys[0], cache.values[0]):
-            assert torch.equal(buffer[:, :, 4:8], buffer[:, :, :4]) and torch.equal(buffer[:, :, 8:10], buffer[:, :, :2])
+            assert torch.equal(buffer[:, :, 4:8], buffer[:, :, :4])
+            assert torch.equal(buffer[:, :, 8:10], buffer[:, :, :2])
             assert buffer[:, :, :4].std() > 0.5  # drawn from a normal
     assert not torch.equal(tiled[0].keys[0][:, :, :4], tiled[1].keys[0][:, :, :4])  # each cache its own tile

@@ -51,7 +51,8 @@ def assert_costs(report: dict, profiled: bool, config) -> None:
         assert set(widths) == {str(w) for w in VERIFY_WIDTHS} and all(ms > 0 for ms in widths.values())
     assert set(report["batch_ms"]) == {str(r) for r in BATCH_ROWS} and all(ms > 0 for ms in report["batch_ms"].values())
     attn = report["attn"]  # sdpa against grouped attention at the longest context
-    assert attn["context"] == contexts[1] and attn["heads"] == f"{config.num_attention_heads}/{config.num_key_value_heads}"
+    assert attn["context"] == contexts[1]
+    assert attn["heads"] == f"{config.num_attention_heads}/{config.num_key_value_heads}"
     for name in ("sdpa_ms", "grouped_ms"):
         assert set(attn[name]) == {"1", "3", "batch4"} and all(ms > 0 for ms in attn[name].values())
     assert report["graph_spike"].startswith("needs CUDA")

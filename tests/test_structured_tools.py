@@ -175,7 +175,8 @@ async def test_a_tool_round_trip_call_result_answer(client):
 
 async def test_tool_requests_that_cannot_be_served_are_refused(client):
     cases = [
-        (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice.function.name"),
+        (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
+         "tool_choice.function.name"),
         (dict(tool_choice="required"), "tool_choice"),
         (dict(tools=[{"type": "retrieval"}]), "tools[0]"),
         (dict(tools=[WEATHER, WEATHER]), "tools[1].function.name"),
@@ -263,7 +264,8 @@ async def test_structured_outputs_and_tool_calls_on_a_two_stage_ring(ring):
         check_call(reply.choices[0].message.tool_calls[0])
         deltas = []
         stream = await client.chat.completions.create(model=MODEL, messages=PROMPT, tools=TOOLS, stream=True,
-                                                      tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                                      tool_choice={"type": "function",
+                                                                   "function": {"name": "get_weather"}},
                                                       max_tokens=120, seed=5)
         async for chunk in stream:
             deltas += chunk.choices[0].delta.tool_calls or []

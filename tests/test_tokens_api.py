@@ -109,7 +109,8 @@ BAD_BODIES = [
     (b'{"scopes": ["read"]}', "label"), (b'{"label": "  ", "scopes": ["read"]}', "label"),
     (b'{"label": 7, "scopes": ["read"]}', "label"), (b'{"label": "' + b"x" * 256 + b'", "scopes": ["read"]}', "label"),
     (b'{"label": "a\\u0000b", "scopes": ["read"]}', "label"),  # issue 38: NUL and U+202E in a label
-    (b'{"label": "ops\\u202etxt.exe", "scopes": ["read"]}', "label"), (b'{"label": "a\\u001b[2J", "scopes": ["read"]}', "label"),
+    (b'{"label": "ops\\u202etxt.exe", "scopes": ["read"]}', "label"),
+    (b'{"label": "a\\u001b[2J", "scopes": ["read"]}', "label"),
     (b'{"label": "l"}', "scopes"), (b'{"label": "l", "scopes": []}', "scopes"),
     (b'{"label": "l", "scopes": "read"}', "scopes"), (b'{"label": "l", "scopes": ["root"]}', "scopes"),
     (b'{"label": "l", "scopes": [1]}', "scopes"),

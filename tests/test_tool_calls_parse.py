@@ -40,7 +40,8 @@ def test_streamed_pieces_give_the_same_calls_whatever_the_cut():
         starts = [p for kind, p in pieces if kind == "start"]
         ends = [p for kind, p in pieces if kind == "end"]
         assert [c["function"]["name"] for c in starts] == ["get_time", "get_weather"]
-        assert all(c["function"]["arguments"] == "" for c in starts) and [c["id"] for c in starts] == [c["id"] for c in ends]
+        assert all(c["function"]["arguments"] == "" for c in starts)
+        assert [c["id"] for c in starts] == [c["id"] for c in ends]
         args = "".join(p for kind, p in pieces[pieces.index(("start", starts[1])):] if kind == "args")
         assert args == ends[1]["function"]["arguments"] == '{"city":"Oslo"}'
         assert json.loads(ends[0]["function"]["arguments"]) == {"zone": "UTC"}

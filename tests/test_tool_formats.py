@@ -96,7 +96,8 @@ async def test_a_call_and_its_result_round_trip_through_the_template(client, sta
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert answer.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result went in
     # as the template renders that history (what the stage's prompt holds): the call as the model writes it
-    sent = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+    sent = [{**m, "tool_calls": [{**c, "function": {**c["function"],
+                                                    "arguments": json.loads(c["function"]["arguments"])}}
                                  for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages]
     servable = f"{stack.env['SWARM_SERVABLE_MODELS_ROOT']}/{model}"
     text = tokenizer_for(servable).render(sent, True, tools=TOOLS)

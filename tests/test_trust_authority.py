@@ -55,6 +55,7 @@ async def test_a_later_stage_reports_only_for_its_own_stage_and_replica(js, sqli
             assert await following.refusal(subjects.event(evt.type), evt) == ""
         assert [(key, await following.refusal(evt_from(*key), key[1])) for key, _ in cases] == cases
         # the leader's own (bare subject) always count; a payload on another type's subject never does
-        assert await fresh.refusal(subjects.event("load.failed"), LoadFailed(load_id="L", model_id="m", reason="x")) == ""
+        own = LoadFailed(load_id="L", model_id="m", reason="x")
+        assert await fresh.refusal(subjects.event("load.failed"), own) == ""
         assert await fresh.refusal(subjects.event("request.finished", "head"), LoadFailed(
             load_id="L", model_id="m", reason="x", fellow_id="head")) == "a load.failed event on another type's subject"

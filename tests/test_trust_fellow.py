@@ -107,7 +107,8 @@ async def test_forged_frames_and_usage_are_ignored(swarm):
         done = DoneFrame(request_id=rid, seq=6, completion_tokens=5, prompt_tokens=1)
         await evil.publish(subjects.tokens(rid), encode(done), headers={"Nats-Msg-Id": frame_msg_id(rid, 6)})
         # with the ids the stage's report had (JetStream would drop the real one as a duplicate)
-        for load_id, model, fellow, msg_id in ((alpha, "alpha", "f1", f"fin-{rid}"), (beta, "beta", "f2", f"fin-{rid}.f1")):
+        for load_id, model, fellow, msg_id in ((alpha, "alpha", "f1", f"fin-{rid}"),
+                                               (beta, "beta", "f2", f"fin-{rid}.f1")):
             report = RequestFinished(id=f"fin-{rid}", request_id=rid, model_id=model, load_id=load_id,
                                      completion_tokens=999_999, prompt_tokens=999_999, fellow_id=fellow)
             forged.append((await evil.jetstream().publish(subjects.event(report.type, "f2"), encode(report),
