@@ -2,9 +2,10 @@
 `swarm fellow` processes serving two tiny random models: one with Qwen3's template (tools), one whose
 template opens a ``<think>`` block (its reply starts in its thinking). Text, stop sequences and the
 max_tokens stop, streamed and whole; tool round trips with tool_choice any and a named tool; thinking
-blocks kept apart from text; count_tokens; errors as the SDK's own exception classes; the async client;
-bad bodies answered in Anthropic's shape (never a 5xx) while the stack keeps serving; the SQL audit and
-/metrics count each request."""
+blocks kept apart from text; count_tokens; langchain-anthropic's ChatAnthropic (invoke, stream,
+bind_tools); errors as the SDK's own exception classes; the async client; bad bodies answered in
+Anthropic's shape (never a 5xx) while the stack keeps serving; the SQL audit and /metrics count each
+request."""
 
 from __future__ import annotations
 
@@ -163,6 +164,25 @@ def test_bad_bodies_get_anthropics_error_shape(stack, case, body):
         assert r.status_code == 200 and r.json()["input_tokens"] > 0, r.text
     else:
         assert 400 <= r.status_code < 500 and r.json()["type"] == "error", r.text
+
+
+def test_langchain_chat_anthropic_invoke_stream_and_bind_tools(stack):
+    from langchain_anthropic import ChatAnthropic
+
+    llm = ChatAnthropic(model=MODEL, base_url=stack.url, api_key="unused", max_tokens=6, max_retries=0, timeout=120)
+    message = llm.invoke("Say hello.")
+    assert isinstance(message.content, str) and message.response_metadata["stop_reason"] == "max_tokens"
+    assert message.usage_metadata["output_tokens"] == 6
+    chunks = list(llm.stream("Say hello."))
+    assert len(chunks) > 1 and "".join(c.text for c in chunks if isinstance(c.text, str)) is not None
+
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return "Sunny"
+
+    called = ChatAnthropic(model=MODEL, base_url=stack.url, api_key="unused", max_tokens=200, max_retries=0,
+                           timeout=120).bind_tools([get_weather], tool_choice="get_weather").invoke("Weather in Oslo?")
+    assert [c["name"] for c in called.tool_calls] == ["get_weather"] and isinstance(called.tool_calls[0]["args"], dict)
 
 
 async def test_async_client_and_the_stack_still_serves(stack):
