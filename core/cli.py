@@ -49,7 +49,8 @@ def cmd_nats(args) -> int:
         leaf = LeafRemote(tuple(u.strip() for u in args.leaf.split(",") if u.strip()), s.nats.credentials)
     srv = EmbeddedNats(s.nats_store_dir if not args.store_dir else Path(args.store_dir),
                        port=args.port, host=args.host, config=Path(args.config) if args.config else None,
-                       cluster=cluster, leaf_port=args.leaf_port, leaf=leaf)
+                       cluster=cluster, leaf_port=args.leaf_port, leaf=leaf,
+                       sync=None if args.sync == "default" else args.sync, http_port=args.http_port)
     # SIGTERM (kill, systemd's and docker's stop) ends this process as Ctrl-C does, so its nats-server
     # stops with it: by default Python would exit at once and leave the server running
     previous = signal.signal(signal.SIGTERM, _interrupted)
@@ -60,13 +61,22 @@ def cmd_nats(args) -> int:
               f"{', users from ' + args.config if args.config else ', open: no users'}"
               f"{', cluster node ' + cluster.name if cluster else ''}"
               f"{f', leaf nodes on port {srv.leaf_port}' if srv.leaf_port is not None else ''})", flush=True)
-        srv.process.wait()
+        code = srv.process.wait()
     except KeyboardInterrupt:
-        pass
+        return 0  # asked to stop: the server stops with us
     finally:
         srv.stop()
         signal.signal(signal.SIGTERM, previous)
-    return 0
+    return _died("nats-server", code)
+
+
+def _died(what: str, code: int) -> int:
+    """A child that ended unasked: one line, and a non-zero status (128 + signal, as a shell says it), so that
+    a service manager's Restart=on-failure starts this again."""
+    from core.supervise import describe_exit
+
+    print(f"swarm: {what} ended unasked ({describe_exit(code)})", file=sys.stderr, flush=True)
+    return 128 - code if code < 0 else (code or 1)
 
 
 def _interrupted(signum, frame) -> None:
@@ -196,6 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--leaf", default=None, metavar="HUB_URL",
                    help="run as a leaf node of the hub at nats-leaf://host:port[,...] (its leafnode port); "
                         "logs in as SWARM_NATS_USER/SWARM_NATS_PASSWORD when set")
+    n.add_argument("--sync", default="always",
+                   help="JetStream's sync_interval: always (fsync each write before its ack, the default), "
+                        "a duration such as 1s, or default (nats-server's: every 2 minutes, after the ack)")
+    n.add_argument("--http-port", type=int, default=None,
+                   help="nats-server's monitoring port (/varz, /jsz); off by default")
     n.set_defaults(func=cmd_nats)
 
     na = sub.add_parser("nats-auth", help="write NATS users (leader, ops, one per fellow) and their permissions")

@@ -24,6 +24,12 @@ class NatsServerError(RuntimeError):
     pass
 
 
+# What JetStream fsyncs (its `jetstream { sync_interval }`): "always" syncs each write before the server acks
+# it, so what it acknowledged survives an OS crash or a power loss, not only a process kill. nats-server's
+# default (None here) syncs every two minutes, after the ack (Jepsen, NATS 2.12.1: acknowledged messages lost).
+SYNC_ALWAYS = "always"
+
+
 def nats_server_binary() -> str:
     """The nats-server that ships in this environment's scripts folder, else one on PATH."""
     here = Path(sys.executable).parent / "nats-server"
@@ -127,6 +133,8 @@ class EmbeddedNats:
     leaf_port: int | None = None  # a hub: listen for leaf nodes here (0: a free port), JetStream domain HUB_DOMAIN
     leaf: LeafRemote | None = None  # a leaf node of a hub, without JetStream
     pid_file: Path | None = None  # where the server writes its pid (`reload_server` signals it)
+    sync: str | None = SYNC_ALWAYS  # JetStream's sync_interval: "always", a duration ("1s"), None: its default
+    http_port: int | None = None  # its monitoring endpoint (/varz), off by default
 
     @property
     def jetstream(self) -> bool:
@@ -143,9 +151,11 @@ class EmbeddedNats:
             nats_server_binary(), *(["-js", "-sd", str(self.store_dir)] if self.jetstream else []), "-a", self.host,
             "-p", str(self.port if self.port else -1), "--ports_file_dir", str(ports_dir),
         ]
-        config = self._leaf_config() if self.leaf_port is not None or self.leaf is not None else self.config
+        config = self._server_config()
         if config is not None:
             args += ["-c", str(config)]
+        if self.http_port is not None:
+            args += ["-m", str(self.http_port)]
         if self.cluster is not None:
             args += self.cluster.args(self.host)
         if self.pid_file is not None:
@@ -162,7 +172,8 @@ class EmbeddedNats:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 err = (self.process.stderr.read() or b"").decode(errors="replace").strip()
-                raise NatsServerError(f"nats-server exited at start: {err.splitlines()[-1] if err else self.process.returncode}")
+                last = err.splitlines()[-1] if err else self.process.returncode
+                raise NatsServerError(f"nats-server exited at start: {last}")
             if ports_file.exists():
                 try:
                     info = json.loads(ports_file.read_text())
@@ -199,19 +210,29 @@ class EmbeddedNats:
                                           "(a swarm up or swarm nats on the same data dir): stop it first") from None
                 time.sleep(0.1)
 
-    def _leaf_config(self) -> Path:
-        """A config file in the store folder: the users of `config` (included), then the leafnode parts."""
+    def _server_config(self) -> Path | None:
+        """`config` where it is all the server needs, else a config file in the store folder: the users of
+        `config` (included), then JetStream's sync and domain and the leafnode parts. A `jetstream {}` block
+        in `config` itself gives way to this one (nats-server keeps the last), so put those settings here."""
         if self.leaf_port == 0:
             self.leaf_port = free_port(self.host)
-        target = self.store_dir.resolve() / "leafnodes.conf"
+        js = []
+        if self.jetstream and self.sync:
+            js.append(f"sync_interval: {json.dumps(self.sync)}")
+        if self.leaf_port is not None:
+            js.append(f"domain: {HUB_DOMAIN}")
+        if not js and self.leaf is None:
+            return self.config
+        target = self.store_dir.resolve() / "nats-server.conf"
         text = ""
         if self.config is not None:
             text += f'include "{os.path.relpath(Path(self.config).resolve(), target.parent)}"\n'
+        if js:
+            text += f"jetstream {{ {', '.join(js)} }}\n"
         if self.leaf_port is not None:
             # no_advertise: a leaf redials only the URLs it was given, never an address the hub sees
             # itself at (behind NAT, or past a proxy, that one is not the way in)
-            text += (f'leafnodes {{ listen: "{self.host}:{self.leaf_port}", no_advertise: true }}\n'
-                     f"jetstream {{ domain: {HUB_DOMAIN} }}\n")
+            text += f'leafnodes {{ listen: "{self.host}:{self.leaf_port}", no_advertise: true }}\n'
         if self.leaf is not None:
             text += self.leaf.config()
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it may hold the leaf's password

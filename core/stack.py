@@ -110,7 +110,7 @@ def run_stack(settings: Settings, fellows: int = 1, demo: bool = True) -> int:
             print(f"  NATS users (leader, ops, each fellow): {settings.data_dir / 'nats-auth'}", flush=True)
         while not stop.is_set() and sup.tick():
             stop.wait(0.2)
-        return 0
+        return 0 if stop.is_set() else 1  # an essential part that ended unasked ends the stack as a failure
     except (GaveUp, NatsServerError, StartFailed) as exc:  # NatsServerError: another stack runs on this data dir
         sup.say(str(exc))
         return 1
