@@ -5,9 +5,7 @@ from __future__ import annotations
 import pytest
 
 from core.settings import Settings
-from events.fellow import CAP_CONCURRENT as CONCURRENT
-from events.fellow import CAP_N_STAGE as N_STAGE
-from events.fellow import Gpu, Heartbeat
+from events.fellow import CAP_CONCURRENT as CONCURRENT, CAP_N_STAGE as N_STAGE, Gpu, Heartbeat
 from leader.placement import PlacementError, place_ring, ring_needs, ring_stage_count, transport_plan
 
 GIB = 1 << 30

@@ -37,8 +37,7 @@ from events.loads import (
     stage_replaced_id,
 )
 from leader.catalog import Catalog
-from leader.db.tables import Load, Model
-from leader.db.tables import LoadStage as LoadStageRow
+from leader.db.tables import Load, LoadStage as LoadStageRow, Model
 from leader.errors import ApiError
 from leader.fellow_monitor import FellowMonitor
 from leader.placement import (

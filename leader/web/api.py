@@ -11,8 +11,7 @@ from sqlalchemy import func, select
 from leader.api.deps import Caller, Db, FellowsDep, ServingDep, StreamsDep
 from leader.api.views import load_view
 from leader.auth.scopes import grants
-from leader.db.tables import Load
-from leader.db.tables import Request as RequestRow
+from leader.db.tables import Load, Request as RequestRow
 from leader.errors import ApiError
 from leader.serving import ACTIVE, model_not_found
 from leader.web.performance import BUCKET_S, WINDOW_S, aggregate, buckets_since, topology
