@@ -89,7 +89,7 @@ def test_a_compiled_batch_equals_each_session_alone(compiled):
         stage.prefill(cache, torch.tensor([4, 5, 6]))
     before = stage.compiled.steps
     stage.decode(three, torch.tensor([7, 8, 9]))
-    assert stage.compiled.steps == before and not stage.compiled.serves(3)
+    assert stage.compiled.steps == before and not stage.compiled.takes([None] * 3)
 
 
 def test_what_cannot_compile_says_why(compiled, tmp_path):
@@ -172,11 +172,12 @@ def test_the_kernel_form_multiplies_through_the_row_kernel_and_gives_generates_r
         inputs = torch.tensor([ids])
         want = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=NEW,
                               min_new_tokens=NEW, do_sample=False)[0, len(ids):].tolist()
-    before, stage.compiled = stage.compiled, kernel
+    before = stage.compiled
+    stage.steps.put("compiled", kernel)
     try:
         with profile() as prof:
             assert greedy(stage, ids, NEW) == want
     finally:
-        stage.compiled = before
+        stage.steps.put("compiled", before)
     calls = sum(e.count for e in prof.key_averages() if e.key == "swarm::f32_rows")
     assert calls == NEW * len(kernel.graph.linears), calls

@@ -108,7 +108,7 @@ def test_a_pool_cache_moves_to_buffers_of_its_own_with_its_past_and_frees_its_sl
     assert cache.decoder is None and decoder.free == {0, 1} and cache.capacity >= 17
     assert torch.equal(cache.keys[0][:, :, :10], past)
     assert cache.keys[0].data_ptr() != decoder.keys[0].data_ptr()
-    assert not stage.graphed.serves([cache])
+    assert not stage.graphed.takes([cache])
     cache.release()
     assert decoder.free == {0, 1} and cache.keys == [None]
     a, b = stage.new_cache(), stage.new_cache()

@@ -33,8 +33,8 @@ from fellow.runtime.model.fused import Linear
 from fellow.runtime.model.graph_linear import GEMV_FORMS, LINEAR, REDUCE, gemv_forms
 from fellow.runtime.model.kv_budget import cpu_free_bytes
 from fellow.runtime.model.kv_cache import random_caches
-from fellow.runtime.model.native_step import NATIVE, NativeStep
-from fellow.runtime.model.native_step import why_not as native_why_not
+from fellow.runtime.model.native_step import NATIVE, NativeStep, why_not as native_why_not
+from fellow.runtime.steps.protocol import StepReport
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class BackgroundCompile:
             candidate.serving.intersection_update(r for r, c in by_rows.items() if c is candidate)
         self.candidates, self._plain = {}, None
         self.compiled = CompiledSteps(by_rows) if by_rows else None
-        self.stage.compiled = self.compiled
+        self.stage.steps.put("compiled", self.compiled)
         self.report.update(batches=found, serving=sorted(by_rows))
         if self._resident is not None and (after := _resident_bytes()) is not None:
             self.report["resident_added_bytes"] = after - self._resident
@@ -175,7 +175,7 @@ class BackgroundCompile:
             return
         caches = random_caches(self.stage.new_cache, rows, CHECK_CONTEXT, 1, torch.Generator().manual_seed(rows))
         ids = torch.randint(0, self.candidates[forms[0]].vocab, (rows,))
-        steps = {form: self.candidates[form].decode for form in forms} | {FUSED: self.stage.decode}
+        steps = {form: self.candidates[form].decode for form in forms} | {FUSED: self.stage.steps.eager.decode}
         times: dict[str, list[float]] = {form: [] for form in steps}
         try:
             for _ in range(RETIME_ROUNDS):
@@ -210,11 +210,14 @@ def has_float_weights(stage) -> bool:
 
 
 class CompiledSteps:
-    """The compiled steps that serve, by batch size (``stage.compiled``: the protocol ``StageModel.decode``
-    calls, as a CompiledDecode's)."""
+    """The checked steps that serve, by batch size: one ``steps.protocol.DecodeStep`` in the stage's step
+    table's ``compiled`` slot."""
+
+    name = "compiled"
 
     def __init__(self, by_rows: dict[int, CompiledDecode]) -> None:
         self.by_rows = by_rows
+        self.given_up = ""
 
     @property
     def serving(self) -> set[int]:
@@ -224,14 +227,20 @@ class CompiledSteps:
     def steps(self) -> int:
         return sum(compiled.steps for compiled in {id(c): c for c in self.by_rows.values()}.values())
 
-    def serves(self, rows: int) -> bool:
-        return rows in self.by_rows
+    def takes(self, caches) -> bool:
+        return len(caches) in self.by_rows
 
     def decode(self, caches, ids):
         return self.by_rows[len(caches)].decode(caches, ids)
 
-    def give_up(self, rows: int, exc: Exception) -> None:
-        self.by_rows.pop(rows).give_up(rows, exc)
+    def give_up(self, caches, exc: Exception) -> None:
+        self.by_rows.pop(len(caches)).give_up(caches, exc)
+        self.given_up = one_line(exc)
+
+    def report(self) -> StepReport:
+        forms = sorted({step.name for step in self.by_rows.values()})
+        return StepReport(form="compiled" + (f" ({', '.join(forms)})" if forms else ""), steps=self.steps,
+                          batches=sorted(self.by_rows), given_up=self.given_up)
 
 
 def _choose(tried: dict[str, dict], error: str) -> dict:

@@ -1,6 +1,6 @@
 """A decode step a stage may serve in place of its fused one: checked against the fused step and timed first.
 
-Two forms share this protocol (``build``, ``decode``, ``serves``, ``give_up``): inductor's graph of the step
+Two forms share this (``steps.protocol.DecodeStep`` with ``build``): inductor's graph of the step
 (``compiled.CompiledDecode``) and one C call a step (``native_step.NativeStep``). Each says how it decodes;
 this base checks its logits against the fused step's on random caches, times both, and keeps the batch sizes
 where it agrees (and, by default, is faster). The background compile (``background_compile``) builds them.
@@ -15,6 +15,7 @@ import torch
 
 from fellow.runtime.model.kv_cache import random_caches
 from fellow.runtime.model.rotary_rows import RotaryRows
+from fellow.runtime.steps.protocol import StepReport
 
 log = logging.getLogger(__name__)
 
@@ -37,19 +38,25 @@ class CheckedStep:
         self.stage = stage
         self.serving: set[int] = set()
         self.steps = 0  # decode steps it served
+        self.given_up = ""  # why it last gave a batch size up
         self.rotary = RotaryRows(stage.rotary_emb, stage.dtype)
         self.vocab = vocab  # ids drawn below it when it is checked
         self.tolerance = LOGIT_TOLERANCE if reads_float32 else QUANTIZED_LOGIT_TOLERANCE
 
-    def serves(self, rows: int) -> bool:
-        return rows in self.serving
+    def takes(self, caches) -> bool:
+        return len(caches) in self.serving
 
-    def give_up(self, rows: int, exc: Exception) -> None:
-        """The step failed at ``rows`` (nothing of it stands: no cache advanced); the fused step serves that
+    def give_up(self, caches, exc: Exception) -> None:
+        """The step failed over ``caches`` (nothing of it stands: no cache advanced); the next form serves that
         batch size from now on."""
+        rows = len(caches)
         self.serving.discard(rows)
-        log.warning("%s decode step at batch %d given up, the fused step serves: %s", self.name, rows,
-                    one_line(exc))
+        self.given_up = one_line(exc)
+        log.warning("%s decode step at batch %d given up, the next form serves: %s", self.name, rows,
+                    self.given_up)
+
+    def report(self) -> StepReport:
+        return StepReport(form=self.name, steps=self.steps, batches=sorted(self.serving), given_up=self.given_up)
 
     def decode(self, caches, ids: torch.Tensor) -> torch.Tensor:
         """One new position per session, as ``StageModel.decode``: logits [B, V]."""
@@ -76,14 +83,14 @@ class CheckedStep:
         got = self.first_decode(caches, ids, compiled)
         compile_s = time.perf_counter() - started
         crop(caches)
-        want = self.stage.decode(caches, ids)
+        want = self.stage.steps.eager.decode(caches, ids)
         crop(caches)
         diff = float((got - want).abs().max())
         entry = {"max_logit_diff": float(f"{diff:.2e}"), **({} if compiled else {"compile_s": round(compile_s, 1)})}
         if not diff <= self.tolerance * (1.0 + float(want.abs().max())):
             entry.update(serving=False, why=f"its logits differ from the fused step's by {diff:.3g}")
             return entry
-        fused_ms = best_ms(lambda: self.stage.decode(caches, ids), caches)
+        fused_ms = best_ms(lambda: self.stage.steps.eager.decode(caches, ids), caches)
         compiled_ms = best_ms(lambda: self.decode(caches, ids), caches)
         entry.update(fused_ms=round(fused_ms, 3), compiled_ms=round(compiled_ms, 3),
                      serving=compiled_ms < fused_ms or not only_faster)

@@ -155,8 +155,12 @@ class DecodeGraph(nn.Module):
     def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, d = ids.shape[0], self.dim
         qk_heads, half = self.heads + self.kv_heads, d // 2
-        w = lambda name, i: getattr(self, f"{name}{i}")
-        linear = lambda name, x: call(self, name, self.linears[name], x)
+        def w(name: str, i: int) -> torch.Tensor:
+            return getattr(self, f"{name}{i}")
+
+        def linear(name: str, x: torch.Tensor) -> torch.Tensor:
+            return call(self, name, self.linears[name], x)
+
         hidden = embedding(self, ids, self.dtype)[:, None]
         for i in range(self.n):
             in_eps, post_eps, qk_eps = self.eps[i]
@@ -234,7 +238,8 @@ class CompiledDecode(CheckedStep):
 def compile_decode(stage, batches: Iterable[int], plain: PlainWeights | None, only_faster: bool = True,
                    mode: str | None = COMPILE_MODE) -> dict:
     """Compile the stage's decode step at each batch size in ``batches`` (SWARM_SERVE_COMPILE), keeping
-    it where it measured faster (``only_faster=False``: wherever its logits agree): sets ``stage.compiled``;
+    it where it measured faster (``only_faster=False``: wherever its logits agree): fills the stage's step
+    table's ``compiled`` slot;
     returns what the status shows. ``mode``: inductor's (None: its default, which picks no GEMM kernels
     of its own, and compiles in a third of the time)."""
     batches = sorted(set(batches))
@@ -252,7 +257,7 @@ def compile_decode(stage, batches: Iterable[int], plain: PlainWeights | None, on
             log.warning("decode step at batch %d not compiled: %s", rows, exc)
             found[str(rows)] = {"serving": False, "why": one_line(exc)}
             break
-    stage.compiled = compiled if compiled.serving else None
+    stage.steps.put("compiled", compiled if compiled.serving else None)
     log.info("[compiled] decode step %s", "; ".join(
         f"batch {rows}: " + (f"compiled {e['compiled_ms']:.2f} ms against fused {e['fused_ms']:.2f} ms"
                              if "compiled_ms" in e else "") + (f" ({e['why']})" if "why" in e else " serving")

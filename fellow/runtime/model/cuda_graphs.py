@@ -36,6 +36,7 @@ import torch
 from fellow.runtime.model.draft_graph import CUDA_GRAPH, EAGER, Capture, FixedDecoder, SlotCache, capture_cuda_graph
 from fellow.runtime.model.kv_budget import measured_kv_tokens
 from fellow.runtime.model.kv_cache import KVCache, random_caches
+from fellow.runtime.steps.protocol import StepReport
 
 log = logging.getLogger(__name__)
 
@@ -71,22 +72,30 @@ class PoolDecoder(FixedDecoder):
 class GraphedDecode:
     """What ``StageModel`` asks of its pool: a slot for a new session, and a step over sessions in it."""
 
+    name = "cuda_graphs"
+
     def __init__(self, decoder: PoolDecoder) -> None:
         self.decoder = decoder
         self.failed: str | None = None
+        self.steps = 0
 
     def take(self) -> PoolCache | None:
         return None if self.failed else self.decoder.take(1)
 
-    def serves(self, caches: Sequence[KVCache]) -> bool:
+    def takes(self, caches: Sequence[KVCache]) -> bool:
         decoder = self.decoder
         return self.failed is None and all(
             type(c) is PoolCache and c.decoder is decoder and c.length < decoder.positions for c in caches)
 
     def decode(self, caches: Sequence[PoolCache], inputs: torch.Tensor) -> torch.Tensor:
-        return self.decoder.step_logits(caches, inputs)
+        logits = self.decoder.step_logits(caches, inputs)
+        self.steps += 1
+        return logits
 
-    def give_up(self, exc: Exception) -> None:
+    def report(self) -> StepReport:
+        return StepReport(form=self.name, steps=self.steps, given_up=self.failed or "")
+
+    def give_up(self, caches: Sequence[KVCache], exc: Exception) -> None:
         """A replay failed: every step is eager from now on (the pool's caches serve as any other)."""
         self.failed = f"{type(exc).__name__}: {exc}"
         log.warning("cuda graphs: a replay failed, decode steps are eager from now on: %s", self.failed)
@@ -189,7 +198,7 @@ def graph_decode(stage, *, slots: int, positions: int = GRAPH_POSITIONS, capture
             log.info("cuda graphs: %s, %s (%s)", EAGER, why, _describe(steps))
             return {"path": EAGER, "why": why, **status}
     status["load_s"] = round(time.perf_counter() - started, 3)
-    stage.graphed = GraphedDecode(decoder)
+    stage.steps.put("cuda_graphs", GraphedDecode(decoder))
     log.info("cuda graphs: %s, %d slots of %d positions, %d captured steps, %.1f MB of static KV%s", label,
              decoder.slots, positions, len(decoder.replays), decoder.bytes / 1e6,
              f" ({_describe(status['step_ms'])})" if "step_ms" in status else "")

@@ -164,7 +164,7 @@ class FixedDecoder:
                                                      scale=layer.scaling,
                                                      enable_gqa=groups > 1)
                 return out.transpose(1, 2).reshape(n, 1, -1)
-            hidden = stage._fused(hidden, position_ids, attend)
+            hidden = stage.run_fused(hidden, position_ids, attend)
         else:
             view = _StaticView(store, stage.first_layer, self.width - 1)
             if hidden.device.type == "cuda":
@@ -252,11 +252,13 @@ class FixedDecoder:
         tolerance = (1e-3 if stage.dtype == torch.float32 else 3e-2) * max(scale, 1.0)
         error = float((got_logits - want_logits).abs().max())
         if error > tolerance:
-            raise RuntimeError(f"the replayed step's logits are {error:.3g} from the eager step's (tolerance {tolerance:.3g})")
+            raise RuntimeError(f"the replayed step's logits are {error:.3g} from the eager step's "
+                               f"(tolerance {tolerance:.3g})")
 
 
 class _StaticView:
-    """The cache an HF attention layer sees in a fixed-shape step: the pool's columns, written at each row's position."""
+    """The cache an HF attention layer sees in a fixed-shape step: the pool's columns, written at each row's
+    position."""
 
     def __init__(self, store, first_layer: int, positions: int) -> None:
         self.store, self.first_layer, self.positions = store, first_layer, positions

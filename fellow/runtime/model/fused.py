@@ -271,13 +271,13 @@ class FusedStack:
         """Several sessions' next positions packed in one row, ``widths[i]`` of them for session i
         (a verify pass: its last token and its drafts): q [1, heads, sum(widths), D].
 
-        Two sessions or more attend over the stage's slab as a decode step does (one call per layer,
-        each session's queries in its row: ``decode_slab.SlabStep``), unless their pasts are too
-        uneven for it. Otherwise each session writes its positions into its own cache and attends to
-        its past and, causally, to its own new positions. As in ``attend_decode``, the query heads that share a key/value head
-        go in as that head's queries ([1, kv_heads, groups * w, D], the mask repeated per group):
-        sdpa with ``enable_gqa`` and a mask took 2.4 times as long on a CPU (0.34 ms against 0.14, 16
-        heads over 2, 3 positions on 1,208).
+        Two sessions or more attend over the stage's slab as a decode step does (one call per layer, each
+        session's queries in its row: ``decode_slab.SlabStep``), unless their pasts are too uneven for it.
+        Otherwise each session writes its positions into its own cache and attends to its past and, causally,
+        to its own new positions. As in ``attend_decode``, the query heads that share a key/value head go in
+        as that head's queries ([1, kv_heads, groups * w, D], the mask repeated per group): sdpa with
+        ``enable_gqa`` and a mask took 2.4 times as long on a CPU (0.34 ms against 0.14, 16 heads over 2, 3
+        positions on 1,208).
         """
         total = sum(widths)
         out_shape = (1, total, self.num_heads * self.head_dim)

@@ -11,7 +11,8 @@
   compile builds each and serves the fastest (``background_compile``).
 - A quantized one (``quant.linear.QuantLinear``, torch's CPU int8 and int4 kernels): the same kernel
   the fused step calls (for int8 at a few rows ``swarm::int8_rows``: ``quant.int8_gemv``), on the same
-  tensors (torch's kernels read the row cast to bfloat16), so inductor fuses the norms, rotary, casts and residuals between the kernels. A quantized fused step
+  tensors (torch's kernels read the row cast to bfloat16), so inductor fuses the norms, rotary, casts and residuals
+  between the kernels. A quantized fused step
   spent as long in those small ops and Python as in its matmuls (46M Qwen3, int8: 4.0 of 7.6 ms a token
   in ``_weight_int8pack_mm``).
 

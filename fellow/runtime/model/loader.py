@@ -12,10 +12,8 @@ import torch
 from core.quantization import INT4_FAST, INT8, NF4, NONE
 from core.servable import TOKENIZER_DIR, Manifest, ServableError, load_manifest
 from events.stage import StageOptions
-from fellow.runtime.model.background_compile import why_not_here
 from fellow.runtime.model.boundary import apply_inner
-from fellow.runtime.model.compiled import PlainWeights, compile_decode, why_not
-from fellow.runtime.model.cuda_graphs import graph_decode
+from fellow.runtime.model.compiled import PlainWeights
 from fellow.runtime.model.device_split import Card, DeviceSplit, SplitError, by_free_memory, half_dtype, plan_devices
 from fellow.runtime.model.fourbit_rows import plan_4bit_rows
 from fellow.runtime.model.grouped_attention import GROUPED, choose_attention
@@ -23,6 +21,7 @@ from fellow.runtime.model.half_storage import apply_half_storage
 from fellow.runtime.model.kernels import prepare_stage, quant_chooser
 from fellow.runtime.model.kv_budget import cpu_free_bytes, cuda_free_bytes
 from fellow.runtime.model.lora_merge import lora_scale
+from fellow.runtime.model.plan_steps import compiles_in_background, plan_steps
 from fellow.runtime.model.quant.linear import (
     QUANT_KERNELS,
     Int4Unavailable,
@@ -30,7 +29,7 @@ from fellow.runtime.model.quant.linear import (
     tinygemm_check_device,
 )
 from fellow.runtime.model.quant.quantizer import StageQuantizer
-from fellow.runtime.model.quant.report import stage_weights, weights_report
+from fellow.runtime.model.quant.report import weights_report
 from fellow.runtime.model.stage import StageModel
 from fellow.runtime.model.weights import StageModules, build_stage_modules, hf_config, stage_sizes
 
@@ -159,7 +158,7 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
     ``kernels["4bit_rows"]`` says what it found.
     """
     packed, batch_cap, quantization, lora = options.packed_linear, options.batch_cap, options.quantization, options.lora
-    compile, cuda_graphs, prefill_chunk = options.compile, options.cuda_graphs, options.prefill_chunk
+    compile, prefill_chunk = options.compile, options.prefill_chunk
     fourbit_rows, fourbit_float32 = options.fourbit_rows, options.fourbit_float32
     devices = options.devices if devices is None else devices  # or a test's (device, bytes) pairs
     kv_tokens = (options.kv_tokens or KV_RESERVE_TOKENS) if kv_tokens is None else kv_tokens
@@ -188,8 +187,7 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
     # the plain weights a compiled step is built from: at load where asked, or (auto) in the background once
     # a whole float32 CPU stage serves (fellow.runtime.model.background_compile); an int8 or int4 stage's
     # graph calls its quantized weights as they are, so it keeps nothing more
-    background = (compile is None and num_stages == 1 and device.type == "cpu"
-                  and quantization in (NONE, INT8, INT4_FAST))
+    background = compiles_in_background(options, num_stages, device, quantization)
     prepare_stage(stage, packed=packed, batch_cap=batch_cap, quantizer=quantizer,
                   keep_plain=bool(compile) or background)
     if quantizer is not None and (background or compile):
@@ -202,16 +200,7 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
                                                          prefill_chunk=prefill_chunk,
                                                          label=f"stage{stage_index}")) is not None:
         stage.kernels = {**stage.kernels, "4bit_rows": rows}  # None: no 4-bit weight, or both off
-    if compile:
-        stage.kernels = {**stage.kernels, "compiled": compile_decode(stage, compile, stage.plain_weights)}
-    elif compile is None and (why := why_not_here(stage, stage_weights(stage)[0]) if background else why_not(stage)
-                              or "its plain weights were not kept"):
-        stage.kernels = {**stage.kernels, "compiled": {"asked": [1], "background": True, "why": why}}
-        background = False
-    if not background:
-        stage.plain_weights = None  # the compiled step holds what it needs; else the stage's server takes them
-    if cuda_graphs and (graphs := graph_decode(stage, slots=batch_cap)) is not None:  # None off CUDA
-        stage.kernels = {**stage.kernels, "cuda_graphs": graphs}
+    plan_steps(stage, options, background)  # its decode forms: the one chooser
     if split is not None:
         stage.kernels = {**stage.kernels, "devices": split.as_dicts()}
         log.info("layers split over %d devices: %s", len(split.parts), split.describe())

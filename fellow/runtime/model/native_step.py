@@ -26,8 +26,7 @@ from torch.nn import functional as F
 from fellow.runtime.model import native, step_kernel
 from fellow.runtime.model.attend_one import _addresses_of
 from fellow.runtime.model.checked_step import CheckedStep
-from fellow.runtime.model.compiled import PlainWeights
-from fellow.runtime.model.compiled import why_not as why_not_compiled
+from fellow.runtime.model.compiled import PlainWeights, why_not as why_not_compiled
 from fellow.runtime.model.fused import Linear, _norm
 from fellow.runtime.model.rotary_rows import RotaryRows
 

@@ -50,7 +50,8 @@ def recurrent_reason(config, layers: Iterable[int] | None = None) -> str | None:
     if not wanted:
         return None
     return (f"layers {_spans(wanted)} are linear attention: each session keeps a recurrent state that cannot "
-            f"be rolled back or cut at a position, so prompts run one session at a time, without drafts or prefix reuse")
+            f"be rolled back or cut at a position, so prompts run one session at a time, without drafts or "
+            f"prefix reuse")
 
 
 def _spans(indices: list[int]) -> str:

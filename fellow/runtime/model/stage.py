@@ -1,7 +1,8 @@
 """A serving stage: a contiguous range of HF decoder layers, with the embeddings on stage 0 and the head on the last.
 
-Over 350 lines: one class whose forward paths (a piece, fresh prompts side by side, a decode batch, a verify
-pass, recurrent sessions) share its private layer loop, embedding and head; its masks live in model/masks.py.
+Over 350 lines: one class whose forward paths (a piece, fresh prompts side by side, a verify pass, recurrent
+sessions) share its layer loop, embedding and head, which the decode forms of model/eager_steps.py run too; its
+masks live in model/masks.py.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from fellow.runtime.model.eager_steps import eager_forms
 from fellow.runtime.model.fused import (
     FusedLayer,
     FusedStack,
@@ -26,16 +28,16 @@ from fellow.runtime.model.fused import (
     strip_linears,
 )
 from fellow.runtime.model.grouped_attention import GROUPED
-from fellow.runtime.model.kv_cache import BatchedView, FreshBatchView, KVCache, SessionView
+from fellow.runtime.model.kv_cache import FreshBatchView, KVCache, SessionView
 from fellow.runtime.model.masks import fresh_masks, piece_mask
 from fellow.runtime.model.recurrent import (
-    RecurrentBatchedView,
     RecurrentCache,
     RecurrentView,
     RollbackRefused,
     recurrent_reason,
     state_shapes,
 )
+from fellow.runtime.steps.table import StepTable
 
 BATCHABLE_ATTENTION = ("sdpa", "eager", GROUPED)  # implementations that take an explicit additive 4D mask
 # cuDNN attention rebuilt its plan for every new key length: 52 ms a decode step on an H200 where
@@ -83,7 +85,8 @@ class StageModel:
             raise ValueError("the final norm and the head come together, on the last stage")
         attention = getattr(config, "_attn_implementation", None) or "eager"
         if attention not in BATCHABLE_ATTENTION:
-            raise ValueError(f"attention {attention!r} cannot take a padded batch; load with one of {BATCHABLE_ATTENTION}")
+            raise ValueError(f"attention {attention!r} cannot take a padded batch; "
+                             f"load with one of {BATCHABLE_ATTENTION}")
         if not layers:
             raise ValueError("a stage needs at least one decoder layer")
         windows = layer_windows(config)  # ValueError for kinds not served (fused.unserved_kinds)
@@ -112,9 +115,10 @@ class StageModel:
         self._head_device = _module_device(head) if head is not None else None
         self.fused: FusedStack | None = None  # set by ``fuse``: the layers then run by hand
         self.kernels: dict = {"path": "hf"}  # how it computes, for the load's status (kernels.prepare_stage)
-        self.weights: dict = {}  # its quantization and measured weight bytes, for the status (quant.report.weights_report)
-        self.compiled = None  # a compiled.CompiledDecode: its decode step at the batch sizes it serves faster
-        self.graphed = None  # a cuda_graphs.GraphedDecode: a pool of sessions whose decode step replays a graph
+        # its quantization and measured weight bytes, for the status (quant.report.weights_report)
+        self.weights: dict = {}
+        # its decode forms, fastest first (model.plan_steps fills it at load; the eager forms until then)
+        self.steps = StepTable(eager_forms(self))
         self.plain_weights = None  # while it loads with SWARM_SERVE_COMPILE: compiled.PlainWeights
 
     def fuse(self, make_linear: MakeLinear, fused_layers: Sequence[FusedLayer] | None = None) -> FusedStack:
@@ -122,6 +126,7 @@ class StageModel:
         picks its kernel); the HF layers' linear weights are dropped, so the stage holds each weight once.
         ``fused_layers``: the layers fused already as they loaded (a quantized stage), in order."""
         self.fused = FusedStack(fused_layers or self.layers, self.config, make_linear)
+        self.steps = StepTable(eager_forms(self))  # the fused step is its eager form now
         for layer in self.layers:
             strip_linears(layer)
         if type(self.head) is nn.Linear:
@@ -193,7 +198,7 @@ class StageModel:
     def forward_piece(self, cache: KVCache, inputs: torch.Tensor) -> torch.Tensor:
         """One session's next positions: ids [q] on stage 0, hidden [1, q, H] after it."""
         hidden = self._piece(cache, inputs)
-        return self._head(hidden)[0] if self.is_last else hidden
+        return self.head_last(hidden)[0] if self.is_last else hidden
 
     @torch.inference_mode()
     def verify(self, caches: Sequence[KVCache], inputs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -212,12 +217,12 @@ class StageModel:
             return [self._head_all(self._piece(cache, torch.tensor(list(ids), device=self.input_device)))[0]
                     for cache, ids in zip(caches, inputs)]
         widths = [len(ids) for ids in inputs]
-        hidden = self._embed(torch.tensor([[t for ids in inputs for t in ids]], device=self.input_device))
+        hidden = self.embed_ids(torch.tensor([[t for ids in inputs for t in ids]], device=self.input_device))
         for cache, width in zip(caches, widths):
             cache.reserve(width)
         position_ids = torch.cat([torch.arange(cache.length, cache.length + width)
                                   for cache, width in zip(caches, widths)])[None, :].to(hidden.device)
-        hidden = self._fused(hidden, position_ids, self.fused.attend_packed(caches, widths))
+        hidden = self.run_fused(hidden, position_ids, self.fused.attend_packed(caches, widths))
         for cache, width in zip(caches, widths):
             cache.advance(width)
         return list(self._head_all(hidden)[0].split(widths))
@@ -232,17 +237,17 @@ class StageModel:
         return self._head_all(self._piece(cache, inputs))[0]
 
     def _piece(self, cache: KVCache, inputs: torch.Tensor) -> torch.Tensor:
-        hidden = self._embed(inputs.view(1, -1)) if self.is_first else inputs
+        hidden = self.embed_ids(inputs.view(1, -1)) if self.is_first else inputs
         positions = hidden.shape[1]
         cache.reserve(positions)
         position_ids = torch.arange(cache.length, cache.length + positions, device=hidden.device)[None, :]
         masks = {window: piece_mask(cache.length, positions, hidden, window, self.attention)
                  for window in self.windows}
         if self.fused is not None:
-            hidden = self._fused(hidden, position_ids, self.fused.attend_piece(cache, masks))
+            hidden = self.run_fused(hidden, position_ids, self.fused.attend_piece(cache, masks))
         else:
             view = RecurrentView(cache) if self.recurrent is not None else SessionView(cache)
-            hidden = self._layers(hidden, position_ids, masks, view)
+            hidden = self.run_layers(hidden, position_ids, masks, view)
         cache.advance(positions)
         return hidden
 
@@ -257,103 +262,60 @@ class StageModel:
         if not self.is_first:
             raise ValueError("fresh batched prompts start on the stage that holds the embeddings")
         if self.recurrent is not None:
-            return self._each_alone(caches, [torch.as_tensor(list(p), dtype=torch.long) for p in pieces])
+            return self.each_alone(caches, [torch.as_tensor(list(p), dtype=torch.long) for p in pieces])
         width = max(len(p) for p in pieces)
         pads = [width - len(p) for p in pieces]
         ids = torch.zeros(len(pieces), width, dtype=torch.long)
         for row, piece in enumerate(pieces):
             ids[row, pads[row]:] = torch.as_tensor(list(piece), dtype=torch.long)
-        hidden = self._embed(ids)
+        hidden = self.embed_ids(ids)
         for cache, piece in zip(caches, pieces):
             if cache.length:
                 raise ValueError("prefill_fresh takes sessions with empty caches")
             cache.reserve(len(piece))
         masks, position_ids = fresh_masks(self.windows, pads, width, hidden.dtype, hidden.device)
         if self.fused is not None:
-            hidden = self._fused(hidden, position_ids, self.fused.attend_fresh(caches, pads, masks))
+            hidden = self.run_fused(hidden, position_ids, self.fused.attend_fresh(caches, pads, masks))
         else:
-            hidden = self._layers(hidden, position_ids, masks, FreshBatchView(caches, pads))
+            hidden = self.run_layers(hidden, position_ids, masks, FreshBatchView(caches, pads))
         for cache, piece in zip(caches, pieces):
             cache.advance(len(piece))
-        return self._head(hidden) if self.is_last else hidden
+        return self.head_last(hidden) if self.is_last else hidden
 
     @torch.inference_mode()
     def decode(self, caches: Sequence[KVCache], inputs: torch.Tensor) -> torch.Tensor:
-        """One new position for each session: ids [B] on stage 0, hidden [B, 1, H] after it.
+        """One new position for each session: ids [B] on stage 0, hidden [B, 1, H] after it; logits [B, V] on
+        the last stage, hidden [B, 1, H] before it. The step table's first form that takes the batch runs it."""
+        return self.steps.decode(caches, inputs)
 
-        Returns logits [B, V] on the last stage, hidden [B, 1, H] before it. A stage with recurrent
-        layers runs each session alone, in order.
-        """
-        if self.recurrent is not None:
-            if RecurrentBatchedView.batchable(caches):
-                return self._recurrent_step(caches, inputs)
-            return self._each_alone(caches, [inputs[row : row + 1] for row in range(len(caches))])
-        if self.compiled is not None and self.compiled.serves(len(caches)):
-            try:
-                return self.compiled.decode(caches, inputs)
-            except Exception as exc:  # it would have compiled anew (or failed): the fused step serves from now on
-                self.compiled.give_up(len(caches), exc)
-        if self.graphed is not None and self.graphed.serves(caches):
-            try:
-                return self.graphed.decode(caches, inputs)
-            except Exception as exc:  # noqa: BLE001 (the eager step serves from now on, over the same caches)
-                self.graphed.give_up(exc)
-        hidden = self._embed(inputs.view(-1, 1)) if self.is_first else inputs
-        for cache in caches:
-            cache.reserve(1)
-        position_ids = torch.tensor([[cache.length] for cache in caches], device=hidden.device)
-        if self.fused is not None:
-            hidden = self._fused(hidden, position_ids, self.fused.attend_decode(caches))
-            for cache in caches:
-                cache.advance(1)
-            return self._head(hidden) if self.is_last else hidden
-        if len(caches) == 1:  # alone: attend straight to the cache, nothing to pad (a window may mask)
-            view = SessionView(caches[0])
-            masks = {window: piece_mask(caches[0].length, 1, hidden, window, self.attention)
-                     for window in self.windows}
-        else:
-            view = BatchedView(caches)
-            masks = {window: view.attention_mask(hidden.dtype, hidden.device, window) for window in self.windows}
-        hidden = self._layers(hidden, position_ids, masks, view)
-        if isinstance(view, BatchedView):
-            view.commit()
-        for cache in caches:
-            cache.advance(1)
-        return self._head(hidden) if self.is_last else hidden
+    @property
+    def compiled(self):
+        """The checked steps that serve (inductor's graphs, the native step), in the table's ``compiled`` slot."""
+        return self.steps.get("compiled")
 
-    def _recurrent_step(self, caches: Sequence[RecurrentCache], inputs: torch.Tensor) -> torch.Tensor:
-        """One position for several sessions that have each run some already, batched through every layer
-        (RecurrentBatchedView): the attention layers over padded keys, the linear ones over stacked states."""
-        hidden = self._embed(inputs.view(-1, 1)) if self.is_first else inputs
-        for cache in caches:
-            cache.reserve(1)
-        position_ids = torch.tensor([[cache.length] for cache in caches], device=hidden.device)
-        view = RecurrentBatchedView(list(caches))
-        masks = {window: view.attention_mask(hidden.dtype, hidden.device, window) for window in self.windows}
-        hidden = self._layers(hidden, position_ids, masks, view)
-        view.commit()
-        for cache in caches:
-            cache.advance(1)
-        return self._head(hidden) if self.is_last else hidden
+    @property
+    def graphed(self):
+        """The CUDA-graph pool whose steps replay (cuda_graphs.GraphedDecode), in the table's slot."""
+        return self.steps.get("cuda_graphs")
 
-    def _each_alone(self, caches: Sequence[RecurrentCache], inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    def each_alone(self, caches: Sequence[RecurrentCache], inputs: Sequence[torch.Tensor]) -> torch.Tensor:
         """Each session's positions (ids [q] on stage 0, hidden [1, q, H] after it) in a forward of its own,
         in order: the last position's logits [B, V] on the last stage, else hidden [B, q, H], a shorter
         session's left-padded with zeros."""
         outs = [self._piece(cache, piece) for cache, piece in zip(caches, inputs)]
         if self.is_last:
-            return self._head(torch.cat([out[:, -1:] for out in outs]))
+            return self.head_last(torch.cat([out[:, -1:] for out in outs]))
         width = max(out.shape[1] for out in outs)
         return torch.cat([F.pad(out, (0, 0, width - out.shape[1], 0)) for out in outs])
 
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed(ids.to(self.input_device))
 
-    def _fused(self, hidden: torch.Tensor, position_ids: torch.Tensor, attend) -> torch.Tensor:
+    def run_fused(self, hidden: torch.Tensor, position_ids: torch.Tensor, attend) -> torch.Tensor:
         cos, sin = rotary_tables(*self.rotary_emb(hidden, position_ids))
         return self.fused.forward(hidden, cos, sin, attend)
 
-    def _layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, masks: dict, view) -> torch.Tensor:
+    def run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, masks: dict, view) -> torch.Tensor:
         """The HF layers; ``masks``: by window (None: full attention), the mask of the layers with it."""
         if hidden.device.type != "cuda":
             return self._run_layers(hidden, position_ids, masks, view)
@@ -377,7 +339,7 @@ class StageModel:
             hidden = out[0] if isinstance(out, tuple) else out  # transformers 4.x returns a tuple
         return hidden
 
-    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+    def head_last(self, hidden: torch.Tensor) -> torch.Tensor:
         last = hidden[:, -1, :].to(self._head_device)  # the head reads only the last position
         return self.head(self.norm(last))
 

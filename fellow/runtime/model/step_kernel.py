@@ -12,7 +12,8 @@ threads: the rotations, a barrier, then the attention by query head). The gate-a
 split by gate row, each thread taking the same up rows and applying SiLU to its own. The norms and the
 inputs' quantization are a few microseconds: every thread makes all of them for itself, rather than meet
 the others at a barrier (on a shared machine each barrier waits for the thread another process held up).
-The arithmetic is ``compiled.DecodeGraph``'s, summed in another order. Each session's cache is four numbers a layer (keys
+The arithmetic is ``compiled.DecodeGraph``'s, summed in another order. Each session's cache is four numbers a layer
+(keys
 and values addresses, head and position strides: ``attend_one``'s), passed by pointer per session.
 
 Its C is ``fellow/runtime/kernels/csrc/step_kernel.c`` (structs in ``step_structs.h``, mirrored below). Built

@@ -12,6 +12,7 @@ from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.engine.serving_loop import ServingLoop
 from fellow.runtime.model.background_compile import BackgroundCompile
 from fellow.runtime.model.loader import load_one_stage
+from fellow.runtime.model.plan_steps import background_for
 from fellow.runtime.server.base import StageServerBase
 from fellow.runtime.server.intake import Intake
 
@@ -40,10 +41,8 @@ class StageServer(StageServerBase):
                              speculative=t.speculative, draft=self.draft)
         self.kv_tokens = self.engine.kv_tokens  # with a draft model, each token holds a position of both
         self.serving = self.make_loop()
-        if self.stage.plain_weights is not None and t.compile is None:  # the loader kept them for this
-            self.background = BackgroundCompile(self.stage, self.stage.plain_weights)
-            self.stage.plain_weights = None
-            self.stage.kernels = {**self.stage.kernels, "compiled": self.background.report}
+        self.background = background_for(self.stage, t)  # where plan_steps kept the plain weights for it
+        if self.background is not None:
             self.serving.between = self.background.poll
 
     def make_loop(self) -> ServingLoop:

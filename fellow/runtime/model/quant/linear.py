@@ -23,7 +23,8 @@ vocabulary held 0.18x of its float32 bytes with it, 0.139x without (docs/benchma
 - NF4 (``{"method": "nf4"}``): bitsandbytes' 4-bit NormalFloat, blocks of NF4_BLOCK weights with a
   float32 scale each, quantized by ``bitsandbytes.functional.quantize_4bit`` exactly as
   ``from_pretrained`` with ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")`` does
-  (a test compares the bytes; that config's other defaults: no double quantization, uint8 storage). On a CPU each call dequantizes its weight with bitsandbytes and multiplies in float32:
+  (a test compares the bytes; that config's other defaults: no double quantization, uint8 storage). On a CPU each
+  call dequantizes its weight with bitsandbytes and multiplies in float32:
   bitsandbytes' own CPU ``matmul_4bit`` (without its optional ``kernels`` package) took 3.5-5.5x a
   float32 matmul on this machine, dequantize-then-multiply 1.7x. NF4 on a CPU saves memory, not time.
   Its head is int8, as an int4 stage's (``from_pretrained`` leaves ``lm_head`` in full precision; a
@@ -242,7 +243,8 @@ class QuantLinear:
             rows = x.reshape(-1, self.in_features).to(torch.float16)
             out = bitsandbytes_module().matmul(rows, self.weight, bias=self.bias, state=self.state)
             return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        if kernel == "int8" and x.numel() <= int8_gemv.MAX_ROWS * self.in_features and int8_gemv.takes(self.in_features):
+        if (kernel == "int8" and x.numel() <= int8_gemv.MAX_ROWS * self.in_features
+                and int8_gemv.takes(self.in_features)):
             out = int8_gemv.int8_gemv(x.reshape(-1, self.in_features).float(), self.weight, self.scales_f32)
             out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
             return out if self.bias is None else out.add_(self.bias)

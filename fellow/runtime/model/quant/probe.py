@@ -30,7 +30,8 @@ def _kernel_runs(method: str, device: torch.device) -> bool:
     alone = linear(x[:1]).float()
     exact = linear.kernel in ("int8", "int4")
     ok = torch.allclose(got, want, atol=0.05, rtol=0.02) and (
-        torch.equal(alone, got[:1]) if exact else torch.allclose(alone, got[:1], atol=1e-2 if device.type == "cuda" else 1e-5))
+        torch.equal(alone, got[:1]) if exact
+        else torch.allclose(alone, got[:1], atol=1e-2 if device.type == "cuda" else 1e-5))
     if linear.kernel == "bnb-nf4":  # the weight it dequantizes is the one it was given, within NF4's steps
         ok = ok and float((linear.dequantized() - weight).abs().max()) < 0.2 * float(weight.abs().max())
     return bool(ok)
