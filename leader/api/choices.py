@@ -38,8 +38,8 @@ class Choices:
         self.answers = [Answer(i, lp, (prefixes or [""] * len(relays))[i], reasoning) for i, lp in enumerate(logprobs)]
 
     @classmethod
-    async def open(cls, leader: Gateway, streams: TokenStreams, chats: list[ChatRequest], stream: bool, token_id: str, timeout: float,
-                   prefixes: list[str] | None = None, reasoning: bool | None = None) -> "Choices":
+    async def open(cls, leader: Gateway, streams: TokenStreams, chats: list[ChatRequest], stream: bool, token_id: str,
+                   timeout: float, prefixes: list[str] | None = None, reasoning: bool | None = None) -> "Choices":
         """Subscribe to every choice's frames, then submit them all (nothing is recorded on a bad payload)."""
         for chat in chats:
             check_payload(leader.nc, chat)

@@ -77,7 +77,8 @@ async def get_model(serving: ServingDep, model_id: FromPath[str]) -> dict:
 
 
 async def _last_ended(db, model_id: str) -> dict | None:
-    """With nothing loaded: how the model's latest load ended (failed, with the stage's exit and log line, or unloaded)."""
+    """With nothing loaded: how the model's latest load ended (failed, with the stage's exit and log line, or
+    unloaded)."""
     load = (await db.scalars(select(Load).where(Load.model_id == model_id).order_by(Load.requested_at.desc())
                              .limit(1))).first()
     if load is None:

@@ -74,7 +74,8 @@ def load_view(load: Load, stages, latest: dict) -> LoadView:
                     num_stages=load.num_stages, requested_at=load.requested_at, ready_at=load.ready_at,
                     ended_at=load.ended_at, transport=load.transport, quantization=load.quantization,
                     quantization_requested=load.quantization_requested,
-                    quantization_reason=load.quantization_reason or None, replicas=len({s.replica for s in stages}) or 1,
+                    quantization_reason=load.quantization_reason or None,
+                    replicas=len({s.replica for s in stages}) or 1,
                     stages=views, metrics=admitting[0] if len(admitting) == 1 else _summed(admitting))
 
 
