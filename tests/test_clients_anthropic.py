@@ -80,6 +80,18 @@ def test_stop_sequence_whole_and_streamed(client):
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "message_delta" in kinds
 
 
+def test_a_system_turn_effort_and_a_prompt_too_long(client):
+    """A system turn among the messages (as Claude Code sends them), output_config.effort, and a conversation
+    longer than the model holds: Anthropic's 400 "prompt is too long" (what Claude Code reads), not a 413."""
+    reply = client.messages.create(model=MODEL, max_tokens=3, output_config={"effort": "low"}, messages=[
+        *HELLO, {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}])
+    assert reply.stop_reason == "max_tokens"
+    with pytest.raises(anthropic.BadRequestError) as long:
+        long_text = " ".join(str(i) for i in range(15000))  # past the 32,768 tokens a one-stage pool holds
+        client.messages.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": long_text}])
+    assert long.value.body["error"]["message"].startswith("prompt is too long"), long.value.body
+
+
 def test_stream_event_sequence_on_the_wire(stack):
     body = {"model": MODEL, "max_tokens": 4, "messages": HELLO, "stream": True, "temperature": 0}
     with httpx.stream("POST", stack.url + "/v1/messages", json=body, timeout=120) as s:
@@ -132,7 +144,7 @@ def test_errors_as_the_sdks_exception_classes(stack, client):
                                                                       "data": "AA=="}}]}])
 
 
-COUNTABLE = (0, 1, 3, 6)  # bad bodies whose prompt count_tokens still takes (what is wrong is not the prompt's)
+COUNTABLE = (0, 1, 3, 6, 7)  # bad bodies whose prompt count_tokens still takes (what is wrong is not the prompt's)
 
 
 @pytest.mark.parametrize("case, body", enumerate([
@@ -141,8 +153,9 @@ COUNTABLE = (0, 1, 3, 6)  # bad bodies whose prompt count_tokens still takes (wh
     {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "video"}]}]},
     {"model": MODEL, "max_tokens": 10**9, "messages": HELLO},
     {"model": MODEL, "max_tokens": 5, "messages": []},
-    {"model": MODEL, "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]},
+    {"model": MODEL, "max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]},
     {"model": MODEL, "max_tokens": 5, "messages": HELLO, "temperature": 1.5},
+    {"model": MODEL, "max_tokens": 5, "messages": HELLO, "output_config": {"effort": "huge"}},
     {"model": MODEL, "max_tokens": 5, "messages": HELLO, "tool_choice": {"type": "maybe"}},
     {"model": MODEL, "max_tokens": 5, "messages": HELLO, "thinking": {"type": "enabled", "budget_tokens": 10}},
     {"model": MODEL, "max_tokens": 5, "messages": HELLO, "tools": [{"type": "web_search_20250305", "name": "w"}]},

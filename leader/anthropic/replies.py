@@ -24,12 +24,21 @@ def error_object(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
+def anthropic_status(status: int, code: str | None, message: str) -> tuple[int, str]:
+    """Anthropic's status and message for one of ours: a conversation longer than the model holds is its
+    400 "prompt is too long" (what Claude Code reads to compact), not a 413 (a body too large); overloaded
+    is 529."""
+    if code == "context_length_exceeded":
+        return 400, f"prompt is too long: {message}"
+    return STATUS.get(status, status), message
+
+
 def sse(kind: str, data: dict) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + _enc.encode(data) + b"\n\n"
 
 
 def error_event(exc: ApiError) -> bytes:
-    return sse("error", error_object(exc.status_code, exc.detail))
+    return sse("error", error_object(*anthropic_status(exc.status_code, exc.code, exc.detail)))
 
 
 

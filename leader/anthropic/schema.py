@@ -5,9 +5,9 @@ Served: ``system`` (text or text blocks), ``messages`` with ``text``, ``tool_use
 blocks (``thinking`` blocks of earlier turns are left out, as the chat template leaves them out),
 ``max_tokens`` (required), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``, ``metadata``, ``tools``
 with ``tool_choice`` (auto, any, tool, none), ``thinking`` (enabled or disabled: the model's
-``enable_thinking``), ``output_config.format`` (a JSON schema the reply follows) and ``stream``.
-``cache_control`` needs nothing: the prefix cache is automatic. Anything else
-that would change the reply is refused with a 400.
+``enable_thinking``; so is ``output_config.effort``: low is off), ``output_config.format`` (a JSON
+schema the reply follows) and ``stream``. ``cache_control`` needs nothing: the prefix cache is
+automatic. Anything else that would change the reply is refused with a 400.
 """
 
 from __future__ import annotations
@@ -126,8 +126,10 @@ def _turn(i: int, msg) -> list[Message]:
     if not isinstance(msg, dict):
         raise bad(param, f"{param} must be an object with 'role' and 'content'")
     role, content = msg.get("role"), msg.get("content")
+    if role == "system":  # a system turn among the messages (Claude Code sends them): text only
+        return _system(content)
     if role not in ("user", "assistant"):
-        raise bad(f"{param}.role", f"{param}.role must be 'user' or 'assistant' (the system prompt is 'system')")
+        raise bad(f"{param}.role", f"{param}.role must be 'user', 'assistant' or 'system'")
     if isinstance(content, str):
         return [Message(role=role, content=content)]
     if not isinstance(content, list):
@@ -246,11 +248,22 @@ def _refuse(body: MessagesBody) -> None:
     for name in ("speed", "inference_geo"):
         if getattr(body, name) is not None:
             raise ApiError(400, f"'{name}' is not served by this server", code="unsupported_parameter", param=name)
-    if (body.output_config or {}).get("effort") is not None:
-        raise ApiError(400, "'output_config.effort' is not served: use 'thinking'", code="unsupported_parameter",
-                       param="output_config.effort")
     if body.service_tier not in (None, "auto", "standard_only"):
         raise bad("service_tier", "service_tier must be 'auto' or 'standard_only'")
+
+
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+
+
+def effort_thinking(config: dict | None, thinking: dict | None) -> dict | None:
+    """``output_config.effort`` where ``thinking`` is not given: "low" is no thinking, the others think
+    (the model's ``enable_thinking``); how long it thinks is the model's, within ``max_tokens``."""
+    effort = (config or {}).get("effort")
+    if effort is None:
+        return None
+    if effort not in EFFORTS:
+        raise bad("output_config.effort", f"output_config.effort must be one of {', '.join(EFFORTS)}")
+    return None if thinking is not None else {"enable_thinking": effort != "low"}
 
 
 def output_format(config: dict | None) -> ResponseFormat | None:
@@ -273,4 +286,5 @@ def chat_body(body: MessagesBody) -> ChatBody:
                     max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                     stop=body.stop_sequences or None, tools=tools_of(body.tools), tool_choice=choice,
                     parallel_tool_calls=parallel, response_format=output_format(body.output_config),
-                    chat_template_kwargs=thinking_of(body.thinking, body.max_tokens))
+                    chat_template_kwargs=thinking_of(body.thinking, body.max_tokens)
+                    or effort_thinking(body.output_config, body.thinking))

@@ -14,7 +14,7 @@ from litestar.params import JSONBody
 from litestar.response import Stream
 from litestar.types import ASGIApp, Receive, Scope, Send
 
-from leader.anthropic.replies import STATUS, MessageBuilder, error_event, error_object
+from leader.anthropic.replies import MessageBuilder, anthropic_status, error_event, error_object
 from leader.anthropic.schema import (
     CountBody,
     MessagesBody,
@@ -59,7 +59,7 @@ def anthropic_errors(request: Request, exc: Exception) -> Response:
     answer = _openai_handler(request, exc)
     content = answer.content if isinstance(answer.content, dict) else {}
     message = (content.get("error") or {}).get("message") or "error"
-    status = STATUS.get(answer.status_code, answer.status_code)
+    status, message = anthropic_status(answer.status_code, getattr(exc, "code", None), message)
     return Response(error_object(status, message), status_code=status, headers=answer.headers)
 
 
