@@ -92,6 +92,13 @@ def test_a_system_turn_effort_and_a_prompt_too_long(client):
     assert long.value.body["error"]["message"].startswith("prompt is too long"), long.value.body
 
 
+def test_hanging_up_on_a_stream_cancels_it(client, stack):
+    with client.messages.stream(model=MODEL, max_tokens=1900, messages=HELLO) as s:
+        next(e for e in s if e.type == "content_block_delta")  # the request runs: its stage takes a cancel
+    wait_until(lambda: stack.sql("SELECT count(*) FROM requests WHERE max_tokens = 1900 AND finish_reason = "
+                                 "'cancelled' AND completion_tokens < 1900")[0][0] == 1, 30, "the stream cancelled")
+
+
 def test_stream_event_sequence_on_the_wire(stack):
     body = {"model": MODEL, "max_tokens": 4, "messages": HELLO, "stream": True, "temperature": 0}
     with httpx.stream("POST", stack.url + "/v1/messages", json=body, timeout=120) as s:

@@ -55,6 +55,14 @@ def test_chat_whole_and_streamed(client, stack):
     assert f'model_name="{MODEL}"' in httpx.get(stack.url + "/metrics").text
 
 
+def test_hanging_up_on_a_stream_cancels_it(client, stack):
+    parts = client.chat(model=MODEL, messages=HELLO, stream=True, options={"num_predict": 1900})
+    next(p for p in parts if p.message.content)  # the request runs: its stage takes a cancel
+    parts.close()
+    wait_until(lambda: stack.sql("SELECT count(*) FROM requests WHERE max_tokens = 1900 AND finish_reason = "
+                                 "'cancelled' AND completion_tokens < 1900")[0][0] == 1, 30, "the stream cancelled")
+
+
 def test_generate_whole_and_streamed(client):
     reply = client.generate(model=MODEL, prompt="Once", system="Be brief.", options={"num_predict": 4})
     assert reply.done and reply.response and reply.eval_count == 4

@@ -78,6 +78,8 @@ async def _events(relay, out: MessageBuilder, model_dir: str):
             yield out.finish(value) if kind == "done" else out.piece(kind, value)
     except ApiError as exc:
         yield error_event(exc)
+    finally:  # a hang-up before the first frame cancels too (pieces closes the stream once it runs)
+        relay.stream.close(cancel=True, grace_s=0)
 
 
 

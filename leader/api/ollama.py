@@ -47,6 +47,8 @@ async def _lines(relay, out: OllamaReply, model_dir: str):
                 yield line(obj)
     except ApiError as exc:
         yield line({"error": exc.detail})
+    finally:  # a hang-up before the first frame cancels too
+        relay.stream.close(cancel=True, grace_s=0)
 
 
 
