@@ -1,6 +1,7 @@
 """Ollama's API through the `ollama` Python client, unchanged, against `swarm leader` and `swarm fellow`
 processes serving a tiny random model with Qwen3's template: chat (streamed and whole), generate, list,
-show, ps, version, a tool round trip, ``format`` with a schema and "json", ``think``; pull and delete
+show, ps, version, a tool round trip, ``format`` with a schema and "json", ``think`` (a second model whose
+template opens a ``<think>`` block); pull and delete
 refused naming the catalog's way; bad bodies answered as ``{"error": ...}`` (never a 5xx) while the stack
 keeps serving; the SQL audit and /metrics count the requests."""
 
@@ -14,10 +15,11 @@ import ollama
 import pytest
 
 from tests.processes import wait_until
-from tests.serving_fixtures import one_model_stack
+from tests.serving_fixtures import make_servable, stack_serving
+from tests.tiny import R1_TEMPLATE
 
 pytestmark = pytest.mark.slow
-MODEL = "tiny"
+MODEL, THINKER = "tiny", "tiny-r1"
 HELLO = [{"role": "user", "content": "Say hello."}]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                            "count": {"type": "integer", "minimum": 1, "maximum": 9}},
@@ -29,9 +31,11 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    for stack, _, _ in one_model_stack(tmp_path_factory.mktemp("ollama"), layers=2, stages=1,
-                                       env={"OMP_NUM_THREADS": 1}):
-        yield stack
+    root = tmp_path_factory.mktemp("ollama")
+    make_servable(root, MODEL, layers=2, stages=1)
+    make_servable(root, THINKER, layers=2, stages=1, chat_template=R1_TEMPLATE)  # its reply starts thinking
+    env = {"SWARM_MAX_LOADED_MODELS": 2, "OMP_NUM_THREADS": 1}
+    yield from stack_serving(root, root / "servables", MODEL, THINKER, env=env, num_stages=1)
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +77,11 @@ def test_generate_whole_and_streamed(client):
 
 def test_list_show_ps_version(client, stack):
     models = client.list().models
-    assert [m.model for m in models] == [MODEL] and models[0].size > 0 and models[0].details.family
+    assert sorted(m.model for m in models) == [MODEL, THINKER] and models[0].size > 0 and models[0].details.family
     shown = client.show(MODEL)
     assert "tools" in shown.capabilities and "thinking" in shown.capabilities and "<tool_call>" in shown.template
     assert shown.modelinfo["general.parameter_count"] > 0
-    assert [m.model for m in client.ps().models] == [MODEL]
+    assert sorted(m.model for m in client.ps().models) == [MODEL, THINKER]
     assert httpx.get(stack.url + "/api/version").json()["version"]
     with pytest.raises(ollama.ResponseError) as missing:
         client.show("nope")
@@ -102,8 +106,12 @@ def test_tool_round_trip_and_think(client):
     for part in client.chat(model=MODEL, tools=[WEATHER], messages=HELLO, stream=True, options={"num_predict": 40}):
         for c in part.message.tool_calls or []:  # a random model calls now and then: a call is whole, its args a dict
             assert c.function.name == "get_weather" and isinstance(c.function.arguments, dict)
-    thought = client.chat(model=MODEL, messages=HELLO, think=False, options={"num_predict": 4})
-    assert thought.message.thinking is None
+    plain = client.chat(model=MODEL, messages=HELLO, think=False, options={"num_predict": 4})
+    assert plain.message.thinking is None
+    thought = client.chat(model=THINKER, messages=HELLO, think=True, options={"num_predict": 30})
+    assert thought.message.thinking and "<think>" not in thought.message.content  # apart from the answer
+    parts = list(client.generate(model=THINKER, prompt="Hi", think=True, stream=True, options={"num_predict": 30}))
+    assert "".join(p.thinking or "" for p in parts) and parts[-1].done
 
 
 def test_pull_and_delete_name_the_catalog_way(client):
