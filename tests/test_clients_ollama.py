@@ -114,6 +114,15 @@ def test_tool_round_trip_and_think(client):
     assert "".join(p.thinking or "" for p in parts) and parts[-1].done
 
 
+def test_errors_name_ollamas_parameters(client):
+    with pytest.raises(ollama.ResponseError) as huge:
+        client.chat(model=MODEL, messages=HELLO, options={"num_predict": 10**9})
+    assert huge.value.status_code == 400 and "'options.num_predict'" in huge.value.error
+    with pytest.raises(ollama.ResponseError) as hot:
+        client.chat(model=MODEL, messages=HELLO, options={"temperature": 9.0})
+    assert "'options.temperature'" in hot.value.error
+
+
 def test_pull_and_delete_name_the_catalog_way(client):
     for call in (lambda: client.pull("llama3"), lambda: client.delete(MODEL)):
         with pytest.raises(ollama.ResponseError) as refused:

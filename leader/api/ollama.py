@@ -16,7 +16,7 @@ from leader.api.pieces import pieces, whole
 from leader.api.relay import open_relay
 from leader.errors import ApiError, exception_handlers
 from leader.ollama.replies import OllamaReply, line, loaded
-from leader.ollama.schema import OllamaBody, chat_body, decode_body
+from leader.ollama.schema import OllamaBody, chat_body, decode_body, renamed
 from leader.openai.schema import empty_body
 from leader.openai.tokenizer import tokenizer_for
 from leader.openai.tool_formats import check_template
@@ -60,11 +60,14 @@ async def _serve(request: Request, leader, serving, streams, caller, chat_timeou
     if (generate and not data.prompt) or (not generate and not data.messages):  # Ollama's "load the model"
         await serving.ready_load(body.model, leader.settings.leader.autoload)
         return Response(loaded(body.model, generate), media_type="application/json")
-    messages = check_body(body)
-    ready = await serving.ready_load(body.model, leader.settings.leader.autoload)
-    if request_tools(body)[0]:
-        check_template(tokenizer_for(ready.model_dir).chat_template)
-    relay = await open_relay(leader, streams, caller, chat_timeout_s, body, messages, ready, api="ollama")
+    try:
+        messages = check_body(body)
+        ready = await serving.ready_load(body.model, leader.settings.leader.autoload)
+        if request_tools(body)[0]:
+            check_template(tokenizer_for(ready.model_dir).chat_template)
+        relay = await open_relay(leader, streams, caller, chat_timeout_s, body, messages, ready, api="ollama")
+    except ApiError as exc:
+        raise renamed(exc) from None
     out = OllamaReply(body.model, generate)
     if body.stream:
         return Stream(_lines(relay, out, ready.model_dir), media_type=NDJSON)

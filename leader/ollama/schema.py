@@ -147,6 +147,19 @@ def _options(options: dict | None) -> dict:
     return out
 
 
+_NAMES = {chat: f"options.{name}" for name, chat in OPTIONS.items()} | {"response_format": "format",
+                                                                        "chat_template_kwargs": "think"}
+
+
+def renamed(exc: ApiError) -> ApiError:
+    """A chat check's error with Ollama's names (``'max_tokens'`` is ``'options.num_predict'`` here)."""
+    for chat, name in _NAMES.items():
+        exc.detail = exc.detail.replace(f"'{chat}'", f"'{name}'")
+        if exc.param == chat:
+            exc.param = name
+    return exc
+
+
 def chat_body(body: OllamaBody, generate: bool) -> ChatBody:
     """The chat body an Ollama request runs as."""
     if not body.model:
