@@ -53,3 +53,13 @@ def _handle(request: Request, exc: Exception) -> Response:
 
 
 exception_handlers = {Exception: _handle}
+
+
+def renamed_as(exc: ApiError, names: dict[str, str]) -> ApiError:
+    """A chat check's error in the names of an API translated onto chat (``names``: chat's name to its own),
+    in its message and its param."""
+    for chat, name in names.items():
+        exc.detail = exc.detail.replace(f"'{chat}'", f"'{name}'")
+        if exc.param == chat:
+            exc.param = name
+    return exc

@@ -149,6 +149,10 @@ def test_errors_as_the_sdks_exception_classes(stack, client):
         client.messages.create(model=MODEL, max_tokens=5, messages=[
             {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                                                       "data": "AA=="}}]}])
+    with pytest.raises(anthropic.BadRequestError) as parallel:  # chat's check, in Anthropic's names
+        client.messages.create(model=MODEL, max_tokens=5, messages=HELLO, tools=[WEATHER],
+                               tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert "'tool_choice.disable_parallel_tool_use'" in parallel.value.body["error"]["message"]
 
 
 COUNTABLE = (0, 1, 3, 6, 7)  # bad bodies whose prompt count_tokens still takes (what is wrong is not the prompt's)

@@ -31,13 +31,15 @@ from leader.api.deps import Caller, ChatTimeout, LeaderDep, ServingDep, StreamsD
 from leader.api.pieces import pieces, whole
 from leader.api.relay import SSE_HEADERS, open_relay
 from leader.api.tokenize import model_tokenizer
-from leader.errors import ApiError, exception_handlers
+from leader.errors import ApiError, exception_handlers, renamed_as
 from leader.openai.schema import ChatBody, empty_body
 from leader.openai.tokenizer import tokenizer_for
 from leader.openai.tool_formats import check_template
 from leader.openai.validate import chat_messages, check_body, request_tools
 
 _openai_handler = exception_handlers[Exception]
+CHAT_NAMES = {"stop": "stop_sequences", "response_format": "output_config.format",
+              "parallel_tool_calls": "tool_choice.disable_parallel_tool_use", "chat_template_kwargs": "thinking"}
 
 
 def api_key_as_bearer(app: ASGIApp) -> ASGIApp:
@@ -91,12 +93,15 @@ async def messages(request: Request, leader: LeaderDep, serving: ServingDep, str
     if data is None:
         raise empty_body()
     body = chat_body(data)
-    chat_messages_ = check_body(body)
-    ready = await serving.ready_load(body.model, leader.settings.leader.autoload)
-    if request_tools(body)[0]:
-        check_template(tokenizer_for(ready.model_dir).chat_template)
-    relay = await open_relay(leader, streams, caller, chat_timeout_s, body, chat_messages_, ready,
-                             api="anthropic")
+    try:
+        chat_messages_ = check_body(body)
+        ready = await serving.ready_load(body.model, leader.settings.leader.autoload)
+        if request_tools(body)[0]:
+            check_template(tokenizer_for(ready.model_dir).chat_template)
+        relay = await open_relay(leader, streams, caller, chat_timeout_s, body, chat_messages_, ready,
+                                 api="anthropic")
+    except ApiError as exc:
+        raise renamed_as(exc, CHAT_NAMES) from None
     out = MessageBuilder(body.model)
     if body.stream:
         return Stream(_events(relay, out, ready.model_dir), media_type="text/event-stream", headers=SSE_HEADERS)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import msgspec
 
-from leader.errors import ApiError
+from leader.errors import ApiError, renamed_as
 from leader.openai.schema import ChatBody, Message, ResponseFormat, decode_struct, empty_body
 
 _enc = msgspec.json.Encoder()
@@ -153,11 +153,7 @@ _NAMES = {chat: f"options.{name}" for name, chat in OPTIONS.items()} | {"respons
 
 def renamed(exc: ApiError) -> ApiError:
     """A chat check's error with Ollama's names (``'max_tokens'`` is ``'options.num_predict'`` here)."""
-    for chat, name in _NAMES.items():
-        exc.detail = exc.detail.replace(f"'{chat}'", f"'{name}'")
-        if exc.param == chat:
-            exc.param = name
-    return exc
+    return renamed_as(exc, _NAMES)
 
 
 def chat_body(body: OllamaBody, generate: bool) -> ChatBody:
