@@ -5,7 +5,8 @@ setting) beside nats-server's default sync, in one run (issue 53; bench/bench_na
 
 Two real stacks, each its own nats-server (its store under the system's temporary folder, a real disk),
 leader, fellow and stage, serve bench_serving's ~45M-parameter Qwen3; each round, at each concurrency,
-each stack in turn (the order reversed every other round) streams that many replies at once. It prints
+each stack in turn (the order reversed every other round) streams that many replies at once, after a
+round that is not counted. It prints
 each stack's median over rounds of the aggregate tokens/s and the single stream's TTFT, and synced over
 default.
 """
@@ -48,11 +49,13 @@ def main() -> None:
                                  **dict(kv.split("=", 1) for kv in args.env)).start()
             stacks[name].load("bench45m")
         got: dict[str, dict[int, list[dict]]] = {n: {c: [] for c in args.concurrency} for n in stacks}
-        for r in range(args.rounds):
+        for r in range(-1, args.rounds):  # round -1 warms both stacks up (its first replies run 5-10x slower)
             order = list(stacks) if r % 2 == 0 else list(reversed(stacks))
             for c in args.concurrency:
                 for name in order:
                     res = asyncio.run(load_test(stacks[name].url, "bench45m", c, args.tokens))
+                    if r < 0:
+                        continue
                     got[name][c].append(res)
                     print(json.dumps({"sync": name, "round": r, "streams": c, "agg_tok_s": round(res["agg_tok_s"], 1),
                                       "ttft_ms": round(res["ttft_ms"], 1)}), flush=True)
