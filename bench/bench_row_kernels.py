@@ -2,11 +2,11 @@
 
     .venv/bin/python bench/bench_row_kernels.py [--shapes q46m-v4k q36m-l20] [--contexts 64 512 2048]
 
-- Float32 rows (``fellow/runtime/model/f32_gemv.py``): one row times every weight of a decode step of each
+- Float32 rows (``fellow/runtime/kernels/f32_gemv.py``): one row times every weight of a decode step of each
   shape (qkv, o, gate and up, down per layer, then the head; random weights laid out as a stage holds them,
   more bytes than any cache), in order, as ``swarm::f32_rows`` against ``F.linear`` (MKL's one-row GEMV)
   and torch's product and sum run eagerly. GB/s of weights read, best of 15 passes.
-- One session's attention (``fellow/runtime/model/attend_kernel.py``): a layer's key and value written and
+- One session's attention (``fellow/runtime/kernels/attend_kernel.py``): a layer's key and value written and
   its heads attended over ``--contexts`` past positions, through the kernel (called as ``attend_one`` calls
   it) against torch's two copies and sdpa (``attend_one``'s fallback), us a call, best of 5 x 200 calls.
 """
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_matrix import SHAPES  # noqa: E402
-from fellow.runtime.model import attend_kernel, f32_gemv  # noqa: E402
+from fellow.runtime.kernels import attend_kernel, f32_gemv  # noqa: E402
 
 
 def step_weights(shape: tuple) -> list[torch.Tensor]:

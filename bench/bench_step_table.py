@@ -53,7 +53,8 @@ def run_shape(name: str, tmp: Path, rows_list: list[int]) -> list[dict]:
 
     ckpt = make_checkpoint(tmp / name / "hf", SHAPES[name])
     export(ckpt, tmp / "servables" / name, stages=1, model_id=name)
-    stage = load_one_stage(tmp / "servables" / name, "cpu", StageOptions()).stage
+    # compile=None: SWARM_SERVE_COMPILE=auto, which keeps the plain weights the native step is built from
+    stage = load_one_stage(tmp / "servables" / name, "cpu", StageOptions(compile=None)).stage
     plain = stage.plain_weights  # kept for the background compile, which this process does not start
     forms = {"fused": None}
     if plain is not None and native_why_not(stage) is None:

@@ -1,4 +1,4 @@
-"""The C kernel a compiled one-session decode step attends with (fellow.runtime.model.attend_kernel): the
+"""The C kernel a compiled one-session decode step attends with (fellow.runtime.kernels.attend_kernel): the
 same outputs as torch's sdpa over the session's past, its new key and value written where the cache keeps
 them, over head sizes with and without a remainder, grouped queries, a sliding window's start, buffers whose
 positions are further apart than a head's size, and heads split over threads."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fellow.runtime.model import attend_kernel
+from fellow.runtime.kernels import attend_kernel
 
 pytestmark = [pytest.mark.skipif(not attend_kernel.available(),
                                 reason=f"no attention kernel: {attend_kernel.unavailable_reason()}"),

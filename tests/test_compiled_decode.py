@@ -111,7 +111,7 @@ def test_one_sessions_attention_equals_sdpa_over_its_cache(compiled, name, kerne
     included, and the same cache; through the C kernel, and through torch where it is not built."""
     import torch.nn.functional as F
 
-    from fellow.runtime.model import attend_kernel
+    from fellow.runtime.kernels import attend_kernel
     from fellow.runtime.model.attend_one import attend_one
     from fellow.runtime.model.kv_cache import random_caches
 
@@ -152,7 +152,7 @@ def test_one_sessions_attention_equals_sdpa_over_its_cache(compiled, name, kerne
         assert any(w is not None and w < 41 for w in fused.windows.values())
 
 
-@pytest.mark.skipif(not __import__("fellow.runtime.model.f32_gemv", fromlist=["x"]).available(),
+@pytest.mark.skipif(not __import__("fellow.runtime.kernels.f32_gemv", fromlist=["x"]).available(),
                     reason="the float32 row kernel does not build here")
 def test_the_kernel_form_multiplies_through_the_row_kernel_and_gives_generates_reply(compiled):
     """The kernel form (graph_linear.KERNEL): every float32 weight at one row through swarm::f32_rows (the

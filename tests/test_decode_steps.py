@@ -20,7 +20,7 @@ import pytest
 import torch
 import transformers
 
-from fellow.runtime.model import native, step_kernel
+from fellow.runtime.kernels import native, step_kernel
 from fellow.runtime.model.checked_step import CheckedStep
 from fellow.runtime.model.compiled import CompiledDecode
 from fellow.runtime.model.cuda_graphs import graph_decode

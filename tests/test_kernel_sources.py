@@ -35,7 +35,7 @@ def test_no_python_module_under_fellow_holds_c_source():
 
 
 def test_every_library_source_is_shipped():
-    from fellow.runtime.model import attend_kernel, f32_gemv, step_kernel
+    from fellow.runtime.kernels import attend_kernel, f32_gemv, step_kernel
     from fellow.runtime.model.quant import int8_gemv
 
     names = {k.source for k in (step_kernel.STEP, f32_gemv.KERNEL, attend_kernel.KERNEL, int8_gemv.KERNEL)}
@@ -46,7 +46,7 @@ def test_every_library_source_is_shipped():
 
 def structs() -> dict[str, type[ctypes.Structure]]:
     """Each ctypes mirror of a C struct, by its C name."""
-    from fellow.runtime.model import step_kernel
+    from fellow.runtime.kernels import step_kernel
 
     return {"Lin": step_kernel.Lin, "Layer": step_kernel.Layer, "Model": step_kernel.Model}
 
@@ -108,7 +108,7 @@ def test_make_kernels_compiles_every_source_warning_free(tmp_path):
 
 
 def test_make_kernels_uses_the_flags_native_builds_with():
-    from fellow.runtime.model import native
+    from fellow.runtime.kernels import native
 
     values = dict(line.split(" := ", 1) for line in (ROOT / "Makefile").read_text().splitlines() if " := " in line)
     assert values["KERNEL_FLAGS"].split() == native.FLAGS
@@ -116,7 +116,7 @@ def test_make_kernels_uses_the_flags_native_builds_with():
 
 
 def libraries():
-    from fellow.runtime.model import attend_kernel, f32_gemv, step_kernel
+    from fellow.runtime.kernels import attend_kernel, f32_gemv, step_kernel
     from fellow.runtime.model.quant import int8_gemv
 
     return [step_kernel.STEP, f32_gemv.KERNEL, attend_kernel.KERNEL, int8_gemv.KERNEL]
@@ -126,7 +126,7 @@ def libraries():
 @pytest.mark.parametrize("index", range(4))
 def test_every_kernel_builds_where_a_compiler_and_avx2_are(index):
     """Fails, not skips, where the build fails: a kernel's own tests skip only without compiler or AVX2."""
-    from fellow.runtime.model import native
+    from fellow.runtime.kernels import native
 
     if not native.cpu_has_avx2_fma():
         pytest.skip("this CPU lacks AVX2 or FMA")
@@ -136,7 +136,7 @@ def test_every_kernel_builds_where_a_compiler_and_avx2_are(index):
 
 @needs_cc
 def test_a_failed_build_logs_the_compilers_whole_stderr_and_returns_one_line(tmp_path, monkeypatch, caplog):
-    from fellow.runtime.model import native
+    from fellow.runtime.kernels import native
 
     if not native.cpu_has_avx2_fma():
         pytest.skip("this CPU lacks AVX2 or FMA")
@@ -150,7 +150,7 @@ def test_a_failed_build_logs_the_compilers_whole_stderr_and_returns_one_line(tmp
 
 
 def test_the_cache_key_holds_the_compiler_flags_and_sources(monkeypatch):
-    from fellow.runtime.model import native
+    from fellow.runtime.kernels import native
 
     key = native.cache_key("f32_gemv.c", native.FLAGS, "cc")
     assert key == native.cache_key("f32_gemv.c", native.FLAGS, "cc")

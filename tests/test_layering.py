@@ -4,8 +4,8 @@
 - core/ imports no leader/ or fellow/ (the CLI reaches them by name: pyproject's swarm.parts entry points);
 - leader/ imports no fellow/, and fellow/ imports no leader/;
 - torch and transformers are imported only under fellow/runtime/;
-- inside fellow/runtime/ the arrows run down: ring -> server -> engine -> model (a package imports its own
-  modules and the ones below it); tools (export, calibration, the demo model) sits beside them on top,
+- inside fellow/runtime/ the arrows run down: ring -> server -> engine -> model -> kernels -> steps (a package
+  imports its own modules and the ones below it); tools (export, calibration, the demo model) sits beside them on top,
   and none of them imports it;
 - no module is over 350 lines unless its docstring has a line saying why (``Over 350 lines: ...``).
 """
@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("events", "core", "leader", "fellow")
 OURS = set(LAYERS)
 TORCH = {"torch", "transformers"}
-RUNTIME_ORDER = ("model", "engine", "server", "ring", "tools")  # each imports only itself and what is left of it
+# each imports only itself and what is left of it
+RUNTIME_ORDER = ("steps", "kernels", "model", "engine", "server", "ring", "tools")
 MAX_LINES = 350
 
 

@@ -20,7 +20,7 @@ import torch
 import transformers
 
 from events.stage import StageOptions
-from fellow.runtime.model import native, step_kernel
+from fellow.runtime.kernels import native, step_kernel
 from fellow.runtime.model.background_compile import BackgroundCompile
 from fellow.runtime.model.checked_step import QUANTIZED_LOGIT_TOLERANCE
 from fellow.runtime.model.graph_linear import REDUCE
@@ -215,7 +215,7 @@ CAPABILITY_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "
 
 
 def skip_unless_cpu_has(capability: str) -> None:
-    from fellow.runtime.model import native
+    from fellow.runtime.kernels import native
 
     lacking = sorted(CAPABILITY_FLAGS[capability] - native._cpu_flags())
     if lacking:
@@ -226,7 +226,7 @@ BUILDS = """
 import sys, torch
 from pathlib import Path
 from events.stage import StageOptions
-from fellow.runtime.model import native
+from fellow.runtime.kernels import native
 from fellow.runtime.model.loader import load_one_stage
 from fellow.runtime.model.native_step import NativeStep, why_not
 from fellow.runtime.tools.export import export
@@ -307,7 +307,7 @@ def test_what_it_cannot_take_says_why_and_the_background_compile_builds_it_where
 def test_its_library_builds_on_the_compile_thread_and_a_failed_build_says_why(tmp_path, monkeypatch):
     """``why_not`` builds nothing (the C compiler's 3 s would delay the stage's ready): ``warm``, on the compile
     thread, builds; where that fails, the step's check says why and ``why_not`` from then on too."""
-    from fellow.runtime.model import native
+    from fellow.runtime.kernels import native
 
     (tmp_path / "broken.c").write_text("this is not C")
     broken = native.Kernel("swarm_step_broken", tmp_path / "broken.c", "the native step kernel", "swarm_step", [])

@@ -1,5 +1,5 @@
 """The C sources of the fellow's own CPU kernels, shipped as package data and compiled on first use by
-``fellow.runtime.model.native.build`` (``make kernels`` compiles them all with ``-Werror``).
+``fellow.runtime.kernels.native.build`` (``make kernels`` compiles them all with ``-Werror``).
 
 ``csrc/*.c`` are the libraries (one each: ``step_kernel.c``, ``f32_gemv.c``, ``attend_one.c``,
 ``int8_gemv.c``); ``csrc/*.h`` the pieces they share, included (``-I`` the csrc folder). Each struct is

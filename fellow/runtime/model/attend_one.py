@@ -17,7 +17,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from fellow.runtime.model import attend_kernel
+from fellow.runtime.kernels import attend_kernel
 
 # by cache: what its buffers were when their addresses were taken, and by absolute layer index (keys address,
 # values address, head stride, position stride); taken again whenever the buffers change (reserve, a slab)

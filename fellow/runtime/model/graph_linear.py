@@ -51,7 +51,7 @@ class GraphLinear:
 
 def gemv_forms() -> tuple[str, ...]:
     """The forms that can be built here: the kernel one where ``f32_gemv`` builds."""
-    from fellow.runtime.model import f32_gemv
+    from fellow.runtime.kernels import f32_gemv
 
     return tuple(form for form in GEMV_FORMS if form != KERNEL or f32_gemv.available())
 
@@ -74,7 +74,7 @@ def keep(module: nn.Module, name: str, linear, plain) -> GraphLinear:
     for quantized weights; ``plain.of`` gives a plain weight's float32 form)."""
     module.register_buffer(f"{name}_bias", linear.bias)
     if type(linear) is Linear:
-        from fellow.runtime.model import f32_gemv  # decided here: the graph traces no library lookup
+        from fellow.runtime.kernels import f32_gemv  # decided here: the graph traces no library lookup
 
         weight = plain.of(linear)
         module.register_buffer(name, weight)

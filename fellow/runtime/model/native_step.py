@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fellow.runtime.model import native, step_kernel
+from fellow.runtime.kernels import native, step_kernel
 from fellow.runtime.model.attend_one import _addresses_of
 from fellow.runtime.model.checked_step import CheckedStep
 from fellow.runtime.model.compiled import PlainWeights, why_not as why_not_compiled

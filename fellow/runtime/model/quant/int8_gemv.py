@@ -29,7 +29,7 @@ import threading
 
 import torch
 
-from fellow.runtime.model import native
+from fellow.runtime.kernels import native
 
 log = logging.getLogger(__name__)
 

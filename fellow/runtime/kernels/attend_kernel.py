@@ -21,7 +21,7 @@ import ctypes
 
 import torch
 
-from fellow.runtime.model import native
+from fellow.runtime.kernels import native
 
 PARALLEL_WORK = 1 << 17  # heads x positions x head dim from which the heads are split over threads
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import ctypes
 
-from fellow.runtime.model import native
+from fellow.runtime.kernels import native
 
 
 class Lin(ctypes.Structure):

@@ -18,7 +18,7 @@ import ctypes
 
 import torch
 
-from fellow.runtime.model import native
+from fellow.runtime.kernels import native
 
 KERNEL = native.Kernel("f32_gemv", "f32_gemv.c", "the float32 row kernel", "swarm_f32_gemv",
                        [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2)
