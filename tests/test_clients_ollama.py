@@ -1,6 +1,7 @@
 """Ollama's API through the `ollama` Python client, unchanged, against `swarm leader` and `swarm fellow`
 processes serving a tiny random model with Qwen3's template: chat (streamed and whole), generate, list,
-show, ps, version, a tool round trip, ``format`` with a schema and "json", ``think`` (a second model whose
+show, ps, version, a tool round trip, a tool call coming back (a third model, tests/tool_caller.py, whose
+greedy reply is one Hermes call), ``format`` with a schema and "json", ``think`` (a second model whose
 template opens a ``<think>`` block); pull and delete
 refused naming the catalog's way; bad bodies answered as ``{"error": ...}`` (never a 5xx) while the stack
 keeps serving; the SQL audit and /metrics count the requests."""
@@ -17,9 +18,10 @@ import pytest
 from tests.processes import wait_until
 from tests.serving_fixtures import make_servable, stack_serving
 from tests.tiny import R1_TEMPLATE
+from tests.tool_caller import make_tool_caller
 
 pytestmark = pytest.mark.slow
-MODEL, THINKER = "tiny", "tiny-r1"
+MODEL, THINKER, CALLER = "tiny", "tiny-r1", "tiny-caller"
 HELLO = [{"role": "user", "content": "Say hello."}]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                            "count": {"type": "integer", "minimum": 1, "maximum": 9}},
@@ -34,8 +36,9 @@ def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("ollama")
     make_servable(root, MODEL, layers=2, stages=1)
     make_servable(root, THINKER, layers=2, stages=1, chat_template=R1_TEMPLATE)  # its reply starts thinking
-    env = {"SWARM_MAX_LOADED_MODELS": 2, "OMP_NUM_THREADS": 1}
-    yield from stack_serving(root, root / "servables", MODEL, THINKER, env=env, num_stages=1)
+    make_tool_caller(root, CALLER, "get_weather", {"city": "Oslo"})  # its greedy reply calls get_weather
+    env = {"SWARM_MAX_LOADED_MODELS": 3, "OMP_NUM_THREADS": 1}
+    yield from stack_serving(root, root / "servables", MODEL, THINKER, CALLER, env=env, num_stages=1)
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +80,12 @@ def test_generate_whole_and_streamed(client):
 
 def test_list_show_ps_version(client, stack):
     models = client.list().models
-    assert sorted(m.model for m in models) == [MODEL, THINKER] and models[0].size > 0 and models[0].details.family
+    assert sorted(m.model for m in models) == sorted([MODEL, THINKER, CALLER])
+    assert models[0].size > 0 and models[0].details.family
     shown = client.show(MODEL)
     assert "tools" in shown.capabilities and "thinking" in shown.capabilities and "<tool_call>" in shown.template
     assert shown.modelinfo["general.parameter_count"] > 0
-    assert sorted(m.model for m in client.ps().models) == [MODEL, THINKER]
+    assert sorted(m.model for m in client.ps().models) == sorted([MODEL, THINKER, CALLER])
     assert httpx.get(stack.url + "/api/version").json()["version"]
     with pytest.raises(ollama.ResponseError) as missing:
         client.show("nope")
@@ -112,6 +116,25 @@ def test_tool_round_trip_and_think(client):
     assert thought.message.thinking and "<think>" not in thought.message.content  # apart from the answer
     parts = list(client.generate(model=THINKER, prompt="Hi", think=True, stream=True, options={"num_predict": 30}))
     assert "".join(p.thinking or "" for p in parts) and parts[-1].done
+
+
+def test_a_tool_call_comes_back_whole_and_streamed(client):
+    ask = dict(model=CALLER, tools=[WEATHER], messages=[{"role": "user", "content": "Weather in Oslo?"}],
+               options={"num_predict": 8, "temperature": 0})
+    reply = client.chat(**ask)
+    assert reply.done and reply.done_reason == "stop" and reply.message.content == "", reply
+    [call] = reply.message.tool_calls or []
+    assert call.function.name == "get_weather" and call.function.arguments == {"city": "Oslo"}
+    parts = list(client.chat(**ask, stream=True))
+    calls = [c for p in parts for c in p.message.tool_calls or []]
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", {"city": "Oslo"})]
+    assert "".join(p.message.content for p in parts) == "" and parts[-1].done and parts[-1].done_reason == "stop"
+    assert all(not p.done for p in parts[:-1]) and parts[-1].eval_count == reply.eval_count
+    closed = client.chat(**ask, think=False)  # after a closed think block the same call
+    assert [(c.function.name, c.function.arguments) for c in closed.message.tool_calls or []] == [
+        ("get_weather", {"city": "Oslo"})]
+    unasked = client.chat(**{**ask, "tools": None})  # no tools offered: the same text, not read as a call
+    assert not unasked.message.tool_calls and "get_weather" in unasked.message.content
 
 
 def test_errors_name_ollamas_parameters(client):
