@@ -546,8 +546,8 @@ def test_a_ring_whose_middle_stage_is_replaced_replays_its_sessions_to_the_same_
             for sid, tokens in result.tokens.items():
                 got.setdefault(sid, []).extend(tokens)
             finished += result.finished
-            if not replaced and sum(map(len, got.values())) >= 6:
-                replaced = True
+            if not replaced and len(got) == len(prompts) and min(map(len, got.values())) >= 2:
+                replaced = True  # every session has frames in the ring, so every one must replay
                 ring.head.runner.pause("stage 1 is lost")
                 paused = ring.head.step()  # what came back before the pause counts; nothing after it
                 for sid, tokens in paused.tokens.items():
@@ -560,7 +560,7 @@ def test_a_ring_whose_middle_stage_is_replaced_replays_its_sessions_to_the_same_
     finally:
         ring.close()
     assert replaced and got == expected, {k: (got[k], expected[k]) for k in got if got[k] != expected[k]}
-    assert [s.timing()["replays"] for s in finished] == [1, 1, 1] and ring.head.runner.replays == 3
+    assert [s.timing().get("replays", 0) for s in finished] == [1, 1, 1] and ring.head.runner.replays == 3
 
 
 def test_a_ring_that_drafts_leaves_a_grammar_row_undrafted(copier):
