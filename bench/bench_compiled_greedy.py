@@ -32,7 +32,7 @@ def check(name: str, tmp: Path, prompts: int, tokens: int, batch: int = 1) -> di
     from transformers import AutoModelForCausalLM
 
     from events.stage import StageOptions
-    from fellow.runtime.model.loader import load_one_stage
+    from fellow.runtime.model.load.loader import load_one_stage
     from fellow.runtime.tools.export import export
 
     ckpt = make_checkpoint(tmp / name / "hf", SHAPES[name])

@@ -53,7 +53,7 @@ def run_shape(name: str, shape: tuple, tmp: Path, tokens: int, streams: list[int
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from events.stage import StageOptions
-    from fellow.runtime.model.loader import load_one_stage, pick_dtype
+    from fellow.runtime.model.load.loader import load_one_stage, pick_dtype
     from fellow.runtime.tools.export import export
 
     ckpt = make_checkpoint(tmp / name / "hf", shape)

@@ -35,7 +35,7 @@ from fellow.runtime.engine.draft_model import load_draft_model  # noqa: E402
 from fellow.runtime.engine.engine import local_engine  # noqa: E402
 from fellow.runtime.engine.prefix_cache import PrefixCache  # noqa: E402
 from fellow.runtime.engine.session import Session  # noqa: E402
-from fellow.runtime.model.loader import load_one_stage  # noqa: E402
+from fellow.runtime.model.load.loader import load_one_stage  # noqa: E402
 
 SEEN = ["What is {}?", "Tell me about {}."]
 UNSEEN = ["Could you describe {} briefly?", "I keep hearing about {}; what does it mean?"]

@@ -12,7 +12,7 @@ import transformers
 from events.requests import Sampling
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.session import Session
-from fellow.runtime.model.kernels import prepare_stage
+from fellow.runtime.model.load.kernels import prepare_stage
 from fellow.runtime.model.stage import StageModel
 
 GREEDY = Sampling(temperature=0.0)

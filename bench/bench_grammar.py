@@ -21,7 +21,7 @@ from events.requests import Sampling
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.processors import constraint_for
 from fellow.runtime.engine.session import Session
-from fellow.runtime.model.kernels import prepare_stage
+from fellow.runtime.model.load.kernels import prepare_stage
 from fellow.runtime.model.stage import StageModel
 
 ITEM = {"type": "object", "additionalProperties": False, "required": ["name", "level", "tags", "ok"],

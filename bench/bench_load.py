@@ -1,5 +1,5 @@
 """What a stage's load spends measuring (issue 13's budget: under 2 s for a 1B model on a CPU): the
-kernel choice (each weight shape timed under each kernel, ``fellow.runtime.model.kernels``) and the
+kernel choice (each weight shape timed under each kernel, ``fellow.runtime.model.load.kernels``) and the
 step costs (``SWARM_SERVE_STEP_COSTS``: a decode step at batch 1 and at the batch cap), each the way
 the stage does it now and the way it did before (seven timed calls per kernel and row count, each
 after reading 64 MiB, every kernel timed to the end; three timed steps per batch size, each after an
@@ -45,8 +45,8 @@ WAYS = {
 
 def measure(servable: Path, way: str, cap: int) -> dict:
     from events.stage import StageOptions
-    from fellow.runtime.model import kernels
-    from fellow.runtime.model.loader import load_one_stage
+    from fellow.runtime.model.load import kernels
+    from fellow.runtime.model.load.loader import load_one_stage
 
     changes = {name: getattr(kernels, value) if isinstance(value, str) else value
                for name, value in WAYS[way].items()}

@@ -49,7 +49,7 @@ def run_shape(name: str, tmp: Path, tokens: int, streams: list[int], rank: int) 
     from transformers import AutoTokenizer
 
     from events.stage import StageOptions
-    from fellow.runtime.model.loader import load_one_stage
+    from fellow.runtime.model.load.loader import load_one_stage
     from fellow.runtime.tools.export import export
 
     ckpt = make_checkpoint(tmp / name / "hf", SHAPES[name])

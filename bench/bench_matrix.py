@@ -10,7 +10,7 @@ subprocess; clients stream from /v1/chat/completions. The engine alone is the st
 serves it (fused layers, kernels chosen at load) driven in this process. TTFT added is the stack's
 median time to first token over short prompts minus the engine's own prefill-and-first-token time.
 ``--compile``: the stage's decode step compiled at those batch sizes (SWARM_SERVE_COMPILE), in the engine
-alone and in the stack's stage, each where it measured faster at load (fellow.runtime.model.compiled).
+alone and in the stack's stage, each where it measured faster at load (fellow.runtime.model.forms.compiled).
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def run_shape(name: str, shape: tuple, tmp: Path, tokens: int, streams: list[int
 def _engine_rows(row: dict, servable: Path, tok, tokens: int, streams: list[int], compile: str = "off") -> None:
     from core.settings import Settings
     from events.stage import StageOptions
-    from fellow.runtime.model.loader import load_one_stage
+    from fellow.runtime.model.load.loader import load_one_stage
 
     sizes = Settings.from_env({"SWARM_SERVE_COMPILE": compile}).serving.compile
     stage = load_one_stage(servable, "cpu", StageOptions(max_batch=max(streams), compile=sizes)).stage

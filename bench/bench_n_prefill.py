@@ -54,7 +54,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
-    from fellow.runtime.model.kernels import prepare_stage
+    from fellow.runtime.model.load.kernels import prepare_stage
     from fellow.runtime.model.stage import StageModel
 
     print(f"{args.prompt}-token prompt, {args.rounds} interleaved rounds (median), {torch.get_num_threads()} threads")

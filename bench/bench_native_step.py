@@ -29,11 +29,11 @@ import torch  # noqa: E402
 from bench.bench_matrix import SHAPES, make_checkpoint  # noqa: E402
 from bench.scratch import scratch_dir  # noqa: E402
 from events.stage import StageOptions  # noqa: E402
-from fellow.runtime.model.compiled import CompiledDecode  # noqa: E402
-from fellow.runtime.model.graph_linear import KERNEL, LINEAR, REDUCE, gemv_forms  # noqa: E402
+from fellow.runtime.model.forms.compiled import CompiledDecode  # noqa: E402
+from fellow.runtime.model.forms.graph_linear import KERNEL, LINEAR, REDUCE, gemv_forms  # noqa: E402
+from fellow.runtime.model.forms.native_step import NativeStep, why_not  # noqa: E402
 from fellow.runtime.model.kv_cache import random_caches  # noqa: E402
-from fellow.runtime.model.loader import load_one_stage  # noqa: E402
-from fellow.runtime.model.native_step import NativeStep, why_not  # noqa: E402
+from fellow.runtime.model.load.loader import load_one_stage  # noqa: E402
 from fellow.runtime.tools.export import export  # noqa: E402
 
 

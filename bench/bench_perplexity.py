@@ -128,7 +128,7 @@ def texts(which: tuple[str, ...]) -> dict[str, str]:
 def native(stage) -> str:
     """The stage's decode steps through the native step (``native_step``), as its background compile swaps it in
     where it measures faster; '' where it does, else why not."""
-    from fellow.runtime.model.native_step import NativeStep, why_not
+    from fellow.runtime.model.forms.native_step import NativeStep, why_not
 
     why = why_not(stage)
     if why is None:
@@ -143,7 +143,7 @@ def native(stage) -> str:
 def measure(model_dir: Path, scored: dict[str, str], ctx: int, chunks: int, tokens: int, decode: bool = False,
             with_native: bool = False, methods: tuple[str, ...] = METHODS) -> dict:
     """{text: {method: row}} for each stage of METHODS, float32 first (every ratio is to it)."""
-    from fellow.runtime.model.loader import load_one_stage
+    from fellow.runtime.model.load.loader import load_one_stage
 
     rows: dict[str, dict] = {name: {} for name in scored}
     reference: dict[str, tuple] = {}

@@ -64,7 +64,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
-    from fellow.runtime.model.kernels import prepare_stage
+    from fellow.runtime.model.load.kernels import prepare_stage
     from fellow.runtime.model.stage import StageModel
 
     ckpt = make_checkpoint(scratch_dir("swarm-bench-prefix-"), SHAPES[args.shape])

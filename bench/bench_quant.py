@@ -29,7 +29,7 @@ METHODS = ("none", "int8", "int4-fast", "nf4")
 
 def run_shape(name: str, tmp: Path, tokens: int, streams: list[int]) -> dict:
     from events.stage import StageOptions
-    from fellow.runtime.model.loader import load_one_stage
+    from fellow.runtime.model.load.loader import load_one_stage
 
     _, tok, model = prepare(name, SHAPES[name], tmp)
     row = {"name": name, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,

@@ -1,5 +1,5 @@
 """The decode slab against attending row by row: one fused decode step of a batch, on shapes of
-bench/bench_matrix.py, the two ways alternated in one process (fellow.runtime.model.decode_slab).
+bench/bench_matrix.py, the two ways alternated in one process (fellow.runtime.model.forms.decode_slab).
 
     .venv/bin/python bench/bench_slab.py [--shapes llama-deep q46m-v4k] [--rows 8] [--pasts 60 256]
     .venv/bin/python bench/bench_slab.py --rows 4 --widths 5 1 3 1   # a verify pass of drafts instead
@@ -56,7 +56,7 @@ def time_steps(stage, caches, ids, lengths, steps: int = 40, widths: list[int] |
 def run_shape(name: str, tmp: Path, rows: int, pasts: list[int], widths: list[int] | None = None) -> list[dict]:
     from events.stage import StageOptions
     from fellow.runtime.model.kv_cache import random_caches
-    from fellow.runtime.model.loader import load_one_stage
+    from fellow.runtime.model.load.loader import load_one_stage
     from fellow.runtime.tools.export import export
 
     ckpt = make_checkpoint(tmp / name / "hf", SHAPES[name])

@@ -78,7 +78,7 @@ def failing_prompt(vocab: int, hidden: int, tokens: int) -> tuple[list[int], lis
 def make_stage(ckpt: Path, plant: list[int] | None, batch_cap: int):
     from transformers import AutoModelForCausalLM
 
-    from fellow.runtime.model.kernels import prepare_stage
+    from fellow.runtime.model.load.kernels import prepare_stage
     from fellow.runtime.model.stage import StageModel
 
     model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32, attn_implementation="sdpa").eval()

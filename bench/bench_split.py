@@ -3,7 +3,7 @@ one after another. Decode tokens/s of the engine (fused layers, kernels chosen a
 sessions at a batch cap of 8, the decode slab as it is now (the sessions a batch leaves out keep
 their rows, so each batch steps over its own block of one slab) and as it was ("before": a rebuild
 gave them their own buffers, so every batch of every step rebuilt the slab), and at a batch cap of 16
-(one batch: the reference), alternated in one process (fellow.runtime.model.decode_slab).
+(one batch: the reference), alternated in one process (fellow.runtime.model.forms.decode_slab).
 
     .venv/bin/python bench/bench_split.py [--shapes llama-deep q46m-v4k q2-wide-mlp llama-gqa8] [--past 500]
 
@@ -62,7 +62,7 @@ def main() -> None:
     args = ap.parse_args()
     from bench.bench_spec import make_stage
     from fellow.runtime.engine.prefix_cache import PrefixCache
-    from fellow.runtime.model import decode_slab
+    from fellow.runtime.model.forms import decode_slab
 
     tmp = scratch_dir("swarm-bench-split-")
     print(f"{torch.get_num_threads()} threads, {args.sessions} sessions, pasts {args.past}+, {args.tokens} tokens each")

@@ -151,7 +151,7 @@ def engine_first_and_step(servable: Path, model_dir: Path, tokens: int = 32) -> 
     from events.stage import StageOptions
     from fellow.runtime.engine.engine import local_engine
     from fellow.runtime.engine.session import Session
-    from fellow.runtime.model.loader import load_one_stage
+    from fellow.runtime.model.load.loader import load_one_stage
 
     stage = load_one_stage(servable, "cpu", StageOptions(max_batch=8)).stage
     prompt = prompts_for(AutoTokenizer.from_pretrained(str(model_dir)), 1)[0]

@@ -33,9 +33,9 @@ from bench.bench_native_step import crop  # noqa: E402
 from bench.scratch import scratch_dir  # noqa: E402
 from events.stage import StageOptions  # noqa: E402
 from fellow.runtime.kernels import step_kernel  # noqa: E402
-from fellow.runtime.model import native_step  # noqa: E402
+from fellow.runtime.model.forms import native_step  # noqa: E402
 from fellow.runtime.model.kv_cache import random_caches  # noqa: E402
-from fellow.runtime.model.loader import load_one_stage  # noqa: E402
+from fellow.runtime.model.load.loader import load_one_stage  # noqa: E402
 from fellow.runtime.tools.export import export  # noqa: E402
 
 NOISE = "import time\nwhile True:\n    t = time.perf_counter()\n    while time.perf_counter() - t < 0.001: pass\n" \

@@ -46,9 +46,9 @@ def median_ms(step, caches, steps: int = 40) -> float:
 @torch.inference_mode()
 def run_shape(name: str, tmp: Path, rows_list: list[int]) -> list[dict]:
     from events.stage import StageOptions
+    from fellow.runtime.model.forms.native_step import NativeStep, why_not as native_why_not
     from fellow.runtime.model.kv_cache import random_caches
-    from fellow.runtime.model.loader import load_one_stage
-    from fellow.runtime.model.native_step import NativeStep, why_not as native_why_not
+    from fellow.runtime.model.load.loader import load_one_stage
     from fellow.runtime.tools.export import export
 
     ckpt = make_checkpoint(tmp / name / "hf", SHAPES[name])

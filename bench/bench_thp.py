@@ -33,8 +33,8 @@ def child(servable: Path, ckpt: Path, tokens: int, streams: list[int]) -> dict:
     from transformers import AutoTokenizer
 
     from events.stage import StageOptions
-    from fellow.runtime.model.kernels import step_costs
-    from fellow.runtime.model.loader import load_one_stage
+    from fellow.runtime.model.load.kernels import step_costs
+    from fellow.runtime.model.load.loader import load_one_stage
 
     tok = AutoTokenizer.from_pretrained(str(ckpt))
     started = time.perf_counter()

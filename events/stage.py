@@ -13,7 +13,7 @@ import msgspec
 class StageOptions(msgspec.Struct, frozen=True, kw_only=True):
     """How a stage serves: what placement planned for it (events.loads.TransportPlan) and its fellow's
     serving settings, built once by the fellow (fellow.manager.stage_options) and read whole by the stage
-    process and its loader (fellow.runtime.model.loader.build_stage)."""
+    process and its loader (fellow.runtime.model.load.loader.build_stage)."""
 
     # placement's plan, where the fellow's own settings may fill what it left open
     max_in_flight: int = 8
@@ -37,8 +37,9 @@ class StageOptions(msgspec.Struct, frozen=True, kw_only=True):
     devices: str = "auto"  # what the layers are split over (auto: every GPU, then the CPU)
     lora: str = "lean"  # adapters kept apart over quantized weights: lean, lean16 or peft
     attention: str = "auto"  # the HF layers' attention: auto, grouped or sdpa (model.grouped_attention)
-    # decode batch sizes compiled at load (fellow.runtime.model.compiled); None: batch 1 compiled in the background
-    # once the stage serves, swapped in where faster (fellow.runtime.model.background_compile)
+    # decode batch sizes compiled at load (fellow.runtime.model.forms.compiled); None: batch 1 compiled in the
+    # background
+    # once the stage serves, swapped in where faster (fellow.runtime.model.forms.background_compile)
     compile: tuple[int, ...] | None = ()
     cuda_graphs: bool = True  # a whole-model CUDA stage's decode replays graphs where faster
     fourbit_rows: str = "auto"  # auto, off, or a fixed row limit "1".."8" (model.fourbit_rows)

@@ -9,7 +9,7 @@ import uuid
 from core.bus import connect
 from events.requests import Sampling
 from fellow.runtime.engine.session import Session
-from fellow.runtime.model.kernels import step_costs
+from fellow.runtime.model.load.kernels import step_costs
 from fellow.runtime.ring.head import ring_engine
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.link import RingLink

@@ -52,7 +52,7 @@ def two_threads():
 def fresh_dynamo():
     """Each test module starts with dynamo's caches empty, where torch is loaded at all: every stage's decode
     graph is one code object, and a worker that ran many modules' compiles passed dynamo's limit of graphs a
-    code object (fellow/runtime/model/compiled.py), so a later compile failed for no fault of its own."""
+    code object (fellow/runtime/model/forms/compiled.py), so a later compile failed for no fault of its own."""
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None:
         dynamo.reset()

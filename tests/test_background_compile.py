@@ -1,4 +1,4 @@
-"""SWARM_SERVE_COMPILE=auto, the default (fellow.runtime.model.background_compile): a stage serves its fused
+"""SWARM_SERVE_COMPILE=auto, the default (fellow.runtime.model.forms.background_compile): a stage serves its fused
 step at once, compiles its decode step on another thread meanwhile, and swaps it in at a step boundary; the
 replies are the fused step's throughout, and the load's status says where the compile is.
 
@@ -18,10 +18,10 @@ from events.requests import Sampling
 from events.stage import StageOptions
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.session import Session
-from fellow.runtime.model.background_compile import COMPILING, BackgroundCompile, _choose
-from fellow.runtime.model.graph_linear import REDUCE
-from fellow.runtime.model.kernels import prepare_stage
-from fellow.runtime.model.loader import load_one_stage
+from fellow.runtime.model.forms.background_compile import COMPILING, BackgroundCompile, _choose
+from fellow.runtime.model.forms.graph_linear import REDUCE
+from fellow.runtime.model.load.kernels import prepare_stage
+from fellow.runtime.model.load.loader import load_one_stage
 from fellow.runtime.model.stage import StageModel
 from tests.processes import wait_until
 from tests.serving_fixtures import Stack, make_servable

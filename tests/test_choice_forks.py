@@ -10,7 +10,7 @@ import torch
 from events.requests import Sampling
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.session import Session
-from fellow.runtime.model.kernels import prepare_stage
+from fellow.runtime.model.load.kernels import prepare_stage
 from fellow.runtime.model.stage import StageModel
 from tests.tiny import small_qwen3
 

@@ -1,4 +1,4 @@
-"""The compiled decode step (fellow.runtime.model.compiled, SWARM_SERVE_COMPILE): on two shapes it
+"""The compiled decode step (fellow.runtime.model.forms.compiled, SWARM_SERVE_COMPILE): on two shapes it
 gives HF generate's greedy reply token for token, a compiled batch equals each session alone, and what
 it cannot compile it says why.
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 import transformers
 
-from fellow.runtime.model.compiled import compile_decode, why_not
-from fellow.runtime.model.kernels import prepare_stage
+from fellow.runtime.model.forms.compiled import compile_decode, why_not
+from fellow.runtime.model.load.kernels import prepare_stage
 from fellow.runtime.model.stage import StageModel
 from tests.tiny import make_tiny_checkpoint
 
@@ -112,7 +112,7 @@ def test_one_sessions_attention_equals_sdpa_over_its_cache(compiled, name, kerne
     import torch.nn.functional as F
 
     from fellow.runtime.kernels import attend_kernel
-    from fellow.runtime.model.attend_one import attend_one
+    from fellow.runtime.model.forms.attend_one import attend_one
     from fellow.runtime.model.kv_cache import random_caches
 
     if kernel and not attend_kernel.available():
@@ -159,8 +159,8 @@ def test_the_kernel_form_multiplies_through_the_row_kernel_and_gives_generates_r
     profiler sees it run), biases and a sliding window included, and the reply is generate's."""
     from torch.profiler import profile
 
-    from fellow.runtime.model.compiled import CompiledDecode
-    from fellow.runtime.model.graph_linear import KERNEL
+    from fellow.runtime.model.forms.compiled import CompiledDecode
+    from fellow.runtime.model.forms.graph_linear import KERNEL
 
     model, stage, _ = compiled["qwen2-window"]
     kernel = CompiledDecode(stage, stage.plain_weights, None, KERNEL)

@@ -21,12 +21,12 @@ import torch
 import transformers
 
 from fellow.runtime.kernels import native, step_kernel
-from fellow.runtime.model.checked_step import CheckedStep
-from fellow.runtime.model.compiled import CompiledDecode
-from fellow.runtime.model.cuda_graphs import graph_decode
-from fellow.runtime.model.kernels import prepare_stage
+from fellow.runtime.model.forms.checked_step import CheckedStep
+from fellow.runtime.model.forms.compiled import CompiledDecode
+from fellow.runtime.model.forms.cuda_graphs import graph_decode
+from fellow.runtime.model.forms.native_step import NativeStep
 from fellow.runtime.model.kv_cache import random_caches
-from fellow.runtime.model.native_step import NativeStep
+from fellow.runtime.model.load.kernels import prepare_stage
 from fellow.runtime.model.stage import StageModel
 from fellow.runtime.steps.protocol import DecodeStep, StepReport
 from tests.tiny import make_tiny_checkpoint
@@ -220,22 +220,23 @@ def _calls_in(tree: ast.AST, names: set[str]) -> list[str]:
 
 
 def test_plan_steps_is_the_only_chooser_and_stage_decode_is_one_call():
-    """Outside the chooser (model/plan_steps.py) and the modules that define them, nothing in the fellow's code
+    """Outside the chooser (model/forms/plan_steps.py) and the modules that define them, nothing in the fellow's code
     builds a form or fills a slot of the table; StageModel.decode is one statement."""
     choosers = {"compile_decode", "graph_decode", "BackgroundCompile", "CompiledSteps", "NativeStep",
                 "CompiledDecode", "GraphedDecode", "put"}
-    allowed = {"fellow/runtime/model/plan_steps.py": choosers,
-               "fellow/runtime/model/compiled.py": {"CompiledDecode", "put"},
-               "fellow/runtime/model/cuda_graphs.py": {"GraphedDecode", "put"},
+    allowed = {"fellow/runtime/model/forms/plan_steps.py": choosers,
+               "fellow/runtime/model/forms/compiled.py": {"CompiledDecode", "put"},
+               "fellow/runtime/model/forms/cuda_graphs.py": {"GraphedDecode", "put"},
                # the background compile builds its candidates, and puts what it found between two steps
-               "fellow/runtime/model/background_compile.py": {"NativeStep", "CompiledDecode", "CompiledSteps", "put"}}
+               "fellow/runtime/model/forms/background_compile.py": {"NativeStep", "CompiledDecode", "CompiledSteps",
+                                                                    "put"}}
     found = {}
     for path in sorted((ROOT / "fellow").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
         calls = set(_calls_in(ast.parse(path.read_text()), choosers)) - allowed.get(rel, set())
         if calls:
             found[rel] = sorted(calls)
-    assert not found, f"these pick a decode form outside model/plan_steps.py: {found}"
+    assert not found, f"these pick a decode form outside model/forms/plan_steps.py: {found}"
     tree = ast.parse((ROOT / "fellow/runtime/model/stage.py").read_text())
     decode = next(node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == "decode")
     body = [node for node in decode.body if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))]

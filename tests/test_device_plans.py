@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from core.quantization import NF4, NONE
-from fellow.runtime.model.device_split import Card, by_free_memory, plan_devices
-from fellow.runtime.model.weights import config_sizes
+from fellow.runtime.model.load.device_split import Card, by_free_memory, plan_devices
+from fellow.runtime.model.load.weights import config_sizes
 
 GIB, MIB, G = 1 << 30, 1 << 20, 10**9
 TWO_6GB = [Card("cuda:0", 6 * GIB - 300 * MIB, (7, 5), "GTX 1660 SUPER"),
@@ -97,7 +97,7 @@ def test_cards_too_small_for_a_layer_leave_it_to_the_cpu():
 
 
 def test_a_card_older_than_ampere_computes_in_float16_not_emulated_bfloat16():
-    from fellow.runtime.model.device_split import half_dtype
+    from fellow.runtime.model.load.device_split import half_dtype
 
     assert [half_dtype(c.capability) for c in (*TWO_6GB[:2], *BIG_SMALL[:2], GTX_1060[0])] == [
         "float16", "float16", "bfloat16", "bfloat16", "float16"]

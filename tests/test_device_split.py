@@ -10,9 +10,9 @@ import torch
 
 from core.servable import ServableError, load_manifest
 from events.stage import StageOptions
-from fellow.runtime.model.device_split import SplitError, plan_split
-from fellow.runtime.model.loader import load_one_stage
-from fellow.runtime.model.weights import stage_sizes
+from fellow.runtime.model.load.device_split import SplitError, plan_split
+from fellow.runtime.model.load.loader import load_one_stage
+from fellow.runtime.model.load.weights import stage_sizes
 from tests.serving_fixtures import make_servable
 
 G = 10**9
@@ -101,7 +101,7 @@ def budgets_for(servable, first_layers: int, dtype=torch.float32) -> tuple[int, 
 def test_a_stage_split_over_two_devices_serves_as_one(servable, caplog):
     first, whole = budgets_for(servable, 2)
     ids = [5, 9, 33, 2, 17, 80, 41, 3]
-    with caplog.at_level(logging.INFO, logger="fellow.runtime.model.loader"):
+    with caplog.at_level(logging.INFO, logger="fellow.runtime.model.load.loader"):
         split = load_one_stage(servable, options=StageOptions(packed_linear=False),
                                devices=[("cpu", first), ("cpu", whole)], kv_tokens=0).stage
     parts = split.kernels["devices"]
@@ -165,7 +165,7 @@ def tiny_hf(dtype):
 def test_half_storage_upcasts_where_it_measures_faster():
     from torch import nn
 
-    from fellow.runtime.model.half_storage import UPCAST_GAIN, UpcastLinear, apply_half_storage
+    from fellow.runtime.model.load.half_storage import UPCAST_GAIN, UpcastLinear, apply_half_storage
     from fellow.runtime.model.stage import StageModel
 
     ids = torch.tensor([5, 9, 33, 2, 17, 80])

@@ -1,5 +1,5 @@
 """4-bit matmuls of a few rows split into calls of a row limit, and computed in float32 where faster
-(fellow.runtime.model.fourbit_rows; SWARM_SERVE_4BIT_ROWS, SWARM_SERVE_4BIT_FLOAT32).
+(fellow.runtime.model.load.fourbit_rows; SWARM_SERVE_4BIT_ROWS, SWARM_SERVE_4BIT_FLOAT32).
 
 On the CPU: the policy as ``QuantLinear`` applies it (calls counted, results compared), a stage built with
 a fixed limit decoding as one without, the choice made from an injected timer's curves, the settings and
@@ -19,8 +19,8 @@ from core.servable import load_manifest
 from core.settings import Settings, SettingsError
 from events.fellow import CAP_4BIT_ROWS
 from events.stage import StageOptions
-from fellow.runtime.model import fourbit_rows
-from fellow.runtime.model.fourbit_rows import (
+from fellow.runtime.model.load import fourbit_rows
+from fellow.runtime.model.load.fourbit_rows import (
     FLOAT32_SAVING,
     capabilities,
     choose_row_limit,
@@ -28,7 +28,7 @@ from fellow.runtime.model.fourbit_rows import (
     plan_4bit_rows,
     stage_blocks,
 )
-from fellow.runtime.model.loader import build_stage
+from fellow.runtime.model.load.loader import build_stage
 from fellow.runtime.model.quant.linear import QuantLinear
 from tests.serving_fixtures import make_servable
 
@@ -170,7 +170,7 @@ def half_stage(servable):
 ])
 def test_the_choice_from_the_measured_curves_and_the_log_line(half_stage, caplog, half, faster_from, saving, limit,
                                                               upcast, verdict):
-    with caplog.at_level(logging.INFO, logger="fellow.runtime.model.fourbit_rows"):
+    with caplog.at_level(logging.INFO, logger="fellow.runtime.model.load.fourbit_rows"):
         status = plan_4bit_rows(half_stage, measure_cpu=True, prefill_chunk=256, label="stage0",
                                 time_block=timer(half, faster_from, saving))
     assert status["row_limit"] == limit
@@ -198,7 +198,7 @@ def test_the_row_limit_rule():
 
 
 def test_a_cpu_stage_is_not_measured_by_default_and_off_or_int8_does_nothing(servable, caplog):
-    with caplog.at_level(logging.INFO, logger="fellow.runtime.model.fourbit_rows"):
+    with caplog.at_level(logging.INFO, logger="fellow.runtime.model.load.fourbit_rows"):
         stage = build(servable, NF4)
     status = stage.kernels["4bit_rows"]
     assert status["row_limit"] == 0 and status["float32_rows"] == [] and "ms" not in status
@@ -286,7 +286,7 @@ def test_a_float32_call_that_fails_leaves_the_stage_in_its_dtype(half_stage, cap
             raise RuntimeError("no float32 rows for this kernel")
         return JUMP[m]
 
-    with caplog.at_level(logging.INFO, logger="fellow.runtime.model.fourbit_rows"):
+    with caplog.at_level(logging.INFO, logger="fellow.runtime.model.load.fourbit_rows"):
         status = plan_4bit_rows(half_stage, measure_cpu=True, time_block=time_block)
     assert status["row_limit"] == 3 and status["float32_rows"] == [] and "float32_ms" not in status
     assert status["why"].startswith("float32 failed on this card (RuntimeError: no float32 rows")

@@ -14,7 +14,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from core.settings import Settings, SettingsError
 from events.stage import StageOptions
 from fellow.runtime.model.grouped_attention import GROUPED, choose_attention, grouped_attention_forward
-from fellow.runtime.model.loader import build_stage
+from fellow.runtime.model.load.loader import build_stage
 from fellow.runtime.model.masks import piece_mask
 from fellow.runtime.model.stage import StageModel
 from tests.serving_fixtures import make_servable

@@ -67,7 +67,7 @@ linear = QuantLinear(torch.randn(32, 64), None, "int8")
 x = torch.randn(2, 64)
 ref = (x.to(torch.bfloat16).double() @ (linear.weight.double() * linear.scales_f32.double()[:, None]).t())
 from fellow.runtime.kernels import attend_kernel, f32_gemv
-from fellow.runtime.model.graph_linear import gemv_forms
+from fellow.runtime.model.forms.graph_linear import gemv_forms
 print(json.dumps({"available": int8_gemv.available(), "why": int8_gemv.unavailable_reason(),
                   "kernel": int8_gemv.rows_kernel(), "diff": float((linear(x).double() - ref).abs().max()),
                   "others": [attend_kernel.unavailable_reason(), f32_gemv.unavailable_reason()],

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from events.stage import StageOptions
-from fellow.runtime.model.kv_budget import cpu_free_bytes, held_tokens, resident_bytes
+from fellow.runtime.model.load.kv_budget import cpu_free_bytes, held_tokens, resident_bytes
 from fellow.runtime.model.stage import StageModel
 from fellow.runtime.server.base import kv_budget
 
@@ -55,8 +55,8 @@ def test_a_limit_below_what_the_process_holds_leaves_no_room():
 def test_a_card_computing_prompt_pieces_in_float32_keeps_their_weight_free():
     """The spec's TS12: Qwen3-14B's MLP weight dequantized in float32 (5120 x 17408 x 4 bytes, about
     356 MB) replaces the 300 MiB kept for passing buffers; a smaller one leaves the 300 MiB."""
-    from fellow.runtime.model.device_split import CUDA_KEEP_BYTES
-    from fellow.runtime.model.kv_budget import card_keep_bytes
+    from fellow.runtime.model.load.device_split import CUDA_KEEP_BYTES
+    from fellow.runtime.model.load.kv_budget import card_keep_bytes
 
     assert card_keep_bytes(5120 * 17408 * 4) == 356_515_840 > CUDA_KEEP_BYTES
     assert card_keep_bytes(64 * 128 * 4) == card_keep_bytes(0) == CUDA_KEEP_BYTES
@@ -66,8 +66,8 @@ def test_float32_piece_bytes_are_the_largest_4bit_weight_per_device(stage, tmp_p
     """Where fourbit_rows chose float32 prompt pieces (on a card; here its verdict is set on a CPU NF4
     stage), each device keeps its largest 4-bit weight in float32 free: a fused layer's gate_up."""
     from core.quantization import NF4
-    from fellow.runtime.model.kv_budget import float32_piece_bytes
-    from fellow.runtime.model.loader import load_one_stage
+    from fellow.runtime.model.load.kv_budget import float32_piece_bytes
+    from fellow.runtime.model.load.loader import load_one_stage
     from tests.serving_fixtures import make_servable
 
     assert float32_piece_bytes(stage) == {}  # no 4-bit weights, no float32 pieces

@@ -16,7 +16,7 @@ import transformers
 from core.servable import ServableError
 from events.ring import VERIFY, Hidden, Token
 from fellow.runtime.model.fused import Linear, fusable, layer_windows
-from fellow.runtime.model.kernels import prepare_stage
+from fellow.runtime.model.load.kernels import prepare_stage
 from fellow.runtime.model.recurrent import SESSIONS
 from fellow.runtime.model.stage import StageModel
 from fellow.runtime.tools.export import export
@@ -255,7 +255,7 @@ def test_a_hybrid_stage_cannot_roll_back_and_its_engine_turns_drafts_and_prefix_
     from fellow.runtime.engine.draft_model import DraftModel, DraftModelMismatch
     from fellow.runtime.engine.engine import local_engine
     from fellow.runtime.engine.session import Session
-    from fellow.runtime.model.loader import load_one_stage
+    from fellow.runtime.model.load.loader import load_one_stage
     from fellow.runtime.model.recurrent import RollbackRefused
 
     model = hf_model(checkpoints["qwen3-next"])
@@ -312,9 +312,9 @@ def test_a_hybrid_stages_cache_free_pass_and_step_costs(checkpoints, servables):
     """The stage modules' cache-free pass (the reference a servable is checked by) equals the HF model's
     logits over two stages; step costs time decode steps on random caches with random recurrent states."""
     from core.servable import load_manifest
-    from fellow.runtime.model.kernels import step_costs
     from fellow.runtime.model.kv_cache import random_caches
-    from fellow.runtime.model.weights import build_stage_modules
+    from fellow.runtime.model.load.kernels import step_costs
+    from fellow.runtime.model.load.weights import build_stage_modules
 
     model = hf_model(checkpoints["qwen3-next"])
     ids = torch.tensor([PROMPTS[2]])
@@ -336,7 +336,7 @@ def test_a_hybrid_stages_kv_budget_counts_keys_of_its_attention_layers_and_each_
     """A token costs the keys and values of the attention layers only; the states a session keeps in each
     linear layer, whatever its length, are what a real session's cache holds, and the budget keeps them
     free for every session that may be in flight before it counts tokens."""
-    from fellow.runtime.model import kv_budget
+    from fellow.runtime.model.load import kv_budget
 
     stage = StageModel.from_causal_lm(hf_model(checkpoints["qwen3-next"]))
     attention = sum(stage.attends)
@@ -368,7 +368,7 @@ def test_a_quantized_hybrid_stage_serves_its_linear_layers_quantized(checkpoints
     its own (quantization rounds), the same alone and in a decode step with others, and its logits close to
     the float stage's."""
     from events.stage import StageOptions
-    from fellow.runtime.model.loader import load_one_stage
+    from fellow.runtime.model.load.loader import load_one_stage
     from fellow.runtime.model.quant.quantizer import QuantModule
 
     stage = load_one_stage(servables["qwen3-next"], "cpu", StageOptions(quantization=method)).stage

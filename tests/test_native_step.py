@@ -1,4 +1,4 @@
-"""One session's decode step as one C call (fellow.runtime.model.native_step, the background compile's
+"""One session's decode step as one C call (fellow.runtime.model.forms.native_step, the background compile's
 ``native`` form): on a tied Qwen3 with per-head norms and grouped attention, and on a Qwen2 with biases
 whose upper layers slide, it gives HF generate's greedy reply token for token; an int8 stage replies as
 its fused step does, an int4 one within the quantized tolerance; quantized inputs past a multiple of 32 are
@@ -21,12 +21,12 @@ import transformers
 
 from events.stage import StageOptions
 from fellow.runtime.kernels import native, step_kernel
-from fellow.runtime.model.background_compile import BackgroundCompile
-from fellow.runtime.model.checked_step import QUANTIZED_LOGIT_TOLERANCE
-from fellow.runtime.model.graph_linear import REDUCE
-from fellow.runtime.model.kernels import prepare_stage
-from fellow.runtime.model.loader import load_one_stage
-from fellow.runtime.model.native_step import NATIVE, NativeStep, int4_rows, why_not
+from fellow.runtime.model.forms.background_compile import BackgroundCompile
+from fellow.runtime.model.forms.checked_step import QUANTIZED_LOGIT_TOLERANCE
+from fellow.runtime.model.forms.graph_linear import REDUCE
+from fellow.runtime.model.forms.native_step import NATIVE, NativeStep, int4_rows, why_not
+from fellow.runtime.model.load.kernels import prepare_stage
+from fellow.runtime.model.load.loader import load_one_stage
 from fellow.runtime.model.stage import StageModel
 from tests.serving_fixtures import make_servable
 from tests.test_compiled_decode import greedy
@@ -227,8 +227,8 @@ import sys, torch
 from pathlib import Path
 from events.stage import StageOptions
 from fellow.runtime.kernels import native
-from fellow.runtime.model.loader import load_one_stage
-from fellow.runtime.model.native_step import NativeStep, why_not
+from fellow.runtime.model.load.loader import load_one_stage
+from fellow.runtime.model.forms.native_step import NativeStep, why_not
 from fellow.runtime.tools.export import export
 from tests.tiny import make_tiny_checkpoint
 torch.set_num_threads(2)
@@ -271,7 +271,7 @@ def test_torchs_int4_packing_is_read_back_under_each_cpu_capability(capability):
     output counts with and without a short block. ATEN_CPU_CAPABILITY picks one at or below this CPU's."""
     check = """
 import sys, torch
-from fellow.runtime.model.native_step import int4_packing, int4_values
+from fellow.runtime.model.forms.native_step import int4_packing, int4_values
 for n in (32, 48, 96, 160, 192, 208):
     q = torch.randint(0, 16, (n, 128), dtype=torch.int32, generator=torch.Generator().manual_seed(n))
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2).view(torch.uint8)

@@ -16,9 +16,9 @@ from events.requests import Sampling
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.boundary import apply_inner
-from fellow.runtime.model.loader import load_one_stage
+from fellow.runtime.model.load.loader import load_one_stage
+from fellow.runtime.model.load.weights import build_stage_modules
 from fellow.runtime.model.stage import StageModel
-from fellow.runtime.model.weights import build_stage_modules
 from fellow.runtime.ring.loader import load_ring_stage
 from fellow.runtime.tools.export import export
 from tests.serving_fixtures import make_servable

@@ -10,8 +10,8 @@ from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.prefix_cache import BLOCK, PrefixCache
 from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.engine.session import Session
-from fellow.runtime.model.kernels import prepare_stage
 from fellow.runtime.model.kv_cache import KVCache
+from fellow.runtime.model.load.kernels import prepare_stage
 from fellow.runtime.model.stage import StageModel
 
 VOCAB = 256

@@ -16,7 +16,7 @@ import torch
 from core.quantization import INT4_FAST, INT8, NF4, NONE
 from core.servable import load_manifest
 from events.stage import StageOptions
-from fellow.runtime.model.loader import build_stage
+from fellow.runtime.model.load.loader import build_stage
 from fellow.runtime.model.quant import linear
 from fellow.runtime.model.quant.linear import (
     CUDA_KERNELS,

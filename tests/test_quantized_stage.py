@@ -18,14 +18,14 @@ import torch
 from core.quantization import INT4_FAST, INT8, NF4, NONE
 from core.servable import load_manifest
 from events.stage import StageOptions
-from fellow.runtime.model.kernels import quant_chooser
-from fellow.runtime.model.loader import build_stage
+from fellow.runtime.model.load.kernels import quant_chooser
+from fellow.runtime.model.load.loader import build_stage
+from fellow.runtime.model.load.weights import build_stage_modules, hf_config
 from fellow.runtime.model.quant.linear import NF4_BLOCK, QUANT_KERNELS, QuantLinear, int4_layout
 from fellow.runtime.model.quant.lora import LeanLoRA
 from fellow.runtime.model.quant.probe import probe
 from fellow.runtime.model.quant.quantizer import QuantEmbedding, QuantModule, StageQuantizer, quantize_children
 from fellow.runtime.model.quant.report import stage_weights
-from fellow.runtime.model.weights import build_stage_modules, hf_config
 from tests.serving_fixtures import make_servable
 
 PROMPTS, NEW_TOKENS = 8, 64
@@ -289,7 +289,7 @@ def test_serve_lora_modes_lean16_and_peft_serve_what_lean_does(tmp_path):
     assert stage_weights(built["peft"])[1] == params  # PEFT's adapter layers are not base parameters
 
     # the spec's [stageN lora-cost]: a step as served and with the adapters off, then back as they were
-    from fellow.runtime.model.kernels import adapters_off, lora_costs
+    from fellow.runtime.model.load.kernels import adapters_off, lora_costs
 
     for mode, stage in built.items():
         costs = lora_costs(stage)

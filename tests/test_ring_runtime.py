@@ -15,7 +15,7 @@ from events.requests import Sampling
 from events.ring import Hidden, Token, decode_frame, encode_frame
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.session import Session
-from fellow.runtime.model.loader import load_one_stage
+from fellow.runtime.model.load.loader import load_one_stage
 from fellow.runtime.ring.head import ring_engine
 from fellow.runtime.ring.inbox import Inbox
 from fellow.runtime.ring.loader import load_ring_stage

@@ -1,4 +1,4 @@
-"""The rotary rows a compiled decode step reads (fellow.runtime.model.rotary_rows): the same values, bit for bit,
+"""The rotary rows a compiled decode step reads (fellow.runtime.model.forms.rotary_rows): the same values, bit for bit,
 as the model's rotary module gives each position alone, past the table's first size, for a batch of
 positions, and for a rotary kind that depends on the longest position (not tabled)."""
 
@@ -9,8 +9,8 @@ import torch
 import transformers
 from transformers import Qwen3Config
 
+from fellow.runtime.model.forms.rotary_rows import TABLE_CHUNK, RotaryRows
 from fellow.runtime.model.fused import rotary_tables
-from fellow.runtime.model.rotary_rows import TABLE_CHUNK, RotaryRows
 
 
 @pytest.mark.parametrize("scaling,tabled", [(None, True), ({"rope_type": "linear", "factor": 2.0}, True),

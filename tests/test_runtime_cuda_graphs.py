@@ -14,9 +14,9 @@ import torch
 import transformers
 
 from fellow.runtime.engine.engine import local_engine
-from fellow.runtime.model.cuda_graphs import GraphedDecode, PoolCache, graph_decode
-from fellow.runtime.model.kernels import prepare_stage
+from fellow.runtime.model.forms.cuda_graphs import GraphedDecode, PoolCache, graph_decode
 from fellow.runtime.model.kv_cache import KVCache
+from fellow.runtime.model.load.kernels import prepare_stage
 from fellow.runtime.model.stage import StageModel
 from tests.test_runtime_draft_model import _planted
 from tests.test_runtime_speculative import copying, random_prompts, run
@@ -71,7 +71,7 @@ def test_a_pool_stage_decodes_as_its_eager_self_with_sessions_in_and_out_of_slot
     off, _ = run(local_engine(_stage(path), kv_tokens=8192, speculative=speculative), _sessions())
     stage = _stage(path)
     replays: list[int] = []
-    with caplog.at_level(logging.INFO, logger="fellow.runtime.model.cuda_graphs"):
+    with caplog.at_level(logging.INFO, logger="fellow.runtime.model.forms.cuda_graphs"):
         status = graph_decode(stage, slots=4, positions=48, capture=_counting(replays), label="fixed-shape",
                               choose=False)
     assert status["path"] == "fixed-shape" and status["buckets"] == [1, 2, 4], status
@@ -146,7 +146,7 @@ def test_a_replay_that_fails_while_serving_leaves_eager_steps_and_the_same_repli
     stage = _stage("hf")
     replays: list[int] = []
     graph_decode(stage, slots=4, positions=64, capture=_counting(replays, fail_after=8), choose=False)
-    with caplog.at_level(logging.WARNING, logger="fellow.runtime.model.cuda_graphs"):
+    with caplog.at_level(logging.WARNING, logger="fellow.runtime.model.forms.cuda_graphs"):
         on, _ = run(local_engine(stage, kv_tokens=8192), random_prompts(3, 30))
     assert on == off
     assert len(replays) == 9  # the check's three, five steps, the one that failed; then none
@@ -200,7 +200,7 @@ def test_a_ring_stage_and_a_cpu_stage_without_a_capture_get_no_pool():
 def test_on_cuda_the_decode_step_replays_a_checked_cuda_graph_and_greedy_replies_equal_generate(batch, caplog):
     model = _planted(3, 64, 0).to("cuda")
     stage = StageModel.from_causal_lm(model)
-    with caplog.at_level(logging.INFO, logger="fellow.runtime.model.cuda_graphs"):
+    with caplog.at_level(logging.INFO, logger="fellow.runtime.model.forms.cuda_graphs"):
         status = graph_decode(stage, slots=4, positions=128)
     assert status["path"] == "cuda-graph", (status, caplog.text)
     assert set(status["step_ms"]) == {"1", "4"}
@@ -218,7 +218,7 @@ def test_on_cuda_the_decode_step_replays_a_checked_cuda_graph_and_greedy_replies
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_a_cuda_load_says_in_its_status_whether_its_decode_replays_graphs(tmp_path):
     from events.stage import StageOptions
-    from fellow.runtime.model.loader import load_one_stage
+    from fellow.runtime.model.load.loader import load_one_stage
     from tests.serving_fixtures import make_servable
 
     _, servable = make_servable(tmp_path, stages=1)

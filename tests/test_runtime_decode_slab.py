@@ -1,4 +1,4 @@
-"""The decode slab (fellow.runtime.model.decode_slab): a fused decode batch attends in one call per layer
+"""The decode slab (fellow.runtime.model.forms.decode_slab): a fused decode batch attends in one call per layer
 over its sessions' caches side by side, and every session's greedy reply stays what it is alone, while
 sessions join, leave, outgrow the slab, or have pasts too uneven to share one."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from fellow.runtime.model import decode_slab
+from fellow.runtime.model.forms import decode_slab
 from fellow.runtime.model.fused import Linear
 from fellow.runtime.model.stage import StageModel
 from tests.tiny import make_tiny_checkpoint

@@ -14,8 +14,8 @@ import torch
 
 from fellow.runtime.engine.draft_model import DraftModel, load_draft_model
 from fellow.runtime.engine.engine import local_engine
-from fellow.runtime.model.draft_graph import CUDA_GRAPH, EAGER, FixedDecoder, SlotCache, fixed_decoder
-from fellow.runtime.model.kernels import prepare_stage
+from fellow.runtime.model.forms.draft_graph import CUDA_GRAPH, EAGER, FixedDecoder, SlotCache, fixed_decoder
+from fellow.runtime.model.load.kernels import prepare_stage
 from fellow.runtime.model.stage import StageModel
 from tests.test_runtime_draft_model import _planted
 from tests.test_runtime_speculative import copying, random_prompts, run
@@ -82,7 +82,7 @@ def test_the_fixed_shape_step_checks_against_eager_and_keeps_greedy_replies(path
 
 
 def test_on_a_cpu_the_draft_model_steps_eagerly_and_the_load_says_so(tmp_path, caplog):
-    from fellow.runtime.model.loader import load_one_stage
+    from fellow.runtime.model.load.loader import load_one_stage
     from tests.serving_fixtures import make_servable
 
     _, served = make_servable(tmp_path, "big", layers=2, hidden=64, stages=1)

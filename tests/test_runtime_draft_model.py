@@ -13,8 +13,8 @@ from events.requests import Sampling
 from fellow.runtime.engine.draft_model import DraftModel, DraftModelMismatch, check_same_vocabulary, load_draft_model
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.session import Session
-from fellow.runtime.model.kernels import prepare_stage
-from fellow.runtime.model.loader import load_one_stage
+from fellow.runtime.model.load.kernels import prepare_stage
+from fellow.runtime.model.load.loader import load_one_stage
 from fellow.runtime.model.stage import StageModel
 from tests.copying import plant_bigrams
 from tests.test_runtime_speculative import GREEDY, TEXT, VOCAB, copying, random_prompts, run

@@ -12,8 +12,8 @@ from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.engine.serving_loop import Job, ServingLoop
 from fellow.runtime.engine.session import Session
-from fellow.runtime.model.kernels import prepare_stage
-from fellow.runtime.model.packed_linear import pack_stage
+from fellow.runtime.model.load.kernels import prepare_stage
+from fellow.runtime.model.load.packed_linear import pack_stage
 from fellow.runtime.model.stage import StageModel
 
 VOCAB = 512

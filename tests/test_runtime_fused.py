@@ -9,8 +9,8 @@ import torch
 import transformers
 
 from fellow.runtime.model.fused import KERNELS, Linear, fusable
-from fellow.runtime.model.kernels import KernelChooser, available_kernels, prepare_stage, step_costs
-from fellow.runtime.model.packed_linear import pack_stage
+from fellow.runtime.model.load.kernels import KernelChooser, available_kernels, prepare_stage, step_costs
+from fellow.runtime.model.load.packed_linear import pack_stage
 from fellow.runtime.model.stage import StageModel
 from tests.tiny import FAMILIES, make_tiny_checkpoint
 
@@ -120,7 +120,7 @@ def test_the_chooser_times_seven_calls_or_three_once_they_took_their_budget(monk
     """Each kernel and row count gets SAMPLES timed calls after a first, untimed one, or MIN_SAMPLES once
     those took SAMPLE_BUDGET_S (a big weight's calls); a weight as big as the flush has no untimed call.
     Counted on the real Linear each call goes through."""
-    from fellow.runtime.model import kernels as chooser_module
+    from fellow.runtime.model.load import kernels as chooser_module
 
     calls: list[int] = []
 
@@ -149,7 +149,7 @@ def test_a_kernel_that_clearly_loses_is_timed_no_further():
     """The first kernel is timed in full; a second whose calls add up past CLEAR_LOSER times the
     first's sum stops there (one call after its warm one, no row count after it), and is not chosen.
     Counted on the real Linear each call goes through; the slow kernel is slow for real (it sleeps)."""
-    from fellow.runtime.model import kernels as chooser_module
+    from fellow.runtime.model.load import kernels as chooser_module
 
     calls: dict[str, list[int]] = {"mkl": [], "slow": []}
 
@@ -180,7 +180,7 @@ def test_step_costs_repeat_a_step_until_their_budget(models, monkeypatch):
     (the HF layers), then up to ``repeats`` timed steps, fewer (at least one) once they took
     STEP_COST_BUDGET_S (a 1B model's CPU step is over 0.2 s); the smaller batches after it without
     either, everything warm by then."""
-    from fellow.runtime.model import kernels as chooser_module
+    from fellow.runtime.model.load import kernels as chooser_module
 
     fused = StageModel.from_causal_lm(copy.deepcopy(models["qwen3", "deep"]))
     prepare_stage(fused, batch_cap=2)

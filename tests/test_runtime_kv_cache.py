@@ -4,8 +4,8 @@ import pytest
 import torch
 import transformers
 
-from fellow.runtime.model.kv_budget import CPU_CAP_TOKENS, bytes_per_token, kv_tokens_for, measured_kv_tokens
 from fellow.runtime.model.kv_cache import GROW_CHUNK, BatchedView, KVCache
+from fellow.runtime.model.load.kv_budget import CPU_CAP_TOKENS, bytes_per_token, kv_tokens_for, measured_kv_tokens
 from fellow.runtime.model.stage import StageModel
 
 HEADS, DIM = 2, 4

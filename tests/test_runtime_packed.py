@@ -9,8 +9,8 @@ import transformers
 from torch import nn
 
 from events.stage import StageOptions
-from fellow.runtime.model.loader import load_one_stage
-from fellow.runtime.model.packed_linear import PackedLinear, can_pack, pack_stage
+from fellow.runtime.model.load.loader import load_one_stage
+from fellow.runtime.model.load.packed_linear import PackedLinear, can_pack, pack_stage
 from fellow.runtime.model.stage import StageModel
 from fellow.runtime.tools.export import export
 from tests.tiny import FAMILIES, make_tiny_checkpoint

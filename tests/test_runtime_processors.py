@@ -11,7 +11,7 @@ from events.requests import Sampling
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.processors import MIN_LOGPROB, logprob_of, processed, sample_next
 from fellow.runtime.engine.session import Session
-from fellow.runtime.model.loader import load_one_stage
+from fellow.runtime.model.load.loader import load_one_stage
 from tests.serving_fixtures import make_servable
 from tests.test_ring_runtime import LocalRing
 

@@ -14,7 +14,7 @@ from fellow.runtime.engine.drafting import FAILED_PASSES, PAUSE_PASSES, DraftGua
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.engine.session import Session
-from fellow.runtime.model.kernels import prepare_stage
+from fellow.runtime.model.load.kernels import prepare_stage
 from fellow.runtime.model.stage import StageModel
 from tests.copying import plant_bigrams
 

@@ -11,8 +11,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from core.servable import ServableError, load_manifest, param_count
-from fellow.runtime.model.lora_merge import MAGNITUDE, merge_lora
-from fellow.runtime.model.weights import build_stage_modules, load_stage_state
+from fellow.runtime.model.load.lora_merge import MAGNITUDE, merge_lora
+from fellow.runtime.model.load.weights import build_stage_modules, load_stage_state
 from fellow.runtime.tools.export import export
 from tests.tiny import make_tiny_checkpoint
 

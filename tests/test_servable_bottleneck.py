@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core.servable import BottleneckCompressor, NoCompressor, load_manifest
 from core.servable_plan import plan_stage
-from fellow.runtime.model.weights import build_stage_modules
+from fellow.runtime.model.load.weights import build_stage_modules
 from fellow.runtime.tools.calibration import default_texts
 from fellow.runtime.tools.export import export
 from tests.tiny import make_tiny_checkpoint

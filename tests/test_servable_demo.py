@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 from core.servable import load_manifest
-from fellow.runtime.model.weights import build_stage_modules
+from fellow.runtime.model.load.weights import build_stage_modules
 from fellow.runtime.tools.demo_model import demo_examples, make_demo_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +71,7 @@ def test_the_demo_draft_shares_the_demo_models_tokenizer_and_drafts_for_it(tmp_p
     from fellow.runtime.engine.draft_model import load_draft_model
     from fellow.runtime.engine.engine import local_engine
     from fellow.runtime.engine.session import Session
-    from fellow.runtime.model.loader import load_one_stage
+    from fellow.runtime.model.load.loader import load_one_stage
     from fellow.runtime.tools.demo_model import DRAFT_SHAPE, make_demo_draft
 
     make_demo_model(tmp_path / "demo", seed=0, steps=2, **SMALL)

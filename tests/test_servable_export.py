@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from core.servable import ServableError, load_manifest
-from fellow.runtime.model.weights import build_stage_modules, load_stage_state
+from fellow.runtime.model.load.weights import build_stage_modules, load_stage_state
 from fellow.runtime.tools.export import export
 from tests.tiny import make_tiny_checkpoint
 

@@ -34,7 +34,7 @@ async def test_load_chat_over_bus_equals_hf_and_unload(tmp_path, nats_server, nc
         assert kernels["shapes"] and all(e["kernel"] in e["ms"] for e in kernels["shapes"].values())
         assert set(kernels["step_ms"]) == {"1", "4"} and all(ms > 0 for ms in kernels["step_ms"].values())
         assert "[stage0 step-costs] path=fused decode step batch 1:" in stack.logs()
-        costs = kernels["step_costs"]  # the spec's other step costs (fellow.runtime.model.step_report)
+        costs = kernels["step_costs"]  # the spec's other step costs (fellow.runtime.model.load.step_report)
         assert set(costs) == {"verify_ms", "batch_ms", "attn", "graph_spike"} and set(costs["batch_ms"]) == {"2", "4"}
         assert all(len(widths) == 8 for widths in costs["verify_ms"].values()), costs["verify_ms"]
         assert "[stage0 verify-cost] context 256: M=1:" in stack.logs()

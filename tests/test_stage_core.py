@@ -13,7 +13,7 @@ from events.requests import Sampling
 from fellow.runtime.engine.budget import ContextTooLong
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.session import Session
-from fellow.runtime.model.loader import load_one_stage
+from fellow.runtime.model.load.loader import load_one_stage
 from fellow.runtime.ring.session import RingFailure
 from tests.test_ring_runtime import COPY_TEXT, LocalRing, planted_servable
 

@@ -1,4 +1,4 @@
-"""The spec's step costs (fellow.runtime.model.step_report): verify, batch, attention, graph-spike and
+"""The spec's step costs (fellow.runtime.model.load.step_report): verify, batch, attention, graph-spike and
 profile on a stage whole and on a ring's two halves, the stage serving exactly as before; the setting's
 three values."""
 
@@ -12,9 +12,9 @@ import torch
 import transformers
 
 from core.settings import Settings, SettingsError
-from fellow.runtime.model.kernels import prepare_stage
+from fellow.runtime.model.load.kernels import prepare_stage
+from fellow.runtime.model.load.step_report import BATCH_ROWS, VERIFY_CONTEXTS, VERIFY_WIDTHS, measure, verify_contexts
 from fellow.runtime.model.stage import StageModel
-from fellow.runtime.model.step_report import BATCH_ROWS, VERIFY_CONTEXTS, VERIFY_WIDTHS, measure, verify_contexts
 from tests.tiny import make_tiny_checkpoint
 
 
@@ -71,7 +71,7 @@ def test_a_whole_stage_reports_every_cost_and_serves_as_before(model, fused, cap
         prepare_stage(stage, batch_cap=4)
     ids = list(range(4, 20))
     before = greedy(stage, None, ids, 8)
-    with caplog.at_level(logging.INFO, logger="fellow.runtime.model.step_report"):
+    with caplog.at_level(logging.INFO, logger="fellow.runtime.model.load.step_report"):
         report = measure(stage, 0, profiled=True)
     assert_costs(report, profiled=True, config=stage.config)
     assert greedy(stage, None, ids, 8) == before

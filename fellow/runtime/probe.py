@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     import torch
 
-    from fellow.runtime.model.fourbit_rows import capabilities
+    from fellow.runtime.model.load.fourbit_rows import capabilities
     from fellow.runtime.model.quant.probe import probe
 
     print(json.dumps(probe() + capabilities(torch.cuda.is_available(), args.fourbit_rows)), flush=True)

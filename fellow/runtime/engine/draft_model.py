@@ -10,12 +10,12 @@ the sequence, a point mass, so ``verify_drafts`` keeps greedy replies identical 
 exactly distributed (standard speculative sampling with q = the point mass on the draft).
 
 On CUDA the one-token steps replay a fixed-shape decoder captured as CUDA graphs
-(``fellow.runtime.model.draft_graph``): a session then keeps its cache in one of the decoder's
+(``fellow.runtime.model.forms.draft_graph``): a session then keeps its cache in one of the decoder's
 slots while it fits (its sequence and drafts within a slot's positions, a slot free); one that does
 not has its own growing cache and steps eagerly beside them. ``decoder_label`` says which runs.
 
 A draft model in half precision (float16 on CUDA) times one row through its largest weight in its
-own precision and upcast to float32 per matmul (``fellow.runtime.model.half_storage``): where the
+own precision and upcast to float32 per matmul (``fellow.runtime.model.load.half_storage``): where the
 upcast is clearly faster it computes in float32 over its half-precision weights and cache, at no extra
 memory (``upcast``, shown in the stage's kernels).
 
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from fellow.runtime.model.draft_graph import EAGER, FixedDecoder, SlotCache, fixed_decoder
-from fellow.runtime.model.half_storage import apply_half_storage
+from fellow.runtime.model.forms.draft_graph import EAGER, FixedDecoder, SlotCache, fixed_decoder
 from fellow.runtime.model.kv_cache import KVCache
+from fellow.runtime.model.load.half_storage import apply_half_storage
 from fellow.runtime.model.stage import StageModel
 
 PIECE_BATCH = 16  # catch-ups up to this long run together in one pass; longer ones (a prompt) alone
@@ -187,7 +187,7 @@ def load_draft_model(draft_dir: str | Path, target_stage: StageModel, target_tok
     """Load the servable at ``draft_dir`` as a whole model on ``device`` and check it against the served
     one; on CUDA its steps are captured (``draft_graph.fixed_decoder``, ``batch_cap`` slots), else eager."""
     from events.stage import StageOptions
-    from fellow.runtime.model.loader import load_one_stage
+    from fellow.runtime.model.load.loader import load_one_stage
 
     # its steps get a fixed-shape decoder of their own below, not the served stage's pool of graphs
     loaded = load_one_stage(draft_dir, str(device), StageOptions(packed_linear=packed, max_batch=batch_cap,

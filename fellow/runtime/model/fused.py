@@ -7,7 +7,7 @@ step was 16.8 ms, of which the seven matmuls per layer took 9. Here each layer m
 ``F.rms_norm``, the rotary tables are computed once per step, and a decode batch attends row by row
 straight into each session's own cache (no padded copy of the past). Each weight is kept in the
 form its kernel reads: torch's default (MKL) or packed for oneDNN, chosen per shape by timing at
-load (``fellow.runtime.model.kernels``).
+load (``fellow.runtime.model.load.kernels``).
 
 Serves Llama, Mistral, Qwen2 and Qwen3 decoder layers with SiLU MLPs, sliding-window ones included
 (``layer_windows``: a query sees only the last ``window`` positions, as HF's masks say; the KV cache
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fellow.runtime.model.attend_one import attend_one
-from fellow.runtime.model.decode_slab import DecodeSlab
+from fellow.runtime.model.forms.attend_one import attend_one
+from fellow.runtime.model.forms.decode_slab import DecodeSlab
 from fellow.runtime.model.kv_cache import KVCache
 
 FUSABLE_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")

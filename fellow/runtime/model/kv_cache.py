@@ -45,7 +45,7 @@ class KVCache:
         self.values: list[torch.Tensor | None] = [None] * len(self.groups)
         self.length = 0
         self.capacity = 0
-        # (slab, row) while the buffers are a row of a decode batch's slab (fellow.runtime.model.decode_slab)
+        # (slab, row) while the buffers are a row of a decode batch's slab (fellow.runtime.model.forms.decode_slab)
         self.home: tuple | None = None
 
     @property

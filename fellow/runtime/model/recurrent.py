@@ -94,7 +94,7 @@ class RecurrentCache:
     first forward. The KVCache's protocol where a stage and its engine use it (``length``, ``reserve``,
     ``advance``, ``release``, ``bytes``); ``crop_to`` only to where it is."""
 
-    home = None  # never a row of a decode slab (fellow.runtime.model.decode_slab)
+    home = None  # never a row of a decode slab (fellow.runtime.model.forms.decode_slab)
 
     def __init__(self, kv: KVCache, attention: dict[int, int], linear: list[int],
                  shapes: dict[int, tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]]) -> None:

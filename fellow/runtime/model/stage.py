@@ -1,7 +1,7 @@
 """A serving stage: a contiguous range of HF decoder layers, with the embeddings on stage 0 and the head on the last.
 
 Over 350 lines: one class whose forward paths (a piece, fresh prompts side by side, a verify pass, recurrent
-sessions) share its layer loop, embedding and head, which the decode forms of model/eager_steps.py run too; its
+sessions) share its layer loop, embedding and head, which the decode forms of model/forms/eager_steps.py run too; its
 masks live in model/masks.py.
 """
 
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fellow.runtime.model.eager_steps import eager_forms
+from fellow.runtime.model.forms.eager_steps import eager_forms
 from fellow.runtime.model.fused import (
     FusedLayer,
     FusedStack,
@@ -167,7 +167,7 @@ class StageModel:
 
     def new_cache(self) -> KVCache | RecurrentCache:
         if self.graphed is not None and (pooled := self.graphed.take()) is not None:
-            return pooled  # a slot of the pool its decode steps replay over (fellow.runtime.model.cuda_graphs)
+            return pooled  # a slot of the pool its decode steps replay over (fellow.runtime.model.forms.cuda_graphs)
         if self.recurrent is not None:  # keys and values of the attention layers only, states of the others
             slots = [slot for slot, attends in enumerate(self.attends) if attends]
             kv = KVCache(0, len(slots), self.num_kv_heads, self.head_dim, self.dtype,

@@ -10,7 +10,7 @@ import torch
 from core.servable import Manifest, load_manifest
 from core.servable_plan import StagePlan
 from events.stage import StageOptions
-from fellow.runtime.model.loader import OPTIONS, build_stage, load_tokenizer, stage_device, stop_ids_for
+from fellow.runtime.model.load.loader import OPTIONS, build_stage, load_tokenizer, stage_device, stop_ids_for
 from fellow.runtime.model.stage import StageModel
 from fellow.runtime.ring.codec import WireCodec
 
@@ -51,7 +51,7 @@ def load_ring_stage(model_dir: str | Path, stage: int, num_stages: int, device: 
     """Stage ``stage`` of ``num_stages``: the trained split when the counts match, else an even one
     reading every overlapping shard (an untrained cut is served uncompressed); a servable without
     recorded boundaries refuses any count but its own (ServableError). ``device``: all of it there;
-    None: its layers split over the options' devices (fellow.runtime.model.loader.build_stage)."""
+    None: its layers split over the options' devices (fellow.runtime.model.load.loader.build_stage)."""
     model_dir = Path(model_dir)
     manifest = load_manifest(model_dir)
     mods, model = build_stage(manifest, stage, model_dir, num_stages, torch.device(device) if device else None,

@@ -17,12 +17,12 @@ from core.settings import NatsSettings
 from core.tasks import cancel_and_wait
 from events.stage import MetricsReport, ReadyReport, Report, StageConfig, StageOptions, encode
 from fellow.runtime.engine.draft_model import DraftModel, load_draft_model
-from fellow.runtime.model.kernels import lora_costs, step_costs
-from fellow.runtime.model.kv_budget import held_tokens, measured_kv_tokens
+from fellow.runtime.model.load.kernels import lora_costs, step_costs
+from fellow.runtime.model.load.kv_budget import held_tokens, measured_kv_tokens
+from fellow.runtime.model.load.step_report import measure
 from fellow.runtime.model.quant.report import stage_weights
 from fellow.runtime.model.recurrent import recurrent_reason
 from fellow.runtime.model.stage import StageModel
-from fellow.runtime.model.step_report import measure
 
 log = logging.getLogger("swarm.serve")
 

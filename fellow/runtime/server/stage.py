@@ -10,9 +10,9 @@ from events.stage import MetricsReport
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.engine.serving_loop import ServingLoop
-from fellow.runtime.model.background_compile import BackgroundCompile
-from fellow.runtime.model.loader import load_one_stage
-from fellow.runtime.model.plan_steps import background_for
+from fellow.runtime.model.forms.background_compile import BackgroundCompile
+from fellow.runtime.model.forms.plan_steps import background_for
+from fellow.runtime.model.load.loader import load_one_stage
 from fellow.runtime.server.base import StageServerBase
 from fellow.runtime.server.intake import Intake
 

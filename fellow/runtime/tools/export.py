@@ -24,8 +24,8 @@ from core.servable import (
     save_manifest,
     sha256_file,
 )
-from fellow.runtime.model.checkpoint import Checkpoint, read_config
 from fellow.runtime.model.fused import unserved_kinds
+from fellow.runtime.model.load.checkpoint import Checkpoint, read_config
 from fellow.runtime.tools.bottleneck import codec_error, codec_tensors, fit_pca
 from fellow.runtime.tools.calibration import boundary_activations, calibration_sequences
 

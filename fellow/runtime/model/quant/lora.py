@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from fellow.runtime.model.lora_merge import DORA_FACTOR
+from fellow.runtime.model.load.lora_merge import DORA_FACTOR
 
 PEFT_UNFUSED = "SWARM_SERVE_LORA=peft: adapters through PEFT's LoRA layers, in the layers' HF forward"
 LEAN16_DTYPE = torch.bfloat16  # lean16's adapters on a stage that computes in float32 (every CPU stage)

@@ -19,10 +19,10 @@ from contextlib import contextmanager
 
 import torch
 
-from fellow.runtime.model.compiled import PlainWeights
+from fellow.runtime.model.forms.compiled import PlainWeights
 from fellow.runtime.model.fused import Linear, fusable, onednn_available
 from fellow.runtime.model.kv_cache import random_caches
-from fellow.runtime.model.packed_linear import pack_stage
+from fellow.runtime.model.load.packed_linear import pack_stage
 from fellow.runtime.model.quant import int8_gemv
 from fellow.runtime.model.quant.linear import QUANT_KERNELS, QuantLinear, quant_kernel
 from fellow.runtime.model.quant.lora import LeanLoRA
@@ -156,7 +156,7 @@ def prepare_stage(stage, *, packed: bool = True, batch_cap: int = 8, quantizer: 
 
     Returns what the load's status shows of it: the path, and the kernel choices with their timings
     (or why the layers could not be fused). ``keep_plain``: fused weights stored in another form keep
-    their plain one too, in ``stage.plain_weights``, for a compiled decode step (fellow.runtime.model.compiled).
+    their plain one too, in ``stage.plain_weights``, for a compiled decode step (fellow.runtime.model.forms.compiled).
     """
     stage.plain_weights = None
     if quantizer is not None:

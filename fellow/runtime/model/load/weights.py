@@ -15,10 +15,10 @@ from core.servable import BottleneckCompressor, Manifest, ServableError, load_ma
 from core.servable_plan import StagePlan, plan_stage
 from fellow.runtime.model.bottleneck import RECV, SEND, BottleneckDecoder, BottleneckEncoder
 from fellow.runtime.model.boundary import InnerBoundary
-from fellow.runtime.model.checkpoint import Checkpoint
-from fellow.runtime.model.device_split import DeviceSplit
 from fellow.runtime.model.fused import RECURRENT_KINDS
-from fellow.runtime.model.lora_merge import dora_factors, lora_scale, merge_lora
+from fellow.runtime.model.load.checkpoint import Checkpoint
+from fellow.runtime.model.load.device_split import DeviceSplit
+from fellow.runtime.model.load.lora_merge import dora_factors, lora_scale, merge_lora
 
 INNER = "inner."  # a trained cut inside the stage: inner.<first layer after it>.bottleneck.send.weight, ...
 

@@ -27,13 +27,13 @@ from functools import cached_property
 
 import torch
 
-from fellow.runtime.model.checked_step import CHECK_CONTEXT, best_ms, one_line
-from fellow.runtime.model.compiled import CompiledDecode, PlainWeights, _resident_bytes, why_not
+from fellow.runtime.model.forms.checked_step import CHECK_CONTEXT, best_ms, one_line
+from fellow.runtime.model.forms.compiled import CompiledDecode, PlainWeights, _resident_bytes, why_not
+from fellow.runtime.model.forms.graph_linear import GEMV_FORMS, LINEAR, REDUCE, gemv_forms
+from fellow.runtime.model.forms.native_step import NATIVE, NativeStep, why_not as native_why_not
 from fellow.runtime.model.fused import Linear
-from fellow.runtime.model.graph_linear import GEMV_FORMS, LINEAR, REDUCE, gemv_forms
-from fellow.runtime.model.kv_budget import cpu_free_bytes
 from fellow.runtime.model.kv_cache import random_caches
-from fellow.runtime.model.native_step import NATIVE, NativeStep, why_not as native_why_not
+from fellow.runtime.model.load.kv_budget import cpu_free_bytes
 from fellow.runtime.steps.protocol import StepReport
 
 log = logging.getLogger(__name__)

@@ -26,8 +26,8 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fellow.runtime.model.grouped_attention import grouped_attention_forward
-from fellow.runtime.model.kernels import step_costs
 from fellow.runtime.model.kv_cache import random_caches
+from fellow.runtime.model.load.kernels import step_costs
 
 log = logging.getLogger(__name__)
 

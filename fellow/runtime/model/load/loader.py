@@ -13,15 +13,23 @@ from core.quantization import INT4_FAST, INT8, NF4, NONE
 from core.servable import TOKENIZER_DIR, Manifest, ServableError, load_manifest
 from events.stage import StageOptions
 from fellow.runtime.model.boundary import apply_inner
-from fellow.runtime.model.compiled import PlainWeights
-from fellow.runtime.model.device_split import Card, DeviceSplit, SplitError, by_free_memory, half_dtype, plan_devices
-from fellow.runtime.model.fourbit_rows import plan_4bit_rows
+from fellow.runtime.model.forms.compiled import PlainWeights
+from fellow.runtime.model.forms.plan_steps import compiles_in_background, plan_steps
 from fellow.runtime.model.grouped_attention import GROUPED, choose_attention
-from fellow.runtime.model.half_storage import apply_half_storage
-from fellow.runtime.model.kernels import prepare_stage, quant_chooser
-from fellow.runtime.model.kv_budget import cpu_free_bytes, cuda_free_bytes
-from fellow.runtime.model.lora_merge import lora_scale
-from fellow.runtime.model.plan_steps import compiles_in_background, plan_steps
+from fellow.runtime.model.load.device_split import (
+    Card,
+    DeviceSplit,
+    SplitError,
+    by_free_memory,
+    half_dtype,
+    plan_devices,
+)
+from fellow.runtime.model.load.fourbit_rows import plan_4bit_rows
+from fellow.runtime.model.load.half_storage import apply_half_storage
+from fellow.runtime.model.load.kernels import prepare_stage, quant_chooser
+from fellow.runtime.model.load.kv_budget import cpu_free_bytes, cuda_free_bytes
+from fellow.runtime.model.load.lora_merge import lora_scale
+from fellow.runtime.model.load.weights import StageModules, build_stage_modules, hf_config, stage_sizes
 from fellow.runtime.model.quant.linear import (
     QUANT_KERNELS,
     Int4Unavailable,
@@ -31,7 +39,6 @@ from fellow.runtime.model.quant.linear import (
 from fellow.runtime.model.quant.quantizer import StageQuantizer
 from fellow.runtime.model.quant.report import weights_report
 from fellow.runtime.model.stage import StageModel
-from fellow.runtime.model.weights import StageModules, build_stage_modules, hf_config, stage_sizes
 
 log = logging.getLogger(__name__)
 
@@ -148,13 +155,13 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
     quantized one, so a QLoRA run serves as it trained, without a second rounding: ``lora`` (the fellow's
     SWARM_SERVE_LORA) says how (LORA_MODES: lean or lean16 quant.lora.LeanLoRA, or PEFT's own layers).
     ``compile`` (SWARM_SERVE_COMPILE): decode batch sizes whose step is compiled where that serves and
-    measures faster (fellow.runtime.model.compiled); ``kernels["compiled"]`` says what it found.
+    measures faster (fellow.runtime.model.forms.compiled); ``kernels["compiled"]`` says what it found.
     ``cuda_graphs`` (SWARM_SERVE_CUDA_GRAPHS): a whole-model stage on one CUDA device decodes from a pool
     of ``batch_cap`` sessions by replaying captured graphs, where they check and measure faster
-    (fellow.runtime.model.cuda_graphs); ``kernels["cuda_graphs"]`` says what it found.
+    (fellow.runtime.model.forms.cuda_graphs); ``kernels["cuda_graphs"]`` says what it found.
     ``fourbit_rows`` / ``fourbit_float32`` (SWARM_SERVE_4BIT_ROWS / SWARM_SERVE_4BIT_FLOAT32): a 4-bit stage
     splits its matmuls of a few rows, and computes row counts in float32, where that measures faster at
-    load, timing float32 at a prompt piece's width (``prefill_chunk``) too (fellow.runtime.model.fourbit_rows);
+    load, timing float32 at a prompt piece's width (``prefill_chunk``) too (fellow.runtime.model.load.fourbit_rows);
     ``kernels["4bit_rows"]`` says what it found.
     """
     packed, batch_cap, quantization, lora = options.packed_linear, options.batch_cap, options.quantization, options.lora
@@ -185,7 +192,7 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
     stage = StageModel(config=mods.config, layers=mods.layers, first_layer=mods.layer_indices[0],
                        rotary_emb=mods.rotary_emb, embed=mods.embed, norm=mods.norm, head=mods.lm_head)
     # the plain weights a compiled step is built from: at load where asked, or (auto) in the background once
-    # a whole float32 CPU stage serves (fellow.runtime.model.background_compile); an int8 or int4 stage's
+    # a whole float32 CPU stage serves (fellow.runtime.model.forms.background_compile); an int8 or int4 stage's
     # graph calls its quantized weights as they are, so it keeps nothing more
     background = compiles_in_background(options, num_stages, device, quantization)
     prepare_stage(stage, packed=packed, batch_cap=batch_cap, quantizer=quantizer,

@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import torch
 
-from fellow.runtime.model.device_split import CUDA_KEEP_BYTES, CUDA_USABLE
+from fellow.runtime.model.load.device_split import CUDA_KEEP_BYTES, CUDA_USABLE
 from fellow.runtime.model.stage import StageModel
 
 CPU_USABLE = 0.25  # a CPU stage shares its host with everything else on it
@@ -127,7 +127,7 @@ def float32_piece_bytes(stage: StageModel) -> dict[torch.device, int]:
     """Per card: the largest 4-bit weight there dequantized in float32, which a prompt piece holds while
     it computes in float32 (the spec's TS12: about 356 MB for Qwen3-14B's MLP); empty where the stage's
     prompt pieces stay in its own dtype (fourbit_rows' ``float32_prompt_pieces``)."""
-    from fellow.runtime.model.fourbit_rows import stage_blocks
+    from fellow.runtime.model.load.fourbit_rows import stage_blocks
 
     if not ((stage.kernels or {}).get("4bit_rows") or {}).get("float32_prompt_pieces"):
         return {}

@@ -15,9 +15,9 @@ import torch
 
 from core.quantization import INT4_FAST, INT8, NONE
 from events.stage import StageOptions
-from fellow.runtime.model.background_compile import BackgroundCompile, why_not_here
-from fellow.runtime.model.compiled import compile_decode, why_not
-from fellow.runtime.model.cuda_graphs import graph_decode
+from fellow.runtime.model.forms.background_compile import BackgroundCompile, why_not_here
+from fellow.runtime.model.forms.compiled import compile_decode, why_not
+from fellow.runtime.model.forms.cuda_graphs import graph_decode
 from fellow.runtime.model.quant.report import stage_weights
 
 

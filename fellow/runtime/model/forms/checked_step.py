@@ -13,8 +13,8 @@ import time
 
 import torch
 
+from fellow.runtime.model.forms.rotary_rows import RotaryRows
 from fellow.runtime.model.kv_cache import random_caches
-from fellow.runtime.model.rotary_rows import RotaryRows
 from fellow.runtime.steps.protocol import StepReport
 
 log = logging.getLogger(__name__)

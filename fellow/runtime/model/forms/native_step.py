@@ -24,11 +24,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from fellow.runtime.kernels import native, step_kernel
-from fellow.runtime.model.attend_one import _addresses_of
-from fellow.runtime.model.checked_step import CheckedStep
-from fellow.runtime.model.compiled import PlainWeights, why_not as why_not_compiled
+from fellow.runtime.model.forms.attend_one import _addresses_of
+from fellow.runtime.model.forms.checked_step import CheckedStep
+from fellow.runtime.model.forms.compiled import PlainWeights, why_not as why_not_compiled
+from fellow.runtime.model.forms.rotary_rows import RotaryRows
 from fellow.runtime.model.fused import Linear, _norm
-from fellow.runtime.model.rotary_rows import RotaryRows
 
 NATIVE = "native"
 _layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # by cache: (its addresses, NativeStep._layout)

@@ -37,9 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fellow.runtime.model.checked_step import CHECK_CONTEXT, CheckedStep, one_line
-from fellow.runtime.model.fused import Linear, _norm
-from fellow.runtime.model.graph_linear import (
+from fellow.runtime.model.forms.checked_step import CHECK_CONTEXT, CheckedStep, one_line
+from fellow.runtime.model.forms.graph_linear import (
     LINEAR,
     GraphLinear,
     call,
@@ -49,6 +48,7 @@ from fellow.runtime.model.graph_linear import (
     why_not_embedding,
     why_not_graph,
 )
+from fellow.runtime.model.fused import Linear, _norm
 
 log = logging.getLogger(__name__)
 

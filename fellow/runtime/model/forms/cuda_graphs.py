@@ -33,9 +33,16 @@ from collections.abc import Sequence
 
 import torch
 
-from fellow.runtime.model.draft_graph import CUDA_GRAPH, EAGER, Capture, FixedDecoder, SlotCache, capture_cuda_graph
-from fellow.runtime.model.kv_budget import measured_kv_tokens
+from fellow.runtime.model.forms.draft_graph import (
+    CUDA_GRAPH,
+    EAGER,
+    Capture,
+    FixedDecoder,
+    SlotCache,
+    capture_cuda_graph,
+)
 from fellow.runtime.model.kv_cache import KVCache, random_caches
+from fellow.runtime.model.load.kv_budget import measured_kv_tokens
 from fellow.runtime.steps.protocol import StepReport
 
 log = logging.getLogger(__name__)

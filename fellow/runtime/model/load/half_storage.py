@@ -1,7 +1,7 @@
 """Half storage: a split stage's layers keep their float16 / bfloat16 weights, and each matmul computes
 in float32 on the devices where that measures clearly faster (the spec's half_storage).
 
-A stage split over a GPU and the CPU keeps the GPU's half precision everywhere (model/loader.split_stage),
+A stage split over a GPU and the CPU keeps the GPU's half precision everywhere (model/load/loader.split_stage),
 and a CPU without half-precision matmul units can take several times longer in it than in float32.
 Per device, one row goes through the largest weight of its first layer (an MLP's) in half precision and
 upcast (input and weight cast to float32, the result back); where the upcast takes at most 70 % of the

@@ -89,7 +89,7 @@ class SlotCache(KVCache):
 
 class FixedDecoder:
     """Static buffers and one step per slot count bucket for a whole draft stage on one device
-    (the target stage's own decode uses it too: fellow.runtime.model.cuda_graphs)."""
+    (the target stage's own decode uses it too: fellow.runtime.model.forms.cuda_graphs)."""
 
     cache_class: type[SlotCache] = SlotCache  # what ``take`` hands out
 
