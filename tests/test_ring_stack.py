@@ -198,7 +198,8 @@ async def test_a_middle_stage_killed_mid_stream_is_replaced_and_the_replies_fini
 
 
 async def test_a_stage_no_fellow_can_take_over_fails_its_requests_and_leaves_no_stage_process(ring_stack):
-    """The ring of the test before (f0, f3, f2) loses f3 with no fellow left to take stage 1: the load fails."""
+    """The ring of the test before (f0, f3, f2) loses f3 with no fellow left to take stage 1: the load fails,
+    then heals on the fellows left."""
     stack, url, _ = ring_stack
     load = stack.get("/api/v1/models/tiny/status").json()["load"]
     assert [s["fellow_id"] for s in load["stages"]] == ["f0", "f3", "f2"]
@@ -214,7 +215,13 @@ async def test_a_stage_no_fellow_can_take_over_fails_its_requests_and_leaves_no_
             assert isinstance(frames[-1], ErrorFrame), frames[-1]
             assert "f3" in frames[-1].message or frames[-1].code in ("fellow_lost", "model_unloaded")
         await asyncio.to_thread(wait_until, lambda: not any(pid_alive(p) for p in pids), 30, "no stage process left")
-        await asyncio.to_thread(
-            wait_until, lambda: stack.get("/api/v1/models/tiny").json()["load_state"] == "unloaded", 30, "load failed")
+        await asyncio.to_thread(wait_until, lambda: stack.sql("SELECT state FROM loads WHERE load_id = ?",
+                                                              load["load_id"]) == [("failed",)], 30, "load failed")
+        # the model heals (issue 53): the leader places it again on the fellows left, autoload off
+        healed = await asyncio.to_thread(wait_until, lambda: (m := stack.get("/api/v1/models/tiny").json())[
+            "load_state"] == "ready" and m["load_id"] != load["load_id"] and m["load_id"], 90, "the model healed")
+        assert stack.sql("SELECT requested_by FROM loads WHERE load_id = ?", healed) == [("heal",)]
+        stages = stack.get("/api/v1/models/tiny/status").json()["load"]["stages"]
+        assert {s["fellow_id"] for s in stages} <= {"f0", "f2"}, stages
     finally:
         await nc.close()

@@ -84,13 +84,15 @@ async def test_a_stage_that_crashes_fails_its_load_with_its_exit_and_log_line(tm
         load = await asyncio.to_thread(stack.load, "tiny")
         # its one restart in a minute: the next death ends the load
         pid = await asyncio.to_thread(kill_stage_and_wait_restart, stack, load["load_id"], load["stages"][0]["pid"])
-        os.kill(pid, signal.SIGKILL)  # the second: the load fails
-        await asyncio.to_thread(wait_until, lambda: stack.get("/api/v1/models/tiny/status").json()["load"] is None,
-                                30, "the load ended")
-        last = stack.get("/api/v1/models/tiny/status").json()["last_load"]
-        assert last["load_id"] == load["load_id"] and last["state"] == "failed", last
-        assert "exited unexpectedly (code -9)" in last["reason"], last
-        assert "the last line of its log: " in last["reason"] and last["reason"].split("its log: ")[1].strip(), last
+        os.kill(pid, signal.SIGKILL)  # the second: the load fails (and heals, leader.serving.heal)
+        await asyncio.to_thread(wait_until, lambda: stack.sql("SELECT state, reason FROM loads WHERE load_id = ?",
+                                                              load["load_id"])[0][0] == "failed", 30, "the load ended")
+        (reason,), = stack.sql("SELECT reason FROM loads WHERE load_id = ?", load["load_id"])
+        assert "exited unexpectedly (code -9)" in reason, reason
+        assert "the last line of its log: " in reason and reason.split("its log: ")[1].strip(), reason
+        healing = await asyncio.to_thread(wait_until, lambda: (s := stack.get("/api/v1/models/tiny/status").json())[
+            "load"] and s["load"]["load_id"] != load["load_id"] and s["load"], 30, "the model healing")
+        assert healing["reason"].startswith(f"heals {load['load_id']}, which failed: ") and reason in healing["reason"]
         assert pid_alive(stack.fellows[0].proc.pid)  # the fellow lives on, ready for the next load
     finally:
         stack.stop()

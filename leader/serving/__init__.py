@@ -26,6 +26,7 @@ from leader.relay_stats import RelayStats
 from leader.services import Publish
 from leader.serving.commands import LoadCommands
 from leader.serving.grants import RequestGrants
+from leader.serving.heal import Healer
 from leader.serving.reactions import Reactions
 from leader.serving.ready import ReadyLoad, ReadyView
 from leader.serving.reconcile import Reconciler
@@ -64,6 +65,7 @@ class Serving:
         self.sweeper = RequestSweeper(d.js, d.sessions, d.projections, d.publish, d.frame_secret)
         self.reactions = Reactions(d.js, d.sessions, d.projections, d.fellows, d.publish, self.commands, self.view,
                                    self.relay, on_ended=self.sweeper.poke)
+        self.healer = self.reactions.healer = Healer(d.sessions, self.commands, self.view, self.reactions.changed)
         self.reconciler = Reconciler(d.js, d.sessions, d.projections, d.fellows)
 
     @property
@@ -142,6 +144,9 @@ class Serving:
             raise model_not_found(model_id)
         autoload = self.settings.leader.autoload if autoload is None else autoload
         if not autoload:
+            healed = await self.healer.wait(model_id)  # a load that failed is placed again: wait for it
+            if healed is not None:
+                return healed
             raise ApiError(409, f"The model '{model_id}' is not loaded. Load it with `swarm model-load {model_id} "
                                 f"--wait` or POST /api/v1/models/{model_id}/load", code="model_not_loaded")
         load = await self.load(model_id, num_stages=1, requested_by="autoload")  # the spec: on one stage

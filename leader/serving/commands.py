@@ -6,6 +6,7 @@ One path serves every shape: one stage, a ring of several, or replicas of one st
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from contextlib import asynccontextmanager
@@ -136,7 +137,7 @@ class LoadCommands:
     async def load(self, model_id: str, num_stages: int | None = None, fellow_id: str | None = None,
                    quantization: dict | None = None, requested_by: str = "",
                    fellow_ids: list[str] | None = None, replicas: int = 1,
-                   speculative: int | None = None) -> Load:
+                   speculative: int | None = None, note: str = "") -> Load:
         # One load at a time per model: concurrent first requests (autoload) share the load the
         # first one placed instead of each placing its own; across leaders on one PostgreSQL too.
         async with self._loading.setdefault(model_id, asyncio.Lock()), model_lock(self.sessions, model_id):
@@ -150,6 +151,8 @@ class LoadCommands:
             if existing is not None:
                 return existing
             plan = self._plan(model, num_stages, fellow_id, fellow_ids, replicas, speculative)
+            if note:  # why the leader placed it (leader.serving.heal), beside placement's own notes
+                plan = dataclasses.replace(plan, note="; ".join(n for n in (note, plan.note) if n))
             try:
                 asked = method_of(quantization) if quantization is not None else manifest_method(model.quantization)
             except QuantizationError as exc:

@@ -68,7 +68,7 @@ async def purge_queue(js, load_id: str) -> None:
 class Reactions:
     def __init__(self, js: JetStreamContext, sessions: async_sessionmaker, projections: ProjectionRunner,
                  fellows: FellowMonitor, publish: Publish, commands: LoadCommands, view: ReadyView, relay: RelayStats,
-                 on_ended=None):
+                 on_ended=None, healer=None):
         self.js = js
         self.sessions = sessions
         self.projections = projections  # the loads projection's listeners
@@ -78,6 +78,7 @@ class Reactions:
         self.commands = commands
         self.view = view
         self.relay = relay
+        self.healer = healer  # places a failed load's model again (leader.serving.heal)
         self.changed = asyncio.Condition()  # notified after each batch of events was reacted to
         self._queue: asyncio.Queue[list[Event]] = asyncio.Queue()
         self._task: asyncio.Task | None = None
@@ -128,6 +129,8 @@ class Reactions:
                 if self.on_ended is not None:
                     self.on_ended()
                 await self._release_stages(evt.load_id, "failed" if isinstance(evt, LoadFailed) else evt.reason)
+                if isinstance(evt, LoadFailed) and self.healer is not None:
+                    await self.healer.failed(evt)
             elif isinstance(evt, FellowLost):
                 await self._fellow_lost(evt)
         if any(isinstance(e, GRANT_EVENTS) for e in events):

@@ -27,6 +27,13 @@ async def active_load(sessions, model_id: str) -> Load | None:
                                       .order_by(Load.requested_at.desc()))).first()
 
 
+async def latest_load(sessions, model_id: str) -> Load | None:
+    """The model's most recently requested load, whatever its state."""
+    async with sessions() as session:
+        return (await session.scalars(select(Load).where(Load.model_id == model_id)
+                                      .order_by(Load.requested_at.desc()).limit(1))).first()
+
+
 async def load_stages(sessions, load_id: str) -> list[LoadStage]:
     async with sessions() as session:
         return list(await session.scalars(select(LoadStage).where(LoadStage.load_id == load_id)
