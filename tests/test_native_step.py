@@ -209,7 +209,7 @@ def test_quantized_inputs_past_a_multiple_of_32_are_read_as_zeros(tmp_path, meth
 
 # What each forced capability needs of the CPU. torch takes ATEN_CPU_CAPABILITY=avx512 at its word and runs its
 # AVX-512 kernels on a CPU without them (SIGILL, seen on an AVX2-only AMD EPYC), so a test that forces one asks
-# /proc/cpuinfo first and skips where the CPU lacks it.
+# what this process can run first (native._cpu_flags: CPUID and /proc/cpuinfo) and skips where it lacks it.
 CAPABILITY_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx2": {"avx2", "fma"},
                     "default": set()}
 

@@ -40,14 +40,25 @@ def cache_dir() -> Path:
     return Path(base) / "swarm-kernels"
 
 
+# CPUID's names (torch's cpuinfo) -> /proc/cpuinfo's, for the instruction sets the kernels' builds use
+CPUID_FLAGS = {"avx2": "avx2", "fma3": "fma", "avx512_f": "avx512f", "avx512_bw": "avx512bw",
+               "avx512_vl": "avx512vl", "avx512_dq": "avx512dq", "avx512_vnni": "avx512_vnni"}
+
+
 @cache
 def _cpu_flags() -> frozenset[str]:
-    """The CPU's flags, read once a process (each build and each capability check asks)."""
+    """The instruction sets this process can run, in /proc/cpuinfo's names, read once a process (each build
+    and each capability check asks): what CPUID answers this process (torch's cpuinfo; under an emulator or
+    a VM, the CPU it presents), and where /proc/cpuinfo is readable only what it lists too. /proc/cpuinfo
+    alone is not enough: an emulator such as qemu-user passes the host's through, AVX-512 included."""
+    caps = torch.cpu.get_capabilities()
+    have = frozenset(flag for name, flag in CPUID_FLAGS.items() if caps.get(name))
     try:
         line = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
-        return frozenset()
-    return frozenset(line.partition(":")[2].split())
+        return have
+    listed = frozenset(line.partition(":")[2].split())
+    return have & listed if listed else have
 
 
 def cpu_has_avx2_fma() -> bool:
