@@ -67,7 +67,7 @@ def check(name: str, tmp: Path, prompts: int, tokens: int, batch: int = 1) -> di
         for got, want in zip(gots, wants):
             identical += got == want
             first_difference.append(next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None))
-    return {"batch": batch, "name": name, "compiled_serving": stage.kernels["compiled"].get("serving"),
+    return {"batch": batch, "name": name, "compiled_serving": stage.kernels.compiled.get("serving"),
             "compiled_steps": (stage.compiled.steps - steps) if stage.compiled is not None else 0,
             "identical_replies": f"{identical}/{prompts}", "first_difference": first_difference}
 

@@ -70,7 +70,7 @@ def run_shape(name: str, shape: tuple, tmp: Path, tokens: int, streams: list[int
         stage = load_one_stage(servable, str(device), StageOptions(max_batch=max(streams), cuda_graphs=graphs)).stage
         row[label] = {b: engine_alone(stage, tok, b, tokens)[0] for b in streams}  # tokens reach the host: synchronized
         if graphs:
-            row["chosen"] = stage.kernels.get("cuda_graphs", {"path": "n/a", "why": f"a {device.type} stage"})
+            row["chosen"] = stage.kernels.cuda_graphs or {"path": "n/a", "why": f"a {device.type} stage"}
         del stage
         if device.type == "cuda":
             torch.cuda.empty_cache()

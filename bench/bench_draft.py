@@ -84,7 +84,7 @@ def main() -> None:
     draft = load_draft_model(args.draft, target.stage, target.tokenizer, target.device, batch_cap=max(args.streams))
     print(f"{torch.get_num_threads()} thread(s), {args.tokens} new tokens per reply; draft {draft.name}: "
           f"{draft.ratio:.3f} of the served model's KV bytes a position; target path "
-          f"{target.stage.kernels.get('path')}, draft path {draft.stage.kernels.get('path')}", flush=True)
+          f"{target.stage.kernels.path}, draft path {draft.stage.kernels.path}", flush=True)
     modes = [("off", 0)] + [(f"{name} k={k}", k) for k in args.ks for name in ("lookup", "draft")]
     rows = []
     for workload, templates in (("seen", SEEN), ("unseen", UNSEEN)):

@@ -85,7 +85,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = build_model(args.layers, args.hidden, args.vocab, args.device, getattr(torch, args.dtype))
     stage = StageModel.from_causal_lm(copy.deepcopy(model))  # generate keeps the model's own modules
-    path = prepare_stage(stage, packed=not args.plain, batch_cap=max(args.batches))["path"]
+    path = prepare_stage(stage, packed=not args.plain, batch_cap=max(args.batches)).path
     params = sum(p.numel() for p in model.parameters())
     print(f"Qwen3 {params / 1e6:.1f}M params, {args.dtype} on {args.device}, {args.threads} threads, "
           f"prompt {args.prompt}, "

@@ -63,8 +63,8 @@ def measure(servable: Path, way: str, cap: int) -> dict:
     finally:
         for name, value in saved.items():
             setattr(kernels, name, value)
-    return {"choose_s": stage.kernels["seconds"], "step_costs_s": round(steps_s, 3), "load_s": round(load_s, 2),
-            "chosen": {shape: v["kernel"] for shape, v in stage.kernels["shapes"].items()}, "step_ms": costs}
+    return {"choose_s": stage.kernels.seconds, "step_costs_s": round(steps_s, 3), "load_s": round(load_s, 2),
+            "chosen": {shape: v["kernel"] for shape, v in stage.kernels.shapes.items()}, "step_ms": costs}
 
 
 def main() -> None:

@@ -68,7 +68,7 @@ def run_shape(name: str, tmp: Path, tokens: int, streams: list[int], rank: int) 
     for mode in MODES:
         stage = load_one_stage(tmp / "servables" / f"{name}-lora", "cpu",
                                StageOptions(max_batch=max(streams), quantization="int8", lora=mode)).stage
-        assert stage.kernels["lora"]["mode"] == mode, stage.kernels
+        assert stage.kernels.lora["mode"] == mode, stage.kernels
         with torch.inference_mode():
             logits[mode] = stage.prefill(stage.new_cache(), ids)
         row[mode] = {b: engine_alone(stage, tok, b, tokens)[0] for b in streams}

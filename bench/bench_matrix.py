@@ -201,9 +201,9 @@ def _engine_rows(row: dict, servable: Path, tok, tokens: int, streams: list[int]
     sizes = Settings.from_env({"SWARM_SERVE_COMPILE": compile}).serving.compile
     stage = load_one_stage(servable, "cpu", StageOptions(max_batch=max(streams), compile=sizes)).stage
     if sizes:
-        row["compiled"] = stage.kernels["compiled"]
+        row["compiled"] = stage.kernels.compiled
         print(json.dumps({"name": row["name"], "compiled": row["compiled"]}), flush=True)
-    row["kernels"] = {k: v["kernel"] for k, v in stage.kernels.get("shapes", {}).items()} or stage.kernels["path"]
+    row["kernels"] = {k: v["kernel"] for k, v in stage.kernels.get("shapes", {}).items()} or stage.kernels.path
     engine = {b: engine_alone(stage, tok, b, tokens) for b in streams}
     row["engine"] = {b: rate for b, (rate, _) in engine.items()}
     row["engine_first_ms"] = engine[1][1] if 1 in engine else 0.0

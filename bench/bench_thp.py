@@ -44,7 +44,7 @@ def child(servable: Path, ckpt: Path, tokens: int, streams: list[int]) -> dict:
     step_costs(stage, sorted({1, max(streams)}))
     steps_s = time.perf_counter() - started
     rates = {b: engine_alone(stage, tok, b, tokens) for b in streams}
-    return {"load_s": round(load_s, 3), "choose_s": stage.kernels["seconds"], "step_costs_s": round(steps_s, 3),
+    return {"load_s": round(load_s, 3), "choose_s": stage.kernels.seconds, "step_costs_s": round(steps_s, 3),
             "rate": {b: rate for b, (rate, _) in rates.items()}, "first_ms": rates[min(streams)][1]}
 
 

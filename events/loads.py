@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from events.base import Event
+from events.stage_kernels import StageKernels
 
 
 class StageAssignment(msgspec.Struct, frozen=True, kw_only=True):
@@ -69,7 +70,7 @@ class StageReady(Event, frozen=True, tag="load.stage_ready"):
     max_in_flight: int = 1
     vram_bytes: int = 0
     load_s: float = 0.0
-    kernels: dict = {}  # how the stage computes: its path, kernel per weight shape, step costs when measured
+    kernels: StageKernels = StageKernels()  # how it computes: its path, kernel per weight shape, step costs
     weights: dict = {}  # the quantization it really serves, its measured weight bytes and their float size
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import msgspec
 
+from events.stage_kernels import StageKernels
+
 
 class StageOptions(msgspec.Struct, frozen=True, kw_only=True):
     """How a stage serves: what placement planned for it (events.loads.TransportPlan) and its fellow's
@@ -79,7 +81,7 @@ class ReadyReport(Report, frozen=True, tag="ready"):
     max_in_flight: int
     vram_bytes: int
     load_s: float
-    kernels: dict = {}  # StageModel.kernels: path, kernel choices and their timings, step costs
+    kernels: StageKernels = StageKernels()  # StageModel.kernels: path, kernel choices and timings, step costs
     weights: dict = {}  # StageModel.weights: the quantization it serves, measured weight bytes, float bytes
 
 

@@ -79,7 +79,7 @@ def _build(models, form: str) -> tuple[StageModel, DecodeStep]:
     family, fused = FORMS[form]
     stage = StageModel.from_causal_lm(copy.deepcopy(models[family]))
     if fused:
-        assert prepare_stage(stage, batch_cap=8, keep_plain=form in ("compiled", "native"))["path"] == "fused"
+        assert prepare_stage(stage, batch_cap=8, keep_plain=form in ("compiled", "native")).path == "fused"
     if form in ("compiled", "native"):
         if form == "native" and not CAN_NATIVE:
             pytest.skip("the native step needs a C compiler and AVX2 with FMA")

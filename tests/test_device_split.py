@@ -104,17 +104,17 @@ def test_a_stage_split_over_two_devices_serves_as_one(servable, caplog):
     with caplog.at_level(logging.INFO, logger="fellow.runtime.model.load.loader"):
         split = load_one_stage(servable, options=StageOptions(packed_linear=False),
                                devices=[("cpu", first), ("cpu", whole)], kv_tokens=0).stage
-    parts = split.kernels["devices"]
+    parts = split.kernels.devices
     assert [(p["device"], p["layers"], p["embed"], p["head"]) for p in parts] == [
         ("cpu", [0, 2], True, False), ("cpu", [2, 4], False, True)]
     assert parts[0]["weight_bytes"] == first
     assert "layers split over 2 devices: cpu: layers 0-1 +embed" in caplog.text
     one = load_one_stage(servable, "cpu", StageOptions(packed_linear=False)).stage
-    assert "devices" not in one.kernels
+    assert one.kernels.devices is None
     assert greedy(split, ids)[0] == greedy(one, ids)[0]
     # a budget that holds everything on the first device: one device, no split
-    assert "devices" not in load_one_stage(servable, options=StageOptions(packed_linear=False),
-                                           devices=[("cpu", whole), ("cpu", whole)], kv_tokens=0).stage.kernels
+    assert load_one_stage(servable, options=StageOptions(packed_linear=False),
+                          devices=[("cpu", whole), ("cpu", whole)], kv_tokens=0).stage.kernels.devices is None
 
 
 def test_a_stage_that_fits_nowhere_is_refused(servable):
@@ -133,7 +133,7 @@ def test_cuda_and_cpu_offload_equal_the_cpu_stage(servable):
     ids = [5, 9, 33, 2, 17, 80, 41, 3]
     split = load_one_stage(servable, devices=[("cuda:0", first), ("cpu", whole)], kv_tokens=0,
                            dtype=torch.float32).stage
-    assert [(p["device"], p["layers"]) for p in split.kernels["devices"]] == [("cuda:0", [0, 2]), ("cpu", [2, 4])]
+    assert [(p["device"], p["layers"]) for p in split.kernels.devices] == [("cuda:0", [0, 2]), ("cpu", [2, 4])]
     assert [d.type for d in split.layer_devices] == ["cuda", "cuda", "cpu", "cpu"]
     assert split.input_device.type == "cuda" and split.output_device.type == "cpu"
     assert {g[2].type for g in split.new_cache().groups} == {"cuda", "cpu"}
@@ -144,8 +144,8 @@ def test_cuda_and_cpu_offload_equal_the_cpu_stage(servable):
     half, _ = budgets_for(servable, 2, torch.bfloat16)
     bf16 = load_one_stage(servable, devices=[("cuda:0", half), ("cpu", whole)], kv_tokens=0).stage
     assert bf16.dtype == torch.bfloat16 and [d.type for d in bf16.layer_devices] == ["cuda", "cuda", "cpu", "cpu"]
-    assert set(bf16.kernels["half_storage"]) == {"cuda:0", "cpu"}  # each device measured its matmul
-    print("half storage:", bf16.kernels["half_storage"])
+    assert set(bf16.kernels.half_storage) == {"cuda:0", "cpu"}  # each device measured its matmul
+    print("half storage:", bf16.kernels.half_storage)
     bf16_tokens, _ = greedy(bf16, ids)
     print("bfloat16 split agrees with the float32 CPU stage on", sum(a == b for a, b in zip(bf16_tokens, expected)),
           "of", len(expected), "greedy tokens")
@@ -198,7 +198,7 @@ def test_a_quantized_stage_splits_at_its_quantized_sizes_and_serves_as_one(serva
     split = load_one_stage(servable, None, StageOptions(quantization=INT8), devices=[("cpu", first), ("cpu", whole)],
                            kv_tokens=0).stage
     assert split.weights["quantization"] == INT8
-    assert [(p["device"], p["layers"]) for p in split.kernels["devices"]] == [("cpu", [0, 2]), ("cpu", [2, 4])]
+    assert [(p["device"], p["layers"]) for p in split.kernels.devices] == [("cpu", [0, 2]), ("cpu", [2, 4])]
     one = load_one_stage(servable, "cpu", StageOptions(quantization=INT8)).stage
     ids = [5, 9, 33, 2, 17, 80, 41, 3]
     assert greedy(split, ids)[0] == greedy(one, ids)[0]
@@ -223,7 +223,7 @@ def test_a_4bit_stage_balanced_over_two_cards_equals_one_card(servable):
     half = sizes.embed_bytes + sizes.head_bytes + sum(sizes.layer_bytes)
     split = load_one_stage(servable, None, StageOptions(quantization=NF4), devices=[("cuda:0", half), ("cuda:1", half)],
                            kv_tokens=0).stage
-    assert [p["device"] for p in split.kernels["devices"]] == ["cuda:0", "cuda:1"]
+    assert [p["device"] for p in split.kernels.devices] == ["cuda:0", "cuda:1"]
     one = load_one_stage(servable, "cuda:0", StageOptions(quantization=NF4)).stage
     ids = [5, 9, 33, 2, 17, 80, 41, 3]
     assert greedy(split, ids)[0] == greedy(one, ids)[0]

@@ -112,7 +112,7 @@ def test_float32_rows_cast_the_input_up_and_the_result_back(calls):
 
 def test_a_stage_with_a_fixed_limit_decodes_a_batch_as_without(servable, calls):
     plain, split = build(servable), build(servable, fourbit_rows=3)
-    assert split.kernels["4bit_rows"]["row_limit"] == 3 and plain.kernels["4bit_rows"]["row_limit"] == 0
+    assert split.kernels.fourbit_rows["row_limit"] == 3 and plain.kernels.fourbit_rows["row_limit"] == 0
     assert {lin.row_limit for block in stage_blocks(split) for lin in block} == {3}
     assert split.head.linear.row_limit == 0  # the int8 head is left as it is
     g = torch.Generator().manual_seed(3)
@@ -200,13 +200,13 @@ def test_the_row_limit_rule():
 def test_a_cpu_stage_is_not_measured_by_default_and_off_or_int8_does_nothing(servable, caplog):
     with caplog.at_level(logging.INFO, logger="fellow.runtime.model.load.fourbit_rows"):
         stage = build(servable, NF4)
-    status = stage.kernels["4bit_rows"]
+    status = stage.kernels.fourbit_rows
     assert status["row_limit"] == 0 and status["float32_rows"] == [] and "ms" not in status
     assert status["why"].startswith("measured on CUDA only")
     assert "[stage0 4bit-rows] cpu not measured (CUDA only); no split" in caplog.text
-    assert "4bit_rows" not in build(servable, fourbit_rows="off", fourbit_float32="off").kernels
-    assert "4bit_rows" not in build(servable, INT8).kernels  # no 4-bit weight
-    fixed = build(servable, fourbit_rows=8).kernels["4bit_rows"]  # a limit of 8 splits nothing
+    assert build(servable, fourbit_rows="off", fourbit_float32="off").kernels.fourbit_rows is None
+    assert build(servable, INT8).kernels.fourbit_rows is None  # no 4-bit weight
+    fixed = build(servable, fourbit_rows=8).kernels.fourbit_rows  # a limit of 8 splits nothing
     assert fixed["row_limit"] == 0
     with pytest.raises(ValueError, match="auto, off, or 1 to 8"):
         build(servable, fourbit_rows=9)
@@ -252,7 +252,7 @@ def test_on_cuda_a_4bit_stage_measures_its_rows_and_decodes_as_with_whole_calls(
             pytest.skip(str(exc))
     stage = build_stage(load_manifest(servable), 0, servable, 1, torch.device("cuda:0"),
                         StageOptions(quantization=method, cuda_graphs=False))[1]
-    status = stage.kernels["4bit_rows"]
+    status = stage.kernels.fourbit_rows
     assert status["device"] == "cuda:0" and set(status["ms"]) >= {str(m) for m in range(1, 9)}, status
     if stage.dtype != torch.float32:
         assert "256" in status["float32_ms"], status

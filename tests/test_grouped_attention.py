@@ -108,11 +108,11 @@ def test_the_load_status_says_which_attention(tmp_path):
 
     _, dense = make_servable(tmp_path / "dense", stages=1)
     built = build_stage(load_manifest(dense), 0, dense, 1, torch.device("cpu"), StageOptions(attention="grouped"))[1]
-    assert built.kernels["attention"] == "fused"
+    assert built.kernels.attention == "fused"
     _, moe = make_servable(tmp_path / "moe", family="qwen3_moe", stages=1, hidden=128)
     stages = {choice: build_stage(load_manifest(moe), 0, moe, 1, torch.device("cpu"),
                                   StageOptions(attention=choice))[1] for choice in ("auto", "grouped")}
-    assert {c: s.kernels["attention"] for c, s in stages.items()} == {"auto": "sdpa", "grouped": "grouped"}
+    assert {c: s.kernels.attention for c, s in stages.items()} == {"auto": "sdpa", "grouped": "grouped"}
     assert stages["grouped"].config._attn_implementation == GROUPED
     ids = list(range(5, 25))
     assert greedy(stages["grouped"], ids, 8) == greedy(stages["auto"], ids, 8)

@@ -1,6 +1,6 @@
 """KV from what is measured: a stage grows its token budget past placement's plan into the memory it
 measures (a CPU stage: the host, its cgroup's limit or a limit its caller sets), up to the plan's
-ceiling, and says measured, planned and held in its status (``kernels["kv"]``)."""
+ceiling, and says measured, planned and held in its status (``kernels.kv``)."""
 
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ def test_a_4gb_limit_holds_more_than_1gb_and_both_are_in_status(stage):
     # a prompt piece of 2,048 positions: 33 KB a token, so neither budget reaches the CPU's token cap
     transport = StageOptions(kv_tokens=1000, kv_tokens_max=10**7, max_in_flight=2, prefill_chunk=2048)
     held_1, planned_1 = kv_budget(stage, transport, memory_limit=1 * GB)
-    status_1 = stage.kernels["kv"]
+    status_1 = stage.kernels.kv
     held_4, planned_4 = kv_budget(stage, transport, memory_limit=4 * GB)
-    status_4 = stage.kernels["kv"]
+    status_4 = stage.kernels.kv
     assert planned_1 == planned_4 == 1000 == status_4["planned"]
     assert held_4 > held_1 and held_4 > 1000  # grown past the plan into the limit's room
     assert status_1["held"] == held_1 and status_4["held"] == held_4
@@ -77,6 +77,6 @@ def test_float32_piece_bytes_are_the_largest_4bit_weight_per_device(stage, tmp_p
     except Exception as exc:  # bitsandbytes absent or without a CPU NF4 kernel here
         pytest.skip(f"NF4 does not load here ({exc})")
     assert float32_piece_bytes(nf4) == {}  # prompt pieces stay in the stage's dtype
-    nf4.kernels = {**nf4.kernels, "4bit_rows": {"float32_prompt_pieces": True}}
+    nf4.note(fourbit_rows={"float32_prompt_pieces": True})
     config = nf4.config
     assert float32_piece_bytes(nf4) == {torch.device("cpu"): 2 * config.intermediate_size * config.hidden_size * 4}

@@ -87,7 +87,7 @@ def test_the_windows_are_read_from_each_familys_config(checkpoints):
     assert layer_windows(mistral) == {0: WINDOW, 1: WINDOW, 2: WINDOW}  # no layer_types: every layer slides
     assert layer_windows(qwen2) == {0: None, 1: None, 2: WINDOW, 3: WINDOW}  # from max_window_layers on
     stage = StageModel.from_causal_lm(hf_model(checkpoints["qwen2-window"]))
-    assert prepare_stage(stage, batch_cap=3)["path"] == "fused" and stage.layer_windows == [None, None, 8, 8]
+    assert prepare_stage(stage, batch_cap=3).path == "fused" and stage.layer_windows == [None, None, 8, 8]
     linear = transformers.Qwen2Config(num_hidden_layers=2, layer_types=["full_attention", "linear_attention"])
     with pytest.raises(ValueError, match="linear_attention"):
         layer_windows(linear)
@@ -172,7 +172,7 @@ def test_a_mixture_of_experts_is_served_by_the_hf_layers_and_says_why(checkpoint
     assert "Qwen3MoeDecoderLayer" in fusable(model.model.layers, model.config, torch.device("cpu"))
     stage = StageModel.from_causal_lm(copy.deepcopy(model))
     kernels = prepare_stage(stage, batch_cap=3)
-    assert stage.fused is None and kernels["path"].startswith("hf")
+    assert stage.fused is None and kernels.path.startswith("hf")
     assert greedy_batched(stage, PROMPTS) == [generate(model, prompt) for prompt in PROMPTS]
 
 
@@ -183,7 +183,7 @@ def test_a_hybrid_stage_replies_as_generate_alone_and_in_batches(checkpoints):
     assert model.config.layer_types == ["linear_attention", "full_attention"] * 2
     stage = StageModel.from_causal_lm(copy.deepcopy(model))
     kernels = prepare_stage(stage, batch_cap=3)
-    assert stage.fused is None and kernels["path"].startswith("hf") and "Qwen3NextDecoderLayer" in kernels["why"]
+    assert stage.fused is None and kernels.path.startswith("hf") and "Qwen3NextDecoderLayer" in kernels.why
     assert stage.recurrent_layers == [0, 2] and "layers 0, 2 are linear attention" in stage.recurrent
     want = [generate(model, prompt) for prompt in PROMPTS]
     assert [greedy_alone(stage, prompt) for prompt in PROMPTS] == want  # prompts in pieces of 5
@@ -272,7 +272,7 @@ def test_a_hybrid_stage_cannot_roll_back_and_its_engine_turns_drafts_and_prefix_
     # asked for drafts and prefix reuse, the engine serves without them and the stage's status says why
     engine = local_engine(stage, kv_tokens=4096, prefix_cache=True, speculative=4)
     assert engine.speculative == 0 and engine.prefix is None and engine.draft is None
-    note = stage.kernels["recurrent"]
+    note = stage.kernels.recurrent
     assert note["off"] == ["speculative", "prefix_cache"] and note["layers"] == [0, 2]
     assert note["sessions"] == SESSIONS and "cannot be rolled back or cut at a position" in note["why"]
     # a prompt that repeats (prompt lookup would draft) twice: the second could have reused the first's positions
@@ -297,8 +297,8 @@ def test_a_hybrid_ring_serves_without_drafts_or_prefix_reuse_on_any_stage(checkp
     ring = LocalRing(servables["qwen3-next"], 2, prefill_chunk=6, prefix=True, speculative=3)
     try:
         assert ring.head.speculative == 0 and ring.head.prefix is None and ring.workers[0].prefix is None
-        assert ring.stages[0].stage.kernels["recurrent"]["off"] == ["speculative", "prefix_cache"]
-        assert ring.stages[1].stage.kernels["recurrent"] == {
+        assert ring.stages[0].stage.kernels.recurrent["off"] == ["speculative", "prefix_cache"]
+        assert ring.stages[1].stage.kernels.recurrent == {
             "layers": [2], "sessions": SESSIONS, "off": ["prefix_cache"], "why": ring.stages[1].stage.recurrent}
         prompts = [[5, 6, 7, 8] * 4, [5, 6, 7, 8] * 4 + [9]]
         assert ring.generate(prompts, NEW_TOKENS) == {f"s{i}": generate(model, p) for i, p in enumerate(prompts)}
@@ -372,7 +372,7 @@ def test_a_quantized_hybrid_stage_serves_its_linear_layers_quantized(checkpoints
     from fellow.runtime.model.quant.quantizer import QuantModule
 
     stage = load_one_stage(servables["qwen3-next"], "cpu", StageOptions(quantization=method)).stage
-    assert stage.kernels["path"] == "hf" and stage.weights["quantization"] == method
+    assert stage.kernels.path == "hf" and stage.weights["quantization"] == method
     deltanet = stage.layers[0].linear_attn
     assert all(isinstance(getattr(deltanet, name), QuantModule) for name in ("in_proj_qkvz", "in_proj_ba", "out_proj"))
     assert isinstance(stage.layers[1].self_attn.q_proj, QuantModule) and type(deltanet.conv1d) is torch.nn.Conv1d

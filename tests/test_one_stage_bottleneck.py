@@ -101,7 +101,7 @@ def test_the_plan_names_the_trained_cut_inside_one_stage(servables):
 @pytest.mark.parametrize("path", ["fused", "hf"])
 def test_one_stage_keeps_the_trained_cut_and_equals_the_ring(servables, ring_replies, which, path):
     stage = load(servables[which], path)
-    assert stage.kernels["inner"] == {"2": which}
+    assert stage.kernels.inner == {"2": which}
     assert (stage.fused is not None) == (path == "fused")
     assert one_stage_greedy(stage) == ring_replies[which] and all(ring_replies[which].values())
 

@@ -50,7 +50,7 @@ def run(stage, sessions: list[Session], **engine) -> dict[str, list[int]]:
 def test_prompt_logprobs_equal_a_teacher_forced_forward(model, path, chunk):
     stage = StageModel.from_causal_lm(copy.deepcopy(model))
     if path == "fused":
-        assert prepare_stage(stage, batch_cap=4)["path"] == "fused"
+        assert prepare_stage(stage, batch_cap=4).path == "fused"
     ids = prompt(23, 1)
     scored = Session("scored", ids, 6, Sampling(temperature=0.0, prompt_logprobs=3))
     others = [Session(f"other{i}", prompt(9 + i, 10 + i), 6, Sampling(temperature=0.0)) for i in range(2)]

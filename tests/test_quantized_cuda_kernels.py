@@ -108,7 +108,7 @@ def test_bnb_int8_weights_are_bit_identical_to_from_pretrained_load_in_8bit(serv
 
 def test_a_bnb_int8_stage_serves_close_to_float32_and_batched_equal_to_alone(bnb_int8_stage, float_stage):
     stage = bnb_int8_stage
-    assert {e["kernel"] for e in stage.kernels["shapes"].values()} == {"bnb-int8"}
+    assert {e["kernel"] for e in stage.kernels.shapes.values()} == {"bnb-int8"}
     assert stage.head.linear.kernel == "bnb-int8"
     # the tied table: the head's bitsandbytes int8 rows, each looked-up row within half a step of float32
     assert isinstance(stage.embed, QuantEmbedding) and stage.embed.linear is stage.head.linear
@@ -143,7 +143,7 @@ def test_int4_fast_where_its_kernel_cannot_run_reloads_as_nf4_and_says_so(servab
     assert w["quantization"] == NF4 and w["requested"] == INT4_FAST
     assert "needs a CUDA card" in w["reason"] and w["reason"].endswith("reloaded as nf4")
     assert any("reloaded as nf4" in r.getMessage() for r in caplog.records)
-    assert {e["kernel"] for e in stage.kernels["shapes"].values()} == {"bnb-nf4"}
+    assert {e["kernel"] for e in stage.kernels.shapes.values()} == {"bnb-nf4"}
     assert w["bytes"] == nf4.weights["bytes"]
     for ids in prompts(2):
         assert greedy(stage, ids, 8) == greedy(nf4, ids, 8)

@@ -123,8 +123,8 @@ def test_measured_weight_bytes_and_the_kernels_in_the_status(stages, method):
     ratio = w["bytes"] / full.weights["bytes"]
     print(f"\n{method}: {w['bytes']} bytes measured against {full.weights['bytes']} in float32: {ratio:.3f}")
     assert ratio <= RATIO[method]
-    assert stage.kernels["path"] == "fused"
-    kernels = {entry["kernel"] for entry in stage.kernels["shapes"].values()}
+    assert stage.kernels.path == "fused"
+    kernels = {entry["kernel"] for entry in stage.kernels.shapes.values()}
     assert kernels == {QUANT_KERNELS[method]}
     assert isinstance(stage.head, QuantModule) and stage.head.linear.kernel == "int8"  # the head: int8
     # a tied model's embedding table: the head's int8 rows, held once, each looked-up row within a step
@@ -231,7 +231,7 @@ def test_qlora_a_quantized_base_plus_adapters_serves_the_tuned_model(tmp_path, m
     hf, lora, tuned = tiny_lora(tmp_path)
     manifest = export(hf, tmp_path / "sv", stages=1, adapters=lora)
     stage = build_stage(manifest, 0, tmp_path / "sv", 1, torch.device("cpu"), StageOptions(quantization=method))[1]
-    kinds = {entry["kernel"] for entry in stage.kernels["shapes"].values()}
+    kinds = {entry["kernel"] for entry in stage.kernels.shapes.values()}
     assert kinds == {QUANT_KERNELS[method]}  # the kernels time the base weights
     adapted = [name for name in ("qkv", "down") if isinstance(getattr(stage.fused.layers[0], name), LeanLoRA)]
     assert adapted == ["qkv", "down"] and not isinstance(stage.fused.layers[0].o, LeanLoRA)
@@ -263,9 +263,9 @@ def test_serve_lora_modes_lean16_and_peft_serve_what_lean_does(tmp_path):
              for mode in ("lean", "lean16", "peft")}
     modules = 3 * 4  # q_proj, v_proj and down_proj in each of 4 layers
     for mode, stage in built.items():
-        assert stage.kernels["lora"] == {"mode": mode, "modules": modules}
-    assert built["lean"].kernels["path"] == built["lean16"].kernels["path"] == "fused"
-    assert built["peft"].kernels["path"] == "hf" and "PEFT" in built["peft"].kernels["why"]
+        assert stage.kernels.lora == {"mode": mode, "modules": modules}
+    assert built["lean"].kernels.path == built["lean16"].kernels.path == "fused"
+    assert built["peft"].kernels.path == "hf" and "PEFT" in built["peft"].kernels.why
     peft_layers = [m for layer in built["peft"].layers for m in layer.modules() if isinstance(m, PeftLinear)]
     assert len(peft_layers) == modules and all(isinstance(m.base_layer, QuantModule) for m in peft_layers)
     lean16 = built["lean16"].fused.layers[0].qkv

@@ -475,7 +475,7 @@ def test_a_rings_last_stage_loads_the_draft_model_and_budgets_for_both(copier, s
     last = RingStageServer(config(2))
     last.load()
     assert last.draft.name == "small-copier" and last.worker.drafter.model is last.draft
-    assert last.stage.kernels["draft_decoder"] == "eager"  # no CUDA here
+    assert last.stage.kernels.draft_decoder == "eager"  # no CUDA here
     assert last.kv_tokens == last.worker.kv_tokens == last.draft.budget_tokens(3 * 512) < 3 * 512
     head = RingHeadServer(config(0))
     head.load()
@@ -644,7 +644,7 @@ def test_stage0_sizes_its_in_flight_from_steps_and_links_then_lowers_it_to_the_k
     head._fit_ring_kv([6144, 6144], sizing)
     assert (head.in_flight, head.runner.units.groups, head.kv_tokens) == (14, 7, 14 * 128)
     assert head.engine.prefix_room == 6 * 128  # finished prefixes keep to the plan's KV, not the raised one
-    assert head.stage.kernels["ring"]["in_flight"] == 14 and head.stage.kernels["ring"]["transit_ms"] == 4.0
+    assert head.stage.kernels.ring["in_flight"] == 14 and head.stage.kernels.ring["transit_ms"] == 4.0
     head._fit_ring_kv([6144, 1000], sizing)  # stage 2 holds 1,000 tokens: seven 128-token shares
     assert (head.in_flight, head.runner.units.groups, head.kv_tokens) == (7, 4, 1000)
     head._fit_ring_kv([6144, 6144], size_ring([1.0, 1.0, 1.0], 0.2, head.per_group, 48))  # a short pipe

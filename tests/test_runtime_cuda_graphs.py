@@ -25,7 +25,7 @@ from tests.test_runtime_speculative import copying, random_prompts, run
 def _stage(path: str, device: str = "cpu") -> StageModel:
     stage = StageModel.from_causal_lm(_planted(3, 64, 0).to(device))
     if path == "fused":
-        assert prepare_stage(stage)["path"] == "fused"
+        assert prepare_stage(stage).path == "fused"
     return stage
 
 
@@ -223,8 +223,8 @@ def test_a_cuda_load_says_in_its_status_whether_its_decode_replays_graphs(tmp_pa
 
     _, servable = make_servable(tmp_path, stages=1)
     stage = load_one_stage(servable, "cuda:0", StageOptions(max_batch=4)).stage
-    graphs = stage.kernels["cuda_graphs"]
+    graphs = stage.kernels.cuda_graphs
     assert graphs["path"] == "cuda-graph" and graphs["slots"] == 4 and set(graphs["step_ms"]) == {"1", "4"}, graphs
     assert isinstance(stage.new_cache(), PoolCache)
     off = load_one_stage(servable, "cuda:0", StageOptions(max_batch=4, cuda_graphs=False)).stage
-    assert "cuda_graphs" not in off.kernels and off.graphed is None
+    assert off.kernels.cuda_graphs is None and off.graphed is None

@@ -26,7 +26,7 @@ def _pair(path: str, device: str = "cpu") -> tuple[StageModel, StageModel]:
               StageModel.from_causal_lm(_planted(1, 64, 5).to(device)))
     if path == "fused":
         for stage in stages:
-            assert prepare_stage(stage)["path"] == "fused"
+            assert prepare_stage(stage).path == "fused"
     return stages
 
 

@@ -36,7 +36,7 @@ def pair(request) -> tuple[StageModel, StageModel]:
     stages = StageModel.from_causal_lm(_planted(3, 64, 0)), StageModel.from_causal_lm(_planted(1, 64, 5))
     if request.param == "fused":
         for stage in stages:
-            assert prepare_stage(stage)["path"] == "fused"
+            assert prepare_stage(stage).path == "fused"
     return stages
 
 

@@ -35,7 +35,7 @@ def stage(request) -> StageModel:
     if packed == "packed":
         assert pack_stage(stage) == 3 * 7 + 1  # q k v o, gate up down per layer, and the head
     elif packed == "fused":
-        assert prepare_stage(stage)["path"] == "fused"
+        assert prepare_stage(stage).path == "fused"
     return stage
 
 

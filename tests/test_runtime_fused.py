@@ -105,8 +105,8 @@ def test_the_chooser_keeps_the_fastest_kernel_per_shape_and_step_costs_roll_back
     model = models["qwen3", "deep"]
     stage = StageModel.from_causal_lm(copy.deepcopy(model))
     kernels = prepare_stage(stage, batch_cap=4)
-    assert kernels["path"] == "fused" and kernels["rows"] == [1, 4] and kernels["seconds"] > 0
-    for entry in kernels["shapes"].values():
+    assert kernels.path == "fused" and kernels.rows == [1, 4] and kernels.seconds > 0
+    for entry in kernels.shapes.values():
         totals = {name: sum(ms) for name, ms in entry["ms"].items()}
         assert entry["kernel"] == min(totals, key=totals.get)
     ids = list(range(4, 15))
@@ -208,7 +208,7 @@ def test_what_cannot_fuse_keeps_the_hf_layers_and_says_why():
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     stage = StageModel.from_causal_lm(model)
     kernels = prepare_stage(stage)
-    assert stage.fused is None and "not SiLU" in kernels["why"] and kernels["path"].startswith("hf")
+    assert stage.fused is None and "not SiLU" in kernels.why and kernels.path.startswith("hf")
     assert "cuda" in fusable(model.model.layers, config, torch.device("cuda"))
     chooser = KernelChooser(["mkl"], batch_cap=1)
     assert chooser.linear(torch.randn(8, 4), None).kernel == "mkl" and chooser.summary()["rows"] == [1]

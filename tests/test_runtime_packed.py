@@ -62,12 +62,12 @@ def test_the_loader_times_both_kernels_unless_told_not_to_pack(tmp_path):
     plain = load_one_stage(servable, "cpu", StageOptions(packed_linear=False))
     for loaded, timed in ((chosen, {"mkl", "onednn"}), (plain, {"mkl"})):
         kernels = loaded.stage.kernels
-        assert kernels["path"] == "fused" and loaded.stage.fused is not None
-        assert set(kernels["shapes"]) == {"128x64", "64x64", "256x64", "64x128", "384x64"}  # qkv o gate_up down head
-        for entry in kernels["shapes"].values():
+        assert kernels.path == "fused" and loaded.stage.fused is not None
+        assert set(kernels.shapes) == {"128x64", "64x64", "256x64", "64x128", "384x64"}  # qkv o gate_up down head
+        for entry in kernels.shapes.values():
             assert set(entry["ms"]) == timed and entry["kernel"] in timed
             assert all(ms > 0 for times in entry["ms"].values() for ms in times)
-    assert chosen.stage.kernels["rows"] == [1, 4] and plain.stage.kernels["rows"] == [1, 8]
+    assert chosen.stage.kernels.rows == [1, 4] and plain.stage.kernels.rows == [1, 8]
     assert chosen.stage.layers[0].self_attn.q_proj is None  # the HF weights are gone: each is held once
     assert chosen.stage.fused.layers[0].qkv.bias is not None  # Qwen2's biases, fused too
     ids = list(range(5, 30))

@@ -42,7 +42,7 @@ def stage(request) -> StageModel:
     plant_bigrams(model, TEXT)
     stage = StageModel.from_causal_lm(model)
     if request.param == "fused":
-        assert prepare_stage(stage)["path"] == "fused"
+        assert prepare_stage(stage).path == "fused"
     return stage
 
 

@@ -20,6 +20,7 @@ from events.loads import (
     StageReplaced,
     UnloadRequested,
 )
+from events.stage_kernels import as_json
 from leader.db.tables import Load, LoadStage
 from leader.projectors.projector import Projector
 
@@ -68,7 +69,7 @@ class LoadsProjector(Projector):
                 stage.kv_tokens_planned = evt.kv_tokens_planned
                 stage.max_in_flight = evt.max_in_flight
                 stage.vram_bytes = evt.vram_bytes
-                stage.kernels = evt.kernels or None
+                stage.kernels = as_json(evt.kernels) or None
                 if evt.weights:  # what it serves and measures, beside what placement priced
                     stage.weights = {**(stage.weights or {}), **evt.weights}
             case ModelLoaded():

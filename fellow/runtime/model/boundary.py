@@ -51,7 +51,7 @@ class InnerBoundary(nn.Module):
 
 def apply_inner(stage, boundaries: dict[int, InnerBoundary]) -> None:
     """Run each cut before the layer after it (absolute index), on the HF layers' path (a forward
-    pre-hook) and the fused one (``FusedStack.before``); the status's ``kernels["inner"]`` names them."""
+    pre-hook) and the fused one (``FusedStack.before``); the status's ``kernels.inner`` names them."""
     if not boundaries:
         return
     for cut, boundary in boundaries.items():
@@ -60,4 +60,4 @@ def apply_inner(stage, boundaries: dict[int, InnerBoundary]) -> None:
                                         with_kwargs=True)
     if stage.fused is not None:
         stage.fused.before = dict(boundaries)
-    stage.kernels = {**stage.kernels, "inner": {str(cut): b.kind for cut, b in sorted(boundaries.items())}}
+    stage.note(inner={str(cut): b.kind for cut, b in sorted(boundaries.items())})

@@ -18,7 +18,7 @@ project's batched views pad keys and values, which it has none of. So a stage wi
   (``StageModel.decode``);
 - cannot roll back: ``crop_to`` refuses to move back, ``StageModel.verify`` refuses, and the engines
   serve it without speculative decoding, a draft model or prefix reuse, saying so in the stage's
-  ``kernels["recurrent"]`` (``off_note``).
+  ``kernels.recurrent`` (``off_note``).
 """
 
 from __future__ import annotations
@@ -66,13 +66,13 @@ def _spans(indices: list[int]) -> str:
 
 
 def off_note(stage, off: list[str], model: bool = False) -> dict:
-    """What a recurrent stage's status says (``kernels["recurrent"]``): its linear layers (``model``: the
+    """What a recurrent stage's status says (``kernels.recurrent``): its linear layers (``model``: the
     whole model's, where a ring's stage 0 decides for every stage), how sessions run, what
     the engine turned ``off`` for it, and why; logged once."""
     layers = recurrent_layers(stage.config) if model else stage.recurrent_layers
     why = recurrent_reason(stage.config) if model else stage.recurrent
     note = {"layers": layers, "sessions": SESSIONS, "off": off, "why": why}
-    stage.kernels = {**stage.kernels, "recurrent": note}
+    stage.note(recurrent=note)
     log.info("linear-attention layers %s: %s%s", _spans(layers), SESSIONS,
              f"; {', '.join(off)} off" if off else "")
     return note

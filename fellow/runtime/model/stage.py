@@ -10,11 +10,13 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 
+import msgspec
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from events.stage_kernels import StageKernels
 from fellow.runtime.model.forms.eager_steps import eager_forms
 from fellow.runtime.model.fused import (
     FusedLayer,
@@ -114,12 +116,23 @@ class StageModel:
         self._input_device = _module_device(embed) if embed is not None else self.layer_devices[0]
         self._head_device = _module_device(head) if head is not None else None
         self.fused: FusedStack | None = None  # set by ``fuse``: the layers then run by hand
-        self.kernels: dict = {"path": "hf"}  # how it computes, for the load's status (kernels.prepare_stage)
+        self.kernels = StageKernels(path="hf")  # how it computes, for the load's status: written by ``note``
         # its quantization and measured weight bytes, for the status (quant.report.weights_report)
         self.weights: dict = {}
         # its decode forms, fastest first (model.plan_steps fills it at load; the eager forms until then)
         self.steps = StepTable(eager_forms(self))
         self.plain_weights = None  # while it loads with SWARM_SERVE_COMPILE: compiled.PlainWeights
+
+    def note(self, **fields) -> StageKernels:
+        """Record how it computes (``StageKernels``' fields, each noted by the module its comment names): the one
+        way its status report is written."""
+        self.kernels = msgspec.structs.replace(self.kernels, **fields)
+        return self.kernels
+
+    def take_plain_weights(self):
+        """Hand its plain weights to what compiles a step from them (forms/plan_steps), keeping none."""
+        plain, self.plain_weights = self.plain_weights, None
+        return plain
 
     def fuse(self, make_linear: MakeLinear, fused_layers: Sequence[FusedLayer] | None = None) -> FusedStack:
         """Run the layers fused (fellow.runtime.model.fused), each weight made by ``make_linear`` (which

@@ -83,7 +83,7 @@ class RingHeadServer(StageServer):
         await self._fit_ring()
         if self.cfg.options.step_costs:  # the spec's link-probe, with the other step costs it asks for
             probe = await self.link.link_probe()
-            self.stage.kernels = {**self.stage.kernels, "link_probe": probe}
+            self.stage.note(link_probe=probe)
             log.info("[stage0 link-probe] %d trips round the ring (%s): min %.3f median %.3f max %.3f ms",
                      probe["trips"], route_name(probe["routes"]), probe["min_ms"], probe["median_ms"], probe["max_ms"])
         await super()._start()
@@ -120,9 +120,7 @@ class RingHeadServer(StageServer):
             self.intake.max_in_flight = self.in_flight
         if sizing is not None:
             self.runner.units.groups = groups_for(self.in_flight, sizing.per_group, self.cfg.num_stages)
-            self.stage.kernels = {**self.stage.kernels,
-                                  "ring": {**sizing.as_dict(), "in_flight": self.in_flight,
-                                           "groups": self.runner.units.groups}}
+            self.stage.note(ring={**sizing.as_dict(), "in_flight": self.in_flight, "groups": self.runner.units.groups})
             log.info("[stage0 in-flight] steps %s ms at %d rows, links %.2f ms round the ring: %d in flight in %d "
                      "groups%s", " ".join(f"{ms:.2f}" for ms in sizing.step_ms), sizing.per_group,
                      sizing.transit_ms, self.in_flight, self.runner.units.groups,

@@ -48,14 +48,13 @@ def kv_budget(stage: StageModel, options: StageOptions, planned: int | None = No
     plan, ``planned`` where the stage plans more itself, up to its ``kv_tokens_max``). A stage with
     recurrent layers keeps the states of as many sessions as may be in flight free first
     (kv_budget.session_state_bytes). ``memory_limit``: a CPU stage's limit, where its caller sets one.
-    The stage's ``kernels["kv"]`` says what it measured, planned and holds, for its status."""
+    The stage's ``kernels.kv`` says what it measured, planned and holds, for its status."""
     measured = measured_kv_tokens(stage, options.prefill_chunk or 256,
                                   sessions=max(options.max_in_flight, options.in_flight_max),
                                   memory_limit=memory_limit, keep_bytes=keep_bytes)
     planned = options.kv_tokens if planned is None else planned
     held = held_tokens(measured, planned, options.kv_tokens_max)
-    stage.kernels = {**stage.kernels, "kv": {"measured": measured, "planned": planned, "most": options.kv_tokens_max,
-                                             "held": held}}
+    stage.note(kv={"measured": measured, "planned": planned, "most": options.kv_tokens_max, "held": held})
     if planned and held < planned:
         log.info("KV budget %d tokens, lower than the %d planned: that is what the devices hold", held, planned)
     return held, (planned or measured)
@@ -119,8 +118,7 @@ class StageServerBase:
             self.draft = load_draft_model(self.cfg.options.draft_model_dir, self.stage, self.tokenizer, self.device,
                                           packed=self.cfg.options.packed_linear, batch_cap=self.batch_cap)
             warm_up(self.draft.stage)
-            self.stage.kernels = {**self.stage.kernels, "draft_decoder": self.draft.decoder_label,
-                                  **({"draft_upcast": self.draft.upcast} if self.draft.upcast else {})}
+            self.stage.note(draft_decoder=self.draft.decoder_label, draft_upcast=self.draft.upcast or None)
             log.info("[stage%d draft] %s drafts here: %d bytes a position (%.3f of the "
                      "served model's), steps %s", self.cfg.stage, self.draft.name, self.draft.position_bytes,
                      self.draft.ratio, self.draft.decoder_label)
@@ -211,13 +209,13 @@ class StageServerBase:
         self._build()
         if self.cfg.options.step_costs:
             costs = step_costs(self.stage, sorted({1, self.batch_cap}))
-            self.stage.kernels = {**self.stage.kernels, "step_ms": costs}
-            log.info("[stage%d step-costs] path=%s decode step %s", self.cfg.stage, self.stage.kernels["path"],
+            self.stage.note(step_ms=costs)
+            log.info("[stage%d step-costs] path=%s decode step %s", self.cfg.stage, self.stage.kernels.path,
                      " ".join(f"batch {rows}: {ms:.2f} ms" for rows, ms in costs.items()))
             if (lora := lora_costs(self.stage)) is not None:  # adapters kept apart: what they cost a step
-                self.stage.kernels["lora"] = {**self.stage.kernels["lora"], "step_ms": lora}
+                self.stage.note(lora={**self.stage.kernels.lora, "step_ms": lora})
                 log.info("[stage%d lora-cost] %s", self.cfg.stage, " ".join(f"{k}={v:.2f}" for k, v in lora.items()))
-            self.stage.kernels["step_costs"] = measure(self.stage, self.cfg.stage, self.cfg.options.step_profile)
+            self.stage.note(step_costs=measure(self.stage, self.cfg.stage, self.cfg.options.step_profile))
         self.group_ms = 0.0  # a ring stage's decode step at a group's rows: stage 0 sizes in flight by it
         if self.cfg.options.in_flight_max:
             self.group_ms = step_costs(self.stage, [self.per_group])[str(self.per_group)]

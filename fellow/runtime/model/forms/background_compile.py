@@ -13,7 +13,7 @@ fastest where it measured faster than the fused step; the rest are dropped. Wher
 size, it times them and the fused step again in turn (``_retime``: one form timed alone once chose the
 fused step for int4 in one run, docs/benchmarks.md), all between two steps of a stage that may be busy
 serving, and keeps what it found. ``state`` says where it is: the stage's metrics carry it to
-the load's status, and ``report`` lands in ``kernels["compiled"]``.
+the load's status, and ``report`` lands in ``kernels.compiled``.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Compiling takes tens of seconds per batch size on a small CPU (inductor's autotu
 matmul), so by default it runs on a thread of its own once the stage serves (``background_compile``);
 with batch sizes asked (``SWARM_SERVE_COMPILE=1,8``) the stage compiles each at load instead. Either
 way it checks the compiled step's logits against the fused step's, times both, and serves with the
-compiled one only where it measured faster; its ``kernels["compiled"]`` says what it found, or why it
+compiled one only where it measured faster; its ``kernels.compiled`` says what it found, or why it
 did not compile (a ring stage, adapted layers, NF4 or CUDA kernels, another device). Serves CPU stages
 of the Llama family whose layers are fused, i.e. what ``fused.fusable`` accepts, in float32, int8 or
 int4 (``graph_linear`` says how each weight is called).
@@ -85,7 +85,7 @@ def why_not(stage) -> str | None:
     if not (stage.is_first and stage.is_last):
         return "a ring stage: the compiled step takes a whole model (embeddings to head)"
     if stage.fused is None:
-        return f"its layers are not fused ({stage.kernels.get('why', stage.kernels.get('path'))})"
+        return f"its layers are not fused ({stage.kernels.why or stage.kernels.path})"
     if stage.fused.before:
         return "a cut training made inside it runs between its layers (model.boundary)"
     if len(set(stage.layer_devices)) > 1 or stage.layer_devices[0].type != "cpu":

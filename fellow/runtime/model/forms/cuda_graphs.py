@@ -15,7 +15,7 @@ of each row's past, and the head, writing the logits to a static buffer.
   or after a replay failed once, it steps eagerly over the same caches.
 - At load (``graph_decode``) the stage captures the buckets, checks a replay of each against the
   eager step on the same inputs (the same argmax ids, logits close), and times both at batch 1 and
-  at its batch cap. It serves replays only where they check and measure faster; ``kernels["cuda_graphs"]``
+  at its batch cap. It serves replays only where they check and measure faster; ``kernels.cuda_graphs``
   says what it found, and one log line names the choice.
 - The pool is allocated before the stage measures its KV budget, so the budget counts it as memory
   already taken; it takes at most half the KV tokens the card has room for after loading (POOL_SHARE),
@@ -162,7 +162,7 @@ def graph_decode(stage, *, slots: int, positions: int = GRAPH_POSITIONS, capture
     they check against the eager step and (``choose``) measure faster at batch 1 and at ``slots``.
     ``capture`` defaults to ``capture_cuda_graph`` on a CUDA stage; a stage elsewhere gets no pool
     unless one is given (the CPU tests: a step that runs as written). Returns what the load's status
-    shows (``kernels["cuda_graphs"]``); None for a CPU stage without ``capture``."""
+    shows (``kernels.cuda_graphs``); None for a CPU stage without ``capture``."""
     device = stage.input_device
     if capture is None:
         if device.type != "cuda":

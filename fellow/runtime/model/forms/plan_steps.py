@@ -30,18 +30,17 @@ def compiles_in_background(options: StageOptions, num_stages: int, device: torch
 
 def plan_steps(stage, options: StageOptions, background: bool) -> None:
     """Fill the stage's step table at load, as ``options`` ask; ``background``: ``compiles_in_background``."""
-    compile, kernels = options.compile, stage.kernels
+    compile = options.compile
     if compile:
-        kernels = {**kernels, "compiled": compile_decode(stage, compile, stage.plain_weights)}
+        stage.note(compiled=compile_decode(stage, compile, stage.plain_weights))
     elif compile is None and (why := why_not_here(stage, stage_weights(stage)[0]) if background else why_not(stage)
                               or "its plain weights were not kept"):
-        kernels = {**kernels, "compiled": {"asked": [1], "background": True, "why": why}}
+        stage.note(compiled={"asked": [1], "background": True, "why": why})
         background = False
     if not background:
-        stage.plain_weights = None  # the compiled step holds what it needs; else the stage's server takes them
+        stage.take_plain_weights()  # the compiled step holds what it needs; else the stage's server takes them
     if options.cuda_graphs and (graphs := graph_decode(stage, slots=options.batch_cap)) is not None:  # off CUDA
-        kernels = {**kernels, "cuda_graphs": graphs}
-    stage.kernels = kernels
+        stage.note(cuda_graphs=graphs)
 
 
 def background_for(stage, options: StageOptions) -> BackgroundCompile | None:
@@ -49,7 +48,6 @@ def background_for(stage, options: StageOptions) -> BackgroundCompile | None:
     the stage lets them go (the compile holds them until it is done)."""
     if stage.plain_weights is None or options.compile is not None:
         return None
-    background = BackgroundCompile(stage, stage.plain_weights)
-    stage.plain_weights = None
-    stage.kernels = {**stage.kernels, "compiled": background.report}
+    background = BackgroundCompile(stage, stage.take_plain_weights())
+    stage.note(compiled=background.report)
     return background

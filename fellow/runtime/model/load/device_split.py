@@ -77,7 +77,7 @@ class DeviceSplit:
         return "; ".join(p.describe() for p in self.parts)
 
     def as_dicts(self) -> list[dict]:
-        """For the load's status (StageModel.kernels["devices"])."""
+        """For the load's status (StageModel.kernels.devices)."""
         return [{"device": p.device, "layers": list(p.layers), "weight_bytes": p.weight_bytes,
                  "kv_bytes": p.kv_bytes, "embed": p.embed, "head": p.head} for p in self.parts]
 

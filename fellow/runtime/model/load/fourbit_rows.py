@@ -20,7 +20,7 @@ float32 where that is clearly faster, both measured at load (SWARM_SERVE_4BIT_RO
 
 ``quant.linear.QuantLinear`` applies the policy (``row_limit``, ``float32_rows``); this module measures,
 chooses, sets it on every 4-bit weight of the stage (the int8 head is left as it is), logs the spec's
-``[stageN 4bit-rows]`` line and returns what ``kernels["4bit_rows"]`` shows.
+``[stageN 4bit-rows]`` line and returns what ``kernels.fourbit_rows`` shows.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def plan_4bit_rows(stage, rows: str | int = AUTO, float32: str = AUTO, *, prefil
                    label: str = "stage0", measure_cpu: bool = False,
                    time_block: TimeBlock | None = None) -> dict | None:
     """Measure, choose and set the row policy of the stage's 4-bit weights (module docstring); what
-    ``kernels["4bit_rows"]`` shows, or None where there is nothing to do (no 4-bit weight, both off).
+    ``kernels.fourbit_rows`` shows, or None where there is nothing to do (no 4-bit weight, both off).
 
     ``rows``: SWARM_SERVE_4BIT_ROWS (auto, off, or a fixed limit); ``float32``: SWARM_SERVE_4BIT_FLOAT32
     (auto or off); ``prefill_chunk``: the width of a prompt piece float32 is timed at too (0: DEFAULT_PIECE);

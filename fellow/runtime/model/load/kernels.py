@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
+from events.stage_kernels import StageKernels
 from fellow.runtime.model.forms.compiled import PlainWeights
 from fellow.runtime.model.fused import Linear, fusable, onednn_available
 from fellow.runtime.model.kv_cache import random_caches
@@ -148,7 +149,7 @@ def quant_chooser(method: str, batch_cap: int, device: torch.device = torch.devi
 
 
 def prepare_stage(stage, *, packed: bool = True, batch_cap: int = 8, quantizer: StageQuantizer | None = None,
-                  keep_plain: bool = False) -> dict:
+                  keep_plain: bool = False) -> StageKernels:
     """Make a freshly loaded StageModel ready to serve: fused layers with measured kernels where the
     family allows (fellow.runtime.model.fused), else the HF layers, packed for oneDNN where that serves.
     ``quantizer``: the StageQuantizer its layers went through as they loaded (a quantized stage); its
@@ -171,12 +172,10 @@ def prepare_stage(stage, *, packed: bool = True, batch_cap: int = 8, quantizer: 
         stage.fuse(stage.plain_weights.make if keep_plain else chooser.linear)
         chooser.done()
         log.info("fused layers; %s", chooser.log_line())
-        stage.kernels = {"path": "fused", **chooser.summary()}
-    else:
-        packed_layers = pack_stage(stage) if packed else 0
-        log.info("HF layers (%s)%s", why, ", packed for oneDNN" if packed_layers else "")
-        stage.kernels = {"path": "hf+onednn" if packed_layers else "hf", "why": why}
-    return stage.kernels
+        return stage.note(path="fused", **chooser.summary())
+    packed_layers = pack_stage(stage) if packed else 0
+    log.info("HF layers (%s)%s", why, ", packed for oneDNN" if packed_layers else "")
+    return stage.note(path="hf+onednn" if packed_layers else "hf", why=why)
 
 
 def tied_head(stage) -> bool:
@@ -188,7 +187,7 @@ def tied_head(stage) -> bool:
     return head.weight.shape == embed.weight.shape and torch.equal(head.weight, embed.weight)
 
 
-def _prepare_quantized(stage, quantizer: StageQuantizer) -> dict:
+def _prepare_quantized(stage, quantizer: StageQuantizer) -> StageKernels:
     chooser = quantizer.chooser
     tied = tied_head(stage)
     if stage.head is not None:
@@ -200,18 +199,18 @@ def _prepare_quantized(stage, quantizer: StageQuantizer) -> dict:
         stage.fuse(quantizer.make, layers)
         chooser.done()
         log.info("fused %s layers; %s", quantizer.method, chooser.log_line())
-        stage.kernels = {"path": "fused", **chooser.summary()}
+        stage.note(path="fused", **chooser.summary())
     else:
         chooser.done()
         log.info("HF layers (%s), %d linear weights %s", quantizer.why_not_fused, quantizer.swapped, quantizer.method)
-        stage.kernels = {"path": "hf", "why": quantizer.why_not_fused}
+        stage.note(path="hf", why=quantizer.why_not_fused)
     if stage.head is not None:
-        stage.kernels["head"] = getattr(getattr(stage.head, "linear", None), "kernel", "float")
+        stage.note(head=getattr(getattr(stage.head, "linear", None), "kernel", "float"))
     on_cpu = stage.layer_devices[0].type == "cpu"
-    if on_cpu and "int8" in (stage.kernels.get("head"), QUANT_KERNELS.get(quantizer.method)):
-        stage.kernels["int8_rows"] = int8_gemv.rows_kernel()  # what multiplies its int8 weights in decode steps
+    if on_cpu and "int8" in (stage.kernels.head, QUANT_KERNELS.get(quantizer.method)):
+        stage.note(int8_rows=int8_gemv.rows_kernel())  # what multiplies its int8 weights in decode steps
     if quantizer.adapted:
-        stage.kernels["lora"] = {"mode": quantizer.lora, "modules": quantizer.adapted}
+        stage.note(lora={"mode": quantizer.lora, "modules": quantizer.adapted})
         log.info("LoRA adapters on %d modules kept apart, served %s", quantizer.adapted, quantizer.lora)
     return stage.kernels
 
@@ -269,7 +268,7 @@ def lora_costs(stage, repeats: int = 3) -> dict[str, float] | None:
     """The spec's ``[stageN lora-cost]``: ms of one decode step (batch 1) with the adapters a quantized
     stage keeps apart, as it serves them (``<mode>_ms``), and with them switched off (``off_ms``). None
     where it keeps none. The adapters are back in place when it returns."""
-    lora = stage.kernels.get("lora")
+    lora = stage.kernels.lora
     if not lora:
         return None
     served = step_costs(stage, [1], repeats)["1"]

@@ -129,7 +129,7 @@ def float32_piece_bytes(stage: StageModel) -> dict[torch.device, int]:
     prompt pieces stay in its own dtype (fourbit_rows' ``float32_prompt_pieces``)."""
     from fellow.runtime.model.load.fourbit_rows import stage_blocks
 
-    if not ((stage.kernels or {}).get("4bit_rows") or {}).get("float32_prompt_pieces"):
+    if not (stage.kernels.fourbit_rows or {}).get("float32_prompt_pieces"):
         return {}
     out: dict[torch.device, int] = defaultdict(int)
     for block in stage_blocks(stage):

@@ -155,14 +155,14 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
     quantized one, so a QLoRA run serves as it trained, without a second rounding: ``lora`` (the fellow's
     SWARM_SERVE_LORA) says how (LORA_MODES: lean or lean16 quant.lora.LeanLoRA, or PEFT's own layers).
     ``compile`` (SWARM_SERVE_COMPILE): decode batch sizes whose step is compiled where that serves and
-    measures faster (fellow.runtime.model.forms.compiled); ``kernels["compiled"]`` says what it found.
+    measures faster (fellow.runtime.model.forms.compiled); ``kernels.compiled`` says what it found.
     ``cuda_graphs`` (SWARM_SERVE_CUDA_GRAPHS): a whole-model stage on one CUDA device decodes from a pool
     of ``batch_cap`` sessions by replaying captured graphs, where they check and measure faster
-    (fellow.runtime.model.forms.cuda_graphs); ``kernels["cuda_graphs"]`` says what it found.
+    (fellow.runtime.model.forms.cuda_graphs); ``kernels.cuda_graphs`` says what it found.
     ``fourbit_rows`` / ``fourbit_float32`` (SWARM_SERVE_4BIT_ROWS / SWARM_SERVE_4BIT_FLOAT32): a 4-bit stage
     splits its matmuls of a few rows, and computes row counts in float32, where that measures faster at
     load, timing float32 at a prompt piece's width (``prefill_chunk``) too (fellow.runtime.model.load.fourbit_rows);
-    ``kernels["4bit_rows"]`` says what it found.
+    ``kernels.fourbit_rows`` says what it found.
     """
     packed, batch_cap, quantization, lora = options.packed_linear, options.batch_cap, options.quantization, options.lora
     compile, prefill_chunk = options.compile, options.prefill_chunk
@@ -201,18 +201,17 @@ def build_stage(manifest: Manifest, stage_index: int, model_dir: Path, num_stage
         stage.plain_weights = PlainWeights(None)
     apply_inner(stage, mods.inner)  # cuts training made inside the stage, where they were trained
     # the HF layers' attention (SWARM_SERVE_ATTENTION); fused layers attend grouped on their own
-    stage.kernels = {**stage.kernels, "attention": "fused" if stage.fused is not None else
-                     "grouped" if attention == GROUPED else attention}
+    stage.note(attention="fused" if stage.fused is not None else "grouped" if attention == GROUPED else attention)
     if quantizer is not None and (rows := plan_4bit_rows(stage, fourbit_rows, fourbit_float32,
                                                          prefill_chunk=prefill_chunk,
                                                          label=f"stage{stage_index}")) is not None:
-        stage.kernels = {**stage.kernels, "4bit_rows": rows}  # None: no 4-bit weight, or both off
+        stage.note(fourbit_rows=rows)  # None: no 4-bit weight, or both off
     plan_steps(stage, options, background)  # its decode forms: the one chooser
     if split is not None:
-        stage.kernels = {**stage.kernels, "devices": split.as_dicts()}
+        stage.note(devices=split.as_dicts())
         log.info("layers split over %d devices: %s", len(split.parts), split.describe())
         if half := apply_half_storage(stage):  # half-precision layers that compute faster upcast
-            stage.kernels["half_storage"] = half
+            stage.note(half_storage=half)
     stage.weights = weights_report(stage, quantization)
     if reason is not None:
         stage.weights.update(requested=asked, reason=reason)

@@ -1,5 +1,5 @@
 """The spec's step costs at load (SWARM_SERVE_STEP_COSTS): what one serving step of this stage costs on
-its own devices, measured before it reports ready, into its status (``kernels["step_costs"]``) and its
+its own devices, measured before it reports ready, into its status (``kernels.step_costs``) and its
 log, one ``[stageN <name>]`` line each:
 
 - ``verify-cost``: one session running M = 1 to 8 positions at once (its last token and M - 1 drafted
@@ -172,7 +172,7 @@ def step_profile(stage) -> dict:
 
 
 def measure(stage, index: int, profiled: bool = False) -> dict:
-    """Every cost above for stage ``index``, logged; what its status shows under ``kernels["step_costs"]``."""
+    """Every cost above for stage ``index``, logged; what its status shows under ``kernels.step_costs``."""
     verify = verify_costs(stage)
     longest = max(verify_contexts(stage.config))
     report = {"verify_ms": verify, "batch_ms": step_costs(stage, list(BATCH_ROWS)),
