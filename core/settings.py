@@ -4,6 +4,7 @@ Each setting is one field of one group, declared with ``setting(variable, defaul
 is the registry (``variables()`` lists them for the README's table and its test), the default is the value
 an unset variable means (``$SWARM_DATA_DIR`` and ``$SWARM_LEADER_PORT`` stand for the values read before
 it), and the parser turns the text into the field's value or raises a one-line SettingsError.
+Over 350 lines: the one registry of every variable, a line each, on purpose.
 """
 
 from __future__ import annotations
@@ -114,6 +115,18 @@ def database_url(name: str, raw: str) -> str:
     return raw
 
 
+def tokens_path(name: str, raw: str) -> Path | str | None:
+    """SWARM_API_TOKENS_FILE: auto (beside a SQLite database: LeaderSettings), off (none), or a path."""
+    v = raw.strip()
+    return v.lower() if v.lower() == "auto" else None if v.lower() in ("off", "none", "0") else path(name, v)
+
+
+def beside_database(url: str) -> Path | None:
+    """api_tokens.json beside a SQLite database's file; None for PostgreSQL or a database in memory."""
+    db = url.split(":///", 1)[1].split("?", 1)[0] if url.startswith("sqlite+aiosqlite:///") else ""
+    return Path(db).expanduser().parent / "api_tokens.json" if db not in ("", ":memory:") else None
+
+
 def nats_urls(name: str, raw: str) -> str | None:
     for url in raw.split(",") if raw.strip() else []:
         if not url.strip().startswith(("nats://", "tls://", "ws://", "wss://")):
@@ -212,13 +225,17 @@ class LeaderSettings(Group):
                        lambda name, raw: raw.strip().rstrip("/"))
     database_url: str = setting("SWARM_DATABASE_URL", "sqlite+aiosqlite:///$SWARM_DATA_DIR/swarm.db", database_url)
     api_token: str | None = setting("SWARM_API_TOKEN", "", secret, shown=False)
-    tokens_file: Path | None = setting("SWARM_API_TOKENS_FILE", "", optional(path))  # leader.auth.token_file
+    tokens_file: Path | None = setting("SWARM_API_TOKENS_FILE", "auto", tokens_path)  # leader.auth.token_file
     require_api_token: bool = setting("SWARM_REQUIRE_API_TOKEN", "0", flag)
     autoload: bool = setting("SWARM_AUTOLOAD", "0", flag)
     servable_models_root: Path = setting("SWARM_SERVABLE_MODELS_ROOT", "$SWARM_DATA_DIR/servable_models", path)
     fellow_timeout_s: float = setting("SWARM_FELLOW_TIMEOUT_S", "0", number())  # 0: three of its heartbeats
     http_max_body_bytes: int = setting("SWARM_HTTP_MAX_BODY_BYTES", "8388608", whole(1))  # larger: a 413
     stream_resume_s: float = setting("SWARM_STREAM_RESUME_S", "10", number())  # a hung-up stream may resume
+
+    def __post_init__(self):  # auto: the tokens file beside the state database, where that is a file
+        if self.tokens_file == "auto":
+            object.__setattr__(self, "tokens_file", beside_database(self.database_url))
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from events.base import Event
+from events.moves import Resume
 
 
 class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -89,6 +90,7 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
     tool_format: str = ""  # how the template writes calls (leader.openai.tool_formats); "": hermes
     created: float = 0.0
     frame_key: str = ""  # the stage signs its frames with it (events.frames.frame_tag); "": a leader without NATS auth
+    resume: Resume | None = None  # a request moved mid-reply off a stage that died (leader.moves)
 
 
 class RequestAccepted(Event, frozen=True, tag="request.accepted"):

@@ -25,6 +25,7 @@ from events.loads import (
     StageReplaced,
     UnloadRequested,
 )
+from events.moves import RequestMoved
 from events.requests import RequestAccepted, RequestFailed, RequestFinished
 
 EVENT_TYPES: tuple[type[Event], ...] = (
@@ -32,7 +33,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     ModelCataloged, ModelUncataloged,
     LoadRequested, LoadPlaced, StageReady, ModelLoaded, UnloadRequested, LoadFailed, ModelUnloaded, ReplicaLost,
     StageReplaced,
-    RequestAccepted, RequestFinished, RequestFailed,
+    RequestAccepted, RequestFinished, RequestFailed, RequestMoved,
     ApiTokenMinted, ApiTokenRevoked, ApiTokenPruned,
 )
 AnyEvent = Union[EVENT_TYPES]  # type: ignore[valid-type]

@@ -22,6 +22,7 @@ from events.loads import (
     ModelUnloaded,
     ReplicaLost,
     StageReady,
+    TransportPlan,
     load_failed_id,
     replica_lost_id,
     replica_part,
@@ -40,8 +41,8 @@ def stage_options(settings: Settings, cmd: LoadStage, draft_dir: str = "") -> St
     """How a stage of ``cmd`` serves, built once here and sent whole to its process: this fellow's serving
     settings of the same names, under what placement planned (``cmd.transport``); where the plan left a
     choice open (0, off) the fellow's own stands, and a one-stage load cuts prompts into the fellow's own
-    pieces and holds its own number of requests where it set them (a ring keeps the plan's, which each of
-    its stages reserves memory for).
+    pieces and holds its own number of requests where it set them; a ring's stage 0 takes the lower of the
+    plan's and its own (``ring_head_bounds``), its later stages the plan's, which they reserve memory for.
     A drafting load's last stage drafts with ``draft_dir`` (the leader's draft model, transport.draft_model,
     found or fetched here: ``ModelManager._draft_dir``), else with this fellow's own SWARM_SERVE_DRAFT_MODEL.
     QuantizationError where no load serves the plan's quantization, FileNotFoundError where the fellow's
@@ -52,18 +53,45 @@ def stage_options(settings: Settings, cmd: LoadStage, draft_dir: str = "") -> St
     if speculative and last and not draft_dir and not t.draft_asked and serving.draft_model not in ("", "auto"):
         draft_dir = str(draft_model_dir(settings))  # the fellow's own ("auto" is the leader's to resolve)
     own = {name: getattr(serving, name) for name in StageOptions.__struct_fields__ if hasattr(serving, name)}
-    ring = cmd.num_stages > 1  # a ring keeps the plan's, which each of its stages reserves memory for
+    ring = cmd.num_stages > 1
     chunk = t.prefill_chunk if serving.prefill_chunk is None or ring else serving.prefill_chunk
     in_flight = t.max_in_flight if serving.max_in_flight is None or ring else serving.max_in_flight
+    ceiling = t.in_flight_max if ring else 0
+    if ring and cmd.assignment.stage == 0:
+        in_flight, ceiling, chunk, _ = ring_head_bounds(serving, t)
     return StageOptions(**{**own, "max_in_flight": in_flight, "kv_tokens": t.kv_tokens,
                            "max_batch": t.max_batch or (serving.max_batch or 0), "prefill_chunk": chunk,
                            "step_costs": t.step_costs or serving.step_costs != "off",
                            "step_profile": t.step_profile or serving.step_costs == "profile",
                            "speculative": speculative,
                            "kv_tokens_max": t.kv_tokens_max,
-                           "in_flight_max": t.in_flight_max if ring else 0,
+                           "in_flight_max": ceiling,
                            "quantization": method_of(cmd.quantization),
                            "draft_model_dir": draft_dir if speculative and last else ""})
+
+
+def ring_head_bounds(serving, t: TransportPlan) -> tuple[int, int, int, list[str]]:
+    """(in flight, its ceiling, prompt piece, why each differs from the plan) for stage 0 of a ring: its
+    fellow's SWARM_SERVE_MAX_IN_FLIGHT and SWARM_SERVE_PREFILL_CHUNK bound its intake and its pieces, the
+    lower of the plan's and the fellow's (a piece of 0, the whole prompt, is the longest); fewer in flight
+    than planned stay fixed. Where the plan lets stage 0 size the ring (``in_flight_max``) a fellow's own
+    above the plan is the ceiling instead: it asks for more than four a stage. The later stages keep the
+    plan's, which they reserve memory for."""
+    in_flight, ceiling, chunk, why = t.max_in_flight, t.in_flight_max, t.prefill_chunk, []
+    if (own := serving.max_in_flight) is not None:
+        in_flight = min(in_flight, own)
+        ceiling = 0 if own < t.max_in_flight else own if ceiling else 0
+        if own < t.max_in_flight:
+            why.append(f"max_in_flight {own}, not the plan's {t.max_in_flight}: SWARM_SERVE_MAX_IN_FLIGHT={own} "
+                       f"on stage 0's fellow")
+        elif ceiling > t.in_flight_max:
+            why.append(f"in flight sized up to {own}, past the plan's {t.in_flight_max}: SWARM_SERVE_MAX_IN_FLIGHT="
+                       f"{own} on stage 0's fellow")
+    if (own := serving.prefill_chunk) is not None and own and (not chunk or own < chunk):
+        chunk = own
+        why.append(f"prefill_chunk {own}, not the plan's {t.prefill_chunk or 'whole prompt'}: "
+                   f"SWARM_SERVE_PREFILL_CHUNK={own} on stage 0's fellow")
+    return in_flight, ceiling, chunk, why
 
 
 class ModelManager:
@@ -76,6 +104,7 @@ class ModelManager:
         self._reaper: asyncio.Task | None = None
         self._lock = asyncio.Lock()
         self._restarted: dict[str, float] = {}  # load_id -> when its stage was last restarted
+        self._bounds: dict[str, list[str]] = {}  # load_id -> where this fellow's own settings bounded its plan
         agent.handlers.update({LoadStage: self.on_load, UnloadStage: self.on_unload,
                                StopFellow: self.on_stop, UpdateFellow: self.on_update})
         agent.loaded_models = self.loaded_models
@@ -131,6 +160,8 @@ class ModelManager:
             except (QuantizationError, FileNotFoundError) as exc:
                 await self._fail(cmd.load_id, cmd.model_id, str(exc), cmd.assignment.replica, cmd.replicas)
                 return
+            head = cmd.num_stages > 1 and cmd.assignment.stage == 0
+            self._bounds[cmd.load_id] = ring_head_bounds(self.settings.serving, cmd.transport)[3] if head else []
             cfg = StageConfig(load_id=cmd.load_id, model_id=cmd.model_id, model_dir=str(model_dir),
                               nats_url=self.settings.nats.url or "nats://127.0.0.1:4222",
                               fellow_id=self.agent.fellow_id, stage=cmd.assignment.stage, num_stages=cmd.num_stages,
@@ -178,7 +209,7 @@ class ModelManager:
                 stage=proc.stage, replica=proc.replica, fellow_id=self.agent.fellow_id, pid=proc.pid,
                 kv_tokens=report.kv_tokens, kv_tokens_planned=report.kv_tokens_planned,
                 max_in_flight=report.max_in_flight, vram_bytes=report.vram_bytes, load_s=report.load_s,
-                kernels=report.kernels, weights=report.weights))
+                kernels=report.kernels, weights=report.weights, bounds=self._bounds.get(proc.load_id, [])))
             await self.agent.beat()
         elif isinstance(report, FailedReport):
             proc.stop_reason = "failed"
@@ -187,6 +218,7 @@ class ModelManager:
     async def _on_exit(self, proc: StageProcess, code: int) -> None:
         if self.procs.get(proc.load_id) is proc:
             self.procs.pop(proc.load_id)
+            self._bounds.pop(proc.load_id, None)
         if proc.stop_reason is None:
             last = proc.last_log_line()
             reason = f"the stage process exited unexpectedly (code {code})" + (

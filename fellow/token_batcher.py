@@ -60,6 +60,8 @@ class TokenBatcher:
         self.key = key
         self.subject = subjects.tokens(request_id)
         self.seq = 0
+        self.first = 0  # the seq of our start frame: 0, or where a moved request goes on (events.moves)
+        self._expect = FIRST_ON_SUBJECT  # what the subject must hold for the start frame to be stored
         self._claim: StartFrame | None = None  # the start frame we published, or tried to
         self._claim_id = ""  # its message id, ours alone
         self._texts: list[str] = []
@@ -71,26 +73,30 @@ class TokenBatcher:
         self._claiming = False  # start() waits for JetStream's answer to the start frame
         self.closed = asyncio.Event()
 
-    async def start(self, fellow_id: str, replica: int) -> bool:
+    async def start(self, fellow_id: str, replica: int, seq: int = 0, after: int = 0) -> bool:
         """Frame 0, acked by JetStream: which replica took the request (before the stage acks it).
 
         JetStream stores it only as the first message on the request's subject: of two replicas that
         took the same request (one frozen past the ack wait, the other handed the redelivery) only the
         first is stored, and False tells the second it lost the claim and must not serve. Its message id
         is this claimant's own, so a retry whose first ack was lost learns that frame 0 is ours without
-        reading it (a fellow may not read SWARM_TOKENS): see _claimed.
+        reading it (a fellow may not read SWARM_TOKENS): see _claimed. A moved request's start frame is
+        frame ``seq``, stored only right after the subject's stream sequence ``after`` (its last frame stored).
         """
-        if self.seq:
+        if self.seq > self.first:
             raise RuntimeError("the start frame comes first")
         if self._claim is None:
-            self._claim = StartFrame(request_id=self.request_id, seq=0, fellow_id=fellow_id, replica=replica)
+            self.seq = self.first = seq
+            if seq:
+                self._expect = {"Nats-Expected-Last-Subject-Sequence": str(after)}
+            self._claim = StartFrame(request_id=self.request_id, seq=seq, fellow_id=fellow_id, replica=replica)
             self._claim_id = claim_msg_id(self.request_id, fellow_id, replica, secrets.token_hex(8))
         self._claiming = True  # what is added meanwhile waits for the answer
         try:
             claimed = await self._claimed()
         finally:
             self._claiming = False
-        self.seq = 1
+        self.seq = self.first + 1
         if not claimed:
             self.closed.set()  # another replica's: nothing of ours goes out
         elif self._prompt or self._texts or self._ids or self._final is not None:
@@ -159,7 +165,7 @@ class TokenBatcher:
 
     async def _send(self) -> None:
         try:
-            while not self._claiming and not (self.seq and self.closed.is_set()) and (
+            while not self._claiming and not (self.seq > self.first and self.closed.is_set()) and (
                     self._prompt or self._texts or self._ids or (self._final is not None and not self.closed.is_set())):
                 if self._prompt:  # a long prompt's logprobs in several frames, each well under NATS' 1 MB
                     piece, self._prompt = self._prompt[:PROMPT_FRAME_POSITIONS], self._prompt[PROMPT_FRAME_POSITIONS:]
@@ -177,11 +183,11 @@ class TokenBatcher:
                                                            text="".join(texts), token_ids=ids, logprobs=logprobs))
                     self._next_frame = asyncio.get_running_loop().time() + self.interval
                     continue
-                if self.seq == 0 and self._claim is not None:  # start() raised: frame 0 may be ours or not
+                if self.seq == self.first and self._claim is not None:  # start() raised: ours or not
                     if not await self._claimed():
                         self.closed.set()  # another replica's request: not ours to end
                         break
-                    self.seq = 1
+                    self.seq = self.first + 1
                     continue  # our start frame is stored: the end follows it
                 await self._publish_acked(self._final(self.seq))
                 self.seq += 1
@@ -208,7 +214,8 @@ class TokenBatcher:
         payload = encode(frame)
         headers = self._headers(payload, frame.seq)
         frame_id = headers.pop("Nats-Msg-Id")
-        headers.update(expect if expect is not None else FIRST_ON_SUBJECT if frame.seq == 0 else {})
+        headers.update(expect if expect is not None else self._expect if frame is self._claim
+                       else FIRST_ON_SUBJECT if frame.seq == 0 else {})
         try:
             return await publish_with_id(self.js, self.subject, payload, msg_id or frame_id, headers=headers)
         except APIError as exc:

@@ -20,7 +20,9 @@ from events.fellow import (
 from events.loads import PREFILL_CHUNK, StageAssignment, TransportPlan
 
 HEADROOM = 1.2  # activations, allocator slack
-RING_IN_FLIGHT_MAX_PER_STAGE = 16  # the most a ring's stage 0 may size its in flight to, a stage (4x the plan)
+# a ring's requests in flight a stage, SWARM_SERVE_IN_FLIGHT unset: the spec's default and its ceiling ("four per
+# stage at most"), past which stage 0 sizes only where its fellow's SWARM_SERVE_MAX_IN_FLIGHT asks for more
+RING_IN_FLIGHT_PER_STAGE = 4
 
 
 class PlacementError(Exception):
@@ -36,28 +38,33 @@ class Candidate:
 
 
 MAX_IN_FLIGHT = 8  # requests a one-stage load holds at once, SWARM_SERVE_MAX_IN_FLIGHT unset
+# Fellows whose replies failed other fellows' checks (leader.verify): placement picks them for no new stage
+# (an operator may still pin one); this leader's verification tally keeps the set.
+DRAINED: set[str] = set()
 
 
 def transport_plan(settings, num_stages: int) -> TransportPlan:
     """How a load's stages run, for one stage or a ring of ``num_stages``.
 
     In flight: SWARM_SERVE_IN_FLIGHT, else SWARM_SERVE_MAX_IN_FLIGHT (MAX_IN_FLIGHT unset) for one stage,
-    else 4 per stage of a ring, so every stage has work while the others run theirs. KV tokens: a typical
-    chat per request in flight, never below one whole SWARM_SERVE_CONTEXT_TOKENS conversation; each stage
-    lowers it to what it measures it can hold, or grows into what it measures up to a full context per
-    request in flight (``kv_tokens_max``). Speculative decoding: SWARM_SERVE_SPECULATIVE, one stage or a ring.
+    else RING_IN_FLIGHT_PER_STAGE per stage of a ring, so every stage has work while the others run theirs.
+    KV tokens: a typical chat per request in flight, never below one whole SWARM_SERVE_CONTEXT_TOKENS
+    conversation; each stage lowers it to what it measures it can hold, or grows into what it measures up to
+    a full context per request in flight (``kv_tokens_max``). Speculative decoding: SWARM_SERVE_SPECULATIVE,
+    one stage or a ring.
 
-    A ring without SWARM_SERVE_IN_FLIGHT may go up to RING_IN_FLIGHT_MAX_PER_STAGE a stage: its stage 0
-    times its stages' steps and its links at start and keeps enough decode groups in flight to fill the
-    pipe (fellow.runtime.ring.sizing), never more than every stage's KV holds.
+    A ring without SWARM_SERVE_IN_FLIGHT is sized by its stage 0 (``in_flight_max``, the same four a stage): it
+    times its stages' steps and its links at start and keeps enough decode groups in flight to fill the pipe
+    (fellow.runtime.ring.sizing), never more than every stage's KV holds, nor more than four a stage unless
+    its fellow's SWARM_SERVE_MAX_IN_FLIGHT asks for more (fellow.manager.stage_options).
     """
     one = num_stages == 1
     held = settings.serving.max_in_flight or MAX_IN_FLIGHT
-    in_flight = settings.serving.in_flight or (held if one else 4 * num_stages)
+    in_flight = settings.serving.in_flight or (held if one else RING_IN_FLIGHT_PER_STAGE * num_stages)
     sized = not one and not settings.serving.in_flight
     chunk = settings.serving.prefill_chunk
     return TransportPlan(max_in_flight=in_flight,
-                         in_flight_max=RING_IN_FLIGHT_MAX_PER_STAGE * num_stages if sized else 0,
+                         in_flight_max=in_flight if sized else 0,
                          kv_tokens=max(settings.serving.context_tokens, in_flight * settings.serving.typical_tokens),
                          kv_tokens_max=in_flight * settings.serving.context_tokens,
                          max_batch=settings.serving.max_batch or 0, speculative=settings.serving.speculative,
@@ -164,7 +171,7 @@ def place_one_stage(parameters: int, num_layers: int, fellows: dict[str, Heartbe
             raise PlacementError(f"fellow {pinned!r} is not online")
         pool = {pinned: fellows[pinned]}
     else:
-        pool = {fid: hb for fid, hb in fellows.items() if fid in online}
+        pool = {fid: hb for fid, hb in fellows.items() if fid in online and fid not in DRAINED}
     if not pool:
         raise PlacementError("no fellow is online")
     lacking = {fid: _lacks(hb, (CAP_ONE_STAGE,), method) for fid, hb in pool.items()
@@ -257,7 +264,7 @@ def place_ring(parameters: int, ranges: list[tuple[int, int]], shards: list[list
                                      f"which a ring of {n} stages needs")
         order = [candidate(fellows[fid]) for fid in pinned]
     else:
-        pool = {fid: hb for fid, hb in fellows.items() if fid in online}
+        pool = {fid: hb for fid, hb in fellows.items() if fid in online and fid not in DRAINED}
         lacking = {fid: _lacks(hb, needs, method) for fid, hb in pool.items() if _lacks(hb, needs, method)}
         able = sorted((candidate(hb) for fid, hb in pool.items() if fid not in lacking),
                       key=lambda c: (-c.free_bytes, c.loaded, c.fellow_id))
@@ -317,7 +324,7 @@ def place_replacement(parameters: int, layers: tuple[int, int], num_layers: int,
     stage's layers at ``method``'s price."""
     share = parameters * (layers[1] - layers[0]) / num_layers
     able = sorted((candidate(hb) for fid, hb in fellows.items()
-                   if fid in online and fid not in exclude and not _lacks(hb, needs, method)),
+                   if fid in online and fid not in exclude | DRAINED and not _lacks(hb, needs, method)),
                   key=lambda c: (-c.free_bytes, c.loaded, c.fellow_id))
     for c in able:
         if c.free_bytes >= share * bytes_per_param(method, c.has_gpu) * HEADROOM:

@@ -19,8 +19,9 @@ from events.frames import ErrorFrame
 from events.requests import ChatRequest
 from leader.db.tables import Request
 from leader.errors import ApiError
+from leader.frames_in import parse_event_id
 from leader.projectors.runner import ProjectionLagging, ProjectionRunner
-from leader.token_stream import TokenStream, TokenStreams, parse_event_id
+from leader.token_stream import TokenStream, TokenStreams
 
 ROW_WAIT_S = 5.0  # a request accepted a moment ago may not be projected yet
 

@@ -4,8 +4,9 @@ The gateway subscribes to ``swarm.tok.<rid>`` before it publishes the request, s
 and in order. A frame the subscription missed (slow consumer, reconnect) shows as a gap in ``seq``, or, when it was
 the last frame, as silence; either way the missing frames are read back from the stream with a short-lived consumer.
 One shared subscription on ``load.failed`` ends every request of a load whose fellow was lost; one on
-``load.replica_lost`` ends the requests that replica had started (its start frame said so), while those it had not
-started stay queued for the replicas left. One on ``load.unloaded`` ends the requests of that load no stage had
+``load.replica_lost`` moves the requests that replica had started (its start frame said so) to another stage
+(leader.moves), or ends them where they cannot move, while those it had not started stay queued for the replicas
+left. One on ``load.unloaded`` ends the requests of that load no stage had
 started: their queued messages are purged (leader.serving.reactions), so no frame would ever come. A request opened
 on a load that already ended fails at once.
 
@@ -28,21 +29,14 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from events import subjects
 from events.base import new_id
-from events.frames import (
-    AnyFrame,
-    DoneFrame,
-    ErrorFrame,
-    StartFrame,
-    TokenFrame,
-    frame_decoder,
-    frame_key,
-    frame_signed,
-)
+from events.frames import AnyFrame, DoneFrame, ErrorFrame, StartFrame, TokenFrame, frame_key
 from events.loads import LoadFailed, ModelUnloaded, ReplicaLost
 from events.requests import ChatRequest
 from events.union import decode_event
+from leader.frames_in import read_frame
+from leader.moves import Mover
 from leader.projectors.authority import Authority
-from leader.verdicts import ended, load_failed, not_loaded, replica_lost
+from leader.verdicts import ended, load_failed, not_loaded
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +61,7 @@ class TokenStream:
         self.ended = False
         self.replica: int | None = None  # which replica took the request, once its start frame came
         self.fellow_id = ""
+        self.chat: ChatRequest | None = None  # as published, where the gateway can move it (leader.moves)
         self.key = hub.key(request_id)
         self._held: dict[int, AnyFrame] = {}
         self._queue: asyncio.Queue[AnyFrame | None] = asyncio.Queue()
@@ -80,7 +75,7 @@ class TokenStream:
         return self
 
     async def _on_msg(self, msg) -> None:
-        frame = _frame(msg, self.key)
+        frame = read_frame(msg, self.key)
         if frame is None:
             return
         self._started(frame)  # at once: a replica's loss may come before the reader gets here
@@ -152,7 +147,7 @@ class TokenStream:
                         await psub.unsubscribe()
                     for msg in msgs:
                         self._start_seq = max(self._start_seq, msg.metadata.sequence.stream + 1)
-                        if (frame := _frame(msg, self.key)) is not None:
+                        if (frame := read_frame(msg, self.key)) is not None:
                             self._started(frame)
                             self._hold(frame)
                             if isinstance(frame, (DoneFrame, ErrorFrame)) and frame.seq < self.next_seq:
@@ -194,6 +189,7 @@ class TokenStreams:
         self._tasks: set[asyncio.Task] = set()
         self._subs: list = []
         self._started: asyncio.Task | None = None
+        self.mover = Mover(self)  # a started request of a lost replica goes on elsewhere
 
     def key(self, request_id: str) -> str:
         """The request's frame key (events.frames.frame_key); "" without a secret."""
@@ -226,8 +222,11 @@ class TokenStreams:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def open(self, request_id: str, load_id: str) -> TokenStream:
-        return await TokenStream(self, request_id, load_id).open()
+    async def open(self, request_id: str, load_id: str, chat: ChatRequest | None = None) -> TokenStream:
+        """A request's frames; with its ``chat``, a stage lost mid-reply moves it (leader.moves)."""
+        stream = TokenStream(self, request_id, load_id)
+        stream.chat = chat
+        return await stream.open()
 
     async def resume(self, request_id: str, load_id: str, next_seq: int) -> TokenStream:
         """The frames of a request from `next_seq` on, for a client that reconnected; a cancel waiting out
@@ -300,8 +299,8 @@ class TokenStreams:
         if not isinstance(evt, ReplicaLost):
             return
         for stream in list(self._by_load.get(evt.load_id, ())):
-            if stream.replica == evt.replica:
-                stream.fail(replica_lost(stream, evt))
+            if stream.replica == evt.replica:  # it moves to another stage, or fails saying why not
+                self.mover.take(stream, evt)
 
     async def _event(self, msg):
         """The event in ``msg``, or None for one no reader can decode (the projections keep it as a dead
@@ -322,29 +321,3 @@ class TokenStreams:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.warning("closing a token stream failed: %s", task.exception())
-
-
-def event_id(request_id: str, next_seq: int) -> bytes:
-    """The SSE `id:` line of a chunk: the request and the seq of the next frame it has not sent."""
-    return f"id: {request_id}:{next_seq}\n".encode()
-
-
-def parse_event_id(value: str) -> tuple[str, int] | None:
-    """(request_id, next_seq) from a Last-Event-ID that event_id wrote, else None."""
-    rid, _, seq = value.strip().rpartition(":")
-    if not rid or not seq.isdigit() or len(seq) > 9 or len(rid) > 64:
-        return None
-    return rid, int(seq)
-
-
-def _frame(msg, key: str = "") -> AnyFrame | None:
-    """The frame in ``msg``, or None (logged) for one that does not decode or, with the request's `key`,
-    is not signed by the stage that took the request."""
-    if not frame_signed(key, msg.data, msg.headers):
-        log.warning("a frame on %s without the request's signature dropped (not from its stage)", msg.subject)
-        return None
-    try:
-        return frame_decoder.decode(msg.data)
-    except (msgspec.DecodeError, RecursionError):  # not a frame, or nested too deep
-        log.warning("undecodable frame on %s dropped", msg.subject)
-        return None

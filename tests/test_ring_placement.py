@@ -66,7 +66,8 @@ def test_default_stage_count_and_transport():
     assert ring_stage_count(2, fellows, {"a", "old"}) == 1
     plan = transport_plan(Settings.from_env({"SWARM_SERVE_PREFILL_CHUNK": "64"}), 2)
     assert plan.max_in_flight == 8 and plan.kv_tokens == 8 * 1024 and plan.prefill_chunk == 64
-    assert plan.in_flight_max == 32  # stage 0 may size up to 16 a stage from what it measures
+    assert plan.in_flight_max == 8  # stage 0 sizes it from what it measures, at most four a stage
+    assert transport_plan(Settings.from_env({}), 3).max_in_flight == 12  # the spec's 4 x stages
     fixed = transport_plan(Settings.from_env({"SWARM_SERVE_IN_FLIGHT": "3"}), 2)
     assert fixed.max_in_flight == 3 and fixed.in_flight_max == 0  # set by hand: not sized
     one = transport_plan(Settings.from_env({"SWARM_SERVE_MAX_IN_FLIGHT": "5"}), 1)  # one stage: what a fellow holds

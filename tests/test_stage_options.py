@@ -35,7 +35,7 @@ def test_a_stage_serves_with_the_plan_over_its_fellows_own_settings():
     assert stage_options(FELLOW, load(max_batch=4)).max_batch == 4  # chosen by the plan
     holds = Settings.from_env({"SWARM_SERVE_MAX_IN_FLIGHT": "3"})  # a fellow's own, for its one-stage loads
     assert stage_options(holds, load(max_in_flight=8)).max_in_flight == 3
-    assert stage_options(holds, load(num_stages=2, max_in_flight=8)).max_in_flight == 8  # a ring: the plan's
+    assert stage_options(holds, load(num_stages=2, stage=1, max_in_flight=8)).max_in_flight == 8  # a later stage
     assert stage_options(Settings.from_env({}), load(max_in_flight=6)).max_in_flight == 6  # unset: the plan's
     assert stage_options(FELLOW, load(num_stages=2, in_flight_max=48)).in_flight_max == 48
     assert stage_options(FELLOW, load(in_flight_max=48)).in_flight_max == 0  # one stage: in flight stays fixed
@@ -44,6 +44,27 @@ def test_a_stage_serves_with_the_plan_over_its_fellows_own_settings():
                                                                                                    0, "")
     cfg = StageConfig(load_id="ld", model_id="m", model_dir="/m", nats_url="nats://x:1", fellow_id="f0", options=o)
     assert decode_config(encode(cfg).decode()).options == o  # whole, as it goes in the stage's argv
+
+
+def test_a_rings_stage_0_takes_the_lower_of_the_plan_and_its_fellows_own_and_says_why():
+    from fellow.manager import ring_head_bounds
+
+    both = Settings.from_env({"SWARM_SERVE_MAX_IN_FLIGHT": "3", "SWARM_SERVE_PREFILL_CHUNK": "16"})
+    head = stage_options(both, load(num_stages=2, max_in_flight=8, in_flight_max=8, prefill_chunk=256))
+    assert (head.max_in_flight, head.in_flight_max, head.prefill_chunk) == (3, 0, 16)  # the fellow's, lower, fixed
+    why = ring_head_bounds(both.serving, TransportPlan(max_in_flight=8, in_flight_max=8, prefill_chunk=256))[3]
+    assert why == ["max_in_flight 3, not the plan's 8: SWARM_SERVE_MAX_IN_FLIGHT=3 on stage 0's fellow",
+                   "prefill_chunk 16, not the plan's 256: SWARM_SERVE_PREFILL_CHUNK=16 on stage 0's fellow"]
+    lower = stage_options(both, load(num_stages=2, max_in_flight=2, prefill_chunk=8))  # the plan's is lower
+    assert (lower.max_in_flight, lower.in_flight_max, lower.prefill_chunk) == (2, 0, 8)
+    whole = stage_options(both, load(num_stages=2, prefill_chunk=0))  # the plan sends prompts whole: pieces of 16
+    assert whole.prefill_chunk == 16
+    more = Settings.from_env({"SWARM_SERVE_MAX_IN_FLIGHT": "32"})  # asks for more than four a stage
+    sized = stage_options(more, load(num_stages=2, max_in_flight=8, in_flight_max=8))
+    assert (sized.max_in_flight, sized.in_flight_max) == (8, 32)  # the plan's to start, sized up to 32
+    fixed = stage_options(more, load(num_stages=2, max_in_flight=8))  # SWARM_SERVE_IN_FLIGHT on the leader: fixed
+    assert (fixed.max_in_flight, fixed.in_flight_max) == (8, 0)
+    assert ring_head_bounds(Settings.from_env({}).serving, TransportPlan(max_in_flight=8))[3] == []
 
 
 def test_a_plan_no_load_serves_or_a_draft_model_not_there_is_refused_before_a_process_starts(tmp_path):
@@ -70,7 +91,7 @@ def test_a_fellows_own_prefill_chunk_is_its_one_stage_loads_and_the_stage_cuts_p
 
     own = Settings.from_env({"SWARM_SERVE_PREFILL_CHUNK": "16"})
     assert stage_options(own, load(prefill_chunk=256)).prefill_chunk == 16  # set on the fellow: its own
-    assert stage_options(own, load(num_stages=2, prefill_chunk=256)).prefill_chunk == 256  # a ring: the plan's
+    assert stage_options(own, load(num_stages=2, stage=1, prefill_chunk=256)).prefill_chunk == 256  # a later stage
     assert stage_options(Settings.from_env({}), load(prefill_chunk=64)).prefill_chunk == 64  # unset: the plan's
     assert stage_options(Settings.from_env({"SWARM_SERVE_PREFILL_CHUNK": "0"}), load()).prefill_chunk == 0  # whole
     servable = make_servable(tmp_path, "tiny", layers=2, hidden=64)[1]

@@ -46,7 +46,7 @@ class Choices:
         opened: list = []
         try:
             for chat in chats:
-                opened.append(await streams.open(chat.request_id, chat.load_id))
+                opened.append(await streams.open(chat.request_id, chat.load_id, chat))
         except NatsError as exc:
             for s in opened:
                 s.close(cancel=True)

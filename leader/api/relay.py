@@ -23,6 +23,7 @@ from events.base import Event, new_id
 from events.frames import DoneFrame, ErrorFrame, TokenFrame
 from events.requests import ChatRequest, RequestAccepted, RequestFailed, request_failed_id
 from leader.errors import ApiError
+from leader.frames_in import event_id
 from leader.openai.call_readers import LeadingCalls
 from leader.openai.reasoning import Reasoning, reasoning_for
 from leader.openai.replies import (
@@ -40,7 +41,7 @@ from leader.openai.tool_formats import ToolSpec, request_format
 from leader.openai.tools import CallStream
 from leader.openai.validate import chat_request
 from leader.serving.limits import check_payload
-from leader.token_stream import FrameTimeout, TokenStream, TokenStreams, event_id
+from leader.token_stream import FrameTimeout, TokenStream, TokenStreams
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +218,7 @@ async def open_relay(leader: Gateway, streams: TokenStreams, caller, timeout: fl
                         tool_format=request_format(body, ready.model_dir))
     check_payload(leader.nc, chat)  # a 413 before anything is recorded
     try:
-        stream = await streams.open(chat.request_id, chat.load_id)  # before the request exists: no frame is missed
+        stream = await streams.open(chat.request_id, chat.load_id, chat)  # before the request: no frame is missed
     except NatsError as exc:
         raise ApiError(503, f"The message bus is unavailable: {exc or type(exc).__name__}",
                        code="bus_unavailable") from None

@@ -27,6 +27,7 @@ class Job:
     max_new_tokens: int
     sampling: Sampling
     stop: list[str] = field(default_factory=list)
+    held: int = 0  # the prompt's last ids whose text is still to come (a moved reply's: events.moves)
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class _Reply:
 
     def __init__(self, job: Job, tokenizer):
         self.job = job
-        self.detok = Detokenizer(tokenizer, job.prompt_ids)
+        self.detok = Detokenizer(tokenizer, job.prompt_ids, job.held)
         self.pending = ""
         self.stopped = False
         self.logprobs_out = 0  # the session's logprobs already in an Output

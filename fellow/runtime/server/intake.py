@@ -23,6 +23,8 @@ from events.subjects import REQUESTS_STREAM, TOKENS_STREAM
 from fellow.runtime.engine.budget import ContextTooLong
 from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.engine.serving_loop import Job, Output, ServingLoop
+from fellow.runtime.server.metrics import Metrics
+from fellow.runtime.server.moved import count_once, resumed, sent, start_at
 from fellow.token_batcher import TokenBatcher
 
 log = logging.getLogger("swarm.serve")
@@ -37,31 +39,13 @@ GRANT_WAIT_S = 15.0  # how long a first refused pull is retried (Intake._subscri
 _request = msgspec.json.Decoder(ChatRequest).decode
 
 
-class Metrics:
-    def __init__(self) -> None:
-        self.requests = 0
-        self.last_ttft_s: float | None = None
-        self.window: list[tuple[float, int]] = []  # (time, tokens) over the last 30 s
-
-    def tokens(self, n: int) -> None:
-        now = time.monotonic()
-        self.window.append((now, n))
-        while self.window and now - self.window[0][0] > 30:
-            self.window.pop(0)
-
-    def tokens_per_s(self) -> float:
-        if len(self.window) < 2:
-            return 0.0
-        span = self.window[-1][0] - self.window[0][0]
-        return round(sum(n for _, n in self.window[1:]) / span, 3) if span > 0 else 0.0
-
-
 @dataclass
 class _Taken:
     batcher: TokenBatcher
     started: float
     bus_wait_s: float = 0.0  # from the gateway's accept to this stage taking it (wall clocks)
     claimed: bool = False  # its start frame is stored: until then its outputs wait in `held`
+    sent: int = 0  # a moved request's reply tokens sent before it came here (fellow.runtime.server.moved)
     held: list = field(default_factory=list)
 
 
@@ -157,7 +141,7 @@ class Intake:
         if req.request_id in self.active:  # a redelivery of what we already serve
             await _ack(msg)
             return
-        if msg.metadata.num_delivered > 1 and await self._started_elsewhere(req.request_id):
+        if msg.metadata.num_delivered > 1 and await self._started_elsewhere(req.request_id, start_at(req)[0]):
             # A replica took it, said so, and died before acking: the gateway fails it (never both).
             log.warning("request %s was started by another replica; not serving it again", req.request_id,
                         extra=for_request(req.request_id))
@@ -169,6 +153,7 @@ class Intake:
             await _ack(msg)
             await self._refuse(req, 0, f"the prompt could not be tokenized: {exc}", "invalid_prompt")
             return
+        req, prompt_ids = resumed(req, prompt_ids)  # a moved request: the reply so far after its prompt
         try:
             sampling = req.sampling.check()
         except ValueError as exc:
@@ -193,12 +178,13 @@ class Intake:
         batcher = TokenBatcher(self.nc, self.js, req.request_id, req.frame_key,
                                self.cfg.options.stream_interval_ms / 1e3)
         bus_wait = max(0.0, time.time() - req.created) if req.created else 0.0
-        taken = self.active[req.request_id] = _Taken(batcher, time.monotonic(), bus_wait)
+        taken = self.active[req.request_id] = _Taken(batcher, time.monotonic(), bus_wait, sent=sent(req))
         # The prompt runs while the start frame is acked (its round trip is not in the time to first token);
         # what it yields is held until the claim stands, and dropped with the request if it does not.
-        self.serving.submit(Job(req.request_id, prompt_ids, max_tokens, sampling, list(req.stop)))
+        self.serving.submit(Job(req.request_id, prompt_ids, max_tokens, sampling, list(req.stop),
+                                held=req.resume.held if req.resume else 0))
         try:
-            claimed = await batcher.start(self.fellow_id, self.cfg.replica)  # from here, our death fails it
+            claimed = await batcher.start(self.fellow_id, self.cfg.replica, *start_at(req))  # our death fails it
         except Exception as exc:  # a bus timeout, say: the start frame may be stored or not
             self._drop(req.request_id)
             await _ack(msg)
@@ -224,12 +210,13 @@ class Intake:
         self.active.pop(request_id, None)
         self.serving.cancel(request_id)
 
-    async def _started_elsewhere(self, request_id: str) -> bool:
-        """Whether SWARM_TOKENS holds a frame of this request already (a start frame at least): the
-        count of its subject's messages, not one of them (a fellow may not read SWARM_TOKENS)."""
+    async def _started_elsewhere(self, request_id: str, frames: int = 0) -> bool:
+        """Whether SWARM_TOKENS holds more than ``frames`` frames of this request (a moved one's before its
+        move) already (a start frame at least): the count of its subject's messages, not one of them (a
+        fellow may not read SWARM_TOKENS)."""
         subject = subjects.tokens(request_id)
         info = await self.js.stream_info(TOKENS_STREAM, subjects_filter=subject)
-        return bool((info.state.subjects or {}).get(subject))
+        return (info.state.subjects or {}).get(subject, 0) > frames
 
     def _tokenize(self, req: ChatRequest) -> list[int]:
         if req.prompt_ids:  # a completion: the gateway tokenized its prompt
@@ -272,6 +259,8 @@ class Intake:
                 self.metrics.tokens(len(out.ids))
             if out.texts or out.ids:
                 taken.batcher.add(out.texts, out.ids, out.logprobs, out.prompt_logprobs)
+            if taken.sent and (out.error is not None or out.finish_reason is not None):
+                count_once(out, taken.sent)
             if out.error is not None:
                 code = getattr(out.error, "code", "internal_error")
                 taken.batcher.error(str(out.error), code, getattr(out.error, "data", None))

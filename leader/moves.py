@@ -1,0 +1,131 @@
+"""Replies that outlive their stage (issue 53): a request whose stage died mid-reply goes on elsewhere.
+
+When a replica that had started a request is lost (its stage process died and its fellow restarts it,
+or it failed), the gateway reads the request's frames back from SWARM_TOKENS and publishes the request
+again on its load's queue with a ``Resume`` (events.moves): the reply's token ids so far, the seq its
+next stage's start frame takes (one past the last frame stored) and the stream sequence that frame must
+follow (so of two stages only one claims it). Another replica, or the restarted stage, prefills prompt +
+reply and sends frames from there: the client's reply goes on with nothing repeated or missing. Each
+move is a RequestMoved event; after ``MAX_MOVES`` the next loss fails the request as before.
+
+A request whose next tokens depend on more than prompt + reply (stop strings held back, a grammar's
+state, presence or frequency penalties over the reply, its prompt's logprobs) fails as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+from nats.errors import Error as NatsError
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from core.bus import publish_event, publish_struct
+from events import subjects
+from events.base import new_id
+from events.frames import AnyFrame, DoneFrame, ErrorFrame, TokenFrame
+from events.loads import ReplicaLost
+from events.moves import MAX_MOVES, RequestMoved, Resume, move_id
+from events.requests import ChatRequest
+from leader.frames_in import read_frame
+from leader.verdicts import replica_lost
+
+log = logging.getLogger(__name__)
+
+
+def unmovable(chat: ChatRequest | None) -> str:
+    """Why a request cannot go on at another stage; "" where it can."""
+    if chat is None:
+        return "the gateway does not hold it"
+    s = chat.sampling
+    reasons = [why for why, on in (
+        ("its stop strings", chat.stop), ("its grammar", s.grammar),
+        ("its presence or frequency penalty", s.presence_penalty or s.frequency_penalty),
+        ("its prompt's logprobs", s.prompt_logprobs is not None),
+        (f"it moved {MAX_MOVES} times already", chat.resume is not None and chat.resume.moves >= MAX_MOVES)) if on]
+    return reasons[0] if reasons else ""
+
+
+async def stored_frames(js, subject: str, key: str) -> list[tuple[int, AnyFrame]]:
+    """(stream sequence, frame) of every frame of a request SWARM_TOKENS holds, signed by its stage."""
+    cfg = ConsumerConfig(name="move-" + new_id(), filter_subject=subject, deliver_policy=DeliverPolicy.ALL,
+                         ack_policy=AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True, num_replicas=1)
+    info = await js.add_consumer(subjects.TOKENS_STREAM, cfg)
+    try:
+        if not info.num_pending:
+            return []
+        psub = await js.pull_subscribe_bind(stream=subjects.TOKENS_STREAM, consumer=info.name)
+        try:
+            msgs = await psub.fetch(info.num_pending, timeout=2.0)
+        finally:
+            await psub.unsubscribe()
+        return [(m.metadata.sequence.stream, f) for m in msgs if (f := read_frame(m, key)) is not None]
+    finally:
+        await js.delete_consumer(subjects.TOKENS_STREAM, info.name)
+
+
+def resume_of(chat: ChatRequest, frames: list[tuple[int, AnyFrame]]) -> Resume | str:
+    """Where the request goes on from its stored frames, or why it cannot (ended, a gap, nothing left)."""
+    by_seq: dict[int, AnyFrame] = {}
+    for _, frame in frames:
+        by_seq.setdefault(frame.seq, frame)
+    seq, ids, texts = 0, [], []
+    while seq in by_seq:
+        frame = by_seq[seq]
+        if isinstance(frame, (DoneFrame, ErrorFrame)):
+            return "its reply has ended"
+        if isinstance(frame, TokenFrame):
+            ids.extend(frame.token_ids)
+            texts.extend(frame.texts[:len(frame.token_ids)])
+        seq += 1
+    if not seq or any(s > seq for s in by_seq):
+        return "its frames on the stream have a gap"
+    if len(ids) >= chat.max_tokens:
+        return "its reply has all its tokens"
+    held = next((i for i, text in enumerate(reversed(texts)) if text), len(texts))
+    return Resume(seq=seq, after=max(s for s, _ in frames), reply_ids=ids, held=held,
+                  moves=(chat.resume.moves if chat.resume else 0) + 1)
+
+
+class Mover:
+    """The gateway's side of moves: told of a lost replica's started request, it publishes its continuation."""
+
+    def __init__(self, hub) -> None:
+        self.hub = hub  # leader.token_stream.TokenStreams: js, keys, tasks
+
+    def take(self, stream, evt: ReplicaLost) -> None:
+        """The request of ``stream`` moves (its reader waits for the next stage's frames), or fails saying why
+        it could not."""
+        why = unmovable(stream.chat)
+        if why:
+            log.info("request %s does not move (%s): it fails with its replica", stream.request_id, why)
+            self._fail(stream, evt, why)
+            return
+        self.hub.spawn(self._move(stream, evt))
+
+    @staticmethod
+    def _fail(stream, evt: ReplicaLost, why) -> None:
+        verdict = replica_lost(stream, evt)
+        stream.fail(msgspec.structs.replace(verdict, message=f"{verdict.message}; it could not move: {why}"))
+
+    async def _move(self, stream, evt: ReplicaLost) -> None:
+        chat: ChatRequest = stream.chat
+        try:
+            resume = resume_of(chat, await stored_frames(self.hub.js, stream.subject, stream.key))
+            if isinstance(resume, str):
+                if resume == "its reply has ended":
+                    return  # the reader gets its done or error frame from the stream
+                raise ValueError(resume)
+            moved = stream.chat = msgspec.structs.replace(chat, resume=resume)
+            stream.replica = None  # the next stage's start frame says who serves it now
+            rid, mid = chat.request_id, move_id(chat.request_id, resume.moves)
+            await publish_struct(self.hub.js, subjects.request(chat.load_id), self.hub.keyed(moved), msg_id=mid)
+            await publish_event(self.hub.js, RequestMoved(
+                id=mid, request_id=rid, model_id=chat.model_id, load_id=chat.load_id, fellow_id=evt.fellow_id,
+                replica=evt.replica, seq=resume.seq, tokens=len(resume.reply_ids), moves=resume.moves,
+                reason=evt.reason))
+            log.warning("request %s moves off fellow %s after %d tokens (move %d): %s", rid, evt.fellow_id,
+                        len(resume.reply_ids), resume.moves, evt.reason)
+        except (ValueError, NatsError, asyncio.TimeoutError) as exc:
+            self._fail(stream, evt, exc)

@@ -1,0 +1,92 @@
+"""Where a moved request goes on (leader.moves, events.moves) and how its next stage claims it
+(fellow.token_batcher): real nats-server for the claim, plain frames for the rest."""
+
+from __future__ import annotations
+
+import msgspec
+
+from events import subjects
+from events.frames import DoneFrame, StartFrame, TokenFrame
+from events.moves import MAX_MOVES, Resume
+from events.requests import ChatMessage, ChatRequest, Sampling
+from fellow.runtime.engine.detokenizer import Detokenizer
+from fellow.runtime.server.moved import count_once, resumed
+from fellow.token_batcher import TokenBatcher
+from leader.moves import resume_of, unmovable
+
+CHAT = ChatRequest(request_id="rq-m", load_id="ld-m", model_id="m", messages=[ChatMessage(role="user", content="hi")],
+                   max_tokens=10, sampling=Sampling(temperature=0.0, min_tokens=4))
+
+
+def tokens(seq: int, ids: list[int], texts: list[str]) -> TokenFrame:
+    return TokenFrame(request_id="rq-m", seq=seq, texts=texts, token_ids=ids)
+
+
+def test_a_resume_holds_the_reply_so_far_and_the_tokens_whose_text_is_still_to_come():
+    frames = [(5, StartFrame(request_id="rq-m", seq=0, fellow_id="f0")), (6, tokens(1, [7, 8], ["a", "b"])),
+              (9, tokens(2, [9, 10], ["c", ""])), (9, tokens(2, [9, 10], ["c", ""]))]
+    resume = resume_of(CHAT, frames)
+    assert resume == Resume(seq=3, after=9, reply_ids=[7, 8, 9, 10], held=1, moves=1)
+    again = msgspec.structs.replace(CHAT, resume=resume)
+    assert resume_of(again, frames).moves == 2
+
+
+def test_a_request_ended_cut_short_or_done_does_not_move():
+    start = (1, StartFrame(request_id="rq-m", seq=0, fellow_id="f0"))
+    assert resume_of(CHAT, [start, (2, DoneFrame(request_id="rq-m", seq=1, completion_tokens=0,
+                                                 prompt_tokens=3))]) == "its reply has ended"
+    assert resume_of(CHAT, [start, (3, tokens(2, [1], ["x"]))]) == "its frames on the stream have a gap"
+    assert resume_of(CHAT, []) == "its frames on the stream have a gap"
+    assert resume_of(CHAT, [start, (2, tokens(1, list(range(10)), ["x"] * 10))]) == "its reply has all its tokens"
+
+
+def test_what_a_move_cannot_keep_is_named_and_moves_are_bounded():
+    assert unmovable(CHAT) == ""
+    assert unmovable(None) == "the gateway does not hold it"
+    assert unmovable(msgspec.structs.replace(CHAT, stop=["x"])) == "its stop strings"
+    assert unmovable(msgspec.structs.replace(CHAT, sampling=Sampling(grammar="g"))) == "its grammar"
+    assert unmovable(msgspec.structs.replace(CHAT, sampling=Sampling(presence_penalty=0.5))).startswith("its presence")
+    moved = msgspec.structs.replace(CHAT, resume=Resume(seq=3, after=9, reply_ids=[1], moves=MAX_MOVES))
+    assert unmovable(moved) == f"it moved {MAX_MOVES} times already"
+
+
+def test_the_next_stage_prefills_the_reply_and_counts_each_token_once():
+    moved = msgspec.structs.replace(CHAT, resume=Resume(seq=3, after=9, reply_ids=[7, 8, 9]))
+    req, ids = resumed(moved, [1, 2])
+    assert ids == [1, 2, 7, 8, 9] and req.max_tokens == 7 and req.sampling.min_tokens == 1
+
+    class Out:
+        completion_tokens, prompt_tokens, timing = 7, 5, {"cached_tokens": 5}
+    out = Out()
+    count_once(out, 3)
+    assert (out.completion_tokens, out.prompt_tokens, out.timing["cached_tokens"]) == (10, 2, 2)
+
+
+class Bytes:
+    """A byte-level tokenizer: id i is byte i."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_a_reply_cut_mid_character_goes_on_with_that_character_whole():
+    euro = list("€".encode())  # three bytes: the first two sent as "" texts before the move
+    detok = Detokenizer(Bytes(), [104, 105, *euro[:2]], held=2)
+    assert detok.add(euro[2]) == "€"
+    assert detok.add(33) == "!"
+
+
+async def test_only_one_stage_claims_a_moved_request_right_after_its_last_frame(nc, js):
+    first = TokenBatcher(nc, js, "rq-moved")
+    assert await first.start("f0", 0) is True
+    first.done(0, 1, "stop", {})
+    await first.closed.wait()
+    last = await js.get_last_msg(subjects.TOKENS_STREAM, subjects.tokens("rq-moved"))
+    a, b = TokenBatcher(nc, js, "rq-moved"), TokenBatcher(nc, js, "rq-moved")
+    assert await a.start("f1", 1, seq=2, after=last.seq) is True
+    assert await b.start("f0", 0, seq=2, after=last.seq) is False  # the subject moved on: not its to serve
+    a.add(["x"], [5])
+    a.done(1, 1, "stop", {})
+    await a.closed.wait()
+    stored = await js.get_last_msg(subjects.TOKENS_STREAM, subjects.tokens("rq-moved"))
+    assert stored.seq > last.seq and b"done" in stored.data

@@ -1,0 +1,115 @@
+"""A reply that outlives its stage (issue 53): a one-stage load of two replicas, the stage serving a request
+SIGKILLed mid-reply; the request goes on at a healthy stage (leader.moves).
+
+Real nats-server, leader, two fellows and their stage processes. The streamed and the non-streamed reply
+carry no error and equal the uninterrupted greedy reply, usage counts each token once, the row is
+finished, and the move is a RequestMoved event naming the fellow whose stage died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+
+import httpx
+import msgspec
+import pytest
+
+from events import subjects
+from events.frames import StartFrame, frame_decoder
+from events.moves import RequestMoved
+from tests.processes import wait_until
+from tests.request_helpers import chat, servables  # noqa: F401 (the module's servable)
+from tests.serving_fixtures import Stack
+
+pytestmark = pytest.mark.slow
+
+BODY = chat("Tell me a long story", max_tokens=800, temperature=0)
+
+
+async def streamed(http: httpx.AsyncClient, on_text=None) -> tuple[str, list[dict]]:
+    """(the reply's text, its chunks) of a streamed greedy chat with usage; ``on_text(request_id)`` is
+    awaited once the first text came."""
+    chunks, text = [], ""
+    body = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
+    async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunks.append(json.loads(line[6:]))
+            piece = "".join(c["delta"].get("content") or "" for c in chunks[-1].get("choices", []))
+            if piece and not text and on_text is not None:
+                await on_text(chunks[-1]["id"].removeprefix("chatcmpl-"))
+            text += piece
+    return text, chunks
+
+
+async def kill_its_stage(stack: Stack, js, request_id: str) -> str:
+    """SIGKILL the stage process that took the request (its start frame names the fellow); that fellow."""
+    first = await js.get_msg(subjects.TOKENS_STREAM, seq=1, subject=subjects.tokens(request_id), next=True)
+    start = frame_decoder.decode(first.data)
+    assert isinstance(start, StartFrame), start
+    stages = stack.get("/api/v1/models/tiny-a/status").json()["load"]["stages"]
+    pid, = [s["pid"] for s in stages if s["fellow_id"] == start.fellow_id and s["replica"] == start.replica]
+    os.kill(pid, signal.SIGKILL)
+    return start.fellow_id
+
+
+async def moves_of(js, request_id: str) -> RequestMoved:
+    msg = await js.get_msg(subjects.EVENTS_STREAM, subject=subjects.event("request.moved"))
+    evt = msgspec.json.decode(msg.data, type=RequestMoved)
+    assert evt.request_id == request_id, evt
+    return evt
+
+
+async def test_a_reply_goes_on_at_another_stage_when_its_stage_dies(tmp_path, nats_server, nc, servables):  # noqa: F811
+    stack = await asyncio.to_thread(lambda: Stack(tmp_path, nats_server.url, servables, fellows=2, SWARM_AUTOLOAD=0,
+                                                  SWARM_MODEL_IDLE_UNLOAD_S=0, OMP_NUM_THREADS=1).start())
+    js = nc.jetstream()
+    try:
+        await asyncio.to_thread(stack.load, "tiny-a", replicas=2)
+        async with httpx.AsyncClient(base_url=stack.url, timeout=180) as http:
+            before, chunks = await streamed(http)
+            usage = {k: chunks[-1]["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+            assert usage["completion_tokens"] >= 100, usage  # long enough to be cut
+
+            victims: list[tuple[str, str]] = []
+
+            async def kill(rid: str) -> None:
+                victims.append((rid, await kill_its_stage(stack, js, rid)))
+
+            text, chunks = await streamed(http, kill)  # streamed: cut after its first text
+            assert not any("error" in c for c in chunks), chunks[-1]
+            assert text == before
+            assert {k: chunks[-1]["usage"][k] for k in usage} == usage, (chunks[-1]["usage"], usage)
+            assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"]
+            rid, victim = victims[0]
+            moved = await moves_of(js, rid)
+            assert moved.fellow_id == victim and moved.moves == 1 and 0 < moved.tokens < usage["completion_tokens"]
+
+            under_way: asyncio.Future = asyncio.get_running_loop().create_future()
+            counts: dict[str, int] = {}
+
+            async def on_frame(msg) -> None:  # its start frame and two of tokens: under way
+                counts[msg.subject] = counts.get(msg.subject, 0) + 1
+                if counts[msg.subject] == 3 and not under_way.done():
+                    under_way.set_result(msg.subject.removeprefix("swarm.tok."))
+            sub = await nc.subscribe("swarm.tok.*", cb=on_frame)
+            whole = asyncio.ensure_future(http.post("/v1/chat/completions", json=BODY))  # not streamed
+            rid = await asyncio.wait_for(under_way, 60)
+            await sub.unsubscribe()
+            victim = await kill_its_stage(stack, js, rid)
+            reply = await whole
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["message"]["content"] == before
+            assert {k: reply.json()["usage"][k] for k in usage} == usage
+            moved = await moves_of(js, rid)
+            assert moved.fellow_id == victim and moved.tokens > 0
+        got = await asyncio.to_thread(wait_until, lambda: (r := stack.sql(
+            "SELECT status, completion_tokens FROM requests")) and all(s != "accepted" for s, _ in r) and r, 30,
+            "every row final")
+        assert got == [("finished", usage["completion_tokens"])] * 3, got
+    finally:
+        await asyncio.to_thread(stack.stop)
