@@ -72,6 +72,7 @@ class StageReady(Event, frozen=True, tag="load.stage_ready"):
     load_s: float = 0.0
     kernels: StageKernels = StageKernels()  # how it computes: its path, kernel per weight shape, step costs
     weights: dict = {}  # the quantization it really serves, its measured weight bytes and their float size
+    bounds: list[str] = []  # a ring's stage 0: where its fellow's own settings changed the plan (fellow.manager)
 
 
 class ModelLoaded(Event, frozen=True, tag="load.loaded"):
