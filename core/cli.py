@@ -127,6 +127,7 @@ def cmd_leader(args) -> int:
 
 def cmd_nats_auth(args) -> int:
     from core.nats_auth import AuthDir
+    from core.nats_callout import CalloutDir
 
     auth = AuthDir(args.dir)
     leaves = {}
@@ -137,6 +138,8 @@ def cmd_nats_auth(args) -> int:
         leaves[name.strip()] = [f.strip().replace(".", "-") for f in fellows.split(",") if f.strip()]
     try:
         users = auth.ensure([f.replace(".", "-") for f in args.fellow], leaves)
+        if args.callout or CalloutDir(auth).enabled():  # once on, it stays on
+            CalloutDir(auth).ensure()
     except ValueError as exc:
         raise CliError(str(exc)) from None
     print(f"{len(users)} NATS users in {auth.path}: {', '.join(sorted(users))}")
@@ -218,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     na.add_argument("--fellow", action="append", default=[], help="a fellow id (repeat for each fellow)")
     na.add_argument("--leaf", action="append", default=[], metavar="NAME=FELLOW,...",
                     help="a leaf node (a home's nats-server) and the fellows on it (repeat for each leaf)")
+    na.add_argument("--callout", action="store_true",
+                    help="per-load rights on any server: the leader answers auth callout (docs/trust.md)")
     na.set_defaults(func=cmd_nats_auth)
 
     sub.add_parser("leader", help="run the leader (gateway + projectors)").set_defaults(func=cmd_leader)

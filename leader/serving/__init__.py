@@ -79,7 +79,7 @@ class Serving:
         return self.view.loads
 
     async def start(self) -> None:
-        await self.grants.sync(force=True)  # what the rows say, whatever the server has from before
+        await self.grants.start(self.deps.nc)  # the auth callout where it is on; the rows' grants
         await self.relay.start(self.deps.nc)
         await self.reactions.start()
         await self.sweeper.start()
@@ -91,6 +91,7 @@ class Serving:
         await self.sweeper.stop()
         await self.reactions.stop()
         await self.relay.stop()
+        await self.grants.stop()
 
     # --- API ---------------------------------------------------------------------------------
 

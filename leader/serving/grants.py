@@ -13,6 +13,11 @@ them into the server's users (core.nats_auth.AuthDir.set_grants) and reloads the
 
 Only with SWARM_NATS_AUTH_DIR (`swarm up` sets it for the nats-server it starts); without it, the
 server's users are not the leader's to change, and any fellow may pull any load's requests.
+
+Where that folder holds the callout's key (`swarm nats-auth --callout`, core.nats_callout), no file is
+rewritten: the leader answers the server's auth callout itself (leader.auth_callout) with the grants
+the rows say at each login, and `sync` disconnects the connections whose grant was withdrawn, on a
+single server, a cluster or a hub with leaf nodes alike.
 """
 
 from __future__ import annotations
@@ -23,9 +28,12 @@ import logging
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from core.nats_auth import AuthDir
+from core.bus import connect
+from core.nats_auth import AuthDir, Credentials
+from core.nats_callout import SYSTEM_USER, CalloutDir
 from core.nats_server import reload_server
 from core.settings import Settings
+from leader.auth_callout import AuthCallout
 from leader.db.tables import Load, LoadStage
 from leader.serving.rows import ACTIVE, SERVING
 
@@ -39,7 +47,28 @@ class RequestGrants:
         self.sessions = sessions
         folder = settings.nats.auth_dir
         self.auth = AuthDir(folder) if folder else None
+        self.url = settings.nats.url or ""
         self._lock = asyncio.Lock()
+        self.callout: AuthCallout | None = None
+        self._system = None
+
+    async def start(self, nc) -> None:
+        """Answer the auth callout where the folder turns it on (on `nc`, kicking through a `system`
+        connection of its own); then sync what the rows say, whatever the server had from before."""
+        if self.auth is not None and CalloutDir(self.auth).enabled():
+            auth = self.auth
+            self.callout = AuthCallout(CalloutDir(auth).issuer(), auth.passwords, auth.leaves, self.placed)
+            await self.callout.start(nc, None)
+            creds = Credentials(SYSTEM_USER, auth.passwords()["leader"])
+            self._system = self.callout.system = await connect(self.url or nc.connected_url.geturl(),
+                                                               "leader-system", credentials=creds)
+        await self.sync(force=True)
+
+    async def stop(self) -> None:
+        if self.callout is not None:
+            await self.callout.stop()
+        if self._system is not None and not self._system.is_closed:
+            await self._system.close()
 
     async def placed(self) -> dict[str, list[str]]:
         """fellow id -> the loads whose stage 0 it runs (loading or ready), from the loads' rows."""
@@ -58,6 +87,9 @@ class RequestGrants:
             return
         async with self._lock:
             grants = await self.placed()
+            if self.callout is not None:  # the server asks at each login; withdrawn grants are kicked
+                await self.callout.follow(grants)
+                return
             try:
                 changed = await asyncio.to_thread(self.auth.set_grants, grants)
             except (OSError, ValueError) as exc:  # its stages' first pulls are refused: the load fails
