@@ -223,7 +223,7 @@ def test_plan_steps_is_the_only_chooser_and_stage_decode_is_one_call():
     """Outside the chooser (model/forms/plan_steps.py) and the modules that define them, nothing in the fellow's code
     builds a form or fills a slot of the table; StageModel.decode is one statement."""
     choosers = {"compile_decode", "graph_decode", "BackgroundCompile", "CompiledSteps", "NativeStep",
-                "CompiledDecode", "GraphedDecode", "put"}
+                "CompiledDecode", "GraphedDecode", "FixedStep", "put"}
     allowed = {"fellow/runtime/model/forms/plan_steps.py": choosers,
                "fellow/runtime/model/forms/compiled.py": {"CompiledDecode", "put"},
                "fellow/runtime/model/forms/cuda_graphs.py": {"GraphedDecode", "put"},

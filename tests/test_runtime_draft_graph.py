@@ -14,7 +14,14 @@ import torch
 
 from fellow.runtime.engine.draft_model import DraftModel, load_draft_model
 from fellow.runtime.engine.engine import local_engine
-from fellow.runtime.model.forms.draft_graph import CUDA_GRAPH, EAGER, FixedDecoder, SlotCache, fixed_decoder
+from fellow.runtime.model.forms.draft_graph import (
+    CUDA_GRAPH,
+    EAGER,
+    FixedDecoder,
+    FixedStep,
+    SlotCache,
+    fixed_decoder,
+)
 from fellow.runtime.model.load.kernels import prepare_stage
 from fellow.runtime.model.stage import StageModel
 from tests.test_runtime_draft_model import _planted
@@ -72,6 +79,8 @@ def test_the_fixed_shape_step_checks_against_eager_and_keeps_greedy_replies(path
     assert {"r0", "r1"} <= moved  # they outgrew their slots and went on eagerly
     assert sum(s.spec_model_drafted for s in ends.values()) > 0
     assert decoder.free == {0, 1} and not draft.states
+    served = small.steps.get("cuda_graphs")  # the draft stage's table: its slots' steps went through the decoder
+    assert isinstance(served, FixedStep) and served.report().steps == len(replays) - checked > 0
     eager = local_engine(target, kv_tokens=8192, speculative=4, draft=DraftModel(small, target))
     _, eager_ends = run(eager, _sessions())
 
@@ -79,6 +88,37 @@ def test_the_fixed_shape_step_checks_against_eager_and_keeps_greedy_replies(path
         return {k: (s.spec_model_drafted, s.spec_model_accepted) for k, s in ends.items()}
 
     assert counts(ends) == counts(eager_ends)  # the same drafts as the eager steps'
+
+
+def test_a_replay_that_fails_while_serving_gives_up_and_the_eager_form_serves_the_same_step(caplog):
+    """The decoder's third replayed step raises (after the check's): nothing advanced, the table's eager form
+    serves that step and every later one, and the drafts are the eager steps' to the token."""
+    target, small = _pair("fused")
+    replays: list[int] = []
+    decoder, _ = fixed_decoder(small, slots=2, positions=24, capture=_counting(replays), label="fixed-shape")
+    served = []
+
+    def failing(replay):
+        def fails_on_the_third():
+            served.append(1)
+            if len(served) == 3:
+                raise RuntimeError("the replay failed")
+            replay()
+        return fails_on_the_third
+
+    decoder.replays = {n: failing(replay) for n, replay in decoder.replays.items()}
+    draft = DraftModel(small, target, decoder=decoder)
+    with caplog.at_level(logging.INFO, logger="swarm.draft"):
+        on, ends = run(local_engine(target, kv_tokens=8192, speculative=4, draft=draft), _sessions())
+    form = small.steps.get("cuda_graphs")
+    assert form.report().steps == 2 and form.report().given_up == "RuntimeError: the replay failed"
+    assert "draft decoder: eager from now on, a replayed step failed: RuntimeError: the replay failed" in caplog.text
+    assert small.steps.choose([SlotCache(decoder, 0)]) is small.steps.eager  # it takes no step after
+    off, eager_ends = run(local_engine(target, kv_tokens=8192, speculative=4, draft=DraftModel(small, target)),
+                          _sessions())
+    assert on == off
+    assert ({k: (s.spec_model_drafted, s.spec_model_accepted) for k, s in ends.items()}
+            == {k: (s.spec_model_drafted, s.spec_model_accepted) for k, s in eager_ends.items()})
 
 
 def test_on_a_cpu_the_draft_model_steps_eagerly_and_the_load_says_so(tmp_path, caplog):

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from fellow.runtime.model.forms.draft_graph import EAGER, FixedDecoder, SlotCache, fixed_decoder
+from fellow.runtime.model.forms.plan_steps import plan_draft_steps
 from fellow.runtime.model.kv_cache import KVCache
 from fellow.runtime.model.load.half_storage import apply_half_storage
 from fellow.runtime.model.stage import StageModel
@@ -89,9 +90,14 @@ class DraftModel:
         # what a draft position costs in the served model's positions
         self.ratio = self.position_bytes / kv_bytes_per_position(target)
         self.states: dict[str, _State] = {}
-        self.decoder = decoder
-        self.decoder_label = decoder.label if decoder is not None else EAGER
+        self.use_decoder(decoder)
         self.upcast: dict = {}  # half_storage's times and verdict, per device, where it is half precision
+
+    def use_decoder(self, decoder: FixedDecoder | None, label: str | None = None) -> None:
+        """Step through ``decoder`` (None: eagerly): its slots' steps replay it, the others step eagerly."""
+        self.decoder = decoder
+        self.decoder_label = label or (decoder.label if decoder is not None else EAGER)
+        plan_draft_steps(self.stage, decoder)
 
     def budget_tokens(self, kv_tokens: int) -> int:
         """The engine's budget when ``kv_tokens`` positions of the served model's cache fit: each budget
@@ -147,16 +153,13 @@ class DraftModel:
         step = 1
         while active:
             slotted = [i for i in active if isinstance(caches[i], SlotCache)]
-            if slotted:
-                out = self.decoder.step([caches[i] for i in slotted], [drafts[rows[i][0]][-1] for i in slotted])
-                for i, token in zip(slotted, out):
-                    drafts[rows[i][0]].append(int(token))
             others = [i for i in active if not isinstance(caches[i], SlotCache)]
-            if others:
-                ids = torch.tensor([drafts[rows[i][0]][-1] for i in others], device=stage.input_device)
-                out = stage.decode([caches[i] for i in others], ids).argmax(dim=-1).tolist()
-                for i, token in zip(others, out):
-                    drafts[rows[i][0]].append(int(token))
+            for group in (slotted, others):  # each one step of the stage's table: the decoder's, the eager one
+                if group:
+                    ids = torch.tensor([drafts[rows[i][0]][-1] for i in group], device=stage.input_device)
+                    out = stage.decode([caches[i] for i in group], ids).argmax(dim=-1).tolist()
+                    for i, token in zip(group, out):
+                        drafts[rows[i][0]].append(int(token))
             step += 1
             active = [i for i in active if rows[i][2] > step and drafts[rows[i][0]][-1] not in rows[i][3]]
         for (session_id, sequence, _, _), cache in zip(rows, caches):
@@ -195,5 +198,5 @@ def load_draft_model(draft_dir: str | Path, target_stage: StageModel, target_tok
     check_same_vocabulary(target_tokenizer, loaded.tokenizer)
     draft = DraftModel(loaded.stage, target_stage, name=loaded.manifest.model_id)
     draft.upcast = apply_half_storage(loaded.stage)  # before the capture: the graphs run what it chose
-    draft.decoder, draft.decoder_label = fixed_decoder(loaded.stage, slots=batch_cap, capture=capture)
+    draft.use_decoder(*fixed_decoder(loaded.stage, slots=batch_cap, capture=capture))
     return draft

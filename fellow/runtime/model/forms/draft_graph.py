@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from fellow.runtime.model.kv_cache import KVCache
 from fellow.runtime.model.stage import CUDA_SDPA_BACKENDS, StageModel
+from fellow.runtime.steps.protocol import StepReport
 
 log = logging.getLogger("swarm.draft")
 
@@ -195,9 +196,13 @@ class FixedDecoder:
     def step_logits(self, caches: Sequence[SlotCache], tokens: torch.Tensor) -> torch.Tensor:
         """One step for sessions in slots, ``tokens`` [B] (on any device): their logits [B, V] in the
         stage's dtype, rows in the order of ``caches``."""
+        return self.step_rows(caches, tokens).to(self.stage.dtype)
+
+    def step_rows(self, caches: Sequence[SlotCache], tokens: torch.Tensor) -> torch.Tensor:
+        """``step_logits``' rows as the step wrote them (float32): what its argmax ids were taken from."""
         self._replay(caches, tokens)
         rows = torch.tensor([cache.slot for cache in caches], device=self.logits.device)
-        return self.logits.index_select(0, rows).to(self.stage.dtype)
+        return self.logits.index_select(0, rows)
 
     def _replay(self, caches: Sequence[SlotCache], tokens: torch.Tensor) -> int:
         """Each cache's next token at its next position in its slot, the other slots of the bucket at the
@@ -254,6 +259,41 @@ class FixedDecoder:
         if error > tolerance:
             raise RuntimeError(f"the replayed step's logits are {error:.3g} from the eager step's "
                                f"(tolerance {tolerance:.3g})")
+
+
+class FixedStep:
+    """The draft model's fixed-shape decoder as a form of its stage's decode step (``steps.DecodeStep``): it
+    serves a step whose sessions all hold a slot of it (``forms/plan_steps.plan_draft_steps`` puts it in the
+    draft stage's table); a session with a cache of its own steps eagerly. Its logits are the float32 rows the
+    replay wrote. A step that raises advanced nothing (``_replay`` advances the caches after the replay); the
+    form then gives up and the eager form serves that step and every one after."""
+
+    name = "fixed_decoder"
+
+    def __init__(self, decoder: FixedDecoder) -> None:
+        self.decoder, self.steps, self.given_up = decoder, 0, ""
+
+    def takes(self, caches: Sequence) -> bool:
+        return not self.given_up and bool(caches) and all(
+            isinstance(c, SlotCache) and c.decoder is self.decoder for c in caches)
+
+    def decode(self, caches: Sequence, inputs: torch.Tensor) -> torch.Tensor:
+        logits = self.decoder.step_rows(caches, inputs)
+        self.steps += 1
+        return logits
+
+    def take(self) -> None:
+        """No slot for ``StageModel.new_cache``: the draft model hands its slots out itself, to sessions whose
+        positions fit one (``DraftModel._new_cache``)."""
+        return None
+
+    def give_up(self, caches: Sequence, exc: Exception) -> None:
+        self.given_up = f"{type(exc).__name__}: {exc}"
+        log.warning("draft decoder: %s from now on, a replayed step failed: %s", EAGER, self.given_up)
+
+    def report(self) -> StepReport:
+        return StepReport(form=self.name, steps=self.steps, batches=list(self.decoder.buckets),
+                          given_up=self.given_up)
 
 
 class _StaticView:

@@ -4,7 +4,8 @@ At load the stage's own eager forms are in its step table already (``eager_steps
 layers, recurrent or not, as ``kernels.prepare_stage`` loaded them). ``plan_steps`` adds what was asked or is
 due: inductor's graphs compiled at load (SWARM_SERVE_COMPILE=1,8: ``compiled.compile_decode``), CUDA-graph
 replay (SWARM_SERVE_CUDA_GRAPHS: ``cuda_graphs.graph_decode``), or, by default, says whether a whole CPU stage
-compiles in the background. ``background_for`` gives the stage's server that compile (``BackgroundCompile``),
+compiles in the background; ``plan_draft_steps`` gives a draft model's stage its fixed-shape decoder.
+``background_for`` gives the stage's server that compile (``BackgroundCompile``),
 which puts the checked steps it finds into the table between two steps. Every decision is logged in the
 stage's ``kernels``, which the load's status shows.
 """
@@ -18,6 +19,7 @@ from events.stage import StageOptions
 from fellow.runtime.model.forms.background_compile import BackgroundCompile, why_not_here
 from fellow.runtime.model.forms.compiled import compile_decode, why_not
 from fellow.runtime.model.forms.cuda_graphs import graph_decode
+from fellow.runtime.model.forms.draft_graph import FixedDecoder, FixedStep
 from fellow.runtime.model.quant.report import stage_weights
 
 
@@ -41,6 +43,12 @@ def plan_steps(stage, options: StageOptions, background: bool) -> None:
         stage.take_plain_weights()  # the compiled step holds what it needs; else the stage's server takes them
     if options.cuda_graphs and (graphs := graph_decode(stage, slots=options.batch_cap)) is not None:  # off CUDA
         stage.note(cuda_graphs=graphs)
+
+
+def plan_draft_steps(stage, decoder: FixedDecoder | None) -> None:
+    """A draft model's stage: its fixed-shape decoder (``draft_graph.fixed_decoder``) serves the steps of
+    sessions in its slots; None: every step eager."""
+    stage.steps.put("cuda_graphs", FixedStep(decoder) if decoder is not None else None)
 
 
 def background_for(stage, options: StageOptions) -> BackgroundCompile | None:
