@@ -66,13 +66,24 @@ def inbox_prefix(user: str) -> str:
 
 @dataclass(frozen=True)
 class Credentials:
+    """A user and its password, or (`creds`) a `.creds` file whose JWT names the user (core.nats_jwt;
+    the auth callout checks it: core.nats_callout)."""
+
     user: str
     password: str
+    creds: Path | None = None
 
     def env(self) -> dict[str, str]:
+        if self.creds is not None:
+            return {"SWARM_NATS_CREDS": str(self.creds)}
         return {"SWARM_NATS_USER": self.user, "SWARM_NATS_PASSWORD": self.password}
 
     def connect_options(self) -> dict:
+        if self.creds is not None:  # the JWT goes as the token too: a callout sees no JWT in config mode
+            from core.nats_jwt import read_creds
+
+            return {"user_credentials": str(self.creds), "token": read_creds(self.creds)[0], "user": self.user,
+                    "inbox_prefix": inbox_prefix(self.user)}
         return {"user": self.user, "password": self.password, "inbox_prefix": inbox_prefix(self.user)}
 
 

@@ -205,15 +205,26 @@ class NatsSettings(Group):
     password: str | None = setting("SWARM_NATS_PASSWORD", "", secret, shown=False)
     replicas: int = setting("SWARM_NATS_REPLICAS", "1", whole(1, 5, "must be at most 5 (JetStream's limit)"))
     auth_dir: Path | None = setting("SWARM_NATS_AUTH_DIR", "", optional(path))  # users of a server the leader manages
+    creds: Path | None = setting("SWARM_NATS_CREDS", "", optional(path))  # a .creds file: core.nats_callout
 
     def __post_init__(self):
         if bool(self.user) != bool(self.password):
             raise SettingsError("SWARM_NATS_USER and SWARM_NATS_PASSWORD go together: set both or neither")
+        if self.creds and self.user:
+            raise SettingsError("SWARM_NATS_CREDS or SWARM_NATS_USER and SWARM_NATS_PASSWORD: set one, not both")
+        if self.creds:
+            self.credentials  # a file that is not one is refused at start  # noqa: B018
 
     @property
     def credentials(self):
         from core.nats_auth import Credentials
+        from core.nats_jwt import JwtError, creds_user
 
+        if self.creds:
+            try:
+                return Credentials(creds_user(self.creds), "", self.creds)
+            except JwtError as exc:
+                raise SettingsError(f"SWARM_NATS_CREDS: {exc}") from None
         return Credentials(self.user, self.password) if self.user else None
 
 
@@ -356,9 +367,7 @@ def variables() -> list[Variable]:
 
 # Variables the spec names whose feature is not built yet, and the issue that builds it. Setting one is
 # refused at start rather than validated and ignored.
-NOT_IMPLEMENTED = {
-    "SWARM_NATS_CREDS": "NATS .creds files, issue 18; use SWARM_NATS_USER and SWARM_NATS_PASSWORD",
-}
+NOT_IMPLEMENTED: dict[str, str] = {}
 
 
 def _refuse_not_implemented(env: Mapping[str, str]) -> None:

@@ -11,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
+from core.bus import BusUnavailable, connect, connection_fellow
 from core.nats_auth import HUB_DOMAIN, fellow_user, leaf_user
 from core.nats_callout import CalloutDir
 from core.nats_server import EmbeddedNats, LeafRemote, local_cluster
@@ -29,6 +32,7 @@ from tests.callout_fixtures import (
     placed_db,
     refused,
 )
+from tests.conftest import make_settings
 
 
 async def _victim_is_served(leader, victim) -> None:
@@ -152,6 +156,30 @@ async def test_through_a_leaf_node(tmp_path):
         if leaf is not None:
             leaf.stop()
         hub.stop()
+
+
+async def test_a_fellow_logs_in_with_swarm_nats_creds(tmp_path):
+    """SWARM_NATS_CREDS: the settings' credentials connect as the fellow the JWT names, with its rights
+    (its own heartbeat, its load's consumer); a .creds file of another issuer is refused."""
+    auth = callout_folder(tmp_path)
+    db_url, _ = await placed_db(tmp_path)
+    server = EmbeddedNats(tmp_path / "js", config=auth.config).start()
+    try:
+        async with callout_leader(tmp_path, auth, server.url, db_url):
+            creds = CalloutDir(auth).creds(fellow_user("f2"))
+            settings = make_settings(tmp_path, server.url, SWARM_NATS_CREDS=creds)
+            nc = await connect(server.url, name="f2", credentials=settings.nats.credentials)
+            js = nc.jetstream()
+            assert connection_fellow(js) == "f2"
+            await js.publish(subjects.heartbeat("f2"), b"{}")  # only fellow-f2 may
+            await js.pull_subscribe(subjects.request("beta"), durable=subjects.request_consumer("beta"), stream=STREAM)
+            await nc.close()
+            other = callout_folder(tmp_path / "elsewhere")
+            stranger = make_settings(tmp_path, server.url, SWARM_NATS_CREDS=CalloutDir(other).creds(fellow_user("f2")))
+            with pytest.raises(BusUnavailable, match="refused"):
+                await connect(server.url, name="f2", credentials=stranger.nats.credentials, allow_reconnect=False)
+    finally:
+        server.stop()
 
 
 async def test_with_the_old_rights_the_attack_is_not_refused(tmp_path):

@@ -41,16 +41,14 @@ def test_bad_values_name_the_variable(env, needle):
         Settings.from_env(env)
 
 
-NOT_IMPLEMENTED = ["SWARM_NATS_CREDS"]
-
-
-@pytest.mark.parametrize("name", NOT_IMPLEMENTED)
-def test_settings_not_implemented_yet_are_refused(name):
-    with pytest.raises(SettingsError) as err:
-        Settings.from_env({name: "1"})
-    assert str(err.value).startswith(f"{name} is not implemented yet (")
-    assert "\n" not in str(err.value)
-    Settings.from_env({name: ""})  # unset or empty is fine
+def test_nats_creds_is_one_way_to_log_in_and_a_bad_file_is_refused(tmp_path):
+    """SWARM_NATS_CREDS (issue 54; a login with it: tests/test_auth_callout.py)."""
+    with pytest.raises(SettingsError, match="set one, not both"):
+        Settings.from_env({"SWARM_NATS_CREDS": "x.creds", "SWARM_NATS_USER": "u", "SWARM_NATS_PASSWORD": "p"})
+    (tmp_path / "bad.creds").write_text("hello")
+    with pytest.raises(SettingsError, match=r"^SWARM_NATS_CREDS: .*bad.creds is not a NATS .creds file"):
+        Settings.from_env({"SWARM_NATS_CREDS": str(tmp_path / "bad.creds")}).nats.credentials
+    assert Settings.from_env({"SWARM_NATS_CREDS": ""}).nats.credentials is None  # unset or empty is fine
 
 
 def test_defaults_follow_the_spec():
@@ -94,13 +92,6 @@ def test_cli_fails_fast_with_one_line(tmp_path, command, extra, needle):
     assert needle in out.stderr
 
 
-def test_swarm_up_refuses_a_setting_not_implemented(tmp_path):
-    out = run_cli(["up", "--no-demo"], swarm_env(tmp_path, None, SWARM_NATS_CREDS="swarm.creds"))
-    assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == [
-        "swarm: error: SWARM_NATS_CREDS is not implemented yet (NATS .creds files, issue 18; use SWARM_NATS_USER "
-        "and SWARM_NATS_PASSWORD); unset it"]
-    assert not (tmp_path / "data").exists()  # refused before anything started
 
 
 @pytest.mark.parametrize("command", ["leader", "fellow", "replay"])
