@@ -9,6 +9,7 @@ import torch
 from fellow.runtime.engine.draft_model import DraftModel
 from fellow.runtime.engine.drafting import until_stop
 from fellow.runtime.engine.forks import fork, late, twins
+from fellow.runtime.engine.padded import fits_padded, padded_batches, padded_layers
 from fellow.runtime.engine.processors import sample_next
 from fellow.runtime.engine.prompt_scores import scored_piece
 from fellow.runtime.engine.sampling import make_generator
@@ -178,30 +179,9 @@ class LocalRunner:
                     break
 
     def _decode_batches(self, sessions: list[Session]) -> list[list[Session]]:
-        """Batches of at most max_batch; sessions of similar length together, so padding stays small."""
-        cap = len(sessions) if self.sched.max_batch == 0 else self.sched.max_batch
-        batches: list[list[Session]] = []
-        current: list[Session] = []
-        for session in sorted(sessions, key=lambda s: s.cache.length):
-            if current and (len(current) == cap or not self._fits_padded(len(current) + 1, session.cache.length)):
-                batches.append(current)
-                current = []
-            current.append(session)
-        if current:
-            batches.append(current)
-        return batches
-
-    def _fits_padded(self, rows: int, longest: int) -> bool:
-        """Whether one layer's padded copy of a batch fits beside the reservations.
-
-        The copy holds rows x (longest + 1) positions of one layer, so it costs that over the number
-        of layers in budget tokens. It may use what is unreserved plus one prompt piece's room: a
-        decode step never runs beside a piece.
-        """
-        if self.stage.fused is not None:
-            return True  # fused layers attend row by row in each session's own cache: no padded copy
-        # a stage with recurrent layers pads its attention layers' keys only (RecurrentBatchedView), each of
-        # which a budget token counts (kv_budget.bytes_per_token)
-        layers = sum(self.stage.attends) if self.stage.recurrent is not None else len(self.stage.layers)
-        copy_tokens = rows * (longest + 1) / max(1, layers)
-        return copy_tokens <= self.sched.budget.free + (self.sched.prefill_chunk or 256)
+        """Batches of at most max_batch; sessions of similar length together, so padding stays small, and
+        each cut where its padded copy would not fit (fellow.runtime.engine.padded)."""
+        layers = padded_layers(self.stage)
+        room = self.sched.budget.free + (self.sched.prefill_chunk or 256)
+        return padded_batches(sessions, lambda s: s.cache.length, self.sched.max_batch,
+                              lambda rows, longest: fits_padded(layers, rows, longest, room))

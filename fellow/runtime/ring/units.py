@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from events.ring import DECODE, LAST_PIECE, PIECE, VERIFY, Hidden, RingSampling
+from fellow.runtime.engine.padded import fits_padded, padded_layers
 from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.stage import StageModel
@@ -26,9 +27,10 @@ class RingUnits:
     """One unit a step: a decode group of the sessions whose tokens are back (``ready``), or a prompt
     piece, taking turns; each is sent on at once, so the next stage starts while this one computes.
 
-    Decode groups hold ceil(in flight / groups) sessions (at most max_batch), so while a later stage runs
-    one group stage 0 runs another; ``groups`` is the number of stages unless stage 0 sized it from the
-    ring's measured steps and links (fellow.runtime.ring.sizing). A prompt goes in pieces of at most
+    Decode groups hold ceil(in flight / groups) sessions (at most max_batch, and fewer where their padded
+    copy would pass the KV budget), so while a later stage runs one group stage 0 runs another; ``groups``
+    is the number of stages unless stage 0 sized it from the ring's measured steps and links
+    (fellow.runtime.ring.sizing). A prompt goes in pieces of at most
     prefill_chunk positions (and ``max_piece``, what a frame carries), up to one piece per stage of a
     session in the ring at once (prefill_ahead); a first piece that reuses a cached prefix goes alone.
     A ready session with drafts (``Scheduler.drafts``) goes round as a VERIFY frame of its last token
@@ -41,6 +43,7 @@ class RingUnits:
         self.stage, self.codec, self.send, self.route = stage, codec, send, route
         self.num_stages = num_stages
         self.groups = num_stages  # decode groups in the ring at once (fellow.runtime.ring.sizing)
+        self.padded_layers = padded_layers(stage)  # what a group's padded copy counts over (engine.padded)
         self.max_piece = max(1, (max_payload - 1024) // codec.bytes_per_position)
         self.spec_max_active_per_stage = SPEC_MAX_ACTIVE_PER_STAGE
         self.ready: deque[RingSession] = deque()  # tokens back, in the order they came
@@ -67,10 +70,20 @@ class RingUnits:
         size = math.ceil(len(sched.sessions) / self.groups)
         return max(1, min(size, sched.max_batch) if sched.max_batch else size)
 
+    def _take_group(self, sched: Scheduler) -> list[RingSession]:
+        """The next decode group from ``ready`` in the order the tokens came: ``_group_size`` sessions, fewer
+        where the group's padded copy would pass the KV budget (fellow.runtime.engine.padded)."""
+        size, room = self._group_size(sched), sched.budget.free + (sched.prefill_chunk or 256)
+        group: list[RingSession] = [self.ready.popleft()]
+        while self.ready and len(group) < size and fits_padded(
+                self.padded_layers, len(group) + 1, max(s.cache.length for s in [*group, self.ready[0]]), room):
+            group.append(self.ready.popleft())
+        return group
+
     def _decode_group(self, sched: Scheduler) -> bool:
         if not self.ready:
             return False
-        group = [self.ready.popleft() for _ in range(min(self._group_size(sched), len(self.ready)))]
+        group = self._take_group(sched)
         if self._has_room(sched):
             drafted = sched.drafts(group)
             for session in [s for s in group if drafted.get(s.session_id)]:

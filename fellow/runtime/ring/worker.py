@@ -9,9 +9,11 @@ from typing import Callable
 import torch
 
 from core.logs import stage_stats_s
+from events.loads import PREFILL_CHUNK
 from events.requests import Sampling
 from events.ring import DECODE, LAST_PIECE, NO_TOKEN, PREFIX_MISSING, VERIFY, End, Hidden, Probe, Token
 from fellow.runtime.engine.drafting import until_stop
+from fellow.runtime.engine.padded import fits_padded, padded_batches, padded_layers
 from fellow.runtime.engine.prefix_cache import PrefixCache
 from fellow.runtime.engine.processors import constraint_for, sample_next
 from fellow.runtime.engine.prompt_scores import scored_piece
@@ -67,6 +69,7 @@ class RingWorker:
         self.inbox, self.send = inbox, send
         self.is_last = ring.plan.is_last
         self.max_batch = max_batch
+        self.padded_layers = padded_layers(self.stage)  # what a batch's padded copy counts over (engine.padded)
         self.held: dict[str, Held] = {}
         self.drafter = drafter if self.is_last else None
         if self.stage.recurrent is not None:  # recurrent layers: no positions kept for reuse (stage 0 reuses none)
@@ -224,8 +227,12 @@ class RingWorker:
                 runnable.append(frame)
             except FrameError as exc:
                 self._fail(frame.session, exc, frame.attempt)
-        if not runnable:
-            return
+        room = self.ledger.budget.free + PREFILL_CHUNK  # beside a prompt piece's room, as on stage 0
+        for batch in padded_batches(runnable, lambda f: self.held[f.session].cache.length, 0,
+                                    lambda rows, longest: fits_padded(self.padded_layers, rows, longest, room)):
+            self._decode_some(batch)
+
+    def _decode_some(self, runnable: list[Hidden]) -> None:
         try:
             self._decode_batch(runnable)
         except Exception as exc:
