@@ -33,6 +33,7 @@ SYSTEM_ACCOUNT = "$SYS"
 APP_ACCOUNT = "$G"  # where every other user is placed: the config's one account
 CALLOUT_SUBJECT = "$SYS.REQ.USER.AUTH"
 CALLOUT_QUEUE = "swarm-auth-callout"  # several leaders answer in turn
+FOLLOW_SUBJECT = "swarm.auth.follow"  # core NATS, leaders only: every leader kicks what it authorized
 
 
 def _deny_all() -> dict:

@@ -158,6 +158,27 @@ async def test_through_a_leaf_node(tmp_path):
         hub.stop()
 
 
+async def test_a_grant_withdrawn_by_one_leader_is_kicked_by_the_leader_that_granted_it(tmp_path):
+    """Two leaders on one database: B answered f1's login, A moves alpha away; B kicks f1."""
+    auth = callout_folder(tmp_path)
+    db_url, sessions = await placed_db(tmp_path)
+    server = EmbeddedNats(tmp_path / "js", config=auth.config).start()
+    try:
+        async with callout_leader(tmp_path / "b", auth, server.url, db_url):
+            victim = await login(server.url, fellow_user("f1"), auth.passwords()[fellow_user("f1")])
+            async with callout_leader(tmp_path / "a", auth, server.url, db_url) as (_, grants_a, _):
+                assert grants_a.callout.connections == {} or all(
+                    g.user != fellow_user("f1") for g in grants_a.callout.connections.values())
+                await move(sessions, "alpha", "f2")
+                await grants_a.sync()
+                await asyncio.wait_for(victim.gone.wait(), 30)  # a guard: without the word to B it never comes
+                await asyncio.wait_for(victim.back.wait(), 30)
+                assert await refused(victim, api("MSG.NEXT", "alpha"), PULL), victim.denials
+            await victim.nc.close()
+    finally:
+        server.stop()
+
+
 async def test_a_fellow_logs_in_with_swarm_nats_creds(tmp_path):
     """SWARM_NATS_CREDS: the settings' credentials connect as the fellow the JWT names, with its rights
     (its own heartbeat, its load's consumer); a .creds file of another issuer is refused."""

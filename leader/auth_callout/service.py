@@ -12,6 +12,8 @@ A grant is fixed for a connection's life. When the grants change (`follow`), eve
 grant it no longer holds is kicked (`$SYS.REQ.SERVER.<id>.KICK`, on the leader's `system` connection,
 in nats-server's system account); its client reconnects and is asked about again. A fellow whose grant
 only grew keeps its connections: a new stage connects anew. A leaf link is kicked on any change.
+Several leaders share the callout (a queue group), each remembering what it answered; the one that
+changed the grants tells the others on `swarm.auth.follow`, and each kicks its own.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from core.nats_auth import (
     leaf_permissions,
     ops_permissions,
 )
-from core.nats_callout import APP_ACCOUNT, CALLOUT_QUEUE, CALLOUT_SUBJECT, SYSTEM_ACCOUNT, SYSTEM_USER
+from core.nats_callout import APP_ACCOUNT, CALLOUT_QUEUE, CALLOUT_SUBJECT, FOLLOW_SUBJECT, SYSTEM_ACCOUNT, SYSTEM_USER
 
 log = logging.getLogger(__name__)
 
@@ -69,19 +71,28 @@ class AuthCallout:
         self.connections: dict[tuple[str, int], Granted] = {}
         self.nc: Client | None = None
         self.system: Client | None = None
-        self._sub = None
+        self._sub = self._follow_sub = None
 
     async def start(self, nc: Client, system: Client | None) -> None:
         """Answer on `nc` (the leader's connection, which the server does not ask about); kick through
         `system` (None: no kicks, a withdrawn grant lasts as long as its connection)."""
         self.nc, self.system = nc, system
         self._sub = await nc.subscribe(CALLOUT_SUBJECT, queue=CALLOUT_QUEUE, cb=self._on_request)
+        self._follow_sub = await nc.subscribe(FOLLOW_SUBJECT, cb=self._on_follow)
         await nc.flush()
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()
-            self._sub = None
+        for sub in (self._sub, self._follow_sub):
+            if sub is not None:
+                await sub.unsubscribe()
+        self._sub = self._follow_sub = None
+
+    async def _on_follow(self, msg) -> None:
+        """Another leader changed the grants: kick what this one authorized that they withdrew."""
+        try:
+            await self.follow(await self.grants())
+        except Exception:
+            log.exception("auth callout: following another leader's grants failed")
 
     async def _on_request(self, msg) -> None:
         try:
@@ -175,6 +186,11 @@ class AuthCallout:
             elif g.user.startswith("leaf-") and g.grant != _leaf_grant(leaves.get(g.user[len("leaf-"):], []), grants):
                 out.append(g)
         return out
+
+    async def announce(self) -> None:
+        """Tell every leader (this one too) to follow the grants: each kicks the connections it answered."""
+        if self.nc is not None:
+            await self.nc.publish(FOLLOW_SUBJECT, b"")
 
     async def follow(self, grants: Grants) -> list[Granted]:
         """Kick every connection whose grant `grants` withdrew (or, a leaf link's, changed); those kicked."""

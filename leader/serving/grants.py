@@ -89,6 +89,7 @@ class RequestGrants:
             grants = await self.placed()
             if self.callout is not None:  # the server asks at each login; withdrawn grants are kicked
                 await self.callout.follow(grants)
+                await self.callout.announce()  # the other leaders' connections too
                 return
             try:
                 changed = await asyncio.to_thread(self.auth.set_grants, grants)
