@@ -12,13 +12,14 @@ import asyncio
 import json
 import os
 import signal
+import time
 
 import httpx
 import msgspec
 import pytest
 
 from events import subjects
-from events.frames import StartFrame, frame_decoder
+from events.frames import StartFrame, TokenFrame, frame_decoder
 from events.moves import RequestMoved
 from tests.processes import wait_until
 from tests.request_helpers import chat, servables  # noqa: F401 (the module's servable)
@@ -57,6 +58,16 @@ async def kill_its_stage(stack: Stack, js, request_id: str) -> str:
     return start.fellow_id
 
 
+async def next_token_at(js, request_id: str, seq: int) -> float:
+    """When SWARM_TOKENS stored the first token frame after frame ``seq`` (a moved request's new start)."""
+    subject, at = subjects.tokens(request_id), 0
+    while True:
+        msg = await js.get_msg(subjects.TOKENS_STREAM, seq=at + 1, subject=subject, next=True)
+        at, frame = msg.seq, frame_decoder.decode(msg.data)
+        if isinstance(frame, TokenFrame) and frame.seq > seq:
+            return msg.time.timestamp()
+
+
 async def moves_of(js, request_id: str) -> RequestMoved:
     msg = await js.get_msg(subjects.EVENTS_STREAM, subject=subjects.event("request.moved"))
     evt = msgspec.json.decode(msg.data, type=RequestMoved)
@@ -75,18 +86,21 @@ async def test_a_reply_goes_on_at_another_stage_when_its_stage_dies(tmp_path, na
             usage = {k: chunks[-1]["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
             assert usage["completion_tokens"] >= 100, usage  # long enough to be cut
 
-            victims: list[tuple[str, str]] = []
+            victims: list[tuple[str, str, float]] = []
 
             async def kill(rid: str) -> None:
-                victims.append((rid, await kill_its_stage(stack, js, rid)))
+                victims.append((rid, await kill_its_stage(stack, js, rid), time.time()))
 
             text, chunks = await streamed(http, kill)  # streamed: cut after its first text
             assert not any("error" in c for c in chunks), chunks[-1]
             assert text == before
             assert {k: chunks[-1]["usage"][k] for k in usage} == usage, (chunks[-1]["usage"], usage)
             assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"]
-            rid, victim = victims[0]
+            rid, victim, killed_at = victims[0]
             moved = await moves_of(js, rid)
+            # the figure of docs/reliability.md section 16 (printed, not asserted)
+            print(f"kill to move {moved.at - killed_at:.3f} s; kill to the next token stored "
+                  f"{await next_token_at(js, rid, moved.seq) - killed_at:.3f} s")
             assert moved.fellow_id == victim and moved.moves == 1 and 0 < moved.tokens < usage["completion_tokens"]
 
             under_way: asyncio.Future = asyncio.get_running_loop().create_future()
