@@ -3,7 +3,7 @@ SIGKILLed mid-reply; the request goes on at a healthy stage (leader.moves).
 
 Real nats-server, leader, two fellows and their stage processes. The streamed and the non-streamed reply
 carry no error and equal the uninterrupted greedy reply, usage counts each token once, the row is
-finished, and the move is a RequestMoved event naming the fellow whose stage died.
+finished, and the move is a RequestMoved event naming the fellow whose stage died (a request_moves row).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import time
+from collections import Counter
 
 import httpx
 import msgspec
@@ -27,7 +28,7 @@ from tests.serving_fixtures import Stack
 
 pytestmark = pytest.mark.slow
 
-BODY = chat("Tell me a long story", max_tokens=800, temperature=0)
+BODY = chat("Tell me a long story", max_tokens=3000, temperature=0)
 
 
 async def streamed(http: httpx.AsyncClient, on_text=None) -> tuple[str, list[dict]]:
@@ -47,14 +48,21 @@ async def streamed(http: httpx.AsyncClient, on_text=None) -> tuple[str, list[dic
     return text, chunks
 
 
-async def kill_its_stage(stack: Stack, js, request_id: str) -> str:
+def stage_pids(stack: Stack) -> dict[tuple[str, int], int]:
+    """(fellow, replica) -> pid of each stage, once every one is ready (read ahead: a kill must be quick)."""
+    def ready():
+        stages = stack.get("/api/v1/models/tiny-a/status").json()["load"]["stages"]
+        return all(s["state"] == "ready" for s in stages) and {(s["fellow_id"], s["replica"]): s["pid"]
+                                                               for s in stages}
+    return wait_until(ready, 60, "every stage ready")
+
+
+async def kill_its_stage(js, pids: dict, request_id: str) -> str:
     """SIGKILL the stage process that took the request (its start frame names the fellow); that fellow."""
     first = await js.get_msg(subjects.TOKENS_STREAM, seq=1, subject=subjects.tokens(request_id), next=True)
     start = frame_decoder.decode(first.data)
     assert isinstance(start, StartFrame), start
-    stages = stack.get("/api/v1/models/tiny-a/status").json()["load"]["stages"]
-    pid, = [s["pid"] for s in stages if s["fellow_id"] == start.fellow_id and s["replica"] == start.replica]
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pids[start.fellow_id, start.replica], signal.SIGKILL)
     return start.fellow_id
 
 
@@ -83,13 +91,15 @@ async def test_a_reply_goes_on_at_another_stage_when_its_stage_dies(tmp_path, na
         await asyncio.to_thread(stack.load, "tiny-a", replicas=2)
         async with httpx.AsyncClient(base_url=stack.url, timeout=180) as http:
             before, chunks = await streamed(http)
+            ours = [chunks[0]["id"].removeprefix("chatcmpl-")]
             usage = {k: chunks[-1]["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-            assert usage["completion_tokens"] >= 100, usage  # long enough to be cut
+            assert usage["completion_tokens"] >= 1000, usage  # long enough to be cut
 
             victims: list[tuple[str, str, float]] = []
+            pids = await asyncio.to_thread(stage_pids, stack)
 
             async def kill(rid: str) -> None:
-                victims.append((rid, await kill_its_stage(stack, js, rid), time.time()))
+                victims.append((rid, await kill_its_stage(js, pids, rid), time.time()))
 
             text, chunks = await streamed(http, kill)  # streamed: cut after its first text
             assert not any("error" in c for c in chunks), chunks[-1]
@@ -97,12 +107,14 @@ async def test_a_reply_goes_on_at_another_stage_when_its_stage_dies(tmp_path, na
             assert {k: chunks[-1]["usage"][k] for k in usage} == usage, (chunks[-1]["usage"], usage)
             assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"]
             rid, victim, killed_at = victims[0]
+            ours.append(rid)
             moved = await moves_of(js, rid)
             # the figure of docs/reliability.md section 16 (printed, not asserted)
             print(f"kill to move {moved.at - killed_at:.3f} s; kill to the next token stored "
                   f"{await next_token_at(js, rid, moved.seq) - killed_at:.3f} s")
             assert moved.fellow_id == victim and moved.moves == 1 and 0 < moved.tokens < usage["completion_tokens"]
 
+            pids = await asyncio.to_thread(stage_pids, stack)  # the killed one restarted
             under_way: asyncio.Future = asyncio.get_running_loop().create_future()
             counts: dict[str, int] = {}
 
@@ -113,8 +125,9 @@ async def test_a_reply_goes_on_at_another_stage_when_its_stage_dies(tmp_path, na
             sub = await nc.subscribe("swarm.tok.*", cb=on_frame)
             whole = asyncio.ensure_future(http.post("/v1/chat/completions", json=BODY))  # not streamed
             rid = await asyncio.wait_for(under_way, 60)
+            ours.append(rid)
             await sub.unsubscribe()
-            victim = await kill_its_stage(stack, js, rid)
+            victim = await kill_its_stage(js, pids, rid)
             reply = await whole
             assert reply.status_code == 200, reply.text
             assert reply.json()["choices"][0]["message"]["content"] == before
@@ -122,8 +135,13 @@ async def test_a_reply_goes_on_at_another_stage_when_its_stage_dies(tmp_path, na
             moved = await moves_of(js, rid)
             assert moved.fellow_id == victim and moved.tokens > 0
         got = await asyncio.to_thread(wait_until, lambda: (r := stack.sql(
-            "SELECT status, completion_tokens FROM requests")) and all(s != "accepted" for s, _ in r) and r, 30,
-            "every row final")
+            "SELECT status, completion_tokens FROM requests WHERE request_id IN (?, ?, ?)", *ours))
+            and all(s != "accepted" for s, _ in r) and r, 30, "every row final")
         assert got == [("finished", usage["completion_tokens"])] * 3, got
+        # the audit counts moves per fellow (request_moves, from RequestMoved)
+        expected = sorted(Counter([victims[0][1], victim]).items())
+        per_fellow = await asyncio.to_thread(wait_until, lambda: (r := sorted(stack.sql(
+            "SELECT fellow_id, count(*) FROM request_moves GROUP BY fellow_id"))) == expected and r, 30, "the moves")
+        assert per_fellow == expected
     finally:
         await asyncio.to_thread(stack.stop)

@@ -116,6 +116,19 @@ class Request(Base):
     timing: Mapped[dict | None] = mapped_column(JSON, nullable=True)
 
 
+class RequestMove(Base):
+    """One move of a request off a stage that died mid-reply (RequestMoved, leader.moves)."""
+
+    __tablename__ = "request_moves"
+    request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    move: Mapped[int] = mapped_column(Integer, primary_key=True)  # 1, 2, ...
+    fellow_id: Mapped[str] = mapped_column(String(128), index=True)  # whose stage died under it
+    load_id: Mapped[str] = mapped_column(String(64), default="")
+    seq: Mapped[int] = mapped_column(Integer, default=0)  # the frame the next stage started at
+    tokens: Mapped[int] = mapped_column(Integer, default=0)  # reply tokens sent before the move
+    at: Mapped[float] = mapped_column(Float, default=0.0)
+
+
 class ApiToken(Base):
     __tablename__ = "api_tokens"
     token_id: Mapped[str] = mapped_column(String(64), primary_key=True)

@@ -1,7 +1,8 @@
 """Requests projection: the audit trail of every chat request and how it ended.
 
 A request ends once: the first final event (finished or failed) sets its outcome, and a later one
-(a stage that finished what the gateway had already failed, or the reverse) changes nothing.
+(a stage that finished what the gateway had already failed, or the reverse) changes nothing. Each move
+off a stage that died mid-reply is a row of ``request_moves`` (RequestMoved).
 """
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ from __future__ import annotations
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from events.base import Event
+from events.moves import RequestMoved
 from events.requests import RequestAccepted, RequestFailed, RequestFinished
-from leader.db.tables import Request
+from leader.db.tables import Request, RequestMove
 from leader.projectors.projector import Projector
 
 OPEN = (None, "accepted")  # a row not ended yet (None: made here, before its first flush)
@@ -18,8 +20,8 @@ OPEN = (None, "accepted")  # a row not ended yet (None: made here, before its fi
 
 class RequestsProjector(Projector):
     name = "requests"
-    tables = (Request,)
-    handles = (RequestAccepted, RequestFinished, RequestFailed)
+    tables = (Request, RequestMove)
+    handles = (RequestAccepted, RequestFinished, RequestFailed, RequestMoved)
     # A request's accepted event comes while its stage computes its first token beside the leader (on
     # a small machine, on the same cores): written at once, its transaction slowed that first token by
     # about as much CPU as it took (docs/benchmarks.md). Gathered, it is written after the first token
@@ -61,6 +63,10 @@ class RequestsProjector(Projector):
                 row.prompt_tokens = evt.prompt_tokens
                 row.completion_tokens = evt.completion_tokens
                 row.fellow_id = evt.fellow_id or row.fellow_id
+            case RequestMoved():
+                if await session.get(RequestMove, (evt.request_id, evt.moves)) is None:
+                    session.add(RequestMove(request_id=evt.request_id, move=evt.moves, fellow_id=evt.fellow_id,
+                                            load_id=evt.load_id, seq=evt.seq, tokens=evt.tokens, at=evt.at))
 
     async def _row(self, session: AsyncSession, request_id: str, model_id: str, load_id: str,
                    at: float) -> Request:
