@@ -24,6 +24,7 @@
 #include <math.h>
 #include <omp.h>
 #include "dot.h"
+#include "f32_rows8.h"
 #include "step_structs.h"
 
 /* A quantized product reads the weight row AHEAD rows on into the cache as it goes, a float32 one the next
@@ -87,15 +88,9 @@ static void f32_one(const Lin *l, const float *x, float *y, int add, int64_t j0,
     const int64_t k = l->k;
     int64_t j = j0;
     for (; j + 8 <= j1; j += 8) {
-        const float *w0 = w + j * k;
-        __m256 a[8];
-        for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < k; i += 8) {
-            const __m256 xv = _mm256_loadu_ps(x + i);
-            #pragma GCC unroll 8
-            for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w0 + r * k + i), a[r]);
-        }
-        for (int r = 0; r < 8; r++) put(l, y, j + r, hsum(a[r]), add);
+        float out[8];
+        f32_rows8(w + j * k, x, k, out);
+        for (int r = 0; r < 8; r++) put(l, y, j + r, out[r], add);
     }
     for (; j < j1; j++) put(l, y, j, dot(x, w + j * k, k), add);
 }
