@@ -38,6 +38,9 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     logprobs: int | None = None  # the sampled token's logprob plus this many top candidates
     grammar: str = ""  # an llguidance grammar the reply must follow (structured outputs, tool calls)
     prompt_logprobs: int | None = None  # each prompt token's logprob (the first has none) plus this many top
+    # a moved request: the reply tokens an earlier stage sampled; its generator first draws and drops theirs
+    # (fellow.runtime.server.moved), so a seeded reply goes on as it would have
+    drawn: int = 0
 
     def check(self) -> "Sampling":
         """Itself, or ValueError naming the first field out of range."""

@@ -90,3 +90,34 @@ async def test_only_one_stage_claims_a_moved_request_right_after_its_last_frame(
     await a.closed.wait()
     stored = await js.get_last_msg(subjects.TOKENS_STREAM, subjects.tokens("rq-moved"))
     assert stored.seq > last.seq and b"done" in stored.data
+
+
+def test_a_seeded_sampled_reply_goes_on_after_a_move_as_it_would_have():
+    """A stage that takes a moved seeded request (``resumed``: its prompt, the reply so far, ``Sampling.drawn``)
+    samples the rest as the uninterrupted reply did: its generator skipped the draws of the tokens sent. With
+    the draws not skipped the rest differs (the test sees the difference)."""
+    import torch
+    import transformers
+
+    from fellow.runtime.engine.engine import local_engine
+    from fellow.runtime.engine.session import Session
+    from fellow.runtime.model.stage import StageModel
+    from tests.test_runtime_speculative import TEXT, run
+
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    torch.manual_seed(0)
+    stage = StageModel.from_causal_lm(transformers.AutoModelForCausalLM.from_config(config).eval())
+    prompt = TEXT[:20]
+    for params in (Sampling(temperature=1.0, seed=11), Sampling(temperature=0.9, top_k=40, top_p=0.9, seed=3)):
+        whole, _ = run(local_engine(stage, kv_tokens=4096), [Session("w", prompt, 40, params)])
+        sent = whole["w"][:15]
+        moved = msgspec.structs.replace(CHAT, sampling=params, max_tokens=40,
+                                        resume=Resume(seq=3, after=9, reply_ids=sent, held=0, moves=1))
+        req, ids = resumed(moved, list(prompt))
+        assert ids == prompt + sent and req.sampling.drawn == 15 and req.max_tokens == 25
+        rest, _ = run(local_engine(stage, kv_tokens=4096), [Session("m", ids, req.max_tokens, req.sampling)])
+        assert sent + rest["m"] == whole["w"]
+        fresh = msgspec.structs.replace(req.sampling, drawn=0)
+        unskipped, _ = run(local_engine(stage, kv_tokens=4096), [Session("u", ids, req.max_tokens, fresh)])
+        assert unskipped["u"] != rest["m"]

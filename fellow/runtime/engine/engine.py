@@ -55,7 +55,7 @@ class LocalRunner:
         return session
 
     def start(self, session: Session) -> None:
-        session.generator = make_generator(session.sampling, self.stage.output_device)
+        session.generator = make_generator(session.sampling, self.stage.output_device, self.stage.config.vocab_size)
 
     def ended(self, session: Session, kept: bool) -> None:
         pass

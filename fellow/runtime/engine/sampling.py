@@ -14,12 +14,21 @@ import torch
 from events.requests import Sampling  # the one declaration of a request's sampling
 
 
-def make_generator(params: Sampling, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """A generator of the request's own, so one request's draws never shift another's; None when greedy."""
+def make_generator(params: Sampling, device: torch.device | str = "cpu", vocab: int = 0) -> torch.Generator | None:
+    """A generator of the request's own, so one request's draws never shift another's; None when greedy.
+
+    A moved request's (``params.drawn``: tokens sampled on the stage that died) then draws and drops the noise
+    of those tokens, each as wide as ``_draw`` drew it over ``vocab`` logits, so it stands where the earlier
+    stage's stood and a seeded reply goes on as it would have (one draw a token: not with speculative
+    decoding, whose checks draw more)."""
     if params.greedy:
         return None
     generator = torch.Generator(device=device)
     generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+    if params.drawn and vocab:
+        width = min(params.top_k, vocab) if params.top_k > 0 else vocab
+        for _ in range(params.drawn):
+            torch.empty(width, device=device).exponential_(generator=generator)
     return generator
 
 

@@ -10,11 +10,13 @@ from events.requests import ChatRequest
 
 def resumed(req: ChatRequest, prompt_ids: list[int]) -> tuple[ChatRequest, list[int]]:
     """(the request as this stage serves it, the ids it prefills): a moved request's reply so far follows
-    its prompt, and its max_tokens and min_tokens are less what was sent."""
+    its prompt, its max_tokens and min_tokens are less what was sent, and a sampled one's generator skips the
+    draws of the tokens sent (``Sampling.drawn``)."""
     if req.resume is None:
         return req, prompt_ids
     sent = len(req.resume.reply_ids)
-    sampling = msgspec.structs.replace(req.sampling, min_tokens=max(0, req.sampling.min_tokens - sent))
+    sampling = msgspec.structs.replace(req.sampling, min_tokens=max(0, req.sampling.min_tokens - sent),
+                                       drawn=0 if req.sampling.greedy else sent)
     return (msgspec.structs.replace(req, max_tokens=max(1, req.max_tokens - sent), sampling=sampling),
             prompt_ids + list(req.resume.reply_ids))
 
