@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 PR_SET_PDEATHSIG = 1
 PARENT_PID_ENV = "SWARM_PARENT_PID"  # set by spawn_child for the child's follow_parent
+STOP_GRACE_S = 15.0  # after the parent died, this long for a clean stop (a stage has 10 s), then a hard exit
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
@@ -20,18 +24,43 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
     libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
-def follow_parent(sig: int = signal.SIGTERM) -> None:
+def follow_parent(sig: int = signal.SIGTERM, grace: float | None = STOP_GRACE_S) -> None:
     """At a child's entry point: get `sig` when the parent that spawn_child gave us dies.
 
     The parent may already be gone when the child gets here; then `sig` comes at once. The variable is
-    taken out of the environment, so this process's own children do not inherit it.
+    taken out of the environment, so this process's own children do not inherit it. `grace` seconds after
+    the parent's death the process exits whatever it is doing (None: no such bound, for a process about to
+    exec, where the thread would not survive).
     """
     raw = os.environ.pop(PARENT_PID_ENV, "")
     if not raw.isdigit():
         return
     die_with_parent(sig)
+    if grace is not None:
+        _exit_after_parent(int(raw), grace)
     if os.getppid() != int(raw):
         os.kill(os.getpid(), sig)
+
+
+def _exit_after_parent(parent: int, grace: float) -> None:
+    """A daemon thread that ends this process `grace` seconds after its parent dies: the parent-death
+    signal asks for a clean stop, and nobody is left to kill a child whose stop hangs."""
+    try:
+        fd = os.pidfd_open(parent)
+    except ProcessLookupError:  # gone already: follow_parent signals at once
+        fd = None
+    except (AttributeError, OSError):  # no pidfd here (not Linux 5.3+): no bound
+        return
+
+    def watch() -> None:
+        if fd is not None:
+            select.select([fd], [], [])
+        time.sleep(grace)
+        print(f"pid {os.getpid()}: still stopping {grace:.0f}s after its parent {parent} died; exiting",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit after parent", daemon=True).start()
 
 
 def parent_env(env: dict | None = None) -> dict:
@@ -75,5 +104,5 @@ async def run_hooks(hooks, log) -> None:
 
 
 if __name__ == "__main__":  # spawn_binary's shim: python -m core.procs PROGRAM ARGS...
-    follow_parent()
+    follow_parent(grace=None)
     os.execv(sys.argv[1], sys.argv[1:])

@@ -44,8 +44,13 @@ def test_swarm_up_killed_takes_leader_fellow_and_nats_server_with_it(tmp_path):
             (second.stdout, second.stderr[-2000:])
         os.kill(up.proc.pid, signal.SIGKILL)  # the parent alone: no group kill, no clean stop
         up.proc.wait(10)
-        wait_until(lambda: not any(pid_alive(c) for c in parts), 30,
-                   "leader, fellow and nats-server gone with swarm up")
+        try:
+            wait_until(lambda: not any(pid_alive(c) for c in parts), 30,
+                       "leader, fellow and nats-server gone with swarm up")
+        except AssertionError as exc:  # name the ones left, and what the fellow and leader logged last
+            left = [cmdline(c) for c in parts if pid_alive(c)]
+            logs = {p.name: p.read_text()[-1500:] for p in tmp_path.rglob("*.log")}
+            raise AssertionError(f"{exc}; still running: {left}; logs: {logs}") from None
     finally:
         up.kill()
         for c in children:  # whatever a failure left
@@ -81,6 +86,26 @@ def test_a_grandchild_dies_with_a_parent_killed_mid_flight(tmp_path):
         proc.kill()
         proc.wait(10)
         wait_until(lambda: not pid_alive(pid), 20, "the child gone with its parent")
+    finally:
+        proc.kill()
+
+
+def test_a_child_whose_stop_hangs_exits_its_grace_after_the_parent_died():
+    """The parent-death signal asks for a clean stop; a child stuck in it (here: ignoring SIGTERM) still
+    ends `grace` seconds later, as nobody is left to kill it."""
+    child = ("from core.procs import follow_parent; follow_parent(grace=1.0); import os, signal, time; "
+             "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(os.getpid(), flush=True); time.sleep(120)")
+    parent = ("import sys, time; from core.procs import spawn_child; "
+              f"spawn_child([sys.executable, '-c', {child!r}]); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        pid = int(proc.stdout.readline())
+        assert pid_alive(pid)
+        proc.kill()
+        proc.wait(10)
+        wait_until(lambda: not pid_alive(pid), 20, "the stuck child gone after its grace")
+        assert "after its parent" in proc.stderr.read()  # it said why it went
     finally:
         proc.kill()
 
