@@ -243,6 +243,7 @@ class LeaderSettings(Group):
     fellow_timeout_s: float = setting("SWARM_FELLOW_TIMEOUT_S", "0", number())  # 0: three of its heartbeats
     http_max_body_bytes: int = setting("SWARM_HTTP_MAX_BODY_BYTES", "8388608", whole(1))  # larger: a 413
     stream_resume_s: float = setting("SWARM_STREAM_RESUME_S", "10", number())  # a hung-up stream may resume
+    verify_share: float = setting("SWARM_VERIFY_SHARE", "0.02", number())  # leader.verify; 1 and more: all
 
     def __post_init__(self):  # auto: the tokens file beside the state database, where that is a file
         if self.tokens_file == "auto":

@@ -94,6 +94,10 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
     created: float = 0.0
     frame_key: str = ""  # the stage signs its frames with it (events.frames.frame_tag); "": a leader without NATS auth
     resume: Resume | None = None  # a request moved mid-reply off a stage that died (leader.moves)
+    # a reply's check (leader.verify): these fellows may not take it, and the stage scores its prompt followed by
+    # these ids (the reply being checked) teacher-forced
+    not_by: list[str] = []
+    scored_ids: list[int] = []
 
 
 class RequestAccepted(Event, frozen=True, tag="request.accepted"):

@@ -27,6 +27,7 @@ from events.loads import (
 )
 from events.moves import RequestMoved
 from events.requests import RequestAccepted, RequestFailed, RequestFinished
+from events.verify import FellowDrained, ReplyChecked
 
 EVENT_TYPES: tuple[type[Event], ...] = (
     FellowJoined, FellowLost,
@@ -35,6 +36,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     StageReplaced,
     RequestAccepted, RequestFinished, RequestFailed, RequestMoved,
     ApiTokenMinted, ApiTokenRevoked, ApiTokenPruned,
+    ReplyChecked, FellowDrained,
 )
 AnyEvent = Union[EVENT_TYPES]  # type: ignore[valid-type]
 TAGS = frozenset(t.__struct_config__.tag for t in EVENT_TYPES)

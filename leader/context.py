@@ -24,6 +24,7 @@ from leader.projectors.all import all_projectors
 from leader.projectors.runner import ProjectionRunner
 from leader.serving import Serving, ServingDeps
 from leader.token_stream import TokenStreams
+from leader.verify import start_verifier
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,9 @@ class Leader:
         self.metrics = Metrics(self.js, self.sessions, self.fellows, relay=getattr(self.serving, "relay", None))
         await self.metrics.start()
         self.on_stop.append(self.metrics.stop)
+        verifier = await start_verifier(s, self.nc, self.js, self.sessions, self.token_streams, self.publish,
+                                        self.projections)  # leader.verify: a share of replies checked
+        self.on_stop.insert(0, verifier.stop)
         log.info("leader started (database %s)", s.leader.database_url.split("://", 1)[0])
 
     async def stop(self) -> None:

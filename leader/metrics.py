@@ -23,6 +23,7 @@ from events import subjects
 from events.loads import LoadPlaced, LoadRequested
 from events.requests import RequestAccepted, RequestFailed, RequestFinished
 from events.union import PoisonEvent, decode_event
+from events.verify import ReplyChecked
 from leader.fellow_monitor import FellowMonitor
 from leader.projectors.authority import Authority
 from leader.relay_stats import RelayStats
@@ -89,6 +90,8 @@ class Metrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram(P + "request_queue_time_seconds", "Queued: on the bus, then in the stage's line",
                                m, buckets=LATENCY_BUCKETS, registry=r)
+        self.checks = Counter(P + "reply_checks", "Replies checked by another fellow (leader.verify), by outcome",
+                              ["model_name", "fellow_id", "outcome"], registry=r)
         r.register(_LiveGauges(self))
         self.models: dict[str, str] = {}  # load_id -> model_id
         self._accepted: dict[str, float] = {}  # request_id -> when it was accepted, until it ends
@@ -113,7 +116,9 @@ class Metrics:
             self.apply(evt)
 
     def apply(self, evt) -> None:
-        if isinstance(evt, (LoadRequested, LoadPlaced)):
+        if isinstance(evt, ReplyChecked):
+            self.checks.labels(evt.model_id, evt.fellow_id, "passed" if evt.passed else "failed").inc()
+        elif isinstance(evt, (LoadRequested, LoadPlaced)):
             self.models[evt.load_id] = evt.model_id
         elif isinstance(evt, RequestAccepted):
             self._accepted[evt.request_id] = evt.at

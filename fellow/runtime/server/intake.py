@@ -164,7 +164,8 @@ class Intake:
         if req.max_tokens_fit and len(prompt_ids) < self.scheduler.kv_tokens:
             max_tokens = min(max_tokens, self.scheduler.kv_tokens - len(prompt_ids))
         try:
-            admitted = self.scheduler.offer(req.request_id, len(prompt_ids), max_tokens)
+            admitted = (self.fellow_id not in req.not_by  # a check of its own reply goes to another (leader.verify)
+                        and self.scheduler.offer(req.request_id, len(prompt_ids), max_tokens))
         except ContextTooLong as err:
             await _ack(msg)
             await self._refuse(req, len(prompt_ids), str(err), err.code, err.data)
@@ -220,7 +221,7 @@ class Intake:
 
     def _tokenize(self, req: ChatRequest) -> list[int]:
         if req.prompt_ids:  # a completion: the gateway tokenized its prompt
-            return list(req.prompt_ids)
+            return list(req.prompt_ids) + list(req.scored_ids)
         kwargs = {} if req.enable_thinking is None else {"enable_thinking": req.enable_thinking}
         messages = [chat_message(m) for m in req.messages]
         if req.tools:
@@ -228,7 +229,7 @@ class Intake:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
-        return [int(i) for i in ids]
+        return [int(i) for i in ids] + list(req.scored_ids)  # a check's reply after its prompt (leader.verify)
 
     async def _refuse(self, req: ChatRequest, prompt_tokens: int, message: str, code: str,
                       data: dict | None = None, batcher: TokenBatcher | None = None) -> None:
