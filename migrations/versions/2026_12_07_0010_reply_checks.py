@@ -1,19 +1,14 @@
 """reply_checks and fellow_trust: replies checked by a second fellow (leader.verify)
 
 Revision ID: 0010
-Revises: 0009 where that migration is there, else 0008
+Revises: 0009
 Create Date: 2026-12-07 08:00:00
-
-0009 was taken by work landing beside this one; until it lands this follows 0008, so the chain has one
-head either way.
 """
-from pathlib import Path
-
 import sqlalchemy as sa
 from alembic import op
 
 revision = '0010'
-down_revision = '0009' if any(Path(__file__).parent.glob('*_0009_*.py')) else '0008'
+down_revision = '0009'
 branch_labels = None
 depends_on = None
 
