@@ -50,7 +50,7 @@ def measure(name: str, tmp: Path, servables: Path, setting: str, tokens: int, ca
             if setting == "auto":
                 while True:
                     stage = stack.get(f"/api/v1/models/{name}/status").json()["load"]["stages"][0]
-                    if stage.get("compiled", "compiling") != "compiling":
+                    if not stage.get("compiled", "compiling").startswith("compiling"):
                         break
                     time.sleep(0.5)
                 row["compiled_s"] = time.perf_counter() - started

@@ -57,12 +57,12 @@ PAIRS = (("f32", None, "f32"), ("int8", {"bits": 8}, "q8_0"), ("int4", {"method"
 
 def settled(stack: Stack, name: str, load: dict) -> str:
     """Wait until the load's background compile (SWARM_SERVE_COMPILE=auto) is done; what serves since."""
-    if (load["stages"][0]["kernels"] or {}).get("compiled", {}).get("state") != "compiling":
+    if not (load["stages"][0]["kernels"] or {}).get("compiled", {}).get("state", "").startswith("compiling"):
         return "not compiling"
 
     def state():
         stage = stack.get(f"/api/v1/models/{name}/status").json()["load"]["stages"][0]
-        return stage.get("compiled", "compiling") != "compiling" and stage["compiled"]
+        return not stage.get("compiled", "compiling").startswith("compiling") and stage["compiled"]
     done = wait_until(state, 900, "the background compile")
     print(json.dumps({"compiled": done}), flush=True)
     return done

@@ -20,6 +20,7 @@ from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.session import Session
 from fellow.runtime.model.forms.background_compile import COMPILING, BackgroundCompile, _choose
 from fellow.runtime.model.forms.graph_linear import REDUCE
+from fellow.runtime.model.forms.native_step import NATIVE, why_not as native_why_not
 from fellow.runtime.model.load.kernels import prepare_stage
 from fellow.runtime.model.load.loader import load_one_stage
 from fellow.runtime.model.stage import StageModel
@@ -126,6 +127,34 @@ def test_batches_of_several_rows_compile_too_and_each_size_is_served_by_its_own_
     assert stage.compiled.steps >= steps + 10  # most of the 12 steps ran two rows compiled
 
 
+def test_the_native_step_serves_seconds_in_and_the_graphs_join_once_timed_beside_it(model):
+    """The native step is built first and serves from the first step boundary after (a load at about full
+    speed seconds after ready), while inductor still compiles; once the graphs are built, every form is
+    timed again and the fastest serves. Replies are the fused step's throughout."""
+    fused = StageModel.from_causal_lm(copy.deepcopy(model))
+    prepare_stage(fused, batch_cap=2)
+    expected = replies(local_engine(fused, kv_tokens=4096), PROMPTS, 24)
+    stage = StageModel.from_causal_lm(copy.deepcopy(model))
+    prepare_stage(stage, batch_cap=2, keep_plain=True)
+    if (why := native_why_not(stage)) is not None:
+        pytest.skip(f"no native step here: {why}")
+    background = BackgroundCompile(stage, stage.plain_weights, forms=(REDUCE, NATIVE), only_faster=False, rows=(1,))
+    assert background.plan == [(NATIVE, 1), (REDUCE, 1)]
+    background.start()
+    wait_until(background.poll, 120, "the native step serving")
+    assert not background.settled and background.state.startswith("compiling; meanwhile batch 1 native")
+    assert stage.compiled.by_rows == {1: background.candidates[NATIVE]}
+    assert background.report["first"]["serving"] == [1] and background.report["first"]["after_s"] >= 0
+    native = stage.compiled.by_rows[1]
+    assert replies(local_engine(stage, kv_tokens=4096), PROMPTS, 24) == expected
+    assert native.steps >= 3 * 23  # those replies were the native step's
+    assert background.wait(300) and background.poll() and background.settled
+    assert background.state.startswith("batch 1 compiled (")
+    assert set(background.report["batches"]["1"]["forms_ms"]) == {NATIVE, REDUCE}  # timed side by side
+    assert replies(local_engine(stage, kv_tokens=4096), PROMPTS, 24) == expected
+    assert not background.poll()  # nothing changes from here on
+
+
 def test_the_fastest_form_that_checks_serves():
     fast = {"serving": True, "compiled_ms": 4.0, "fused_ms": 6.0}
     slow = {"serving": True, "compiled_ms": 5.0, "fused_ms": 6.0}
@@ -152,7 +181,7 @@ def test_a_stack_load_is_ready_before_its_step_compiles_and_its_status_follows(t
 
         def compiled_state():
             stage = stack.get("/api/v1/models/tiny/status").json()["load"]["stages"][0]
-            return stage.get("compiled") not in (None, COMPILING) and stage["compiled"]
+            return not (stage.get("compiled") or COMPILING).startswith(COMPILING) and stage["compiled"]
 
         state = wait_until(compiled_state, 400, "the background compile to finish")
         assert state.startswith(("batch 1 compiled", "batch 1 fused: not faster")), state

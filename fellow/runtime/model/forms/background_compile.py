@@ -6,7 +6,10 @@ compiled graph (``why_not_here``), and serves its fused step at once. Once it se
 its step at each batch size of ROWS (``CompiledDecode.warm``: no cache and no decode slab, nothing the
 serving thread holds; inductor's cache under the fellow's data dir makes a later load's compile take a
 fraction as long), at batch 1 once for each way of multiplying a row by a float32 weight
-(``graph_linear.GEMV_FORMS``: none wins on every shape). At the first step boundary after that, the
+(``graph_linear.GEMV_FORMS``: none wins on every shape). The native step (one C call a step) is built
+first, in seconds: at the first step boundary after it is, the serving thread checks and times it and
+serves it where it beats the fused step, so a load is at about full speed seconds after ready, not once
+inductor is done minutes later. At the first step boundary after everything is built, the
 serving thread checks each compiled step's logits against the fused step's and times them
 (``CompiledDecode.build(compiled=True)``), and from that step on each batch size runs through the
 fastest where it measured faster than the fused step; the rest are dropped. Where several serve a batch
@@ -23,6 +26,7 @@ import os
 import statistics
 import sys
 import threading
+import time
 from functools import cached_property
 
 import torch
@@ -75,18 +79,23 @@ class BackgroundCompile:
             forms = gemv_forms() if has_float_weights(stage) else (REDUCE,)
             forms += (NATIVE,) if native_why_not(stage) is None else ()
         many = LINEAR if LINEAR in forms else forms[0]
-        self.plan = [(form, 1) for form in forms if 1 in rows] + [
+        plan = [(form, 1) for form in forms if 1 in rows] + [
             (form, r) for r in rows if r != 1 for form in dict.fromkeys((many, *(f for f in forms if f == NATIVE)))]
+        self.plan = sorted(plan, key=lambda entry: entry[0] != NATIVE)  # the native step first: built in seconds
         self._plain = plain
         self.compiled: CompiledSteps | None = None  # what serves, once chosen
         self.only_faster = only_faster
         self.rows = tuple(sorted(set(rows)))
-        self.state = COMPILING
+        self.state = COMPILING  # the status line: what serves, and whether more is coming
+        self.settled = False  # everything built is checked and timed: nothing changes from here on
         self.report: dict = {"asked": list(self.rows), "background": True, "state": COMPILING}
         self._seconds: dict[tuple[str, int], float] = {}
         self._error = ""
         self._resident = _resident_bytes()
         self._done = threading.Event()
+        self._first = threading.Event()  # the native step's sizes are built (or there are none to build)
+        self._first_tried = False
+        self._started = 0.0
         self._thread = threading.Thread(target=self._compile, name="compile", daemon=True)
 
     @cached_property
@@ -99,6 +108,7 @@ class BackgroundCompile:
 
     def start(self) -> None:
         self._switch = sys.getswitchinterval()
+        self._started = time.monotonic()
         sys.setswitchinterval(SWITCH_S)
         self._thread.start()
         log.info("[compiled] decode step compiling in the background (%s); the fused step serves meanwhile",
@@ -111,12 +121,15 @@ class BackgroundCompile:
             pass
         try:
             for form, rows in self.plan:
+                if form != NATIVE:
+                    self._first.set()
                 self._seconds[form, rows] = self.candidates[form].warm(rows)
         except Exception as exc:  # inductor could not build it here: what did build still may serve
             self._error = one_line(exc)
             if "candidates" not in vars(self):  # none could be made: poll finds nothing to try
                 self.candidates = {}
         finally:
+            self._first.set()
             self._done.set()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -127,7 +140,13 @@ class BackgroundCompile:
         """On the serving thread, between steps: once the steps are built, check and time each and serve, per
         batch size, the fastest where it beats the fused step. Whether it changed anything (cheap, and False,
         until then and after)."""
-        if self.state != COMPILING or not self._done.is_set():
+        if self.settled:
+            return False
+        if not self._first_tried and self._first.is_set():
+            self._first_tried = True
+            if self._serve_native_first():
+                return True
+        if not self._done.is_set():
             return False
         sys.setswitchinterval(self._switch)
         found: dict[str, dict] = {}
@@ -161,7 +180,40 @@ class BackgroundCompile:
         if self._resident is not None and (after := _resident_bytes()) is not None:
             self.report["resident_added_bytes"] = after - self._resident
         self.state = self.report["state"] = self.summary(found)
+        self.report["settled_after_s"] = round(time.monotonic() - self._started, 1)
+        self.settled = True
         log.info("[compiled] decode step: %s", self.state)
+        return True
+
+    def _serve_native_first(self) -> bool:
+        """Once the native step is built (seconds, where the graphs take minutes), check and time it at each size
+        and serve it where it beats the fused step, until the graphs are done and everything is timed again.
+        Whether it serves."""
+        native = vars(self).get("candidates", {}).get(NATIVE)
+        sizes = [rows for form, rows in self.plan if form == NATIVE and (form, rows) in self._seconds]
+        if native is None or not sizes:
+            return False
+        found = {}
+        for rows in sizes:
+            try:
+                found[rows] = native.build(rows, self.only_faster, compiled=True)
+            except Exception as exc:
+                found[rows] = {"serving": False, "why": one_line(exc)}
+        by_rows = {rows: native for rows in sizes if found[rows].get("serving")}
+        if len(by_rows) > 1 and len(by_rows) == len(sizes):
+            by_rows = {r: native for r in range(min(by_rows), max(by_rows) + 1)}
+        native.serving = set(by_rows)
+        after = round(time.monotonic() - self._started, 1)
+        self.report["first"] = {"form": NATIVE, "serving": sorted(by_rows), "after_s": after,
+                                "batches": {str(rows): entry for rows, entry in found.items()}}
+        if not by_rows:
+            return False
+        self.compiled = CompiledSteps(by_rows)
+        self.stage.steps.put("compiled", self.compiled)
+        self.state = self.report["state"] = f"{COMPILING}; meanwhile " + "; ".join(
+            f"batch {rows} native, {e['compiled_ms']:.2f} ms against the fused {e['fused_ms']:.2f}"
+            for rows, e in found.items() if e.get("serving"))
+        log.info("[compiled] native step serving %.1f s after the compile began: %s", after, self.state)
         return True
 
     @torch.inference_mode()
