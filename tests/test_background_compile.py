@@ -127,32 +127,54 @@ def test_batches_of_several_rows_compile_too_and_each_size_is_served_by_its_own_
     assert stage.compiled.steps >= steps + 10  # most of the 12 steps ran two rows compiled
 
 
-def test_the_native_step_serves_seconds_in_and_the_graphs_join_once_timed_beside_it(model):
-    """The native step is built first and serves from the first step boundary after (a load at about full
-    speed seconds after ready), while inductor still compiles; once the graphs are built, every form is
-    timed again and the fastest serves. Replies are the fused step's throughout."""
-    fused = StageModel.from_causal_lm(copy.deepcopy(model))
-    prepare_stage(fused, batch_cap=2)
-    expected = replies(local_engine(fused, kv_tokens=4096), PROMPTS, 24)
+def native_ready(model):
     stage = StageModel.from_causal_lm(copy.deepcopy(model))
     prepare_stage(stage, batch_cap=2, keep_plain=True)
     if (why := native_why_not(stage)) is not None:
         pytest.skip(f"no native step here: {why}")
+    return stage
+
+
+def test_the_native_step_serves_seconds_in_and_where_it_takes_every_size_no_graph_is_built(model):
+    """The native step is built first and serves from the first step boundary after (a load at about full
+    speed seconds after ready); where it serves every batch size, inductor builds nothing. Replies are the
+    fused step's throughout."""
+    fused = StageModel.from_causal_lm(copy.deepcopy(model))
+    prepare_stage(fused, batch_cap=2)
+    expected = replies(local_engine(fused, kv_tokens=4096), PROMPTS, 24)
+    stage = native_ready(model)
     background = BackgroundCompile(stage, stage.plain_weights, forms=(REDUCE, NATIVE), only_faster=False, rows=(1,))
     assert background.plan == [(NATIVE, 1), (REDUCE, 1)]
     background.start()
     wait_until(background.poll, 120, "the native step serving")
-    assert not background.settled and background.state.startswith("compiling; meanwhile batch 1 native")
+    assert background.state.startswith("compiling; meanwhile batch 1 native") and background.native_covers
     assert stage.compiled.by_rows == {1: background.candidates[NATIVE]}
     assert background.report["first"]["serving"] == [1] and background.report["first"]["after_s"] >= 0
     native = stage.compiled.by_rows[1]
     assert replies(local_engine(stage, kv_tokens=4096), PROMPTS, 24) == expected
     assert native.steps >= 3 * 23  # those replies were the native step's
-    assert background.wait(300) and background.poll() and background.settled
-    assert background.state.startswith("batch 1 compiled (")
-    assert set(background.report["batches"]["1"]["forms_ms"]) == {NATIVE, REDUCE}  # timed side by side
+    assert background.wait(60) and background.poll() and background.settled
+    assert (REDUCE, 1) not in background._seconds and background.report["graphs"].startswith("not built")
+    assert background.state.startswith("batch 1 compiled (native)")
     assert replies(local_engine(stage, kv_tokens=4096), PROMPTS, 24) == expected
     assert not background.poll()  # nothing changes from here on
+
+
+def test_where_the_native_step_does_not_serve_the_graphs_compile_and_serve(model):
+    """The native step refused (its check made to fail: logits must differ by less than nothing): the fused
+    step goes on serving, the graphs compile, and the reduce graph serves once checked."""
+    stage = native_ready(model)
+    background = BackgroundCompile(stage, stage.plain_weights, forms=(REDUCE, NATIVE), only_faster=False, rows=(1,))
+    background.candidates[NATIVE].tolerance = -1.0
+    background.start()
+    # the serving thread's polls, as a stage's loop makes them: the graphs wait for its verdict on the native step
+    wait_until(lambda: background.poll() and background.settled, 300, "the graphs compiled and checked")
+    assert not background.native_covers
+    assert not background.report["first"]["serving"] and "graphs" not in background.report
+    assert background.state.startswith("batch 1 compiled (reduce)"), background.state
+    forms_ms = background.report["batches"]["1"]["forms_ms"]
+    assert forms_ms[NATIVE] is None and forms_ms[REDUCE] > 0  # refused, and the graph timed
+    assert "differ" in background.report["first"]["batches"]["1"]["why"]
 
 
 def test_the_fastest_form_that_checks_serves():

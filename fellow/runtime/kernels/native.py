@@ -18,6 +18,7 @@ import logging
 import os
 import subprocess
 import tempfile
+from collections import Counter
 from functools import cache, cached_property
 from pathlib import Path
 
@@ -106,6 +107,9 @@ def cache_key(source: str | Path, chosen: list[str], cc: str) -> str:
     return h.hexdigest()[:16]
 
 
+COMPILED: Counter = Counter()  # libraries this process ran the C compiler for, by name (not those in the cache)
+
+
 def build(name: str, source: str | Path, what: str) -> tuple[ctypes.CDLL | None, str]:
     """(the library ``name`` built from ``source``: a file of the csrc folder, "") or (None, why not: one line,
     naming ``what``; the compiler's whole output goes to the log)."""
@@ -125,6 +129,7 @@ def build(name: str, source: str | Path, what: str) -> tuple[ctypes.CDLL | None,
                 subprocess.run([cc, *chosen, f"-I{kernels.csrc()}", str(_source(source)), "-o", str(built)],
                                check=True, capture_output=True, timeout=120)
                 os.replace(built, target)  # atomic: another process building at once is harmless
+                COMPILED[name] += 1
         except (OSError, subprocess.SubprocessError) as exc:
             stderr = (getattr(exc, "stderr", b"") or b"").decode(errors="replace").strip()
             log.warning("%s did not build (%s): %s\n%s", what, exc, " ".join([cc, *chosen]), stderr)

@@ -9,8 +9,11 @@ fraction as long), at batch 1 once for each way of multiplying a row by a float3
 (``graph_linear.GEMV_FORMS``: none wins on every shape). The native step (one C call a step) is built
 first, in seconds: at the first step boundary after it is, the serving thread checks and times it and
 serves it where it beats the fused step, so a load is at about full speed seconds after ready, not once
-inductor is done minutes later. At the first step boundary after everything is built, the
-serving thread checks each compiled step's logits against the fused step's and times them
+inductor is done minutes later. Where it serves every batch size no graph is built at all: measured, the
+reduce graph's step took 1.4-2.5x the native one's (bench_native_step, llama-deep int8 and int4), and
+compiling the graphs, minutes of CPU, slowed what served meanwhile to 0.13x (bench_full_speed). Else the
+graphs compile, and at the first step boundary after everything is built, the serving thread checks each
+compiled step's logits against the fused step's and times them
 (``CompiledDecode.build(compiled=True)``), and from that step on each batch size runs through the
 fastest where it measured faster than the fused step; the rest are dropped. Where several serve a batch
 size, it times them and the fused step again in turn (``_retime``: one form timed alone once chose the
@@ -31,6 +34,7 @@ from functools import cached_property
 
 import torch
 
+from fellow.runtime.kernels import native
 from fellow.runtime.model.forms.checked_step import CHECK_CONTEXT, best_ms, one_line
 from fellow.runtime.model.forms.compiled import CompiledDecode, PlainWeights, _resident_bytes, why_not
 from fellow.runtime.model.forms.graph_linear import GEMV_FORMS, LINEAR, REDUCE, gemv_forms
@@ -48,6 +52,7 @@ COMPILING = "compiling"
 NICE = 19  # the compile thread's (and its compile workers') priority: the serving threads go first
 FUSED = "fused"
 RETIME_ROUNDS = 3  # rounds in which the forms that serve a batch size are timed again, in turn
+JUDGE_WAIT_S = 60.0  # how long the graphs wait for the serving thread's verdict on the native step
 SWITCH_S = 0.0005  # the GIL's switch interval while it compiles (Python's 5 ms starved the serving thread)
 
 
@@ -95,6 +100,8 @@ class BackgroundCompile:
         self._done = threading.Event()
         self._first = threading.Event()  # the native step's sizes are built (or there are none to build)
         self._first_tried = False
+        self._judged = threading.Event()  # the serving thread has checked and timed the native step
+        self.native_covers = False  # the native step serves every batch size: no graph is built
         self._started = 0.0
         self._thread = threading.Thread(target=self._compile, name="compile", daemon=True)
 
@@ -120,9 +127,21 @@ class BackgroundCompile:
         except (OSError, AttributeError):
             pass
         try:
-            for form, rows in self.plan:
-                if form != NATIVE:
-                    self._first.set()
+            native = [(form, rows) for form, rows in self.plan if form == NATIVE]
+            graphs = [(form, rows) for form, rows in self.plan if form != NATIVE]
+            try:
+                for form, rows in native:
+                    self._seconds[form, rows] = self.candidates[form].warm(rows)
+            except Exception as exc:  # the graphs may still build
+                self._error = one_line(exc)
+            finally:
+                self._first.set()
+            if native and graphs:  # the serving thread checks and times the native step first (within 0.5 s
+                self._judged.wait(JUDGE_WAIT_S)  # of it being built: an idle loop polls that often)
+            if self.native_covers:
+                self.report["graphs"] = "not built: the native step serves every batch size, faster than they did"
+                return
+            for form, rows in graphs:
                 self._seconds[form, rows] = self.candidates[form].warm(rows)
         except Exception as exc:  # inductor could not build it here: what did build still may serve
             self._error = one_line(exc)
@@ -144,8 +163,11 @@ class BackgroundCompile:
             return False
         if not self._first_tried and self._first.is_set():
             self._first_tried = True
-            if self._serve_native_first():
-                return True
+            try:
+                if self._serve_native_first():
+                    return True
+            finally:
+                self._judged.set()
         if not self._done.is_set():
             return False
         sys.setswitchinterval(self._switch)
@@ -181,6 +203,7 @@ class BackgroundCompile:
             self.report["resident_added_bytes"] = after - self._resident
         self.state = self.report["state"] = self.summary(found)
         self.report["settled_after_s"] = round(time.monotonic() - self._started, 1)
+        self.report["built"] = builds()
         self.settled = True
         log.info("[compiled] decode step: %s", self.state)
         return True
@@ -203,6 +226,7 @@ class BackgroundCompile:
         if len(by_rows) > 1 and len(by_rows) == len(sizes):
             by_rows = {r: native for r in range(min(by_rows), max(by_rows) + 1)}
         native.serving = set(by_rows)
+        self.native_covers = set(sizes) == set(self.rows) and len(by_rows) >= len(sizes)
         after = round(time.monotonic() - self._started, 1)
         self.report["first"] = {"form": NATIVE, "serving": sorted(by_rows), "after_s": after,
                                 "batches": {str(rows): entry for rows, entry in found.items()}}
@@ -253,6 +277,15 @@ class BackgroundCompile:
             else:
                 parts.append(f"batch {rows} fused: {e.get('why', 'not compiled')}")
         return "; ".join(parts)
+
+
+def builds() -> dict:
+    """What this process built rather than found in its caches: C libraries compiled (``native.COMPILED``), and
+    inductor's graphs compiled and those its FX graph cache under the fellow's data dir gave back."""
+    inductor = sys.modules.get("torch._dynamo.utils")
+    counts = inductor.counters["inductor"] if inductor is not None else {}
+    return {"libraries_compiled": sum(native.COMPILED.values()), "graphs_compiled": counts.get("fxgraph_cache_miss", 0),
+            "graphs_cached": counts.get("fxgraph_cache_hit", 0)}
 
 
 def has_float_weights(stage) -> bool:
