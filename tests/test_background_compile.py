@@ -177,6 +177,22 @@ def test_where_the_native_step_does_not_serve_the_graphs_compile_and_serve(model
     assert "differ" in background.report["first"]["batches"]["1"]["why"]
 
 
+def test_graphs_compile_only_for_the_sizes_the_native_step_does_not_serve(model):
+    """The native step serves batch 1 and is refused at batch 2 (its check made to fail there): only the
+    batch-2 graph compiles, and each size is served by its own form once settled."""
+    stage = native_ready(model)
+    background = BackgroundCompile(stage, stage.plain_weights, forms=(REDUCE, NATIVE), only_faster=False,
+                                   rows=(1, 2))
+    native = background.candidates[NATIVE]
+    checked = native.build
+    native.build = lambda rows, *args, **kw: ({"serving": False, "why": "refused here"} if rows == 2
+                                              else checked(rows, *args, **kw))
+    background.start()
+    wait_until(lambda: background.poll() and background.settled, 300, "the batch-2 graph compiled and checked")
+    assert (REDUCE, 2) in background._seconds and (REDUCE, 1) not in background._seconds
+    assert {rows: step.name for rows, step in stage.compiled.by_rows.items()} == {1: NATIVE, 2: "compiled"}
+
+
 def test_the_fastest_form_that_checks_serves():
     fast = {"serving": True, "compiled_ms": 4.0, "fused_ms": 6.0}
     slow = {"serving": True, "compiled_ms": 5.0, "fused_ms": 6.0}

@@ -12,8 +12,8 @@ serves it where it beats the fused step, so a load is at about full speed second
 inductor is done minutes later. Where it serves every batch size no graph is built at all: measured, the
 reduce graph's step took 1.4-2.5x the native one's (bench_native_step, llama-deep int8 and int4), and
 compiling the graphs, minutes of CPU, slowed what served meanwhile to 0.13x (bench_full_speed). Else the
-graphs compile, and at the first step boundary after everything is built, the serving thread checks each
-compiled step's logits against the fused step's and times them
+graphs compile for the sizes it does not serve, and at the first step boundary after everything is built,
+the serving thread checks each compiled step's logits against the fused step's and times them
 (``CompiledDecode.build(compiled=True)``), and from that step on each batch size runs through the
 fastest where it measured faster than the fused step; the rest are dropped. Where several serve a batch
 size, it times them and the fused step again in turn (``_retime``: one form timed alone once chose the
@@ -141,7 +141,10 @@ class BackgroundCompile:
             if self.native_covers:
                 self.report["graphs"] = "not built: the native step serves every batch size, faster than they did"
                 return
+            native_rows = self.compiled.serving if self.compiled is not None else set()
             for form, rows in graphs:
+                if rows in native_rows:  # the native step serves this size: no graph for it
+                    continue
                 self._seconds[form, rows] = self.candidates[form].warm(rows)
         except Exception as exc:  # inductor could not build it here: what did build still may serve
             self._error = one_line(exc)
