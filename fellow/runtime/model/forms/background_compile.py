@@ -127,16 +127,16 @@ class BackgroundCompile:
         except (OSError, AttributeError):
             pass
         try:
-            native = [(form, rows) for form, rows in self.plan if form == NATIVE]
+            first = [(form, rows) for form, rows in self.plan if form == NATIVE]
             graphs = [(form, rows) for form, rows in self.plan if form != NATIVE]
             try:
-                for form, rows in native:
+                for form, rows in first:
                     self._seconds[form, rows] = self.candidates[form].warm(rows)
             except Exception as exc:  # the graphs may still build
                 self._error = one_line(exc)
             finally:
                 self._first.set()
-            if native and graphs:  # the serving thread checks and times the native step first (within 0.5 s
+            if first and graphs:  # the serving thread checks and times the native step first (within 0.5 s
                 self._judged.wait(JUDGE_WAIT_S)  # of it being built: an idle loop polls that often)
             if self.native_covers:
                 self.report["graphs"] = "not built: the native step serves every batch size, faster than they did"
@@ -182,8 +182,9 @@ class BackgroundCompile:
                 if planned != rows or (form, rows) not in self._seconds:
                     continue
                 entry = {"compile_s": round(self._seconds[form, rows], 1)}
-                try:
-                    entry.update(self.candidates[form].build(rows, self.only_faster, compiled=True))
+                judged = self.report.get("first", {}).get("batches", {}).get(str(rows)) if form == NATIVE else None
+                try:  # the native step was checked and timed once already: those figures stand (and _retime's)
+                    entry.update(judged or self.candidates[form].build(rows, self.only_faster, compiled=True))
                 except Exception as exc:
                     entry.update(serving=False, why=one_line(exc))
                 tried[form] = entry
