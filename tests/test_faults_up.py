@@ -118,7 +118,8 @@ async def test_its_nats_server_refuses_anonymous_clients_and_each_part_has_its_u
 
 async def test_a_killed_leader_is_restarted_and_its_streaming_client_resumes(up):
     await asyncio.to_thread(settled, up)
-    leader, body = child_pid(up, "leader"), chat("story", max_tokens=300, temperature=0, stream=True)
+    # long enough that the reply cannot all be sent before the client reads its first token (300 tokens could)
+    leader, body = child_pid(up, "leader"), chat("story", max_tokens=2000, temperature=0, stream=True)
     got: list = []
     async with httpx.AsyncClient(base_url=up.base_url, timeout=120) as http:
         async def read() -> None:  # the leader killed as the first token comes: the reply surely under way
