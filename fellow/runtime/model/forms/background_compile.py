@@ -99,7 +99,6 @@ class BackgroundCompile:
         self._resident = _resident_bytes()
         self._done = threading.Event()
         self._first = threading.Event()  # the native step's sizes are built (or there are none to build)
-        self._first_tried = False
         self._judged = threading.Event()  # the serving thread has checked and timed the native step
         self.native_covers = False  # the native step serves every batch size: no graph is built
         self._started = 0.0
@@ -151,7 +150,6 @@ class BackgroundCompile:
             if "candidates" not in vars(self):  # none could be made: poll finds nothing to try
                 self.candidates = {}
         finally:
-            self._first.set()
             self._done.set()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -164,8 +162,7 @@ class BackgroundCompile:
         until then and after)."""
         if self.settled:
             return False
-        if not self._first_tried and self._first.is_set():
-            self._first_tried = True
+        if not self._judged.is_set() and self._first.is_set():
             try:
                 if self._serve_native_first():
                     return True
