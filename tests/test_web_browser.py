@@ -17,10 +17,11 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from playwright.sync_api import expect, sync_playwright
 
-from core.bus import connect
+from core.bus import connect, publish_event
 from core.nats_server import EmbeddedNats
 from events.requests import RequestAccepted, RequestFailed, RequestFinished
 from events.subjects import EVENTS_STREAM
+from events.verify import FellowDrained, ReplyChecked
 from tests.processes import wait_until
 from tests.serving_fixtures import Stack, make_servable
 from tests.tiny import R1_TEMPLATE
@@ -237,6 +238,57 @@ def test_a_thinking_models_thought_is_shown_folded_away(stack, browser):
     assert thought.evaluate("d => d.open") is False and thought.locator("div").text_content().strip()
     assert "<think>" not in reply.locator(".answer").text_content()  # (the thought may hold any token)
     shot(page, "8-chat-thought-folded")
+
+
+async def publish(nats_url: str, *events) -> None:
+    nc = await connect(nats_url, name="web-test")
+    try:
+        for evt in events:
+            await publish_event(nc.jetstream(), evt)
+    finally:
+        await nc.close()
+
+
+def test_a_drained_fellow_is_marked_with_its_reason(stack, browser):
+    """The verifier's events on the real bus (ReplyChecked, then FellowDrained as leader.verify publishes them),
+    recorded by the real projector: the fellows JSON and the dashboard show the checks and the drained mark.
+    After the tests that load: f0, the only fellow, takes no new stage once drained."""
+    s, nats_url = stack
+
+    def f0() -> dict:
+        return next(f for f in s.get("/api/v1/fellows").json()["data"] if f["id"] == "f0")
+
+    before = f0()["trust"]
+    assert before["drained_at"] is None and before["reason"] is None
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    page.goto(s.url + "/pools/local/default/dashboard")
+    row = page.locator("#fellows-table tr[data-fellow=f0]")
+    expect(row).to_have_attribute("data-drained", "false", timeout=15_000)
+    expect(row.locator(".badge.drained")).to_have_count(0)
+    expect(row.locator("td.checks")).to_have_text(f"{before['checks']} checked · {before['failed']} failed"
+                                                  if before["checks"] else "none yet")
+
+    checked = [ReplyChecked(id=f"chk-web-{i}", request_id=f"web-{i}", model_id="tiny", load_id="web", fellow_id="f0",
+                            scorer_id=f"s{i}", mode="greedy", passed=i == 0, tokens=8, bad=0 if i == 0 else 3)
+               for i in range(3)]
+    reason = "2 of 3 checks of its replies failed, by s1, s2"
+    drained = FellowDrained(id="drained-f0", fellow_id="f0", failed=2, scorers=["s1", "s2"], reason=reason)
+    with ThreadPoolExecutor(1) as pool:  # playwright's sync API owns this thread's event loop
+        pool.submit(asyncio.run, publish(nats_url, *checked, drained)).result()
+    wait_until(lambda: f0()["trust"]["drained_at"] is not None, 30, "the drain projected")
+    trust = f0()["trust"]
+    assert trust == {"checks": before["checks"] + 3, "failed": before["failed"] + 2,
+                     "failed_by": sorted({*before["failed_by"], "s1", "s2"}), "drained_at": drained.at,
+                     "reason": reason}
+
+    expect(row).to_have_attribute("data-drained", "true", timeout=15_000)
+    expect(row.locator(".badge.drained")).to_have_text("drained")
+    expect(row.locator(".drained-why")).to_contain_text(reason)
+    expect(row.locator(".drained-why")).to_contain_text("ago")
+    expect(row.locator("td.checks")).to_have_text(f"{trust['checks']} checked · {trust['failed']} failed")
+    expect(row).to_contain_text("online")  # drained is not lost: its loaded stages keep serving
+    shot(page, "9-dashboard-drained")
+    page.close()
 
 
 def test_with_a_token_the_page_asks_for_it_and_keeps_it_in_the_tab(stack, browser):

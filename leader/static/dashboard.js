@@ -17,14 +17,29 @@
     body.replaceChildren(...(rows.length ? rows : [el("tr", {}, el("td", { colspan: cols, class: "muted" }, empty))]));
   }
 
+  // A drained fellow (its replies failed other fellows' checks): placement gives it no new stage.
+  function drained(t) {
+    if (!t || t.drained_at === null) return [];
+    const when = new Date(t.drained_at * 1000).toISOString();
+    return [" ", el("span", { class: "badge drained", title: `drained at ${when}` }, "drained"),
+      el("div", { class: "drained-why" }, `${t.reason || "no reason given"} · ${fmt.ago(t.drained_at)}`)];
+  }
+
+  function checks(t) {
+    if (!t || !t.checks) return "none yet";
+    return el("span", { title: t.failed_by.length ? "failed in checks by " + t.failed_by.join(", ") : "" },
+      `${fmt.num(t.checks, 0)} checked · ${fmt.num(t.failed, 0)} failed`);
+  }
+
   function fellows(data) {
-    fill("fellows-table", data.map((f) => el("tr", { "data-fellow": f.id },
+    fill("fellows-table", data.map((f) => el("tr", { "data-fellow": f.id, "data-drained": String(!!f.trust && f.trust.drained_at !== null) },
       el("th", { scope: "row" }, f.id, el("div", { class: "muted" }, `${f.hostname} · v${f.version}`)),
-      cell(badge(f.status)),
+      cell([badge(f.status), ...drained(f.trust)]),
       cell(f.gpus.length ? f.gpus.map((g) => el("div", {}, `#${g.index} ${g.name} · ${fmt.bytes(g.free_bytes)} free of ${fmt.bytes(g.total_bytes)}`)) : "none (CPU)"),
       cell(`${fmt.bytes(f.memory_free_bytes)} free of ${fmt.bytes(f.memory_total_bytes)}`),
       cell(el("div", { class: "caps" }, f.capabilities.map((c) => el("code", {}, c)))),
       cell(f.loaded_models.length ? f.loaded_models.map((m) => el("div", {}, `${m.model_id} s${m.stage} · ${m.state}`)) : "—"),
+      cell(checks(f.trust), { class: "checks" }),
       cell(fmt.ago(f.last_heartbeat_at)),
     )), "No fellow has joined yet. Start one with `swarm fellow`.");
   }
