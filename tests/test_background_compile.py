@@ -18,7 +18,8 @@ from events.requests import Sampling
 from events.stage import StageOptions
 from fellow.runtime.engine.engine import local_engine
 from fellow.runtime.engine.session import Session
-from fellow.runtime.model.forms.background_compile import COMPILING, BackgroundCompile, _choose
+from fellow.runtime.model.forms.background_compile import COMPILING, BackgroundCompile
+from fellow.runtime.model.forms.compiled_steps import choose
 from fellow.runtime.model.forms.graph_linear import REDUCE
 from fellow.runtime.model.forms.native_step import NATIVE, why_not as native_why_not
 from fellow.runtime.model.load.kernels import prepare_stage
@@ -190,19 +191,41 @@ def test_graphs_compile_only_for_the_sizes_the_native_step_does_not_serve(model)
     background.start()
     wait_until(lambda: background.poll() and background.settled, 300, "the batch-2 graph compiled and checked")
     assert (REDUCE, 2) in background._seconds and (REDUCE, 1) not in background._seconds
+    assert background.eta.skipped == 1 and background.eta.built == [background._seconds[REDUCE, 2]]
     assert {rows: step.name for rows, step in stage.compiled.by_rows.items()} == {1: NATIVE, 2: "compiled"}
+
+
+def test_a_compile_records_its_time_and_the_next_of_that_shape_has_it_as_its_eta(model, tmp_path, monkeypatch):
+    """The first compile of a shape says at ready that its ETA is unknown; once settled it records its time
+    beside the kernels' cache, and the next compile of the same stage and plan starts with that time as its
+    ETA (in the ready event's report and the status line); another plan's is unknown again."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    stage = native_ready(model)
+    first = BackgroundCompile(stage, stage.plain_weights, forms=(REDUCE, NATIVE), only_faster=False, rows=(1,))
+    assert first.report["eta_s"] is None and first.report["eta"].startswith("unknown"), first.report
+    assert first.status_line() == COMPILING + " (0 of 1 graphs built, ETA unknown)"
+    first.start()
+    wait_until(lambda: first.poll() and first.settled, 300, "the first compile settled")
+    assert first.status_line() == first.state  # settled: no ETA any more
+    took = first.report["settled_after_s"]
+    again = native_ready(model)
+    second = BackgroundCompile(again, again.plain_weights, forms=(REDUCE, NATIVE), only_faster=False, rows=(1,))
+    assert second.report["eta_s"] == took and f"took {took:.0f} s" in second.report["eta"], second.report
+    assert "s left)" in second.status_line()
+    other = BackgroundCompile(again, again.plain_weights, forms=(REDUCE, NATIVE), only_faster=False, rows=(1, 2))
+    assert other.report["eta_s"] is None
 
 
 def test_the_fastest_form_that_checks_serves():
     fast = {"serving": True, "compiled_ms": 4.0, "fused_ms": 6.0}
     slow = {"serving": True, "compiled_ms": 5.0, "fused_ms": 6.0}
-    chosen = _choose({"reduce": slow, "linear": fast}, "")
+    chosen = choose({"reduce": slow, "linear": fast}, "")
     assert chosen["form"] == "linear" and chosen["forms_ms"] == {"reduce": 5.0, "linear": 4.0}
     wrong = {"serving": False, "why": "its logits differ from the fused step's by 0.1"}
-    assert _choose({"reduce": wrong, "linear": slow}, "")["form"] == "linear"
-    none = _choose({"reduce": wrong, "linear": {"serving": False, "why": "not faster than the fused step here"}}, "")
+    assert choose({"reduce": wrong, "linear": slow}, "")["form"] == "linear"
+    none = choose({"reduce": wrong, "linear": {"serving": False, "why": "not faster than the fused step here"}}, "")
     assert not none["serving"] and "reduce: its logits" in none["why"] and "linear: not faster" in none["why"]
-    assert _choose({}, "RuntimeError: no compiler") == {"serving": False, "why": "RuntimeError: no compiler"}
+    assert choose({}, "RuntimeError: no compiler") == {"serving": False, "why": "RuntimeError: no compiler"}
 
 
 def test_a_stack_load_is_ready_before_its_step_compiles_and_its_status_follows(tmp_path, nats_server):

@@ -89,5 +89,5 @@ class StageServer(StageServerBase):
                              requests=intake.metrics.requests, idle_s=round(idle, 3), vram_bytes=self.vram_bytes(),
                              in_flight=len(intake.active), waiting=len(self.engine.waiting),
                              kv_tokens_used=self.engine.budget.reserved,
-                             compiled=self.background.state if self.background is not None else "",
+                             compiled=self.background.status_line() if self.background is not None else "",
                              **{k: v for k, v in self.engine.stats().items() if k in PREFIX_METRICS})

@@ -2,7 +2,7 @@
 
 Modelled on ``engine/scheduler.py``'s ``Runner``: a Protocol with its contract written down, which every form
 implements (the eager forms of ``model.eager_steps``, the checked steps of ``model.checked_step`` and their
-by-batch-size set ``model.background_compile.CompiledSteps``, CUDA-graph replay ``model.cuda_graphs``, and a draft
+by-batch-size set ``model.forms.compiled_steps.CompiledSteps``, CUDA-graph replay ``model.cuda_graphs``, and a draft
 model's fixed-shape decoder ``model.forms.draft_graph.FixedStep``).
 """
 

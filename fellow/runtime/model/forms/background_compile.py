@@ -18,8 +18,9 @@ the serving thread checks each compiled step's logits against the fused step's a
 fastest where it measured faster than the fused step; the rest are dropped. Where several serve a batch
 size, it times them and the fused step again in turn (``_retime``: one form timed alone once chose the
 fused step for int4 in one run, docs/benchmarks.md), all between two steps of a stage that may be busy
-serving, and keeps what it found. ``state`` says where it is: the stage's metrics carry it to
-the load's status, and ``report`` lands in ``kernels.compiled``.
+serving, and keeps what it found. ``state`` says where it is (``status_line`` adds how many graphs are
+built and the ETA, compile_eta): the stage's metrics carry it to the load's status, and ``report``, with
+the ETA known at ready, lands in the ready event's ``kernels.compiled``.
 """
 
 from __future__ import annotations
@@ -34,15 +35,15 @@ from functools import cached_property
 
 import torch
 
-from fellow.runtime.kernels import native
 from fellow.runtime.model.forms.checked_step import CHECK_CONTEXT, best_ms, one_line
+from fellow.runtime.model.forms.compile_eta import Eta, compile_key, remember
 from fellow.runtime.model.forms.compiled import CompiledDecode, PlainWeights, _resident_bytes, why_not
+from fellow.runtime.model.forms.compiled_steps import CompiledSteps, builds, choose
 from fellow.runtime.model.forms.graph_linear import GEMV_FORMS, LINEAR, REDUCE, gemv_forms
 from fellow.runtime.model.forms.native_step import NATIVE, NativeStep, why_not as native_why_not
 from fellow.runtime.model.fused import Linear
 from fellow.runtime.model.kv_cache import random_caches
 from fellow.runtime.model.load.kv_budget import cpu_free_bytes
-from fellow.runtime.steps.protocol import StepReport
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,8 @@ class BackgroundCompile:
         self.rows = tuple(sorted(set(rows)))
         self.state = COMPILING  # the status line: what serves, and whether more is coming
         self.settled = False  # everything built is checked and timed: nothing changes from here on
-        self.report: dict = {"asked": list(self.rows), "background": True, "state": COMPILING}
+        self.eta = Eta(compile_key(stage, self.plan), graphs=sum(form != NATIVE for form, _ in self.plan))
+        self.report: dict = {"asked": list(self.rows), "background": True, "state": COMPILING, **self.eta.at_start()}
         self._seconds: dict[tuple[str, int], float] = {}
         self._error = ""
         self._resident = _resident_bytes()
@@ -114,7 +116,7 @@ class BackgroundCompile:
 
     def start(self) -> None:
         self._switch = sys.getswitchinterval()
-        self._started = time.monotonic()
+        self._started = self.eta.started = time.monotonic()
         sys.setswitchinterval(SWITCH_S)
         self._thread.start()
         log.info("[compiled] decode step compiling in the background (%s); the fused step serves meanwhile",
@@ -139,12 +141,15 @@ class BackgroundCompile:
                 self._judged.wait(JUDGE_WAIT_S)  # of it being built: an idle loop polls that often)
             if self.native_covers:
                 self.report["graphs"] = "not built: the native step serves every batch size, faster than they did"
+                self.eta.skipped = self.eta.graphs
                 return
             native_rows = self.compiled.serving if self.compiled is not None else set()
             for form, rows in graphs:
                 if rows in native_rows:  # the native step serves this size: no graph for it
+                    self.eta.skipped += 1
                     continue
                 self._seconds[form, rows] = self.candidates[form].warm(rows)
+                self.eta.built.append(self._seconds[form, rows])
         except Exception as exc:  # inductor could not build it here: what did build still may serve
             self._error = one_line(exc)
             if "candidates" not in vars(self):  # none could be made: poll finds nothing to try
@@ -186,7 +191,7 @@ class BackgroundCompile:
                     entry.update(serving=False, why=one_line(exc))
                 tried[form] = entry
             self._retime(rows, tried)
-            found[str(rows)] = _choose(tried, self._error)
+            found[str(rows)] = choose(tried, self._error)
             if found[str(rows)].get("serving"):
                 by_rows[rows] = self.candidates[found[str(rows)]["form"]]
         native = self.candidates.get(NATIVE)
@@ -204,10 +209,15 @@ class BackgroundCompile:
             self.report["resident_added_bytes"] = after - self._resident
         self.state = self.report["state"] = self.summary(found)
         self.report["settled_after_s"] = round(time.monotonic() - self._started, 1)
+        remember(self.eta.key, self.report["settled_after_s"], self.report.get("first", {}).get("after_s"))
         self.report["built"] = builds()
         self.settled = True
         log.info("[compiled] decode step: %s", self.state)
         return True
+
+    def status_line(self) -> str:
+        """``state``, and while it compiles, how far it is and its ETA (compile_eta.Eta)."""
+        return self.state if self.settled else self.state + self.eta.line()
 
     def _serve_native_first(self) -> bool:
         """Once the native step is built (seconds, where the graphs take minutes), check and time it at each size
@@ -280,68 +290,7 @@ class BackgroundCompile:
         return "; ".join(parts)
 
 
-def builds() -> dict:
-    """What this process built rather than found in its caches: C libraries compiled (``native.COMPILED``), and
-    inductor's graphs compiled and those its FX graph cache under the fellow's data dir gave back."""
-    inductor = sys.modules.get("torch._dynamo.utils")
-    counts = inductor.counters["inductor"] if inductor is not None else {}
-    return {"libraries_compiled": sum(native.COMPILED.values()), "graphs_compiled": counts.get("fxgraph_cache_miss", 0),
-            "graphs_cached": counts.get("fxgraph_cache_hit", 0)}
-
-
 def has_float_weights(stage) -> bool:
     """Whether the stage multiplies by any plain float32 weight (its graphs' GEMV form matters)."""
     layers = stage.fused.layers if stage.fused is not None else []
     return any(type(getattr(layer, name)) is Linear for layer in layers for name in ("qkv", "o", "gate_up", "down"))
-
-
-class CompiledSteps:
-    """The checked steps that serve, by batch size: one ``steps.protocol.DecodeStep`` in the stage's step
-    table's ``compiled`` slot."""
-
-    name = "compiled"
-
-    def __init__(self, by_rows: dict[int, CompiledDecode]) -> None:
-        self.by_rows = by_rows
-        self.given_up = ""
-
-    @property
-    def serving(self) -> set[int]:
-        return set(self.by_rows)
-
-    @property
-    def steps(self) -> int:
-        return sum(compiled.steps for compiled in {id(c): c for c in self.by_rows.values()}.values())
-
-    def takes(self, caches) -> bool:
-        return len(caches) in self.by_rows
-
-    def decode(self, caches, ids):
-        return self.by_rows[len(caches)].decode(caches, ids)
-
-    def give_up(self, caches, exc: Exception) -> None:
-        self.by_rows.pop(len(caches)).give_up(caches, exc)
-        self.given_up = one_line(exc)
-
-    def report(self) -> StepReport:
-        forms = sorted({step.name for step in self.by_rows.values()})
-        return StepReport(form="compiled" + (f" ({', '.join(forms)})" if forms else ""), steps=self.steps,
-                          batches=sorted(self.by_rows), given_up=self.given_up)
-
-
-def _choose(tried: dict[str, dict], error: str) -> dict:
-    """What serves ``rows`` sessions: the fastest form that serves (its entry, with ``form`` and every form's
-    time), else the first entry, with why none serves."""
-    serving = {form: e for form, e in tried.items() if e.get("serving")}
-    if not serving:
-        if not tried:
-            return {"serving": False, "why": error or "not compiled"}
-        entry = dict(next(iter(tried.values())))
-        if len(tried) > 1:
-            entry["why"] = "; ".join(f"{f}: {e.get('why', 'not serving')}" for f, e in tried.items())
-        return entry
-    form = min(serving, key=lambda f: serving[f]["compiled_ms"])
-    entry = {**serving[form], "form": form}
-    if len(tried) > 1:
-        entry["forms_ms"] = {f: e.get("compiled_ms") for f, e in tried.items()}
-    return entry
