@@ -14,6 +14,7 @@ from leader.api.body import body_read_timeout, json_bodies_only
 from leader.api.chat import FRAME_TIMEOUT_S, chat_completions
 from leader.api.completions import completions
 from leader.api.deps import dependencies
+from leader.api.downloads import ROUTES as DOWNLOAD_ROUTES
 from leader.api.fellows import list_fellows
 from leader.api.health import healthz
 from leader.api.models import ROUTES as MODEL_ROUTES
@@ -29,8 +30,8 @@ from leader.mcp_tools import McpEndpoint
 from leader.web import ROUTES as WEB_ROUTES
 
 BODY_TIMEOUT_S = 30.0
-ROUTES = [healthz, list_fellows, *MODEL_ROUTES, *TOKEN_ROUTES, chat_completions, completions, responses, tokenize,
-          detokenize, *WEB_ROUTES, *OPERATION_ROUTES, ANTHROPIC, OLLAMA]
+ROUTES = [healthz, list_fellows, *MODEL_ROUTES, *DOWNLOAD_ROUTES, *TOKEN_ROUTES, chat_completions, completions,
+          responses, tokenize, detokenize, *WEB_ROUTES, *OPERATION_ROUTES, ANTHROPIC, OLLAMA]
 
 
 def json_logging(settings: Settings) -> dict:

@@ -1,4 +1,5 @@
-"""Servable archives: a deterministic tar of a model folder, built once, served with Range and a checksum."""
+"""Servable archives: a deterministic tar of a model folder, built once, served with Range and a checksum;
+and a base checkpoint's files one by one, each with its sha256 (hashed once per size and mtime)."""
 
 from __future__ import annotations
 
@@ -73,6 +74,45 @@ async def base_archive_for(model_dir: Path, cache_dir: Path, model_cache: Path,
     """(tar path, sha256) of an adapters export's base checkpoint, cached beside the servables' archives."""
     base = await asyncio.to_thread(base_dir_of, model_dir, model_cache)
     return await asyncio.to_thread(build_archive, base, cache_dir / "bases", manifest_sha256)
+
+
+_HASHED: dict[tuple[Path, int, int], str] = {}  # (file, size, mtime_ns) -> sha256
+
+
+def file_sha256(path: Path) -> str:
+    """The file's sha256, remembered while its size and mtime stay (a base's shards are hashed once)."""
+    stat = path.stat()
+    key = (path.resolve(), stat.st_size, stat.st_mtime_ns)
+    if key not in _HASHED:
+        with _GUARD:
+            lock = _BUILDING.setdefault(key[0], threading.Lock())
+        with lock:
+            if key not in _HASHED:
+                digest = hashlib.sha256()
+                with open(path, "rb") as f:
+                    for block in iter(lambda: f.read(CHUNK), b""):
+                        digest.update(block)
+                _HASHED[key] = digest.hexdigest()
+    return _HASHED[key]
+
+
+def list_base_files(base: Path) -> list[dict]:
+    """Every file of a base checkpoint: its path below the base (``/`` between parts), bytes and sha256."""
+    files = sorted(p for p in base.rglob("*") if p.is_file())
+    return [{"path": p.relative_to(base).as_posix(), "bytes": p.stat().st_size, "sha256": file_sha256(p)}
+            for p in files]
+
+
+def base_file(base: Path, relative: str) -> Path:
+    """The base's file at ``relative``; ValueError for a path that leaves the base (``..``, absolute), and
+    FileNotFoundError for one the base has not."""
+    parts = relative.replace("\\", "/").split("/")
+    if parts[0] == "" or ".." in parts or ":" in parts[0]:  # absolute, upwards, a drive
+        raise ValueError(f"{relative!r} is not a path inside the base checkpoint")
+    path = base.joinpath(*parts)  # checked by its parts, not resolved: a base may link its files elsewhere (HF's cache)
+    if not path.is_file():
+        raise FileNotFoundError(f"the base checkpoint has no file {relative!r}")
+    return path
 
 
 def parse_range(header: str | None, size: int) -> tuple[int, int] | None:

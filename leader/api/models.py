@@ -1,18 +1,18 @@
-"""Models: the catalog (`/api/v1/models`, OpenAI's `/v1/models`), load, unload and status."""
+"""Models: the catalog (`/api/v1/models`, OpenAI's `/v1/models`), load, unload and status (downloads:
+`leader/api/downloads.py`)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
-from litestar import Request, Response, get, post
+from litestar import get, post
 from litestar.params import FromPath, JSONBody
-from litestar.response import Stream
 from litestar.status_codes import HTTP_200_OK
 from sqlalchemy import select
 
 from events import subjects
-from leader.api.deps import Caller, Db, FellowsDep, LeaderDep, ServingDep, SettingsDep, requested_by
+from leader.api.deps import Caller, Db, FellowsDep, LeaderDep, ServingDep, requested_by
 from leader.api.loading import LoadBody, LoadBodyDTO, check_load, conflict
 from leader.api.views import LoadView, load_view
 from leader.db.tables import Load, Model
@@ -135,43 +135,3 @@ async def unload_model(serving: ServingDep, fellows: FellowsDep, caller: Caller,
 
 ROUTES = [list_models, list_models_openai, get_model_openai, get_model, model_status, load_model, unload_model]
 
-
-@get("/api/v1/models/{model_id:str}/archive", opt={"scope": "read"}, tags=["models"],
-     summary="The servable (or with part=base an adapters export's base checkpoint) as a tar: sha256 in "
-             "X-Swarm-Sha256, resumable with Range")
-async def model_archive(request: Request, serving: ServingDep, settings: SettingsDep,
-                        model_id: FromPath[str], part: str = "") -> Response:
-    from pathlib import Path
-
-    from leader.archive import archive_for, base_archive_for, parse_range, read_range
-
-    m = await _model(serving, model_id)
-    if not m.available:
-        raise ApiError(409, f"The model '{model_id}' is not servable: {m.reason}", code="model_unavailable")
-    if part not in ("", "base"):
-        raise ApiError(400, f"part must be base or absent, not {part!r}", code="invalid_value", param="part")
-    if part == "base":
-        try:
-            path, digest = await base_archive_for(Path(m.path), settings.data_dir / "archives",
-                                                  settings.fellow.model_cache, m.manifest_sha256)
-        except ValueError as exc:
-            raise ApiError(404, str(exc), code="base_not_found") from None
-    else:
-        path, digest = await archive_for(Path(m.path), settings.data_dir / "archives", m.manifest_sha256)
-    size = path.stat().st_size
-    headers = {"Accept-Ranges": "bytes", "X-Swarm-Sha256": digest, "ETag": f'"{digest}"',
-               "Content-Disposition": f'attachment; filename="{model_id}.tar"'}
-    try:
-        span = parse_range(request.headers.get("range"), size)
-    except ValueError:
-        raise ApiError(416, f"Range not satisfiable for {size} bytes", code="range_not_satisfiable",
-                       headers={"Content-Range": f"bytes */{size}"}) from None
-    start, end = span or (0, size - 1)
-    headers["Content-Length"] = str(end - start + 1)
-    if span:
-        headers["Content-Range"] = f"bytes {start}-{end}/{size}"
-    return Stream(read_range(path, start, end), status_code=206 if span else 200, headers=headers,
-                  media_type="application/x-tar")
-
-
-ROUTES.append(model_archive)
