@@ -1,5 +1,5 @@
-"""Fetch a servable the fellow lacks, and an adapters export's base checkpoint, from the leader's archives
-into SWARM_FELLOW_MODEL_CACHE."""
+"""Fetch a servable the fellow lacks from the leader's archive, and an adapters export's base checkpoint
+(the files a stage needs: fellow/base_fetch.py), into SWARM_FELLOW_MODEL_CACHE."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from core.servable import MANIFEST_NAME, fetched_base_dir, load_manifest, resolve_base
+from core.servable import MANIFEST_NAME
 from core.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -50,39 +50,38 @@ def draft_model_dir(settings: Settings) -> Path:
 def fetch_model(settings: Settings, model_id: str, manifest_sha256: str, attempts: int = 3) -> Path:
     """Download the servable's archive (resuming a partial file with Range), check the sha256, unpack;
     returns the folder."""
-    return _fetch_archive(settings, model_id, "", cached_dir(settings, model_id, manifest_sha256), attempts)
+    return _fetch_archive(settings, model_id, cached_dir(settings, model_id, manifest_sha256), attempts)
 
 
-def ensure_base(settings: Settings, model_id: str, model_dir: Path, attempts: int = 3) -> Path | None:
-    """An adapters export's base checkpoint on this fellow: where it already is (core.servable.resolve_base),
-    else fetched from the leader's archive of it (checksummed as the servable's) into the model cache's
-    ``bases``. None for a servable that carries its own weights; FetchError where the leader has no base."""
-    manifest = load_manifest(model_dir)
-    if manifest.export != "adapters" or not manifest.base:
-        return None
-    found = resolve_base(manifest.base, settings.fellow.model_cache)
-    if found is not None:
-        return found
-    log.info("fetching the base checkpoint of %s (%s) from the leader", model_id, manifest.base)
-    return _fetch_archive(settings, model_id, "base", fetched_base_dir(manifest.base, settings.fellow.model_cache),
-                          attempts)
-
-
-def _fetch_archive(settings: Settings, model_id: str, part: str, target: Path, attempts: int) -> Path:
-    """GET the model's archive (``part``: "" the servable, "base" its base checkpoint) into ``target``; fellows
-    that share a model cache fetch it once (a lock file beside it), the others find it there."""
+def _fetch_archive(settings: Settings, model_id: str, target: Path, attempts: int) -> Path:
+    """GET the servable's archive into ``target``; fellows that share a model cache fetch it once (a lock
+    file beside it), the others find it there."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / MANIFEST_NAME).is_file() if not part else target.is_dir():  # another fellow fetched it
+        if (target / MANIFEST_NAME).is_file():  # another fellow fetched it
             return target
-        return _download(settings, model_id, part, target, attempts)
+        return _download(settings, model_id, target, attempts)
 
 
-def _download(settings: Settings, model_id: str, part: str, target: Path, attempts: int) -> Path:
+def _download(settings: Settings, model_id: str, target: Path, attempts: int) -> Path:
     part_file = target.with_suffix(".tar.part")
-    url = f"{settings.leader.url}/api/v1/models/{model_id}/archive" + (f"?part={part}" if part else "")
-    what = f"the {part} of {model_id}" if part else model_id
+    expected = download(settings, f"{settings.leader.url}/api/v1/models/{model_id}/archive", part_file, model_id,
+                        attempts)
+    check_sha256(part_file, expected, f"the archive of {model_id}")
+    tmp = target.with_suffix(".unpack")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with tarfile.open(part_file) as tar:
+        tar.extractall(tmp, filter="data")
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    part_file.unlink(missing_ok=True)
+    return target
+
+
+def download(settings: Settings, url: str, part_file: Path, what: str, attempts: int) -> str | None:
+    """GET ``url`` into ``part_file``, resuming what a try before left there with Range; returns the
+    sha256 the leader sent in X-Swarm-Sha256 (None where it sent none)."""
     headers = {"Authorization": f"Bearer {settings.leader.api_token}"} if settings.leader.api_token else {}
     expected = None
     for attempt in range(1, attempts + 1):
@@ -106,18 +105,16 @@ def _download(settings: Settings, model_id: str, part: str, target: Path, attemp
             log.warning("fetching %s (attempt %d): %s", what, attempt, exc)
             if attempt == attempts:
                 raise FetchError(f"cannot fetch {what} from {settings.leader.url}: {exc}") from None
+    return expected
+
+
+def check_sha256(path: Path, expected: str | None, what: str) -> None:
+    """FetchError (and the file removed) where ``path`` is not what ``expected`` says."""
     digest = hashlib.sha256()
-    with open(part_file, "rb") as f:
+    with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     if not expected or digest.hexdigest() != expected:
-        part_file.unlink(missing_ok=True)
-        raise FetchError(f"the archive of {what} does not match its checksum")
-    tmp = target.with_suffix(".unpack")
-    shutil.rmtree(tmp, ignore_errors=True)
-    with tarfile.open(part_file) as tar:
-        tar.extractall(tmp, filter="data")
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-    part_file.unlink(missing_ok=True)
-    return target
+        path.unlink(missing_ok=True)
+        raise FetchError(f"{what} does not match its checksum (sha256 {digest.hexdigest()}, "
+                         f"the leader's {expected or 'missing'})")

@@ -29,7 +29,8 @@ from events.loads import (
     stage_restart_id,
 )
 from events.stage import FailedReport, MetricsReport, ReadyReport, StageConfig, StageOptions, StageReport
-from fellow.fetch import FetchError, draft_model_dir, ensure_base, fetch_model, local_model_dir
+from fellow.base_fetch import ensure_base
+from fellow.fetch import FetchError, draft_model_dir, fetch_model, local_model_dir
 from fellow.stage_process import StageProcess
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,8 @@ class ModelManager:
                                      replica=cmd.assignment.replica, replicas=cmd.replicas)
                     return
             try:  # an adapters export needs its base here too
-                await asyncio.to_thread(ensure_base, self.settings, cmd.model_id, model_dir)
+                await asyncio.to_thread(ensure_base, self.settings, cmd.model_id, model_dir,
+                                        stage=cmd.assignment.stage, num_stages=cmd.num_stages)
             except (FetchError, ServableError, OSError, tarfile.TarError) as exc:
                 await self._fail(cmd.load_id, cmd.model_id,
                                  f"base checkpoint not on this fellow and not fetched: {exc}",
