@@ -137,12 +137,14 @@ class _NotPlaced(Exception):
 
 async def wait_streams(js: JetStreamContext, timeout: float = 60.0) -> None:
     """Wait until every stream exists: what a fellow does when it may not create them (NATS auth
-    on: the leader creates them)."""
+    on: the leader creates them). By their names (`$JS.API.STREAM.NAMES`): a fellow may not ask
+    stream info (core.nats_auth.fellow_permissions)."""
     deadline = asyncio.get_running_loop().time() + timeout
     for spec in STREAMS:
         while True:
             try:
-                await js.stream_info(spec.name)
+                if await js.find_stream_name_by_subject(spec.subjects[0]) != spec.name:
+                    raise BusUnavailable(f"{spec.subjects[0]} is another stream's")
                 break
             except Exception as exc:
                 if asyncio.get_running_loop().time() > deadline:

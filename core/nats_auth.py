@@ -10,7 +10,8 @@ nats-server the leader manages (`swarm up`; AuthDir with `grants.json`), only th
 stage 0 the leader placed on it (leader.serving.grants keeps them, and reloads the server); on one it
 does not, any load's (the leader cannot change that server's users). Nothing else: not
 `load.placed`, not `api_token.*`, not another fellow's heartbeat or commands, not the event log, not a
-stored token frame (it publishes frames, and learns of a request's only how many are stored). What
+stored token frame, not stream info (which would list the requests in flight: it learns only the stream
+names, and of a request whose id it knows whether frames are stored, by a publish the stream refuses). What
 it may publish the leader still checks against its placements (leader.projectors.authority) and the
 requests' frame keys (events.frames). A client without a user is refused (no `no_auth_user`).
 
@@ -138,7 +139,11 @@ def fellow_permissions(fellow_id: str, js_domain: str | None = None, loads: list
             # its events on subjects that name it (core.bus.publish_event): the leader knows who sent one
             *(event(kind, fellow_id) for kind in FELLOW_EVENTS),
             "swarm.tok.*", "swarm.ring.>",
-            "$JS.API.STREAM.INFO.*",  # no MSG.GET, DIRECT.GET or consumer on SWARM_TOKENS: no other request's reply
+            # which streams exist (core.bus.wait_streams): their names only. No stream info: with a subjects
+            # filter it lists each subject and its count, on SWARM_TOKENS every request in flight (the intake
+            # asks of its own request by a publish the stream refuses: fellow.token_batcher.stored_beyond);
+            # no MSG.GET, DIRECT.GET or consumer on SWARM_TOKENS: no other request's reply
+            "$JS.API.STREAM.NAMES",
             *_consumer_api(COMMANDS_STREAM, command_consumer, commands_for(fellow_id)),
             *request_queues(loads),
         ]},

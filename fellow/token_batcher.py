@@ -38,6 +38,25 @@ NEVER_STORED = {"Nats-Rollup": "never"}
 ROLLUP_REFUSED = 10111
 
 
+async def stored_beyond(js: JetStreamContext, request_id: str, after: int = 0, timeout: float = 5.0) -> bool:
+    """Whether SWARM_TOKENS holds a frame of this request after stream sequence ``after`` (0: any frame;
+    a moved request: its last frame before the move), asked without reading the stream or its info (a
+    fellow may do neither: stream info with a subjects filter would list every request's subject): an
+    empty publish that expects ``after`` as the subject's last sequence, with NEVER_STORED, which JetStream
+    checks after that expectation, on one server and on a cluster. Refused either way, stored never: a
+    wrong last sequence says there is one, a refused rollup that there is not."""
+    headers = {"Nats-Expected-Last-Subject-Sequence": str(after), **NEVER_STORED}
+    try:
+        await js.publish(subjects.tokens(request_id), b"", timeout=timeout, headers=headers)
+    except APIError as exc:
+        if exc.err_code == WRONG_LAST_SEQUENCE:
+            return True
+        if exc.err_code == ROLLUP_REFUSED:
+            return False
+        raise
+    raise RuntimeError(f"JetStream stored a probe of {request_id} it should have refused (Nats-Rollup: never)")
+
+
 class TokenBatcher:
     """One per request. The first token frame goes out at once; after it, tokens ride together in frames at
     most one an ``interval`` (SWARM_SERVE_STREAM_INTERVAL_MS), and the end (done or error) goes out at once

@@ -28,6 +28,8 @@ def parse_event_id(value: str) -> tuple[str, int] | None:
 def read_frame(msg, key: str = "") -> AnyFrame | None:
     """The frame in ``msg``, or None (logged) for one that does not decode or, with the request's `key`,
     is not signed by the stage that took the request."""
+    if (msg.headers or {}).get("Nats-Rollup") == "never":  # seen live, refused by the stream: a stage's question
+        return None  # (fellow.token_batcher: a claim's second try, stored_beyond), not a frame
     if not frame_signed(key, msg.data, msg.headers):
         log.warning("a frame on %s without the request's signature dropped (not from its stage)", msg.subject)
         return None

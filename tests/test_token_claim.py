@@ -17,7 +17,8 @@ from core.bus import connect, ensure_streams
 from core.nats_server import local_cluster
 from events import subjects
 from events.frames import DoneFrame, ErrorFrame, StartFrame, frame_decoder, frame_key, frame_signed
-from fellow.token_batcher import TokenBatcher
+from fellow.token_batcher import TokenBatcher, stored_beyond
+from leader.frames_in import read_frame
 
 KEY = frame_key(b"leader-secret", "rq-claim")
 
@@ -87,13 +88,41 @@ async def claim_race(nc, js) -> None:
     assert frame_signed(KEY, stored.data, stored.headers)  # still signed with the request's key
 
 
+async def probe_race(nc, js) -> None:
+    """stored_beyond: whether the subject holds a frame after a stream sequence, told by a publish the
+    stream refuses (a fellow may not ask stream info); it stores nothing, and the gateway, which sees
+    it live, takes it for no frame."""
+    rid = "rq-probe"
+    sub = await nc.subscribe(subjects.tokens(rid))
+    assert await stored_beyond(js, rid) is False
+    batcher = TokenBatcher(nc, js, rid, KEY)
+    assert await batcher.start("f0", 0) is True
+    assert await stored_beyond(js, rid) is True  # the start frame: a redelivery is not served again
+    start_seq = (await js.get_last_msg(subjects.TOKENS_STREAM, subjects.tokens(rid))).seq
+    assert await stored_beyond(js, rid, start_seq) is False  # a move's `after`: nothing since
+    batcher.done(1, 2, "stop", {})
+    await asyncio.wait_for(batcher.closed.wait(), 10)
+    assert await stored_beyond(js, rid, start_seq) is True
+    assert await frames(js, rid) == [StartFrame(request_id=rid, seq=0, fellow_id="f0", replica=0),
+                                     DoneFrame(request_id=rid, seq=1, completion_tokens=1, prompt_tokens=2)]
+    live = [await sub.next_msg(timeout=5) for _ in range(6)]  # four probes and two frames, seen live
+    await sub.unsubscribe()
+    assert [type(read_frame(m, KEY)).__name__ for m in live] == [
+        "NoneType", "StartFrame", "NoneType", "NoneType", "DoneFrame", "NoneType"]
+
+
 async def test_a_second_claimant_is_refused_and_a_claim_whose_ack_was_lost_is_still_ours(nc, js):
     await claim_race(nc, js)
+
+
+async def test_a_request_with_frames_is_told_by_a_publish_that_stores_nothing(nc, js):
+    await probe_race(nc, js)
 
 
 @pytest.mark.slow
 async def test_the_same_on_a_cluster(cluster_js):
     await claim_race(*cluster_js)
+    await probe_race(*cluster_js)
 
 
 async def test_a_start_that_raised_then_ends_after_its_own_stored_claim(nc, js):

@@ -5,7 +5,8 @@ refused by NATS or ignored by the leader and kept in `dead_letters` with the rea
 request is served as it would be without it, and its SQL row is true.
 
 Another load's queued requests it cannot pull (tests/test_trust_requests.py), nor read other requests'
-frames through SWARM_TOKENS (attack 5): it learns only how many a request has.
+frames through SWARM_TOKENS, nor list the requests in flight by stream info (attack 5): it learns only
+whether a request whose id it knows has frames stored.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from events.base import encode
 from events.frames import DoneFrame, StartFrame, TokenFrame, frame_decoder, frame_msg_id
 from events.loads import LoadFailed, ModelUnloaded, ReplicaLost
 from events.requests import RequestFinished
+from fellow.token_batcher import stored_beyond
 from tests.processes import wait_until
 from tests.trust_fixtures import PROMPT, chat, load_state, two_loads
 
@@ -167,27 +169,35 @@ async def test_a_fellow_cannot_read_another_fellows_commands(swarm):
 
 async def test_a_fellow_cannot_read_another_requests_reply(swarm):
     """Attack 5: f2 asks SWARM_TOKENS for the frames of a request f1 served (the leader reads them there),
-    by a message get, a direct get and a consumer: NATS refuses each; what the intake needs of the
-    stream, a subject's count of frames, it still has; and requests are served as before."""
+    by a message get, a direct get and a consumer, and for the requests in flight by stream info with a
+    subjects filter (each request's subject and count; the other streams' likewise): NATS refuses each;
+    what the intake needs of the stream, whether a request it knows has frames, it still has
+    (fellow.token_batcher.stored_beyond); and requests are served as before."""
     s = swarm
     reply = chat(s, "alpha")
-    subject = subjects.tokens(reply["id"].removeprefix("chatcmpl-"))
+    rid = reply["id"].removeprefix("chatcmpl-")
+    subject = subjects.tokens(rid)
     leader = await swarm.login(LEADER_USER)
     evil = await swarm.login(fellow_user("f2"))
     try:
         assert (await leader.jetstream().get_last_msg(subjects.TOKENS_STREAM, subject)).data  # stored, readable
-        info = await evil.jetstream().stream_info(subjects.TOKENS_STREAM, subjects_filter=subject)
-        assert info.state.subjects[subject] >= 2  # start, tokens, done: counted, not read
+        assert await stored_beyond(evil.jetstream(), rid) and not await stored_beyond(evil.jetstream(), "rq-none")
         asked = {f"$JS.API.STREAM.MSG.GET.{subjects.TOKENS_STREAM}": {"last_by_subj": subject},
                  f"$JS.API.DIRECT.GET.{subjects.TOKENS_STREAM}": {"last_by_subj": subject},
                  f"$JS.API.DIRECT.GET.{subjects.TOKENS_STREAM}.{subject}": {},
                  f"$JS.API.CONSUMER.CREATE.{subjects.TOKENS_STREAM}": {
-                     "stream_name": subjects.TOKENS_STREAM, "config": {"filter_subject": subject}}}
+                     "stream_name": subjects.TOKENS_STREAM, "config": {"filter_subject": subject}},
+                 **{f"$JS.API.STREAM.INFO.{stream}": {"subjects_filter": ">"}
+                    for stream in (subjects.TOKENS_STREAM, subjects.REQUESTS_STREAM, subjects.EVENTS_STREAM)}}
         for api, body in asked.items():
             with pytest.raises(nats.errors.TimeoutError):
                 await evil.request(api, msgspec.json.encode(body), timeout=1.0)
         with pytest.raises(nats.errors.TimeoutError):
             await evil.jetstream().get_last_msg(subjects.TOKENS_STREAM, subject)
+        with pytest.raises(nats.errors.TimeoutError):
+            await evil.jetstream(timeout=1.0).stream_info(subjects.TOKENS_STREAM, subjects_filter=subject)
+        assert (await leader.jetstream().stream_info(subjects.TOKENS_STREAM, subjects_filter=subject)
+                ).state.subjects[subject] >= 2  # the probes stored nothing: start, tokens, done
     finally:
         await leader.close()
         await evil.close()

@@ -19,13 +19,13 @@ from core.logs import for_request
 from events import subjects
 from events.requests import ChatRequest, RequestFailed, RequestFinished, request_failed_id, request_finished_id
 from events.stage import StageConfig
-from events.subjects import REQUESTS_STREAM, TOKENS_STREAM
+from events.subjects import REQUESTS_STREAM
 from fellow.runtime.engine.budget import ContextTooLong
 from fellow.runtime.engine.scheduler import Scheduler
 from fellow.runtime.engine.serving_loop import Job, Output, ServingLoop
 from fellow.runtime.server.metrics import Metrics
 from fellow.runtime.server.moved import count_once, resumed, sent, start_at
-from fellow.token_batcher import TokenBatcher
+from fellow.token_batcher import TokenBatcher, stored_beyond
 
 log = logging.getLogger("swarm.serve")
 # A request a stage fetched but neither acked nor refused (it died in between) goes to another
@@ -141,7 +141,7 @@ class Intake:
         if req.request_id in self.active:  # a redelivery of what we already serve
             await _ack(msg)
             return
-        if msg.metadata.num_delivered > 1 and await self._started_elsewhere(req.request_id, start_at(req)[0]):
+        if msg.metadata.num_delivered > 1 and await stored_beyond(self.js, req.request_id, start_at(req)[1]):
             # A replica took it, said so, and died before acking: the gateway fails it (never both).
             log.warning("request %s was started by another replica; not serving it again", req.request_id,
                         extra=for_request(req.request_id))
@@ -211,13 +211,6 @@ class Intake:
         self.active.pop(request_id, None)
         self.serving.cancel(request_id)
 
-    async def _started_elsewhere(self, request_id: str, frames: int = 0) -> bool:
-        """Whether SWARM_TOKENS holds more than ``frames`` frames of this request (a moved one's before its
-        move) already (a start frame at least): the count of its subject's messages, not one of them (a
-        fellow may not read SWARM_TOKENS)."""
-        subject = subjects.tokens(request_id)
-        info = await self.js.stream_info(TOKENS_STREAM, subjects_filter=subject)
-        return (info.state.subjects or {}).get(subject, 0) > frames
 
     def _tokenize(self, req: ChatRequest) -> list[int]:
         if req.prompt_ids:  # a completion: the gateway tokenized its prompt
