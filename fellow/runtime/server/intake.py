@@ -211,7 +211,6 @@ class Intake:
         self.active.pop(request_id, None)
         self.serving.cancel(request_id)
 
-
     def _tokenize(self, req: ChatRequest) -> list[int]:
         if req.prompt_ids:  # a completion: the gateway tokenized its prompt
             return list(req.prompt_ids) + list(req.scored_ids)
