@@ -44,13 +44,18 @@ def _build(model_dir: Path, target: Path) -> tuple[Path, str]:
     with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
         for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
             tar.add(path, arcname=str(path.relative_to(model_dir)), recursive=False, filter=_reset)
+    digest = sha256_of(tmp)
+    tmp.replace(target)
+    digest_file.write_text(digest + "\n")
+    return target, digest
+
+
+def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(tmp, "rb") as f:
+    with open(path, "rb") as f:
         for block in iter(lambda: f.read(CHUNK), b""):
             digest.update(block)
-    tmp.replace(target)
-    digest_file.write_text(digest.hexdigest() + "\n")
-    return target, digest.hexdigest()
+    return digest.hexdigest()
 
 
 async def archive_for(model_dir: Path, cache_dir: Path, manifest_sha256: str) -> tuple[Path, str]:
@@ -88,11 +93,7 @@ def file_sha256(path: Path) -> str:
             lock = _BUILDING.setdefault(key[0], threading.Lock())
         with lock:
             if key not in _HASHED:
-                digest = hashlib.sha256()
-                with open(path, "rb") as f:
-                    for block in iter(lambda: f.read(CHUNK), b""):
-                        digest.update(block)
-                _HASHED[key] = digest.hexdigest()
+                _HASHED[key] = sha256_of(path)
     return _HASHED[key]
 
 
