@@ -28,7 +28,6 @@ from fellow.runtime.model.load.fourbit_rows import plan_4bit_rows
 from fellow.runtime.model.load.half_storage import apply_half_storage
 from fellow.runtime.model.load.kernels import prepare_stage, quant_chooser
 from fellow.runtime.model.load.kv_budget import cpu_free_bytes, cuda_free_bytes
-from fellow.runtime.model.load.lora_merge import lora_scale
 from fellow.runtime.model.load.weights import StageModules, build_stage_modules, hf_config, stage_sizes
 from fellow.runtime.model.quant.linear import (
     QUANT_KERNELS,
@@ -238,9 +237,9 @@ def _load_layers(manifest: Manifest, stage_index: int, model_dir: Path, num_stag
             except ImportError as exc:
                 raise ServableError(f"{quantization} weights on {device.type} need bitsandbytes, which this "
                                     f"fellow lacks ({exc})") from None
-        scale = lora_scale(manifest.adapter_config or {}) if manifest.export == "adapters" else None
+        adapter_config = (manifest.adapter_config or {}) if manifest.export == "adapters" else None
         quantizer = StageQuantizer(quantization, hf_config(manifest), device,
-                                   quant_chooser(quantization, batch_cap, device), lora_scale=scale, lora=lora)
+                                   quant_chooser(quantization, batch_cap, device), adapter_config, lora=lora)
     mods = build_stage_modules(manifest, stage_index, model_dir, num_stages=num_stages,
                                dtype=dtype or pick_dtype(device), device=device, split=split,
                                on_layer=quantizer.layer if quantizer else None,

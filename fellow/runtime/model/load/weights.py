@@ -18,7 +18,7 @@ from fellow.runtime.model.boundary import InnerBoundary
 from fellow.runtime.model.fused import RECURRENT_KINDS
 from fellow.runtime.model.load.checkpoint import Checkpoint
 from fellow.runtime.model.load.device_split import DeviceSplit
-from fellow.runtime.model.load.lora_merge import dora_factors, lora_scale, merge_lora
+from fellow.runtime.model.load.lora_merge import dora_factors, merge_lora
 
 INNER = "inner."  # a trained cut inside the stage: inner.<first layer after it>.bottleneck.send.weight, ...
 
@@ -143,7 +143,7 @@ class _StageState:
         lora = {k[len(prefix):]: v for k, v in own.items() if ".lora_" in k}
         rest = {k: v for k, v in own.items() if ".lora_" not in k}
         weights = merge_lora(self.base.take(prefix), rest, self.adapter_config)
-        return weights, dora_factors(weights, lora, prefix, lora_scale(self.adapter_config))
+        return weights, dora_factors(weights, lora, prefix, self.adapter_config)
 
 
 def _base_tensors(m: Manifest, plan: StagePlan, model_cache) -> _Tensors:

@@ -28,9 +28,11 @@ class LeanLoRA:
 
     __slots__ = ("base", "a", "b", "kernel", "in_features", "out_features", "rows_scale", "rows_shift")
 
-    def __init__(self, base, parts: Sequence[tuple], scale: float, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, base, parts: Sequence[tuple], scale: float | Sequence[float],
+                 dtype: torch.dtype = torch.float32) -> None:
         """``parts``: (first output row, A [r, in], B [rows, r][, DoRA's row factor [rows] or None]) per
-        adapted module of ``base``."""
+        adapted module of ``base``; ``scale``: PEFT's scale of each part's product (rank_pattern and
+        alpha_pattern give modules their own), or one for all."""
         self.base = base
         self.kernel = f"{base.kernel}+lora" if dtype == torch.float32 else f"{base.kernel}+lora16"
         self.in_features, self.out_features = base.in_features, base.out_features
@@ -38,8 +40,9 @@ class LeanLoRA:
         self.a = torch.cat([a.detach().float() for _, a, *_ in parts]).to(device=device, dtype=dtype).contiguous()
         b_full = torch.zeros(self.out_features, self.a.shape[0], device=device)
         col, g = 0, None
-        for row, a, b, *dora in parts:
-            b_full[row : row + b.shape[0], col : col + a.shape[0]] = b.detach().to(device).float() * scale
+        scales = [scale] * len(parts) if isinstance(scale, (int, float)) else list(scale)
+        for (row, a, b, *dora), part_scale in zip(parts, scales, strict=True):
+            b_full[row : row + b.shape[0], col : col + a.shape[0]] = b.detach().to(device).float() * part_scale
             col += a.shape[0]
             if dora and dora[0] is not None:
                 g = torch.ones(self.out_features, device=device) if g is None else g

@@ -9,6 +9,7 @@ from torch import nn
 
 from core.quantization import INT8, LORA_MODES, NONE
 from fellow.runtime.model.fused import FusedLayer, bias_of, fusable, strip_linears
+from fellow.runtime.model.load.lora_merge import lora_scale
 from fellow.runtime.model.quant.linear import HEAD_METHOD, QuantLinear
 from fellow.runtime.model.quant.lora import LEAN16_DTYPE, PEFT_UNFUSED, LeanLoRA, lora_pairs, peft_lora
 
@@ -73,7 +74,7 @@ class StageQuantizer:
     each quantized weight: ``chooser.linear`` (kernels.quant_chooser's, which times each shape for the status).
     """
 
-    def __init__(self, method: str, config, device: torch.device, chooser, lora_scale: float | None = None,
+    def __init__(self, method: str, config, device: torch.device, chooser, adapter_config: dict | None = None,
                  lora: str = "lean") -> None:
         if lora not in LORA_MODES:
             raise ValueError(f"LoRA adapters are served {' or '.join(LORA_MODES)}, not {lora!r}")
@@ -89,25 +90,27 @@ class StageQuantizer:
         self.fused: dict[int, object] = {}  # absolute layer index -> FusedLayer
         self.swapped = 0  # nn.Linear swapped in layers that keep their HF forward
         self.why_not_fused: str | None = None
-        self.lora_scale = lora_scale  # PEFT's alpha / r of the adapters kept unmerged (None: no adapters)
+        self.adapter_config = adapter_config  # of the adapters kept unmerged, each module's scale (None: none)
         self.adapted = 0  # modules whose adapters stay apart
         self.lora = lora  # SWARM_SERVE_LORA: lean, lean16 (LEAN16_DTYPE adapters) or peft (PEFT's layers, HF forward)
-        self.peft = lora == "peft" and lora_scale is not None  # no layer fuses: PEFT's layers are HF modules
+        self.peft = lora == "peft" and adapter_config is not None  # no layer fuses: PEFT's layers are HF modules
 
     def layer(self, index: int, layer: nn.Module, adapters: dict[str, torch.Tensor] | None = None) -> None:
         pairs = lora_pairs(adapters or {})
-        if pairs and self.lora_scale is None:
+        if pairs and self.adapter_config is None:
             raise ValueError("LoRA adapters kept apart need their scale (the adapter config)")
+        scales = {name: lora_scale(self.adapter_config, f"layers.{index}.{name}") for name in pairs}
         why = PEFT_UNFUSED if self.peft else fusable([layer], self.config, self.device)
-        lean = {"scale": self.lora_scale, "dtype": LEAN16_DTYPE if self.lora == "lean16" else torch.float32}
+        dtype = LEAN16_DTYPE if self.lora == "lean16" else torch.float32
         if why is None:
             heads = self.config.num_attention_heads
             offsets = {name: _rows_before(layer, group, name) for group in FUSED_GROUPS.values() for name in group}
             fused = FusedLayer(layer, self.make, heads, self.config.num_key_value_heads)
             for attr, group in FUSED_GROUPS.items():
-                parts = [(offsets[name], *pairs.pop(name)) for name in group if name in pairs]
-                if parts:
-                    setattr(fused, attr, LeanLoRA(getattr(fused, attr), parts, **lean))
+                names = [name for name in group if name in pairs]
+                if names:
+                    parts = [(offsets[name], *pairs.pop(name)) for name in names]
+                    setattr(fused, attr, LeanLoRA(getattr(fused, attr), parts, [scales[n] for n in names], dtype))
                     self.adapted += len(parts)
             self.fused[index] = fused
             strip_linears(layer)
@@ -119,9 +122,9 @@ class StageQuantizer:
                 if self.peft and pairs[name][2] is None:  # DoRA stays lean: PEFT's reads no quantized weight
                     parent, _, child = name.rpartition(".")
                     a, b, _ = pairs.pop(name)
-                    setattr(layer.get_submodule(parent), child, peft_lora(module, a, b, self.lora_scale))
+                    setattr(layer.get_submodule(parent), child, peft_lora(module, a, b, scales[name]))
                 else:
-                    module.linear = LeanLoRA(module.linear, [(0, *pairs.pop(name))], **lean)
+                    module.linear = LeanLoRA(module.linear, [(0, *pairs.pop(name))], scales[name], dtype)
                 self.adapted += 1
         if pairs:
             raise ValueError(f"LoRA adapters on {', '.join(sorted(pairs))} are not served unmerged")
