@@ -102,3 +102,38 @@ def test_embedding_lora_over_int8_is_merged_into_the_table_before_its_rows_are_r
         base = AutoModelForCausalLM.from_pretrained(str(hf)).eval()(input_ids=IDS).logits[0, -1]
     effect = float((base - tuned[0, -1]).abs().max())
     assert float((got - tuned[0, -1]).abs().max()) < effect / 4
+
+
+def test_lora_bias_merges_into_the_base_bias_and_goes_to_peft_over_int8(tmp_path, caplog):
+    """PEFT's lora_bias (B's own bias, scaled with its product) on a qwen2 model, whose q/k/v have biases:
+    a full-precision stage merges it into the base bias (PEFT's forward, exactly); over int8 lean does
+    not compute it, so those modules are served through PEFT's own layers under ``lean`` too, with a log
+    line saying so, and compute what ``peft`` mode does."""
+    hf = make_tiny_checkpoint(tmp_path / "hf", family="qwen2", layers=2, hidden=64)
+    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32)
+    torch.manual_seed(3)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_bias=True, init_lora_weights=False)
+    peft_model = get_peft_model(model, config).eval()
+    with torch.no_grad():
+        for module in peft_model.modules():
+            if hasattr(module, "lora_B") and "default" in module.lora_B:
+                module.lora_B["default"].bias.normal_(0, 1.0)  # a bias training moved
+        expected = peft_model(input_ids=IDS).logits
+    peft_model.save_pretrained(str(tmp_path / "lora"))
+    manifest = export(hf, tmp_path / "sv", stages=1, adapters=tmp_path / "lora")
+    assert torch.allclose(served(manifest, tmp_path / "sv", 1), expected, atol=1e-5)
+
+    from peft.tuners.lora.layer import Linear as PeftLinear
+
+    with caplog.at_level(logging.INFO):
+        built = {mode: build_stage(manifest, 0, tmp_path / "sv", 1, torch.device("cpu"),
+                                   StageOptions(quantization=INT8, lora=mode))[1] for mode in ("lean", "peft")}
+    assert any("lora_bias on 4 modules served through PEFT" in r.getMessage() for r in caplog.records)
+    assert built["lean"].kernels.lora == {"mode": "lean", "modules": 4, "peft": {"lora_bias": 4}}
+    assert sum(isinstance(m, PeftLinear) for layer in built["lean"].layers for m in layer.modules()) == 4
+    logits = {mode: stage.prefill(stage.new_cache(), IDS[0]) for mode, stage in built.items()}
+    assert torch.equal(logits["lean"], logits["peft"])
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(str(hf)).eval()(input_ids=IDS).logits[0, -1]
+    effect = float((base - expected[0, -1]).abs().max())
+    assert float((logits["lean"] - expected[0, -1]).abs().max()) < effect / 4

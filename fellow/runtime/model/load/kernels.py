@@ -210,8 +210,12 @@ def _prepare_quantized(stage, quantizer: StageQuantizer) -> StageKernels:
     if on_cpu and "int8" in (stage.kernels.head, QUANT_KERNELS.get(quantizer.method)):
         stage.note(int8_rows=int8_gemv.rows_kernel())  # what multiplies its int8 weights in decode steps
     if quantizer.adapted:
-        stage.note(lora={"mode": quantizer.lora, "modules": quantizer.adapted})
+        stage.note(lora={"mode": quantizer.lora, "modules": quantizer.adapted,
+                         **({"peft": quantizer.to_peft} if quantizer.to_peft else {})})
         log.info("LoRA adapters on %d modules kept apart, served %s", quantizer.adapted, quantizer.lora)
+        for kind, modules in quantizer.to_peft.items():  # what lean does not compute goes to PEFT, not refused
+            log.info("LoRA %s on %d modules served through PEFT's layers: %s does not compute it", kind, modules,
+                     quantizer.lora)
     return stage.kernels
 
 

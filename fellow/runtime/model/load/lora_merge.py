@@ -51,6 +51,7 @@ def lora_scale(adapter_config: dict, module: str | None = None) -> float:
 
 
 MAGNITUDE = ".lora_magnitude_vector"  # DoRA's saved magnitude, [out], as PEFT names it in an adapter file
+LORA_BIAS = ".lora_B.bias"  # PEFT's lora_bias: B's own bias, [out], scaled with its product
 DORA_FACTOR = ".lora_dora_factor"  # its row factor, where adapters stay apart from a quantized weight
 
 
@@ -69,7 +70,8 @@ def merge_lora(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor],
     """W += scale · B @ A for every ``<module>.lora_A.weight`` / ``<module>.lora_B.weight`` pair (each
     module at its own scale, ``lora_scale``), then each row times DoRA's factor where the module has a
     ``<module>.lora_magnitude_vector``; an embedding table += ``(B A)^T · scale`` for its
-    ``lora_embedding_A`` / ``lora_embedding_B``, as PEFT's ``Embedding.get_delta_weight``.
+    ``lora_embedding_A`` / ``lora_embedding_B``, as PEFT's ``Embedding.get_delta_weight``; a base bias
++= scale · ``<module>.lora_B.bias`` (PEFT's ``lora_bias``).
 
     Keys share one naming (e.g. ``layers.3.self_attn.q_proj``); a non-LoRA adapter tensor
     (a saved module copy; PEFT's ``<module>.base_layer.weight``, the saved embedding) replaces the base
@@ -98,8 +100,12 @@ def merge_lora(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor],
             merged[target] = full.to(w.dtype)
             if embedding:  # over a quantized stage too: no lean form, and the table's int8 rows round it once
                 log.info("LoRA on the embedding %s merged into its table (no embedding adapters kept apart)", module)
-        elif ".lora_B.bias" in key:
-            raise ServableError(f"adapter tensor {key} (PEFT's lora_bias) is not supported by the serving merge")
+        elif key.endswith(LORA_BIAS):  # PEFT's lora_bias: merged into the base bias, as PEFT merges it
+            target = key[: -len(LORA_BIAS)] + ".bias"
+            if target not in merged:
+                raise ServableError(f"LoRA bias {key} has no base bias {target} to merge into (nor does PEFT)")
+            scale = lora_scale(adapter_config, key[: -len(LORA_BIAS)])
+            merged[target] = (merged[target].double() + tensor.double() * scale).to(merged[target].dtype)
     return merged
 
 

@@ -10,6 +10,8 @@ from torch import nn
 from fellow.runtime.model.load.lora_merge import DORA_FACTOR
 
 PEFT_UNFUSED = "SWARM_SERVE_LORA=peft: adapters through PEFT's LoRA layers, in the layers' HF forward"
+LEAN_CANNOT = "LoRA with a bias of its own (PEFT's lora_bias), which lean does not compute: through PEFT's " \
+    "LoRA layers, in the layers' HF forward"
 LEAN16_DTYPE = torch.bfloat16  # lean16's adapters on a stage that computes in float32 (every CPU stage)
 
 
@@ -72,9 +74,11 @@ class LeanLoRA:
         return self.base.bytes + sum(t.numel() * t.element_size() for t in extra)
 
 
-def peft_lora(base: nn.Module, a: torch.Tensor, b: torch.Tensor, scale: float) -> nn.Module:
+def peft_lora(base: nn.Module, a: torch.Tensor, b: torch.Tensor, scale: float,
+              bias: torch.Tensor | None = None) -> nn.Module:
     """``SWARM_SERVE_LORA=peft``: PEFT's own LoRA layer over ``base`` (a QuantModule), holding this
-    module's A [r, in] and B [out, r] at PEFT's scale (alpha = scale x r), in float32."""
+    module's A [r, in] and B [out, r] at PEFT's scale (alpha = scale x r), in float32; ``bias``: B's own
+    (PEFT's lora_bias), which any mode serves so."""
     import warnings
 
     from peft import LoraConfig
@@ -83,11 +87,14 @@ def peft_lora(base: nn.Module, a: torch.Tensor, b: torch.Tensor, scale: float) -
     rank = a.shape[0]
     with warnings.catch_warnings():  # PEFT warns of any base it does not know; a QuantModule is called alike
         warnings.filterwarnings("ignore", message="Unsupported layer type")
-        layer = PeftLinear(base, "default", LoraConfig(r=rank, lora_alpha=scale * rank), r=rank,
-                           lora_alpha=scale * rank)
+        warnings.filterwarnings("ignore", message=".*lora_bias=True.*has no bias")  # merging, not serving
+        config = LoraConfig(r=rank, lora_alpha=scale * rank, lora_bias=bias is not None)
+        layer = PeftLinear(base, "default", config, r=rank, lora_alpha=scale * rank)
     with torch.no_grad():
         layer.lora_A["default"].weight.copy_(a.detach().float())
         layer.lora_B["default"].weight.copy_(b.detach().float())
+        if bias is not None:
+            layer.lora_B["default"].bias.copy_(bias.detach().float())
     layer.lora_A.to(_device_of(base)), layer.lora_B.to(_device_of(base))
     return layer.eval().requires_grad_(False)
 

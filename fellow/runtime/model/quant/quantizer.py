@@ -9,9 +9,9 @@ from torch import nn
 
 from core.quantization import INT8, LORA_MODES, NONE
 from fellow.runtime.model.fused import FusedLayer, bias_of, fusable, strip_linears
-from fellow.runtime.model.load.lora_merge import lora_scale
+from fellow.runtime.model.load.lora_merge import LORA_BIAS, lora_scale
 from fellow.runtime.model.quant.linear import HEAD_METHOD, QuantLinear
-from fellow.runtime.model.quant.lora import LEAN16_DTYPE, PEFT_UNFUSED, LeanLoRA, lora_pairs, peft_lora
+from fellow.runtime.model.quant.lora import LEAN16_DTYPE, LEAN_CANNOT, PEFT_UNFUSED, LeanLoRA, lora_pairs, peft_lora
 
 
 class QuantModule(nn.Module):
@@ -94,13 +94,20 @@ class StageQuantizer:
         self.adapted = 0  # modules whose adapters stay apart
         self.lora = lora  # SWARM_SERVE_LORA: lean, lean16 (LEAN16_DTYPE adapters) or peft (PEFT's layers, HF forward)
         self.peft = lora == "peft" and adapter_config is not None  # no layer fuses: PEFT's layers are HF modules
+        self.to_peft: dict[str, int] = {}  # LoRA kind lean does not compute -> modules served through PEFT instead
 
     def layer(self, index: int, layer: nn.Module, adapters: dict[str, torch.Tensor] | None = None) -> None:
         pairs = lora_pairs(adapters or {})
         if pairs and self.adapter_config is None:
             raise ValueError("LoRA adapters kept apart need their scale (the adapter config)")
         scales = {name: lora_scale(self.adapter_config, f"layers.{index}.{name}") for name in pairs}
-        why = PEFT_UNFUSED if self.peft else fusable([layer], self.config, self.device)
+        # a LoRA kind lean does not compute (PEFT's lora_bias): that module through PEFT's layer, in any mode
+        biases = {name: adapters[name + LORA_BIAS] for name in pairs if name + LORA_BIAS in adapters}
+        if any(pairs[name][2] is not None for name in biases):
+            raise ValueError(f"DoRA with a LoRA bias on {', '.join(sorted(biases))} is not served unmerged")
+        if biases and not self.peft:
+            self.to_peft["lora_bias"] = self.to_peft.get("lora_bias", 0) + len(biases)
+        why = PEFT_UNFUSED if self.peft else LEAN_CANNOT if biases else fusable([layer], self.config, self.device)
         dtype = LEAN16_DTYPE if self.lora == "lean16" else torch.float32
         if why is None:
             heads = self.config.num_attention_heads
@@ -119,10 +126,11 @@ class StageQuantizer:
             self.swapped += quantize_children(layer, self.method)
             for name in list(pairs):
                 module = layer.get_submodule(name)
-                if self.peft and pairs[name][2] is None:  # DoRA stays lean: PEFT's reads no quantized weight
-                    parent, _, child = name.rpartition(".")
+                if (self.peft and pairs[name][2] is None) or name in biases:  # DoRA stays lean: PEFT's reads
+                    parent, _, child = name.rpartition(".")                   # no quantized weight
                     a, b, _ = pairs.pop(name)
-                    setattr(layer.get_submodule(parent), child, peft_lora(module, a, b, scales[name]))
+                    setattr(layer.get_submodule(parent), child,
+                            peft_lora(module, a, b, scales[name], biases.get(name)))
                 else:
                     module.linear = LeanLoRA(module.linear, [(0, *pairs.pop(name))], scales[name], dtype)
                 self.adapted += 1
