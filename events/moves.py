@@ -1,8 +1,8 @@
 """A reply that outlives its stage (issue 53): a request moved mid-reply to another placement.
 
 When the stage serving a request dies, the gateway publishes the request again (leader.moves) with a
-``Resume``: the reply's tokens already sent, which the next stage prefills after the prompt, and where
-its frames go on. One RequestMoved event records each move.
+``Resume``: the reply's tokens already sent, which the next stage prefills after the prompt, how much of
+their text the client has, and where its frames go on. One RequestMoved event records each move.
 """
 
 from __future__ import annotations
@@ -15,13 +15,15 @@ MAX_MOVES = 3  # moves of one request; the next loss fails it as before
 
 
 class Resume(msgspec.Struct, frozen=True, kw_only=True):
-    """Where a moved request goes on: its next stage prefills prompt + ``reply_ids`` and sends frames from
-    ``seq`` (its start frame) on."""
+    """Where a moved request goes on: its next stage prefills prompt + ``reply_ids``, replays them through
+    what the reply's next tokens depend on (its detokenizer, stop strings, grammar and penalties), and sends
+    frames from ``seq`` (its start frame) on."""
 
     seq: int  # the seq of the new stage's start frame, one past the last frame stored; its tokens follow
     after: int  # the stream sequence of the last frame stored: the start frame is stored only right after it
     reply_ids: list[int]  # the reply's tokens already sent
-    held: int = 0  # of those, the last ones whose text has not come out yet (part of a character)
+    text_sent: int = 0  # characters of their text sent: the rest was held back (part of a character, or of
+    # what may be a stop string) and comes out from the next stage
     moves: int = 1  # which move this is
 
 

@@ -5,11 +5,11 @@ or it failed), the gateway reads the request's frames back from SWARM_TOKENS and
 again on its load's queue with a ``Resume`` (events.moves): the reply's token ids so far, the seq its
 next stage's start frame takes (one past the last frame stored) and the stream sequence that frame must
 follow (so of two stages only one claims it). Another replica, or the restarted stage, prefills prompt +
-reply and sends frames from there: the client's reply goes on with nothing repeated or missing. Each
-move is a RequestMoved event; after ``MAX_MOVES`` the next loss fails the request as before.
-
-A request whose next tokens depend on more than prompt + reply (stop strings held back, a grammar's
-state, presence or frequency penalties over the reply, its prompt's logprobs) fails as before.
+reply and sends frames from there: the client's reply goes on with nothing repeated or missing. What the
+next tokens depend on besides prompt + reply is rebuilt there from the reply's ids (fellow.runtime.server
+.moved): the text held back while it may start a stop string, a grammar's state, the counts presence and
+frequency penalties take. Each move is a RequestMoved event; after ``MAX_MOVES`` the next loss fails the
+request as before, and so does a request that asked for its prompt's logprobs (they are sent once, first).
 """
 
 from __future__ import annotations
@@ -40,8 +40,6 @@ def unmovable(chat: ChatRequest | None) -> str:
         return "the gateway does not hold it"
     s = chat.sampling
     reasons = [why for why, on in (
-        ("its stop strings", chat.stop), ("its grammar", s.grammar),
-        ("its presence or frequency penalty", s.presence_penalty or s.frequency_penalty),
         ("its prompt's logprobs", s.prompt_logprobs is not None),
         (f"it moved {MAX_MOVES} times already", chat.resume is not None and chat.resume.moves >= MAX_MOVES)) if on]
     return reasons[0] if reasons else ""
@@ -83,8 +81,7 @@ def resume_of(chat: ChatRequest, frames: list[tuple[int, AnyFrame]]) -> Resume |
         return "its frames on the stream have a gap"
     if len(ids) >= chat.max_tokens:
         return "its reply has all its tokens"
-    held = next((i for i, text in enumerate(reversed(texts)) if text), len(texts))
-    return Resume(seq=seq, after=max(s for s, _ in frames), reply_ids=ids, held=held,
+    return Resume(seq=seq, after=max(s for s, _ in frames), reply_ids=ids, text_sent=sum(map(len, texts)),
                   moves=(chat.resume.moves if chat.resume else 0) + 1)
 
 

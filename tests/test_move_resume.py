@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import msgspec
+import torch
 
 from events import subjects
 from events.frames import DoneFrame, StartFrame, TokenFrame
 from events.moves import MAX_MOVES, Resume
 from events.requests import ChatMessage, ChatRequest, Sampling
-from fellow.runtime.engine.detokenizer import Detokenizer
+from fellow.runtime.engine.processors import processed
+from fellow.runtime.engine.serving_loop import Job, _Reply
+from fellow.runtime.engine.session import Session
 from fellow.runtime.server.moved import count_once, resumed
 from fellow.token_batcher import TokenBatcher
 from leader.moves import resume_of, unmovable
@@ -22,11 +25,11 @@ def tokens(seq: int, ids: list[int], texts: list[str]) -> TokenFrame:
     return TokenFrame(request_id="rq-m", seq=seq, texts=texts, token_ids=ids)
 
 
-def test_a_resume_holds_the_reply_so_far_and_the_tokens_whose_text_is_still_to_come():
+def test_a_resume_holds_the_reply_so_far_and_how_much_of_its_text_was_sent():
     frames = [(5, StartFrame(request_id="rq-m", seq=0, fellow_id="f0")), (6, tokens(1, [7, 8], ["a", "b"])),
               (9, tokens(2, [9, 10], ["c", ""])), (9, tokens(2, [9, 10], ["c", ""]))]
     resume = resume_of(CHAT, frames)
-    assert resume == Resume(seq=3, after=9, reply_ids=[7, 8, 9, 10], held=1, moves=1)
+    assert resume == Resume(seq=3, after=9, reply_ids=[7, 8, 9, 10], text_sent=3, moves=1)
     again = msgspec.structs.replace(CHAT, resume=resume)
     assert resume_of(again, frames).moves == 2
 
@@ -43,9 +46,9 @@ def test_a_request_ended_cut_short_or_done_does_not_move():
 def test_what_a_move_cannot_keep_is_named_and_moves_are_bounded():
     assert unmovable(CHAT) == ""
     assert unmovable(None) == "the gateway does not hold it"
-    assert unmovable(msgspec.structs.replace(CHAT, stop=["x"])) == "its stop strings"
-    assert unmovable(msgspec.structs.replace(CHAT, sampling=Sampling(grammar="g"))) == "its grammar"
-    assert unmovable(msgspec.structs.replace(CHAT, sampling=Sampling(presence_penalty=0.5))).startswith("its presence")
+    assert unmovable(msgspec.structs.replace(CHAT, stop=["x"], sampling=Sampling(
+        grammar="g", presence_penalty=0.5, frequency_penalty=0.5))) == ""  # rebuilt at the next stage
+    assert unmovable(msgspec.structs.replace(CHAT, sampling=Sampling(prompt_logprobs=1))) == "its prompt's logprobs"
     moved = msgspec.structs.replace(CHAT, resume=Resume(seq=3, after=9, reply_ids=[1], moves=MAX_MOVES))
     assert unmovable(moved) == f"it moved {MAX_MOVES} times already"
 
@@ -69,11 +72,46 @@ class Bytes:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
+def moved_reply(prompt: list[int], earlier: list[int], text_sent: int, stop: list[str]) -> _Reply:
+    """The next stage's reply state for a moved request whose ``earlier`` ids had ``text_sent`` chars out."""
+    return _Reply(Job("rq-m", prompt + earlier, 10, Sampling(), stop, len(earlier), text_sent), Bytes())
+
+
+def emitted(reply: _Reply, ids: list[int]) -> tuple[str, bool]:
+    out, hit = "", False
+    for token in ids:
+        text, hit = reply.feed(reply.detok.add(token))
+        out += text
+        if hit:
+            break
+    return out, hit
+
+
 def test_a_reply_cut_mid_character_goes_on_with_that_character_whole():
-    euro = list("€".encode())  # three bytes: the first two sent as "" texts before the move
-    detok = Detokenizer(Bytes(), [104, 105, *euro[:2]], held=2)
-    assert detok.add(euro[2]) == "€"
-    assert detok.add(33) == "!"
+    euro = list("€".encode())  # three bytes: the first two came as "" texts before the move
+    reply = moved_reply([104, 105], [97, *euro[:2]], 1, [])
+    assert reply.pending == "" and emitted(reply, [euro[2], 33]) == ("€!", False)
+
+
+def test_text_held_back_for_a_stop_string_is_held_again_after_a_move():
+    # "xab" came, "x" went out: "ab" may start the stop string "abc", so the client lacks it
+    earlier = list(b"xab")
+    reply = moved_reply([104, 105], earlier, 1, ["abc"])
+    assert reply.pending == "ab"
+    assert emitted(reply, list(b"c")) == ("", True)  # the stop string, whole across the move
+    again = moved_reply([104, 105], earlier, 1, ["abc"])
+    assert emitted(again, list(b"d!")) == ("abd!", False)  # not it: the held text comes out first
+
+
+def test_penalties_count_the_reply_made_before_the_move():
+    logits = torch.zeros(1, 8)
+    here = Session("s", [1, 2, 5, 5], 4, sampling=Sampling(presence_penalty=1.0, frequency_penalty=0.5),
+                   earlier_ids=[5, 5])
+    scores = processed(logits, [here])[0]
+    assert scores[5] == -2.0 and scores[1] == 0.0  # the prompt's own ids are not output
+    straight = Session("s", [1, 2], 4, sampling=here.sampling)
+    straight.output_ids = [5, 5]
+    assert torch.equal(processed(logits, [straight])[0], scores)
 
 
 async def test_only_one_stage_claims_a_moved_request_right_after_its_last_frame(nc, js):
@@ -113,7 +151,7 @@ def test_a_seeded_sampled_reply_goes_on_after_a_move_as_it_would_have():
         whole, _ = run(local_engine(stage, kv_tokens=4096), [Session("w", prompt, 40, params)])
         sent = whole["w"][:15]
         moved = msgspec.structs.replace(CHAT, sampling=params, max_tokens=40,
-                                        resume=Resume(seq=3, after=9, reply_ids=sent, held=0, moves=1))
+                                        resume=Resume(seq=3, after=9, reply_ids=sent, moves=1))
         req, ids = resumed(moved, list(prompt))
         assert ids == prompt + sent and req.sampling.drawn == 15 and req.max_tokens == 25
         rest, _ = run(local_engine(stage, kv_tokens=4096), [Session("m", ids, req.max_tokens, req.sampling)])

@@ -31,11 +31,11 @@ pytestmark = pytest.mark.slow
 BODY = chat("Tell me a long story", max_tokens=3000, temperature=0)
 
 
-async def streamed(http: httpx.AsyncClient, on_text=None) -> tuple[str, list[dict]]:
+async def streamed(http: httpx.AsyncClient, on_text=None, body: dict = BODY) -> tuple[str, list[dict]]:
     """(the reply's text, its chunks) of a streamed greedy chat with usage; ``on_text(request_id)`` is
     awaited once the first text came."""
     chunks, text = [], ""
-    body = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     async with http.stream("POST", "/v1/chat/completions", json=body) as r:
         async for line in r.aiter_lines():
             if not line.startswith("data: {"):
@@ -83,12 +83,22 @@ async def moves_of(js, request_id: str) -> RequestMoved:
     return evt
 
 
+def two_replicas(tmp_path, url: str, root) -> Stack:
+    """A stack of two fellows with tiny-a loaded on both (one replica each), autoload off."""
+    stack = Stack(tmp_path, url, root, fellows=2, SWARM_AUTOLOAD=0, SWARM_MODEL_IDLE_UNLOAD_S=0,
+                  OMP_NUM_THREADS=1).start()
+    try:
+        stack.load("tiny-a", replicas=2)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
 async def test_a_reply_goes_on_at_another_stage_when_its_stage_dies(tmp_path, nats_server, nc, servables):  # noqa: F811
-    stack = await asyncio.to_thread(lambda: Stack(tmp_path, nats_server.url, servables, fellows=2, SWARM_AUTOLOAD=0,
-                                                  SWARM_MODEL_IDLE_UNLOAD_S=0, OMP_NUM_THREADS=1).start())
+    stack = await asyncio.to_thread(two_replicas, tmp_path, nats_server.url, servables)
     js = nc.jetstream()
     try:
-        await asyncio.to_thread(stack.load, "tiny-a", replicas=2)
         async with httpx.AsyncClient(base_url=stack.url, timeout=180) as http:
             before, chunks = await streamed(http)
             ours = [chunks[0]["id"].removeprefix("chatcmpl-")]
@@ -143,5 +153,52 @@ async def test_a_reply_goes_on_at_another_stage_when_its_stage_dies(tmp_path, na
         per_fellow = await asyncio.to_thread(wait_until, lambda: (r := sorted(stack.sql(
             "SELECT fellow_id, count(*) FROM request_moves GROUP BY fellow_id"))) == expected and r, 30, "the moves")
         assert per_fellow == expected
+    finally:
+        await asyncio.to_thread(stack.stop)
+
+
+def usage_of(chunks: list[dict]) -> dict:
+    return {k: chunks[-1]["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
+async def test_stop_strings_penalties_and_a_grammar_go_on_at_the_next_stage(tmp_path, nats_server, nc,
+                                                                          servables):  # noqa: F811
+    """What a reply's next tokens depend on besides prompt + reply is rebuilt from the reply's ids at the next
+    stage: the text held back while it may start a stop string, the counts presence and frequency penalties
+    take over the reply, a grammar's state. Each reply, cut after its first text, equals the uninterrupted one."""
+    penalised = {**BODY, "presence_penalty": 0.4, "frequency_penalty": 0.3, "min_tokens": 2000}
+    schema = {"type": "array", "items": {"type": "integer"}, "minItems": 300, "maxItems": 300}
+    shaped = {**BODY, "response_format": {"type": "json_schema", "json_schema": {"name": "ints", "schema": schema}}}
+    stack = await asyncio.to_thread(two_replicas, tmp_path, nats_server.url, servables)
+    js = nc.jetstream()
+    try:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=180) as http:
+            free, chunks = await streamed(http, body=penalised)
+            assert usage_of(chunks)["completion_tokens"] >= 1000, usage_of(chunks)
+            # a stop string first found three quarters in: the cut comes long before it
+            at = next(i for i in range(len(free) * 3 // 4, len(free)) if free.find(free[i:i + 6]) == i)
+            stopped = {**penalised, "stop": [free[at:at + 6]]}
+            cases = [(stopped, *(await streamed(http, body=stopped))), (shaped, *(await streamed(http, body=shaped)))]
+            assert cases[0][1] == free[:at]
+            assert [c["choices"][0]["finish_reason"] for c in cases[0][2] if c["choices"]][-1] == "stop"
+            assert usage_of(cases[1][2])["completion_tokens"] >= 600, usage_of(cases[1][2])
+            for body, before, chunks in cases:
+                pids = await asyncio.to_thread(stage_pids, stack)  # every stage up (a killed one restarted)
+                victims: list[tuple[str, str]] = []
+
+                async def kill(rid: str) -> None:
+                    victims.append((rid, await kill_its_stage(js, pids, rid)))
+
+                text, moved_chunks = await streamed(http, kill, body=body)
+                assert not any("error" in c for c in moved_chunks), moved_chunks[-1]
+                assert text == before
+                assert usage_of(moved_chunks) == usage_of(chunks)
+                rid, victim = victims[0]
+                moved = await moves_of(js, rid)
+                assert moved.fellow_id == victim and 0 < moved.tokens < usage_of(chunks)["completion_tokens"]
+                row = await asyncio.to_thread(wait_until, lambda: (r := stack.sql(
+                    "SELECT status, completion_tokens FROM requests WHERE request_id = ?", rid))
+                    and r[0][0] != "accepted" and r, 30, "the row final")
+                assert row == [("finished", usage_of(chunks)["completion_tokens"])], row
     finally:
         await asyncio.to_thread(stack.stop)

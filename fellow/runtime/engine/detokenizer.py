@@ -11,12 +11,11 @@ class Detokenizer:
     """Decodes a growing id list a few tokens at a time (the vLLM / TGI offset scheme), so a
     multi-byte character split over tokens comes out whole, and spaces between tokens survive."""
 
-    def __init__(self, tokenizer, prompt_tail: list[int] | None = None, held: int = 0):
-        """``held``: the prompt's last ids whose text is still to come (a moved reply's, cut mid-character)."""
+    def __init__(self, tokenizer, prompt_tail: list[int] | None = None):
         self.tokenizer = tokenizer
-        self.ids: list[int] = list(prompt_tail or [])[-4 - held:]
+        self.ids: list[int] = list(prompt_tail or [])[-4:]
         self.prefix_offset = 0
-        self.read_offset = len(self.ids) - min(held, len(self.ids))
+        self.read_offset = len(self.ids)
         self.text = ""
 
     def add(self, token_id: int) -> str:

@@ -4,7 +4,7 @@ Processors, in vLLM's order: ``logit_bias`` is added to the logits; ``min_tokens
 end-of-turn ids until that many tokens came; ``repetition_penalty`` (vLLM's) divides the positive
 logits of every token in the prompt or the output so far and multiplies the negative ones;
 ``frequency_penalty`` and ``presence_penalty`` (OpenAI's) subtract ``count * frequency +
-(count > 0) * presence`` for every token of the output so far.
+(count > 0) * presence`` for every token of the output so far (a moved reply's ``earlier_ids`` included).
 
 Logprobs come from the distribution the sampler draws from before it truncates: the processed
 logits over the temperature (greedy rows: the processed logits as they are), log-softmaxed
@@ -81,8 +81,9 @@ def _process_row(scores: torch.Tensor, row) -> None:
         seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), device=device, dtype=torch.long)
         values = scores[seen]
         scores[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-    if (p.frequency_penalty or p.presence_penalty) and row.output_ids:
-        counts = torch.bincount(torch.tensor(row.output_ids, device=device), minlength=vocab)[:vocab].float()
+    output = [*getattr(row, "earlier_ids", ()), *row.output_ids]  # a moved reply's earlier ids count too
+    if (p.frequency_penalty or p.presence_penalty) and output:
+        counts = torch.bincount(torch.tensor(output, device=device), minlength=vocab)[:vocab].float()
         scores -= counts * p.frequency_penalty + (counts > 0).float() * p.presence_penalty
 
 

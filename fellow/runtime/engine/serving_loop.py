@@ -27,7 +27,13 @@ class Job:
     max_new_tokens: int
     sampling: Sampling
     stop: list[str] = field(default_factory=list)
-    held: int = 0  # the prompt's last ids whose text is still to come (a moved reply's: events.moves)
+    replayed: int = 0  # the prompt's last ids that are a moved reply's so far (events.moves)
+    text_sent: int = 0  # characters of their text the client has
+
+    @property
+    def earlier_ids(self) -> list[int]:
+        """The reply's ids an earlier stage made (a moved request's), which it goes on from."""
+        return self.prompt_ids[len(self.prompt_ids) - self.replayed:]
 
 
 @dataclass(frozen=True)
@@ -64,8 +70,11 @@ class _Reply:
 
     def __init__(self, job: Job, tokenizer):
         self.job = job
-        self.detok = Detokenizer(tokenizer, job.prompt_ids, job.held)
-        self.pending = ""
+        earlier = job.earlier_ids
+        self.detok = Detokenizer(tokenizer, job.prompt_ids[:len(job.prompt_ids) - len(earlier)])
+        # a moved reply: its ids replayed as they were made, and what of their text the client lacks is held
+        # back again (part of a character stays in the detokenizer, what may start a stop string is pending)
+        self.pending = "".join(self.detok.add(token) for token in earlier)[job.text_sent:]
         self.stopped = False
         self.logprobs_out = 0  # the session's logprobs already in an Output
         self.prompt_out = False  # its prompt's logprobs are in an Output
@@ -195,9 +204,10 @@ class ServingLoop:
     def _add(self, job: Job) -> None:
         try:
             session = Session(job.request_id, job.prompt_ids, job.max_new_tokens, sampling=job.sampling,
-                              stop_ids=self.stop_ids)
+                              stop_ids=self.stop_ids, earlier_ids=job.earlier_ids)
             if self.samples_here:
-                session.constraint = constraint_for(self.tokenizer, session.sampling.grammar, self.stop_ids)
+                session.constraint = constraint_for(self.tokenizer, session.sampling.grammar, self.stop_ids,
+                                                    job.earlier_ids)
         except Exception:
             self.engine.withdraw(job.request_id)
             raise

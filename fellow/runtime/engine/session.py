@@ -19,7 +19,8 @@ class Session:
 
     ``stop_ids`` are the end-of-turn ids (tokenizer and generation config). A stop id ends the
     session with finish_reason "stop" and is not part of ``output_ids``; stop strings are the
-    caller's to spot, and it ends the session with ``Scheduler.cancel(session_id, "stop")``.
+    caller's to spot, and it ends the session with ``Scheduler.cancel(session_id, "stop")``. A moved
+    request's reply so far ends its prompt and is its ``earlier_ids`` too: penalties count it as output.
     """
 
     session_id: str
@@ -27,6 +28,7 @@ class Session:
     max_new_tokens: int
     sampling: Sampling = field(default_factory=Sampling)
     stop_ids: frozenset[int] = frozenset()
+    earlier_ids: list[int] = field(default_factory=list)  # a moved reply's ids so far: the end of the prompt
 
     output_ids: list[int] = field(default_factory=list, init=False)
     finish_reason: str | None = field(default=None, init=False)

@@ -37,6 +37,7 @@ class _Ahead:
     prompt_ids: list[int]
     output_ids: list[int]
     stop_ids: frozenset[int]
+    earlier_ids: list[int]  # a moved reply's ids before this stage's (Session.earlier_ids)
 
 
 def verify_drafts(logits: torch.Tensor, drafts: list[int], row) -> list[tuple[int, tuple | None]]:
@@ -67,7 +68,8 @@ def _verify(logits: torch.Tensor, drafts: list[int], row) -> list[tuple[int, tup
         gained.append((best[len(drafts)], None))
         return gained
     for j in range(len(drafts) + 1):
-        ahead = row if j == 0 else _Ahead(params, row.prompt_ids, row.output_ids + drafts[:j], row.stop_ids)
+        ahead = row if j == 0 else _Ahead(params, row.prompt_ids, row.output_ids + drafts[:j], row.stop_ids,
+                                          getattr(row, "earlier_ids", []))
         scores = processed(logits[j : j + 1], [ahead])[0]
         if j == len(drafts):
             token = int(sample(scores[None], [params], [row.generator])[0])

@@ -182,8 +182,8 @@ class Intake:
         taken = self.active[req.request_id] = _Taken(batcher, time.monotonic(), bus_wait, sent=sent(req))
         # The prompt runs while the start frame is acked (its round trip is not in the time to first token);
         # what it yields is held until the claim stands, and dropped with the request if it does not.
-        self.serving.submit(Job(req.request_id, prompt_ids, max_tokens, sampling, list(req.stop),
-                                held=req.resume.held if req.resume else 0))
+        self.serving.submit(Job(req.request_id, prompt_ids, max_tokens, sampling, list(req.stop), sent(req),
+                                req.resume.text_sent if req.resume else 0))
         try:
             claimed = await batcher.start(self.fellow_id, self.cfg.replica, *start_at(req))  # our death fails it
         except Exception as exc:  # a bus timeout, say: the start frame may be stored or not
