@@ -137,3 +137,10 @@ def test_lora_bias_merges_into_the_base_bias_and_goes_to_peft_over_int8(tmp_path
         base = AutoModelForCausalLM.from_pretrained(str(hf)).eval()(input_ids=IDS).logits[0, -1]
     effect = float((base - expected[0, -1]).abs().max())
     assert float((logits["lean"] - expected[0, -1]).abs().max()) < effect / 4
+
+    # the spec's [stage0 lora-cost] over the stage that sent its lora_bias modules to PEFT: four ways, then as served
+    from fellow.runtime.model.load.kernels import lora_costs
+
+    costs = lora_costs(built["lean"])
+    assert list(costs) == ["peft_ms", "lean_ms", "lean16_ms", "off_ms"] and all(ms > 0 for ms in costs.values())
+    assert torch.equal(built["lean"].prefill(built["lean"].new_cache(), IDS[0]), logits["lean"])

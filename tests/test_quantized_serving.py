@@ -157,7 +157,7 @@ def test_a_fellow_serves_adapters_over_int8_weights_through_peft_when_asked(tmp_
         assert stage["weights"]["quantization"] == "int8"
         lora = stage["kernels"]["lora"]
         assert {k: lora[k] for k in ("mode", "modules")} == {"mode": "peft", "modules": 12}  # q, v, down x 4 layers
-        assert set(lora["step_ms"]) == {"peft_ms", "off_ms"}  # step costs on: the spec's [stage0 lora-cost]
+        assert set(lora["step_ms"]) == {"peft_ms", "lean_ms", "lean16_ms", "off_ms"}  # the spec's [stage0 lora-cost]
         assert stage["kernels"]["path"] == "hf"
         assert stage["kernels"]["compiled"]["asked"] == [1]
         assert stage["kernels"]["compiled"]["why"].startswith("its layers are not fused")

@@ -289,11 +289,17 @@ def test_serve_lora_modes_lean16_and_peft_serve_what_lean_does(tmp_path):
     assert stage_weights(built["peft"])[1] == params  # PEFT's adapter layers are not base parameters
 
     # the spec's [stageN lora-cost]: a step as served and with the adapters off, then back as they were
-    from fellow.runtime.model.load.kernels import adapters_off, lora_costs
+    from fellow.runtime.model.load.kernels import lora_costs
+    from fellow.runtime.model.quant.lora_modes import adapters_as, adapters_off
 
     for mode, stage in built.items():
-        costs = lora_costs(stage)
-        assert set(costs) == {f"{mode}_ms", "off_ms"} and all(ms > 0 for ms in costs.values())
+        costs = lora_costs(stage)  # every way side by side, whichever the stage serves
+        assert list(costs) == ["peft_ms", "lean_ms", "lean16_ms", "off_ms"] and all(ms > 0 for ms in costs.values())
+        assert torch.equal(stage.prefill(stage.new_cache(), IDS[0]), logits[mode])  # back as served
+        for other in ("lean", "lean16", "peft"):  # each way computes what a stage served so does
+            with adapters_as(stage, other):
+                got = stage.prefill(stage.new_cache(), IDS[0])
+            assert float((got - logits[other]).abs().max()) < (lean16_error * 4 if "lean16" in (mode, other) else 1e-4)
         with adapters_off(stage):
             off = stage.prefill(stage.new_cache(), IDS[0])
         assert float((off - logits[mode]).abs().max()) > effect / 4  # off means off
@@ -317,7 +323,12 @@ def test_dora_adapters_stay_apart_over_a_quantized_base_with_their_row_factor(tm
     leans = [m.linear for m in leans] + [getattr(f, a) for f in (stage.fused.layers if stage.fused else [])
                                          for a in ("qkv", "down") if isinstance(getattr(f, a), LeanLoRA)]
     assert leans and all(lean.rows_scale is not None for lean in leans)
-    error = float((stage.prefill(stage.new_cache(), IDS[0]) - tuned[0, -1]).abs().max())
+    served = stage.prefill(stage.new_cache(), IDS[0])
+    error = float((served - tuned[0, -1]).abs().max())
+    from fellow.runtime.model.load.kernels import lora_costs
+
+    assert all(ms > 0 for ms in lora_costs(stage).values())  # every way, DoRA's row factor kept lean
+    assert torch.equal(stage.prefill(stage.new_cache(), IDS[0]), served)
     for lean in leans:
         lean.rows_scale, lean.rows_shift = None, None
     without = float((stage.prefill(stage.new_cache(), IDS[0]) - tuned[0, -1]).abs().max())

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
 
 import torch
 
@@ -26,7 +25,7 @@ from fellow.runtime.model.kv_cache import random_caches
 from fellow.runtime.model.load.packed_linear import pack_stage
 from fellow.runtime.model.quant import int8_gemv
 from fellow.runtime.model.quant.linear import QUANT_KERNELS, QuantLinear, quant_kernel
-from fellow.runtime.model.quant.lora import LeanLoRA
+from fellow.runtime.model.quant.lora_modes import MODES, adapters_as
 from fellow.runtime.model.quant.quantizer import StageQuantizer
 
 log = logging.getLogger(__name__)
@@ -270,42 +269,13 @@ def step_costs(stage, batches: list[int], repeats: int = 3) -> dict[str, float]:
 @torch.inference_mode()
 def lora_costs(stage, repeats: int = 3) -> dict[str, float] | None:
     """The spec's ``[stageN lora-cost]``: ms of one decode step (batch 1) with the adapters a quantized
-    stage keeps apart, as it serves them (``<mode>_ms``), and with them switched off (``off_ms``). None
-    where it keeps none. The adapters are back in place when it returns."""
-    lora = stage.kernels.lora
-    if not lora:
+    stage keeps apart served each way side by side (``peft_ms``, ``lean_ms``, ``lean16_ms``) and with them
+    switched off (``off_ms``), over the same quantized weights (quant.lora_modes: the way the stage serves
+    them is its own step). None where it keeps none. The adapters are back in place when it returns."""
+    if not stage.kernels.lora:
         return None
-    served = step_costs(stage, [1], repeats)["1"]
-    with adapters_off(stage):
-        off = step_costs(stage, [1], repeats)["1"]
-    return {f"{lora['mode']}_ms": served, "off_ms": off}
-
-
-@contextmanager
-def adapters_off(stage):
-    """The stage's unmerged adapters switched off for a while: each LeanLoRA swapped for its base, each
-    PEFT layer's adapters disabled; all restored on exit."""
-    swapped: list[tuple[object, str, object]] = []
-    peft_layers = []
-    if stage.fused is not None:
-        for layer in stage.fused.layers:
-            for attr in ("qkv", "o", "gate_up", "down"):
-                if isinstance(getattr(layer, attr), LeanLoRA):
-                    swapped.append((layer, attr, getattr(layer, attr)))
-    for layer in stage.layers:
-        for module in layer.modules():
-            if isinstance(getattr(module, "linear", None), LeanLoRA):
-                swapped.append((module, "linear", module.linear))
-            elif hasattr(module, "enable_adapters") and hasattr(module, "lora_A"):  # PEFT's LoRA layer
-                peft_layers.append(module)
-    try:
-        for owner, attr, lean in swapped:
-            setattr(owner, attr, lean.base)
-        for module in peft_layers:
-            module.enable_adapters(False)
-        yield
-    finally:
-        for owner, attr, lean in swapped:
-            setattr(owner, attr, lean)
-        for module in peft_layers:
-            module.enable_adapters(True)
+    costs = {}
+    for mode in MODES:
+        with adapters_as(stage, mode):
+            costs[f"{mode}_ms"] = step_costs(stage, [1], repeats)["1"]
+    return costs
