@@ -32,8 +32,8 @@ class RequestMoved(Event, frozen=True, tag="request.moved"):
 
     request_id: str
     model_id: str
-    load_id: str
-    fellow_id: str  # the fellow whose stage died under it
+    load_id: str  # the load it goes on at: its own, or the one that heals its failed load
+    fellow_id: str  # the fellow whose stage died under it ("" where its load failed naming none)
     replica: int = 0
     seq: int = 0  # the frame the next stage starts at
     tokens: int = 0  # reply tokens sent before the move

@@ -83,6 +83,8 @@ class Leader:
         self.token_streams = await TokenStreams(self.nc, self.js, secret=self.frame_secret,
                                                 authority=self.projections.authority).start()
         self.token_streams.on_ended.append(self.serving.view.drop)  # a failed load takes no new request
+        if (healer := getattr(self.serving, "healer", None)) is not None:  # its requests wait for its heal
+            self.token_streams.heal_wait = healer.wait
         self.metrics = Metrics(self.js, self.sessions, self.fellows, relay=getattr(self.serving, "relay", None))
         await self.metrics.start()
         self.on_stop.append(self.metrics.stop)

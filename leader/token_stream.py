@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from typing import Awaitable, Callable
 
 import msgspec
 from nats.aio.client import Client
@@ -190,6 +190,7 @@ class TokenStreams:
         self._subs: list = []
         self._started: asyncio.Task | None = None
         self.mover = Mover(self)  # a started request of a lost replica goes on elsewhere
+        self.heal_wait: Callable[[str], Awaitable] | None = None  # a model's healed load (leader.serving.heal)
 
     def key(self, request_id: str) -> str:
         """The request's frame key (events.frames.frame_key); "" without a secret."""
@@ -258,8 +259,14 @@ class TokenStreams:
     def watch(self, stream: TokenStream) -> None:
         self._by_load.setdefault(stream.load_id, set()).add(stream)
         how = self._ended.get(stream.load_id)  # a request accepted from a view a moment old: its load ended
-        if how is not None:
+        if how is not None and not (isinstance(how, LoadFailed) and self.mover.rehome(stream, how)):
             stream.fail(ended(stream, how))
+
+    def rewatch(self, stream: TokenStream, load_id: str) -> None:
+        """The request goes on at another load (leader.moves: the one that heals its failed load)."""
+        self.unwatch(stream)
+        stream.load_id = load_id
+        self._by_load.setdefault(load_id, set()).add(stream)
 
     def unwatch(self, stream: TokenStream) -> None:
         waiting = self._by_load.get(stream.load_id)
@@ -274,7 +281,8 @@ class TokenStreams:
             return
         self._remember(evt)
         for stream in list(self._by_load.get(evt.load_id, ())):
-            stream.fail(load_failed(stream, evt))
+            if not self.mover.rehome(stream, evt):  # it waits for the load that heals this one, or fails
+                stream.fail(load_failed(stream, evt))
 
     async def _on_unloaded(self, msg) -> None:
         evt = await self._event(msg)

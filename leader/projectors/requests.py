@@ -67,6 +67,9 @@ class RequestsProjector(Projector):
                 if await session.get(RequestMove, (evt.request_id, evt.moves)) is None:
                     session.add(RequestMove(request_id=evt.request_id, move=evt.moves, fellow_id=evt.fellow_id,
                                             load_id=evt.load_id, seq=evt.seq, tokens=evt.tokens, at=evt.at))
+                row = await session.get(Request, evt.request_id)
+                if row is not None and row.status in OPEN:  # it goes on at that load (a failed one's heal)
+                    row.load_id = evt.load_id
 
     async def _row(self, session: AsyncSession, request_id: str, model_id: str, load_id: str,
                    at: float) -> Request:

@@ -20,6 +20,7 @@ class ReadyLoad(msgspec.Struct, frozen=True, kw_only=True):
     context_tokens: int
     kv_tokens: int = 0
     model_dir: str = ""  # the servable's folder (its tokenizer, for /tokenize and completions)
+    stages: int = 1  # a ring's stages (leader.moves: what a request moved onto it can keep)
 
 
 class ReadyView:
@@ -51,7 +52,7 @@ class ReadyView:
             ready[model.model_id] = ReadyLoad(
                 load_id=load.load_id, model_id=model.model_id, generation=msgspec.to_builtins(gen),
                 context_tokens=kv or self.settings.serving.context_tokens, kv_tokens=kv,
-                model_dir=str(model.path))
+                model_dir=str(model.path), stages=load.num_stages or 1)
         self.loads = ready
 
     def drop(self, load_id: str) -> None:

@@ -134,7 +134,9 @@ class RingHeadServer(StageServer):
             log.warning("dropped a message on %s that is not an event: %s", msg.subject, type(exc).__name__)
             return
         if isinstance(evt, LoadFailed) and evt.load_id == self.load_id:
-            log.warning("load failed (%s): failing every request in the ring", evt.reason)
+            log.warning("load failed (%s): its requests are the gateway's to move or fail", evt.reason)
+            if self.intake is not None:  # before the ring's sessions fail here, so nothing of theirs goes out
+                self.intake.let_go()
             self.runner.fail_all(f"the ring serving this model failed: {evt.reason}", evt.code or "ring_failed")
 
     async def _on_stage_event(self, msg) -> None:

@@ -298,6 +298,12 @@ class Intake:
             log.exception("request event for %s not published", out.request_id,
                           extra=for_request(out.request_id))
 
+    def let_go(self) -> None:
+        """The load failed: the requests in flight end here with no frame and no event, for the gateway to
+        move to the load that heals it (leader.moves) or to fail itself; their frames so far stay."""
+        for rid in list(self.active):
+            self._drop(rid)
+
     async def shutdown(self) -> None:
         """The requests in flight fail (the model is going); every request event is out before it returns."""
         self.stop()
