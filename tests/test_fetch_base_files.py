@@ -34,21 +34,34 @@ BASE = "org/sharded-base"
 @pytest.fixture(scope="module")
 def leader(tmp_path_factory):
     root = tmp_path_factory.mktemp("basefiles")
-    hf, lora, expected = tiny_lora(root)
-    leader_cache = root / "leader-cache"
-    sharded = leader_cache / BASE
-    # the same weights in several shards, a layer over two or three of them (the embeddings alone in one)
-    AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).save_pretrained(str(sharded),
-                                                                                       max_shard_size="64KB")
-    for f in hf.iterdir():
-        if not (sharded / f.name).exists() and f.suffix != ".safetensors":
-            shutil.copy(f, sharded / f.name)
-    export(hf, root / "servables" / "tuned", stages=2, adapters=lora, base_id=BASE, model_id="tuned")
+    sharded, (_, _, expected) = tuned_over_sharded_base(root)
     nats = EmbeddedNats(root / "js").start()
-    stack = Stack(root, nats.url, root / "servables", fellows=0, SWARM_FELLOW_MODEL_CACHE=leader_cache).start()
+    stack = Stack(root, nats.url, root / "servables", fellows=0,
+                  SWARM_FELLOW_MODEL_CACHE=sharded.parent.parent).start()
     yield stack, root, sharded, expected
     stack.stop()
     nats.stop()
+
+
+def tuned_over_sharded_base(root: Path) -> tuple[Path, tuple]:
+    """(the base, tiny_lora's (checkpoint, adapters, logits)): tiny_lora's base saved again at
+    ``root/leader-cache/BASE`` in several shards, a layer over two or three of them (the embeddings alone in
+    one), and its adapters exported over it as the 2-stage servable ``root/servables/tuned``."""
+    hf, lora, expected = tiny_lora(root)
+    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32)
+    sharded = save_beside(model, hf, root / "leader-cache" / BASE, max_shard_size="64KB")
+    export(hf, root / "servables" / "tuned", stages=2, adapters=lora, base_id=BASE, model_id="tuned")
+    return sharded, (hf, lora, expected)
+
+
+def save_beside(model, hf: Path, out: Path, **save) -> Path:
+    """``model`` saved at ``out`` (``save``: save_pretrained's options) with the weight-free files of ``hf``
+    (its tokenizer) it did not write."""
+    model.save_pretrained(str(out), **save)
+    for f in hf.iterdir():
+        if not (out / f.name).exists() and f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    return out
 
 
 def fellow_settings(root: Path, stack: Stack, name: str):
