@@ -91,10 +91,11 @@ def stack_serving(root: Path, servables: Path, *model_ids: str, env: dict | None
 
 
 def secured_processes(root: Path, auth, nats_url: str, servables: Path, fellow_ids: list[str],
-                      manages_nats: bool = False):
+                      manages_nats: bool = False, **settings):
     """(leader, fellows) as real processes, each logged in to NATS as its own user (core.nats_auth `auth`),
     started, healthy and online; stop them with `stop_all`. `manages_nats`: the leader keeps the request
-    grants of that server (SWARM_NATS_AUTH_DIR; its nats-server writes its pid to `auth.pid_file`)."""
+    grants of that server (SWARM_NATS_AUTH_DIR; its nats-server writes its pid to `auth.pid_file`).
+    ``settings``: more SWARM_* variables for every process."""
     from core.nats_auth import LEADER_USER, fellow_user
 
     db = f"sqlite+aiosqlite:///{root / 'swarm.db'}"
@@ -102,7 +103,7 @@ def secured_processes(root: Path, auth, nats_url: str, servables: Path, fellow_i
 
     def env(user: str, **extra) -> dict:
         return swarm_env(root, nats_url, db, port=port, SWARM_SERVABLE_MODELS_ROOT=servables, OMP_NUM_THREADS=1,
-                         **auth.credentials(user).env(), **extra)
+                         **auth.credentials(user).env(), **settings, **extra)
 
     leader = SwarmProcess(["leader"], env(LEADER_USER, **({"SWARM_NATS_AUTH_DIR": auth.path} if manages_nats else {})),
                           root / "leader.log")
