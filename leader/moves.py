@@ -123,7 +123,9 @@ class Mover:
         False where it cannot wait (nothing heals here, or it cannot move): it fails with its load."""
         if self.hub.heal_wait is None or unmovable(stream.chat):
             return False
-        self.hub.spawn(self._rehome(stream, evt))
+        if not stream.rehoming:  # once, however many copies of the failure come (the leader's, a fellow's)
+            stream.rehoming = True
+            self.hub.spawn(self._rehome(stream, evt))
         return True
 
     @staticmethod
@@ -133,14 +135,20 @@ class Mover:
     async def _rehome(self, stream, evt: LoadFailed) -> None:
         verdict, why = load_failed(stream, evt), "no load heals it"
         try:
-            ready = await self.hub.heal_wait(evt.model_id)
-        except ApiError as exc:  # past the bound of a heal's wait
-            ready, why = None, exc.detail
-        if ready is None or ready.load_id == evt.load_id:
-            self._fail(stream, verdict, why)
-            return
-        log.info("request %s of failed load %s goes on at %s", stream.request_id, evt.load_id, ready.load_id)
-        await self._move(stream, verdict, ready.load_id, ready.stages, evt.fellow_id, evt.reason)
+            try:
+                ready = await self.hub.heal_wait(evt.model_id)
+            except ApiError as exc:  # past the bound of a heal's wait
+                ready, why = None, exc.detail
+            except Exception as exc:  # the database, say: the request fails rather than waits for nothing
+                log.warning("waiting for the heal of load %s failed: %s", evt.load_id, exc)
+                ready, why = None, exc
+            if ready is None or ready.load_id == evt.load_id:
+                self._fail(stream, verdict, why)
+                return
+            log.info("request %s of failed load %s goes on at %s", stream.request_id, evt.load_id, ready.load_id)
+            await self._move(stream, verdict, ready.load_id, ready.stages, evt.fellow_id, evt.reason)
+        finally:
+            stream.rehoming = False
 
     async def _move(self, stream, verdict: ErrorFrame, load_id: str, stages: int, fellow_id: str, reason: str,
                     replica: int = 0) -> None:

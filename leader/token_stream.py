@@ -62,6 +62,7 @@ class TokenStream:
         self.replica: int | None = None  # which replica took the request, once its start frame came
         self.fellow_id = ""
         self.chat: ChatRequest | None = None  # as published, where the gateway can move it (leader.moves)
+        self.rehoming = False  # its load failed and it waits for the heal (leader.moves.Mover.rehome)
         self.key = hub.key(request_id)
         self._held: dict[int, AnyFrame] = {}
         self._queue: asyncio.Queue[AnyFrame | None] = asyncio.Queue()
